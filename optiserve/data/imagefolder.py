@@ -1,0 +1,63 @@
+"""A user's own images in torchvision's ImageFolder layout: PATH/CLASS/IMAGE (or PATH/{train,val,test}/CLASS/IMAGE)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from torch.utils.data import Subset
+from torchvision import datasets, transforms
+
+from optiserve.data.splits import DatasetSplits, stratified_split
+from optiserve.errors import UserError
+from optiserve.models.registry import InputSpec
+
+
+def eval_transform(spec: InputSpec) -> transforms.Compose:
+    """Resize the short side to 256/224 of the input size, center-crop, normalize (the torchvision recipe)."""
+    h, w = spec.size
+    steps = [transforms.Grayscale()] if spec.channels == 1 else [transforms.Lambda(lambda im: im.convert("RGB"))]
+    steps += [transforms.Resize(int(round(max(h, w) * 256 / 224))), transforms.CenterCrop((h, w)),
+              transforms.ToTensor(), transforms.Normalize(spec.mean, spec.std)]
+    return transforms.Compose(steps)
+
+
+def train_transform(spec: InputSpec) -> transforms.Compose:
+    steps = [transforms.Grayscale()] if spec.channels == 1 else [transforms.Lambda(lambda im: im.convert("RGB"))]
+    steps += [transforms.RandomResizedCrop(spec.size), transforms.RandomHorizontalFlip(),
+              transforms.ToTensor(), transforms.Normalize(spec.mean, spec.std)]
+    return transforms.Compose(steps)
+
+
+def _folder(path: Path, transform) -> datasets.ImageFolder:
+    try:
+        return datasets.ImageFolder(str(path), transform=transform)
+    except (FileNotFoundError, RuntimeError) as e:
+        raise UserError(f"image folder {path} holds no images in class subfolders "
+                        f"(expected {path}/CLASS/IMAGE.jpg): {str(e).splitlines()[0]}") from None
+
+
+def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0) -> DatasetSplits:
+    """Use PATH/train, PATH/val and PATH/test when present; otherwise split PATH deterministically, stratified."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise UserError(f"dataset path {root} does not exist or is not a folder (use imagefolder:PATH/TO/IMAGES)")
+    if (root / "train").is_dir() and ((root / "val").is_dir() or (root / "test").is_dir()):
+        train = _folder(root / "train", train_transform(spec))
+        test_dir = root / "test" if (root / "test").is_dir() else root / "val"
+        val_dir = root / "val" if (root / "val").is_dir() else root / "test"
+        val, test = _folder(val_dir, eval_transform(spec)), _folder(test_dir, eval_transform(spec))
+        if val.classes != train.classes or test.classes != train.classes:
+            raise UserError(f"{root}: train, val and test folders must hold the same class subfolders")
+        classes = train.classes
+    else:
+        full_eval = _folder(root, eval_transform(spec))
+        full_train = _folder(root, train_transform(spec))
+        targets = np.asarray(full_eval.targets)
+        if np.bincount(targets).min() < 5:
+            raise UserError(f"{root}: every class needs at least 5 images to split into train/val/test")
+        tr, va, te = stratified_split(targets, seed)
+        train, val, test = Subset(full_train, tr), Subset(full_eval, va), Subset(full_eval, te)
+        classes = full_eval.classes
+    return DatasetSplits(f"imagefolder:{root}", train, val, test, list(classes), spec, in_memory=False)
+

@@ -1,0 +1,64 @@
+"""What every dataset provides: train/val/test splits, class names and the input spec they are prepared for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from sklearn.model_selection import train_test_split
+from torch.utils.data import Dataset
+
+from optiserve.models.registry import InputSpec
+
+SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # train / val / test
+
+
+@dataclass
+class DatasetSplits:
+    """Three disjoint splits. Calibration draws from `train`, accuracy checks use `test`, never the same images."""
+
+    name: str
+    train: Dataset
+    val: Dataset
+    test: Dataset
+    classes: list[str]
+    input: InputSpec
+    labelled: bool = True    # False: labels are placeholders, accuracy cannot be measured
+    in_memory: bool = True   # True: samples are tensors already, DataLoader workers would only add IPC
+
+
+def stratified_split(labels: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Deterministic stratified train/val/test indices in SPLIT_FRACTIONS proportions."""
+    idx = np.arange(len(labels))
+    train_f, val_f, test_f = SPLIT_FRACTIONS
+    rest, test = train_test_split(idx, test_size=test_f, stratify=labels, random_state=seed)
+    train, val = train_test_split(rest, test_size=val_f / (train_f + val_f), stratify=labels[rest],
+                                  random_state=seed)
+    return np.sort(train), np.sort(val), np.sort(test)
+
+
+class TensorImageDataset(Dataset):
+    """Images held as a [N, C, H, W] float tensor in [0, 1]; normalizes on access, optionally shifts by a pixel.
+
+    The shift (random translation by up to `shift` pixels, zero background) draws from torch's
+    global RNG, so restoring that RNG on resume replays the same augmentation.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, spec: InputSpec, shift: int = 0):
+        self.images, self.labels, self.shift = images, labels, shift
+        self.mean = torch.tensor(spec.mean).view(-1, 1, 1)
+        self.std = torch.tensor(spec.std).view(-1, 1, 1)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        img = self.images[i]
+        if self.shift:
+            s = self.shift
+            dy, dx = torch.randint(-s, s + 1, (2,)).tolist()
+            padded = torch.nn.functional.pad(img, (s, s, s, s))
+            h, w = img.shape[-2:]
+            img = padded[:, s + dy:s + dy + h, s + dx:s + dx + w]
+        return (img - self.mean) / self.std, self.labels[i]

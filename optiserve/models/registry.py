@@ -1,0 +1,94 @@
+"""Model registry: name -> builder, native input spec, class count and default weights.
+
+Adding a model is one `register_model` call; everything else (training, weights loading,
+the optimizer) looks models up here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch import nn
+
+from optiserve.errors import UserError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What one input image looks like to the model: shape [C, H, W] and per-channel normalization."""
+
+    shape: tuple[int, int, int]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __post_init__(self):
+        c = self.shape[0]
+        if len(self.shape) != 3 or len(self.mean) != c or len(self.std) != c:
+            raise ValueError(f"input spec needs shape [C, H, W] with C means and stds, got {self}")
+
+    @property
+    def channels(self) -> int:
+        return self.shape[0]
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.shape[1], self.shape[2]
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "mean": list(self.mean), "std": list(self.std)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "InputSpec":
+        return cls(tuple(int(v) for v in d["shape"]), tuple(float(v) for v in d["mean"]),
+                   tuple(float(v) for v in d["std"]))
+
+
+Builder = Callable[[int, InputSpec], nn.Module]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A registered model. `build(num_classes, input_spec)` returns an nn.Module for that input."""
+
+    name: str
+    build: Builder
+    input: InputSpec
+    num_classes: int
+    default_weights: str = "random"
+    imagenet_weights: str | None = None  # torchvision weights enum, e.g. "ResNet18_Weights.IMAGENET1K_V1"
+    description: str = ""
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+
+_REGISTRY: dict[str, ModelEntry] = {}
+
+
+def register_model(entry: ModelEntry) -> ModelEntry:
+    if entry.name in _REGISTRY:
+        raise ValueError(f"model {entry.name!r} is already registered")
+    _REGISTRY[entry.name] = entry
+    return entry
+
+
+def list_models() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_model_entry(name: str) -> ModelEntry:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UserError(f"unknown model {name!r}; available: {', '.join(list_models())}") from None
+
+
+def create_model(name: str, num_classes: int | None = None, input_spec: InputSpec | None = None) -> nn.Module:
+    """Build model `name` (random init) for `num_classes` classes and images of `input_spec`.
+
+    Both default to the model's native ones (ImageNet, 224x224 for the torchvision models).
+    """
+    entry = get_model_entry(name)
+    return entry.build(num_classes or entry.num_classes, input_spec or entry.input)

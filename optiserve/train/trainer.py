@@ -1,0 +1,280 @@
+"""Data-parallel training loop: one process per device, DDP for gradients, rank 0 logs and checkpoints."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DistributedSampler, Subset
+from tqdm import tqdm
+
+import optiserve
+from optiserve.checkpoint import read_checkpoint, save_checkpoint
+from optiserve.data import DatasetSplits, default_workers, load_dataset, make_loader
+from optiserve.errors import UserError
+from optiserve.models import create_model, get_model_entry
+from optiserve.train.distributed import (DistContext, all_gather_objects, all_reduce_sum, cleanup_distributed,
+                                         launched_world_size, setup_distributed, wrap_ddp)
+from optiserve.train.schedule import scaled_lr, warmup_cosine
+
+# Options that change the optimization itself: a resumed run must keep them to continue exactly.
+RESUME_LOCKED = ("model", "dataset", "epochs", "batch_size", "lr", "momentum", "weight_decay",
+                 "warmup_epochs", "seed", "amp")
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    dataset: str = "digits"
+    epochs: int = 15
+    batch_size: int = 64          # per process; the global batch is batch_size x world size
+    lr: float = 0.4               # for a global batch of 256, scaled linearly to the real one
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    warmup_epochs: float = 2.0
+    seed: int = 0
+    workers: int | None = None    # None: 0 for in-memory datasets, up to 4 for image folders
+    amp: str = "auto"             # auto | bf16 | fp16 | off  (auto: bf16/fp16 on CUDA, off on CPU)
+    sync_bn: bool = False         # SyncBatchNorm across processes (CUDA only)
+    device: str = "auto"
+    out: str | None = None        # default checkpoints/MODEL-DATASET.pt
+    resume: str | None = None
+    progress: bool = True
+
+    def validate(self) -> None:
+        get_model_entry(self.model)
+        for name, value, low in (("epochs", self.epochs, 1), ("batch-size", self.batch_size, 1)):
+            if value < low:
+                raise UserError(f"--{name} must be at least {low}, got {value}")
+        if self.lr <= 0:
+            raise UserError(f"--lr must be positive, got {self.lr}")
+        if self.amp not in ("auto", "bf16", "fp16", "off"):
+            raise UserError(f"unknown --amp {self.amp!r}; use auto, bf16, fp16 or off")
+
+    @property
+    def out_path(self) -> Path:
+        default = Path("checkpoints") / f"{self.model}-{self.dataset.split(':')[0]}.pt"
+        return Path(self.out or self.resume or default)
+
+
+def resume_config(cfg: TrainConfig, explicit: set[str]) -> tuple[TrainConfig, dict]:
+    """Take the optimization settings from the checkpoint; an explicit different value is an error."""
+    ckpt = read_checkpoint(cfg.resume)
+    if "optimizer" not in ckpt or "config" not in ckpt:
+        raise UserError(f"{cfg.resume} is a final export without optimizer state; it cannot be resumed")
+    saved = ckpt["config"]
+    for key in RESUME_LOCKED:
+        if key in explicit and getattr(cfg, key) != saved[key]:
+            raise UserError(f"--resume: the checkpoint was trained with {key}={saved[key]!r}, not "
+                            f"{getattr(cfg, key)!r}; drop the option to continue the same run")
+        setattr(cfg, key, saved[key])
+    world = launched_world_size()
+    if ckpt["world_size"] != world:
+        raise UserError(f"world size mismatch: {cfg.resume} was written by {ckpt['world_size']} process(es), "
+                        f"this run has {world}; resume with the same torchrun --nproc_per_node/--nnodes")
+    return cfg, ckpt
+
+
+def amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return None
+    if mode == "fp16" and device.type != "cuda":
+        raise UserError("--amp fp16 needs a CUDA device; use --amp bf16 or off on the CPU")
+    if mode == "auto":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if mode == "bf16" else torch.float16
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, world_size: int, steps_per_epoch: int):
+    """SGD with momentum at the linearly scaled rate; no weight decay on biases and norm parameters."""
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    lr = scaled_lr(cfg.lr, cfg.batch_size * world_size)
+    optimizer = torch.optim.SGD([{"params": decay, "weight_decay": cfg.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=lr, momentum=cfg.momentum)
+    total = cfg.epochs * steps_per_epoch
+    scheduler = warmup_cosine(optimizer, total, int(round(cfg.warmup_epochs * steps_per_epoch)))
+    return optimizer, scheduler, lr
+
+
+def train_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, optimizer, scaler,
+               dtype: torch.dtype | None) -> torch.Tensor:
+    """One optimization step; returns the loss as a tensor on the device (no host sync)."""
+    with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
+        loss = nn.functional.cross_entropy(model(images), labels)
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.detach()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset, ctx: DistContext, batch_size: int, workers: int,
+             dtype: torch.dtype | None) -> float:
+    """Top-1 accuracy over the whole dataset, each rank scoring every world_size-th image."""
+    shard = Subset(dataset, range(ctx.rank, len(dataset), ctx.world_size))
+    loader = make_loader(shard, batch_size, ctx.device, workers=workers)
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.long, device=ctx.device)
+    for images, labels in loader:
+        images = images.to(ctx.device, non_blocking=True)
+        labels = labels.to(ctx.device, non_blocking=True)
+        with torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None):
+            logits = model(images)
+        counts[0] += (logits.argmax(1) == labels).sum()
+        counts[1] += labels.numel()
+    all_reduce_sum(counts)
+    correct, total = counts.tolist()
+    return correct / max(1, total)
+
+
+def _bar_disabled(ctx: DistContext, cfg: TrainConfig) -> bool | None:
+    """Rank 0 alone shows the bar; tqdm's None hides it when stderr is not a terminal (CI logs)."""
+    return True if not (ctx.is_main and cfg.progress) else None
+
+
+def _rng_state(device: torch.device) -> dict:
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def train(cfg: TrainConfig, explicit: set[str] = frozenset()) -> dict | None:
+    """Train `cfg.model` on `cfg.dataset`; returns the final checkpoint dict on rank 0 (None elsewhere)."""
+    cfg.validate()
+    resumed = None
+    if cfg.resume:
+        cfg, resumed = resume_config(cfg, set(explicit))
+    entry = get_model_entry(cfg.model)
+    data = load_dataset(cfg.dataset, entry.input, entry.num_classes, seed=cfg.seed)
+    if not data.labelled:
+        raise UserError(f"dataset {cfg.dataset!r} has no labels to train on; use digits or imagefolder:PATH")
+    ctx = setup_distributed(cfg.device)
+    try:
+        return _train(cfg, ctx, data, resumed)
+    finally:
+        cleanup_distributed()
+
+
+def _train(cfg: TrainConfig, ctx: DistContext, data: DatasetSplits, resumed: dict | None) -> dict | None:
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    dtype = amp_dtype(cfg.amp, ctx.device)
+    workers = default_workers(data.in_memory) if cfg.workers is None else cfg.workers
+    model = create_model(cfg.model, len(data.classes), data.input).to(ctx.device)
+    if cfg.sync_bn:
+        if ctx.device.type != "cuda":
+            raise UserError("--sync-bn needs CUDA (SyncBatchNorm has no CPU kernel); drop it on the CPU")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if ctx.device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+
+    sampler = DistributedSampler(data.train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
+                                 seed=cfg.seed, drop_last=True)
+    loader = make_loader(data.train, cfg.batch_size, ctx.device, workers=workers, sampler=sampler, drop_last=True)
+    if len(loader) == 0:
+        raise UserError(f"--batch-size {cfg.batch_size} x {ctx.world_size} process(es) is larger than the "
+                        f"training split ({len(data.train)} images); use a smaller batch")
+    optimizer, scheduler, lr = build_optimizer(model, cfg, ctx.world_size, len(loader))
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)
+    start_epoch, history = 0, []
+    if resumed is not None:
+        model.load_state_dict(resumed["state_dict"])
+        optimizer.load_state_dict(resumed["optimizer"])
+        scheduler.load_state_dict(resumed["scheduler"])
+        if resumed.get("scaler"):
+            scaler.load_state_dict(resumed["scaler"])
+        start_epoch, history = resumed["epoch"], list(resumed["history"])
+        _set_rng_state(resumed["rng"][ctx.rank], ctx.device)
+    ddp_model = wrap_ddp(model, ctx)
+
+    global_batch = cfg.batch_size * ctx.world_size
+    log = tqdm.write if ctx.is_main else (lambda *a, **k: None)
+    if ctx.is_main:
+        verb = f"resuming at epoch {start_epoch + 1}" if resumed else "training"
+        log(f"{verb} {cfg.model} on {data.name} ({len(data.train)} train / {len(data.val)} val / "
+            f"{len(data.test)} test images, input {list(data.input.shape)}) on {ctx.world_size} x "
+            f"{ctx.device.type}, global batch {global_batch}, lr {lr:.4g}, amp {dtype or 'off'}")
+
+    val_top1 = history[-1]["val_top1"] if history else None
+    for epoch in range(start_epoch, cfg.epochs):
+        sampler.set_epoch(epoch)
+        ddp_model.train()
+        loss_sum = torch.zeros((), device=ctx.device)
+        bar = tqdm(total=len(loader) * global_batch, unit="img", unit_scale=True, leave=False, file=sys.stderr,
+                   desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=_bar_disabled(ctx, cfg),
+                   mininterval=0.5, dynamic_ncols=True)
+        t0 = time.perf_counter()
+        for step, (images, labels) in enumerate(loader):
+            images = images.to(ctx.device, non_blocking=True)
+            labels = labels.to(ctx.device, non_blocking=True)
+            if ctx.device.type == "cuda":
+                images = images.contiguous(memory_format=torch.channels_last)
+            loss = train_step(ddp_model, images, labels, optimizer, scaler, dtype)
+            scheduler.step()
+            loss_sum += loss
+            if not bar.disable:
+                bar.update(global_batch)
+                if step % 10 == 0:
+                    bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        seconds = time.perf_counter() - t0
+        bar.close()
+        mean_loss = all_reduce_sum(loss_sum).item() / (len(loader) * ctx.world_size)
+        val_top1 = evaluate(model, data.val, ctx, 2 * cfg.batch_size, workers, dtype)
+        ips = len(loader) * global_batch / seconds
+        history.append({"epoch": epoch + 1, "loss": mean_loss, "val_top1": val_top1,
+                        "images_per_s": ips, "seconds": seconds})
+        log(f"epoch {epoch + 1}/{cfg.epochs}  loss {mean_loss:.4f}  val top-1 {val_top1:.2%}  "
+            f"{ips:,.0f} img/s")
+        ckpt = _checkpoint(cfg, ctx, data, model, optimizer, scheduler, scaler, epoch + 1, history,
+                           {"val_top1": val_top1, "test_top1": None})
+        if ctx.is_main:
+            save_checkpoint(ckpt, cfg.out_path)
+
+    test_top1 = evaluate(model, data.test, ctx, 2 * cfg.batch_size, workers, dtype)
+    final = _checkpoint(cfg, ctx, data, model, optimizer, scheduler, scaler, cfg.epochs, history,
+                        {"val_top1": val_top1, "test_top1": test_top1})
+    if not ctx.is_main:
+        return None
+    final["complete"] = True
+    save_checkpoint(final, cfg.out_path)
+    log(f"test top-1 {test_top1:.2%}; checkpoint written to {cfg.out_path}")
+    return final
+
+
+def _checkpoint(cfg, ctx, data, model, optimizer, scheduler, scaler, epoch, history, metrics) -> dict:
+    """The checkpoint dict (every rank calls this: the RNG states are gathered from all of them)."""
+    rng = all_gather_objects(_rng_state(ctx.device), ctx)
+    if not ctx.is_main:
+        return {}
+    config = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    return {
+        "format": "optiserve.checkpoint/1",
+        "model": cfg.model,
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "dataset": cfg.dataset,
+        "classes": list(data.classes),
+        "input": data.input.to_dict(),
+        "metrics": metrics,
+        "epoch": epoch,
+        "complete": False,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        "rng": rng,
+        "config": config,
+        "world_size": ctx.world_size,
+        "history": history,
+        "versions": {"optiserve": optiserve.__version__, "torch": str(torch.__version__)},
+    }

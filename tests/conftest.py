@@ -1,0 +1,29 @@
+"""Shared fixtures: real data (scikit-learn's digits) and a small model trained on it once per session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from optiserve.train import TrainConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python -m optiserve ARGS` as a user would, capturing its output."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "optiserve", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=ROOT)
+
+
+@pytest.fixture(scope="session")
+def small_cnn_checkpoint(tmp_path_factory) -> Path:
+    """small_cnn trained on digits for a few epochs (seconds), written by the real training code."""
+    out = tmp_path_factory.mktemp("ckpt") / "small_cnn-digits.pt"
+    train(TrainConfig(model="small_cnn", dataset="digits", epochs=4, out=str(out), progress=False))
+    return out

@@ -1,0 +1,74 @@
+"""Datasets: the bundled digits, image folders and synthetic tensors."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from sklearn.datasets import load_digits
+
+from optiserve.data import load_dataset
+from optiserve.data.splits import stratified_split
+from optiserve.errors import UserError
+from optiserve.models import get_model_entry
+from optiserve.models.registry import InputSpec
+
+IMAGENET_INPUT = get_model_entry("resnet18").input
+
+
+def test_digits_splits_are_disjoint_stratified_and_deterministic():
+    labels = load_digits().target
+    train, val, test = stratified_split(labels, seed=0)
+    assert len(train) + len(val) + len(test) == len(labels) == 1797
+    assert not (set(train) & set(test)) and not (set(train) & set(val)) and not (set(val) & set(test))
+    for split in (train, val, test):  # every class keeps its share (within one image)
+        share = np.bincount(labels[split], minlength=10) / len(split)
+        assert np.abs(share - np.bincount(labels) / len(labels)).max() < 0.01
+    again = stratified_split(labels, seed=0)
+    assert all((a == b).all() for a, b in zip((train, val, test), again))
+
+
+def test_digits_are_16x16_grayscale_normalized_with_train_statistics():
+    data = load_dataset("digits", IMAGENET_INPUT, 1000)
+    assert data.input.shape == (1, 16, 16) and data.classes == [str(i) for i in range(10)]
+    assert (len(data.train), len(data.val), len(data.test)) == (1257, 180, 360)
+    images = torch.stack([data.val[i][0] for i in range(len(data.val))])
+    assert images.shape == (180, 1, 16, 16)
+    assert abs(images.mean().item()) < 0.15 and 0.85 < images.std().item() < 1.15
+    again = load_dataset("digits", IMAGENET_INPUT, 1000)
+    assert torch.equal(data.test[3][0], again.test[3][0])  # evaluation images are fixed
+    draws = {tuple(data.train[3][0].flatten().tolist()) for _ in range(30)}
+    assert len(draws) > 1  # training images are randomly shifted (augmentation)
+
+
+def _write_folder(root, per_class=6):
+    digits = load_digits()
+    for label in (0, 1):
+        (root / f"class{label}").mkdir(parents=True)
+        for k, img in enumerate(digits.images[digits.target == label][:per_class]):
+            Image.fromarray((img * 16).astype(np.uint8)).save(root / f"class{label}" / f"{k}.png")
+
+
+def test_imagefolder_prepares_images_for_the_model_input(tmp_path):
+    _write_folder(tmp_path)
+    spec = InputSpec((3, 32, 32), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    data = load_dataset(f"imagefolder:{tmp_path}", spec, 1000)
+    assert data.classes == ["class0", "class1"] and not data.in_memory
+    image, label = data.test[0]
+    assert image.shape == (3, 32, 32) and label in (0, 1)
+    assert len(data.train) + len(data.val) + len(data.test) == 12
+
+
+def test_imagefolder_errors_name_the_problem(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_dataset(f"imagefolder:{tmp_path / 'nope'}", IMAGENET_INPUT, 1000)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="holds no images"):
+        load_dataset(f"imagefolder:{tmp_path / 'empty'}", IMAGENET_INPUT, 1000)
+    with pytest.raises(UserError, match="unknown dataset 'cifar'"):
+        load_dataset("cifar", IMAGENET_INPUT, 1000)
+
+
+def test_synthetic_data_follows_the_model_spec_and_is_marked_unlabelled():
+    data = load_dataset("synthetic", IMAGENET_INPUT, 1000)
+    assert data.train[0][0].shape == (3, 224, 224)
+    assert not data.labelled and len(data.classes) == 1000
