@@ -16,8 +16,15 @@ COMMANDS = {
 }
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad command lines get one line naming the problem and where help is, not a usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="optiserve", description="Train, optimize, serve and measure vision models.")
+    parser = OneLineErrorParser(prog="optiserve", description="Train, optimize, serve and measure vision models.")
     parser.add_argument("--version", action="version", version=f"optiserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():

@@ -1,0 +1,20 @@
+# GPU image for optiserve: CUDA runtime, the package with the TensorRT extra.
+# Build: docker build -t optiserve .   Run: docker run --gpus all -v $PWD/artifacts:/artifacts optiserve ...
+FROM nvidia/cuda:13.0.0-runtime-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-pip python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY optiserve ./optiserve
+RUN pip install ".[tensorrt]"
+
+# The server subcommand lands with the serving issue; until then the image runs the CLI
+# (e.g. `docker run --gpus all optiserve train resnet18 --dataset digits`).
+ENTRYPOINT ["optiserve"]
+CMD ["--help"]

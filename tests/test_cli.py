@@ -1,0 +1,36 @@
+"""The command line: subcommands that exist, documented options, one-line errors."""
+
+import argparse
+
+from conftest import ROOT, run_cli
+from optiserve.cli import COMMANDS, build_parser
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_option_of_every_subcommand_is_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for name, sub in _subparsers(build_parser()).items():
+        assert f"optiserve {name}" in readme
+        for action in sub._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help"):
+                    assert f"`{flag}" in readme, f"{name} {flag} is not documented in README.md"
+
+
+def test_help_lists_only_the_subcommands_that_exist():
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    for name in COMMANDS:
+        assert name in proc.stdout
+    assert set(_subparsers(build_parser())) == set(COMMANDS)
+
+
+def test_an_invalid_choice_is_one_line_naming_the_fix():
+    proc = run_cli("train", "small_cnn", "--amp", "fp8")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("optiserve train: error: argument --amp: invalid choice: 'fp8' "
+                                   "(choose from 'auto', 'bf16', 'fp16', 'off') (see optiserve train --help)")
