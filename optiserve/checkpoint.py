@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zipfile
 from pathlib import Path
 
 import torch
@@ -35,13 +36,15 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist")
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"cannot read checkpoint {path}: not a file written by torch.save "
+                        f"(write one with `optiserve train`)")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        reason = next((ln.strip() for ln in str(e).splitlines() if "WeightsUnpickler error" in ln), str(e))
         raise UserError(f"cannot read checkpoint {path}: it holds more than tensors and plain data, and "
-                        f"untrusted files are never unpickled ({reason[:200]})") from None
-    except Exception as e:  # torch raises several types for corrupt, truncated or non-torch files
+                        f"untrusted files are never unpickled ({_unpickler_reason(str(e))})") from None
+    except Exception as e:  # torch raises several types for corrupt or truncated files
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot read checkpoint {path}: {first_line}") from None
     if not isinstance(ckpt, dict):
@@ -51,3 +54,10 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
         raise UserError(f"{path} is not an optiserve checkpoint: missing {', '.join(missing)} "
                         f"(write one with `optiserve train`)")
     return ckpt
+
+
+def _unpickler_reason(message: str) -> str:
+    """The one informative line of torch's long weights_only refusal (e.g. 'Unsupported global: ...')."""
+    tail = message.split("WeightsUnpickler error:", 1)[-1]
+    line = next((ln.strip() for ln in tail.splitlines() if ln.strip()), "unsupported content")
+    return line[:200]

@@ -13,6 +13,7 @@ from optiserve.errors import UserError
 # subcommand -> module with HELP, add_arguments(parser) and run(args) -> exit code
 COMMANDS = {
     "train": "optiserve.train.command",
+    "optimize": "optiserve.optimize.command",
 }
 
 

@@ -14,11 +14,11 @@ from optiserve.train import TrainConfig, train
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """Run `python -m optiserve ARGS` as a user would, capturing its output."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "optiserve", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=ROOT)
+                          timeout=timeout, env=full_env, cwd=cwd)
 
 
 @pytest.fixture(scope="session")

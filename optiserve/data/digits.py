@@ -28,4 +28,4 @@ def load_digits_splits(size: int = DIGITS_SIZE, seed: int = 0) -> DatasetSplits:
         return TensorImageDataset(images[idx], labels[idx], spec, shift=shift)
 
     return DatasetSplits("digits", split(train, shift=1), split(val), split(test),
-                         [str(c) for c in bunch.target_names], spec)
+                         [str(c) for c in bunch.target_names], spec, calib=split(train))

@@ -50,6 +50,7 @@ def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0) -> Datase
         if val.classes != train.classes or test.classes != train.classes:
             raise UserError(f"{root}: train, val and test folders must hold the same class subfolders")
         classes = train.classes
+        calib = _folder(root / "train", eval_transform(spec))
     else:
         full_eval = _folder(root, eval_transform(spec))
         full_train = _folder(root, train_transform(spec))
@@ -58,6 +59,8 @@ def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0) -> Datase
             raise UserError(f"{root}: every class needs at least 5 images to split into train/val/test")
         tr, va, te = stratified_split(targets, seed)
         train, val, test = Subset(full_train, tr), Subset(full_eval, va), Subset(full_eval, te)
+        calib = Subset(full_eval, tr)
         classes = full_eval.classes
-    return DatasetSplits(f"imagefolder:{root}", train, val, test, list(classes), spec, in_memory=False)
+    return DatasetSplits(f"imagefolder:{root}", train, val, test, list(classes), spec, calib=calib,
+                         in_memory=False)
 

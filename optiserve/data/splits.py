@@ -24,8 +24,12 @@ class DatasetSplits:
     test: Dataset
     classes: list[str]
     input: InputSpec
+    calib: Dataset | None = None  # the train images without augmentation (calibration); None: same as train
     labelled: bool = True    # False: labels are placeholders, accuracy cannot be measured
     in_memory: bool = True   # True: samples are tensors already, DataLoader workers would only add IPC
+
+    def calibration_set(self) -> Dataset:
+        return self.calib if self.calib is not None else self.train
 
 
 def stratified_split(labels: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,0 +1,1 @@
+"""The offline optimizer: passes (fuse, trace, export, quantize) -> validated variants -> artifact folder."""

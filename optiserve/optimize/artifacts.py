@@ -1,0 +1,73 @@
+"""The artifact folder: variant files, manifest.json and report.md, published all at once.
+
+Everything is written into a staging folder beside the target and swapped in at the end, so an
+interrupted run leaves the previous folder (or none) and never a half-written manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+from optiserve.errors import UserError
+from optiserve.files import atomic_write, sha256_file
+
+MANIFEST = "manifest.json"
+FORMAT = "optiserve.manifest/1"
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for pkg in ("optiserve", "torch", "torchvision", "onnx", "onnxruntime", "torch-tensorrt"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[pkg] = metadata.version(pkg)
+    return out
+
+
+def file_facts(path: Path) -> dict:
+    return {"sha256": sha256_file(path), "size_bytes": path.stat().st_size}
+
+
+@contextlib.contextmanager
+def staging_folder(out: Path):
+    """Yield an empty folder beside `out`; on success it replaces `out`, on failure it is removed."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".staging", dir=out.parent))
+    try:
+        yield stage
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+        os.replace(stage, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    with atomic_write(folder / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.write("\n")
+
+
+def read_manifest(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise UserError(f"{folder} is not an artifact folder: no {MANIFEST} (write one with `optimize MODEL`)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise UserError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest

@@ -1,0 +1,82 @@
+"""`optiserve optimize` (also installed as plain `optimize`): arguments, run, summary table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from optiserve.data import DATASET_CHOICES
+from optiserve.models import list_models
+from optiserve.models.weights import WEIGHT_CHOICES
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize, summary_header, summary_rows
+from optiserve.optimize.quantize_ort import CALIB_METHODS
+
+HELP = "build, validate and package faster variants of a model (TorchScript, ONNX, INT8)"
+DESCRIPTION = """\
+Build faster variants of MODEL, check each against the fp32 model on held-out data, and write
+an artifact folder (one file per variant, manifest.json, report.md) that the server loads.
+
+  optimize resnet18 --int8          small-input ResNet-18 on the bundled digits; trains it first
+                                    when checkpoints/resnet18-digits.pt does not exist yet
+  optimize resnet50 --weights imagenet --dataset imagefolder:PATH --int8"""
+
+DEFAULTS = OptimizeConfig(model="resnet18")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = DESCRIPTION
+    p.add_argument("model", metavar="MODEL", help=f"registered model: {', '.join(list_models())}")
+    p.add_argument("--weights", default=None, metavar="W",
+                   help=f"{WEIGHT_CHOICES} (default: checkpoints/MODEL-digits.pt for digits, trained if "
+                        f"missing; otherwise the model's default)")
+    p.add_argument("--dataset", default=DEFAULTS.dataset, metavar="NAME",
+                   help=f"calibration and evaluation data: {DATASET_CHOICES} (default {DEFAULTS.dataset})")
+    p.add_argument("--int8", action="store_true", help="add INT8 variants (ONNX Runtime static QDQ)")
+    p.add_argument("--onnx", action=argparse.BooleanOptionalAction, default=True,
+                   help="build the ONNX Runtime variants (default on; --no-onnx skips them and INT8 with them)")
+    p.add_argument("--calib-size", type=int, default=DEFAULTS.calib_size, metavar="N",
+                   help=f"training images used to calibrate INT8 ranges (default {DEFAULTS.calib_size})")
+    p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULTS.calib_method,
+                   help=f"how activation ranges are chosen (default {DEFAULTS.calib_method})")
+    p.add_argument("--max-accuracy-drop", type=float, default=DEFAULTS.max_accuracy_drop, metavar="PCT",
+                   help="reject variants whose top-1 falls more than this many points below fp32 "
+                        f"(default {DEFAULTS.max_accuracy_drop:g})")
+    p.add_argument("--latency-batch", type=int, default=DEFAULTS.latency_batch, metavar="N",
+                   help=f"the larger batch size latency is measured at, beside batch 1 (default "
+                        f"{DEFAULTS.latency_batch})")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where variants are validated and timed (default auto)")
+    p.add_argument("--out", default=None, metavar="DIR", help="artifact folder (default artifacts/MODEL-DATASET)")
+    p.add_argument("--no-progress", action="store_true", help="print only the final table")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = OptimizeConfig(
+        model=args.model, weights=args.weights, dataset=args.dataset, int8=args.int8, onnx=args.onnx,
+        calib_size=args.calib_size, calib_method=args.calib_method, max_accuracy_drop=args.max_accuracy_drop,
+        latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
+    )
+    manifest = run_optimize(cfg)
+    print(format_table(summary_header(manifest), summary_rows(manifest)))
+    if not manifest["accuracy_meaningful"]:
+        print(f"accuracy not validated: {manifest['accuracy_note']}; variants are 'unvalidated' and served "
+              f"only when named explicitly")
+    for v in manifest["variants"]:
+        if v["status"] == "rejected":
+            print(f"{v['name']} rejected: {v['reason']}; not served by default")
+    print(f"wrote {cfg.out_path}/ (manifest.json, report.md, {len(manifest['variants'])} variant files)")
+    return 0
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `optimize` console script: the same as `optiserve optimize`."""
+    from optiserve.cli import main as cli_main
+
+    return cli_main(["optimize", *(sys.argv[1:] if argv is None else argv)])

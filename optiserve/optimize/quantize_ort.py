@@ -1,0 +1,70 @@
+"""INT8 post-training quantization with ONNX Runtime: static, QDQ, per-channel weights, calibrated.
+
+Defaults are the fastest accurate setting measured on AVX2 CPUs without VNNI: U8S8 (uint8
+activations, int8 weights) with `reduce_range` (7-bit weights), which ONNX Runtime advises for
+per-channel quantization there to avoid overflow in the u8 x s8 multiply-add (S8S8 was no faster
+than fp32 on such a CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from optiserve.files import atomic_write
+
+CALIB_METHODS = ("minmax", "entropy", "percentile")
+
+
+class _BatchReader:
+    """onnxruntime.quantization.CalibrationDataReader over pre-made batches."""
+
+    def __init__(self, input_name: str, batches: list[np.ndarray]):
+        self.input_name, self.batches, self.i = input_name, batches, 0
+
+    def get_next(self):
+        if self.i >= len(self.batches):
+            return None
+        self.i += 1
+        return {self.input_name: self.batches[self.i - 1]}
+
+    def rewind(self):
+        self.i = 0
+
+
+def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike, batches: list[np.ndarray],
+                         method: str = "minmax", per_channel: bool = True, reduce_range: bool = True) -> dict:
+    """Pre-process (shape inference, graph optimization), calibrate on `batches`, write the QDQ INT8 model.
+
+    Returns the settings used, for the manifest.
+    """
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+    import onnx
+
+    if method not in CALIB_METHODS:
+        raise ValueError(f"unknown calibration method {method!r}; use one of {CALIB_METHODS}")
+    calib = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+             "percentile": CalibrationMethod.Percentile}[method]
+    input_name = onnx.load(str(fp32_path), load_external_data=False).graph.input[0].name
+    with tempfile.TemporaryDirectory() as tmp:
+        pre = Path(tmp) / "pre.onnx"
+        out_tmp = Path(tmp) / "int8.onnx"
+        with contextlib.redirect_stdout(io.StringIO()):
+            quant_pre_process(str(fp32_path), str(pre), skip_symbolic_shape=False)
+            quantize_static(
+                str(pre), str(out_tmp), _BatchReader(input_name, batches), quant_format=QuantFormat.QDQ,
+                per_channel=per_channel, reduce_range=reduce_range, activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8, calibrate_method=calib,
+                extra_options={"CalibTensorRangeSymmetric": False, "CalibMovingAverage": False},
+            )
+        with atomic_write(out_path) as f:
+            f.write(out_tmp.read_bytes())
+    return {"format": "QDQ", "activations": "uint8", "weights": "int8", "per_channel": per_channel,
+            "reduce_range": reduce_range, "calibration": method,
+            "calibration_images": int(sum(len(b) for b in batches))}

@@ -1,0 +1,76 @@
+"""One runtime layer: load a variant file with its backend, then run batches of images through it.
+
+The optimizer's validation, the server and the benchmarks all go through `load_session`, so a
+number measured offline is the number served. Adding a runtime is one `register_backend` call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import numpy as np
+
+from optiserve.errors import UserError
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How to run: `device` auto|cpu|cuda; `threads` intra-op threads (None: the library default)."""
+
+    device: str = "auto"
+    threads: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Session(Protocol):
+    """A loaded variant. `run` maps a float32 [N, C, H, W] normalized batch to float32 [N, classes] logits."""
+
+    backend: str
+    device: str
+
+    def run(self, batch: np.ndarray) -> np.ndarray: ...
+
+
+Loader = Callable[[Path, dict, dict, RuntimeOptions], Session]
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    load: Loader                            # (file, variant entry, manifest, options) -> Session
+    unavailable: Callable[[], str | None]   # why it cannot run here, or None
+    description: str = ""
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> Backend:
+    if backend.name in _BACKENDS:
+        raise ValueError(f"backend {backend.name!r} is already registered")
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise UserError(f"unknown backend {name!r}; available: {', '.join(sorted(_BACKENDS))}") from None
+
+
+def list_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def load_session(path: str | Path, variant: dict, manifest: dict, options: RuntimeOptions = RuntimeOptions()) -> Session:
+    """Load one variant (`variant` is its manifest entry; `path` its file) for inference."""
+    backend = get_backend(variant["backend"])
+    why = backend.unavailable()
+    if why:
+        raise UserError(f"variant {variant['name']!r} needs {backend.name}, which cannot run here: {why}")
+    if not Path(path).is_file():
+        raise UserError(f"variant {variant['name']!r}: file {path} is missing")
+    return backend.load(Path(path), variant, manifest, options)

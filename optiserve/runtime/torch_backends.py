@@ -1,0 +1,66 @@
+"""PyTorch backends: eager modules rebuilt from a state dict, and TorchScript modules."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from optiserve.models import InputSpec, create_model
+from optiserve.runtime.registry import Backend, RuntimeOptions, register_backend
+
+
+@contextlib.contextmanager
+def jit_quietly():
+    """TorchScript warns it is deprecated (torch >= 2.11) on every call; we know, and keep it on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
+        yield
+
+
+def torch_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+class TorchSession:
+    """Runs an nn.Module or ScriptModule under inference_mode; the batch crosses to the device once."""
+
+    def __init__(self, module: nn.Module, backend: str, device: torch.device, threads: int | None):
+        if threads:
+            torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
+        self.module, self.backend, self.device = module, backend, str(device)
+        self._device = device
+
+    @torch.inference_mode()
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self._device)
+        out = self.module(x)
+        return out.float().cpu().numpy()
+
+
+def _load_eager(path: Path, variant: dict, manifest: dict, options: RuntimeOptions) -> TorchSession:
+    device = torch_device(options.device)
+    model = create_model(manifest["model"], len(manifest["classes"]), InputSpec.from_dict(manifest["input"]))
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
+    return TorchSession(model.eval().to(device), "torch", device, options.threads)
+
+
+def _load_torchscript(path: Path, variant: dict, manifest: dict, options: RuntimeOptions) -> TorchSession:
+    device = torch_device(options.device)
+    with jit_quietly():
+        module = torch.jit.load(str(path), map_location=device).eval()
+        if variant.get("settings", {}).get("optimize_for_inference"):
+            # Saved frozen: a module after optimize_for_inference does not reload from disk (torch 2.14),
+            # so the optimization is applied here, once, at load time.
+            module = torch.jit.optimize_for_inference(module)
+    return TorchSession(module, "torchscript", device, options.threads)
+
+
+register_backend(Backend("torch", _load_eager, lambda: None, "eager PyTorch from a state dict"))
+register_backend(Backend("torchscript", _load_torchscript, lambda: None, "TorchScript (traced, frozen)"))

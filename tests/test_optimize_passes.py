@@ -1,0 +1,162 @@
+"""Each optimizer pass on its own: conv+BN fusion, TorchScript, ONNX export, ORT INT8, calibration."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from optiserve.data import load_dataset
+from optiserve.models import InputSpec, create_model, load_model
+from optiserve.optimize.calibrate import calibration_batches
+from optiserve.optimize.export_onnx import export_onnx
+from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
+from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
+from optiserve.optimize.trace import TraceMismatch, save_torchscript, trace_torchscript
+from optiserve.optimize.validate import gate
+
+SMALL = InputSpec((1, 16, 16), (0.3,), (0.3,))
+
+
+def _with_real_bn_statistics(model: nn.Module) -> nn.Module:
+    """Give every BN non-trivial running stats and affine parameters, as training would."""
+    g = torch.Generator().manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+            m.weight.data.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+            m.bias.data.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name, spec", [("resnet18", SMALL), ("mobilenet_v2", InputSpec((3, 32, 32), (0.5,) * 3, (0.2,) * 3))])
+def test_fusion_folds_every_batchnorm_and_keeps_the_outputs(name, spec):
+    model = _with_real_bn_statistics(create_model(name, 10, spec))
+    fused = fuse_conv_bn(model)
+    assert count_batchnorms(model) > 0 and count_batchnorms(fused) == 0
+    x = torch.randn(16, *spec.shape)
+    with torch.no_grad():
+        before, after = model(x), fused(x)
+    assert (before - after).abs().max().item() <= 1e-4
+    assert torch.equal(before.argmax(1), after.argmax(1))
+
+
+class SharedConv(nn.Module):
+    """The conv output feeds the BN and a skip path: folding the BN into the conv would change the skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn(y) + y
+
+
+def test_fusion_leaves_a_batchnorm_whose_conv_output_is_used_elsewhere():
+    model = _with_real_bn_statistics(SharedConv())
+    fused = fuse_conv_bn(model)
+    assert count_batchnorms(fused) == 1
+    x = torch.randn(2, 1, 8, 8)
+    torch.testing.assert_close(fused(x), model(x))
+
+
+def test_torchscript_variant_reloads_in_a_fresh_process(small_cnn_checkpoint, tmp_path):
+    loaded = load_model("small_cnn", str(small_cnn_checkpoint))
+    x = torch.randn(5, 1, 16, 16)
+    save_torchscript(trace_torchscript(fuse_conv_bn(loaded.model), x[:2]), tmp_path / "ts.pt")
+    with torch.no_grad():
+        np.save(tmp_path / "x.npy", x.numpy())
+        np.save(tmp_path / "expected.npy", loaded.model(x).numpy())
+    script = f"""
+import numpy as np
+from optiserve.runtime import load_session
+session = load_session({str(tmp_path / 'ts.pt')!r}, {{"name": "torchscript", "backend": "torchscript",
+                       "settings": {{"optimize_for_inference": True}}}}, {{}})
+got = session.run(np.load({str(tmp_path / 'x.npy')!r}))
+print(float(np.abs(got - np.load({str(tmp_path / 'expected.npy')!r})).max()))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout.strip()) <= 1e-4
+
+
+class SignSwitch(nn.Module):
+    def forward(self, x):
+        return x * 2 if x[0, 0, 0, 0] > 0 else -x
+
+
+def test_tracing_refuses_a_model_whose_control_flow_the_trace_would_bake_in():
+    positive = torch.ones(1, 1, 4, 4)
+    with pytest.raises(TraceMismatch, match="differs from eager"):
+        trace_torchscript(SignSwitch(), positive, check_inputs=(-positive,))
+
+
+def test_onnx_export_has_a_dynamic_batch_and_matches_eager(small_cnn_checkpoint, tmp_path):
+    model = fuse_conv_bn(load_model("small_cnn", str(small_cnn_checkpoint)).model)
+    export_onnx(model, torch.randn(2, 1, 16, 16), tmp_path / "m.onnx")
+    proto = onnx.load(str(tmp_path / "m.onnx"))
+    onnx.checker.check_model(proto)
+    assert max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")) >= 17
+    assert proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # symbolic batch
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    for n in (1, 7):
+        x = torch.randn(n, 1, 16, 16)
+        with torch.no_grad():
+            np.testing.assert_allclose(session.run(None, {"input": x.numpy()})[0], model(x).numpy(), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits", SMALL, 10)
+
+
+def test_calibration_draws_only_training_images(digits):
+    batches = calibration_batches(digits.calibration_set(), 100, batch_size=32)
+    assert [len(b) for b in batches] == [32, 32, 32, 4]
+    calib = np.concatenate(batches).reshape(100, -1)
+    train = np.stack([digits.calib[i][0].numpy() for i in range(len(digits.calib))]).reshape(len(digits.calib), -1)
+    test = np.stack([digits.test[i][0].numpy() for i in range(len(digits.test))]).reshape(len(digits.test), -1)
+    assert all((np.abs(train - row).max(1) == 0).any() for row in calib)
+    assert not any((np.abs(test - row).max(1) == 0).any() for row in calib)
+    again = calibration_batches(digits.calibration_set(), 100, batch_size=32)
+    assert all(np.array_equal(a, b) for a, b in zip(batches, again))
+
+
+@pytest.mark.parametrize("method", CALIB_METHODS)
+def test_ort_static_int8_is_qdq_per_channel_and_keeps_accuracy(method, small_cnn_checkpoint, digits, tmp_path):
+    model = fuse_conv_bn(load_model("small_cnn", str(small_cnn_checkpoint)).model)
+    export_onnx(model, torch.randn(2, 1, 16, 16), tmp_path / "fp32.onnx")
+    settings = quantize_onnx_static(tmp_path / "fp32.onnx", tmp_path / "int8.onnx",
+                                    calibration_batches(digits.calibration_set(), 128), method)
+    assert settings["calibration"] == method and settings["per_channel"] and settings["reduce_range"]
+    proto = onnx.load(str(tmp_path / "int8.onnx"))
+    ops = {n.op_type for n in proto.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    weight_dq = [n for n in proto.graph.node if n.op_type == "DequantizeLinear"
+                 and any(a.name == "axis" for a in n.attribute)]
+    assert weight_dq, "weights are not quantized per channel"
+
+    x = np.stack([digits.test[i][0].numpy() for i in range(len(digits.test))])
+    y = np.array([int(digits.test[i][1]) for i in range(len(digits.test))])
+    top1 = {}
+    for name in ("fp32", "int8"):
+        s = ort.InferenceSession(str(tmp_path / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+        top1[name] = (s.run(None, {"input": x})[0].argmax(1) == y).mean()
+    assert top1["int8"] >= top1["fp32"] - 0.02
+
+
+def test_accuracy_gate_rejects_drops_beyond_the_limit_and_marks_unlabelled_data():
+    acc = lambda top1: {"top1": top1, "agreement": 1.0, "max_abs_diff": 0.0}  # noqa: E731
+    assert gate(acc(0.985), 0.99, 1.0, True) == ("accepted", None)
+    status, reason = gate(acc(0.975), 0.99, 1.0, True)
+    assert status == "rejected" and "fell 1.50 points (limit 1)" in reason
+    assert gate(acc(None), None, 1.0, False, "random weights") == ("unvalidated", "random weights")

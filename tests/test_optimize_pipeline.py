@@ -1,0 +1,116 @@
+"""`optimize` end to end: variants, manifest, report, gating, atomic publishing and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import run_cli
+from optiserve.files import sha256_file
+from optiserve.optimize import pipeline
+from optiserve.optimize.artifacts import read_manifest
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+
+@pytest.fixture(scope="module")
+def artifact(small_cnn_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "small"
+    manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
+                                           out=str(out), progress=False, latency_batch=8))
+    return out, manifest
+
+
+def test_the_folder_holds_one_file_per_variant_a_manifest_and_a_report(artifact):
+    out, manifest = artifact
+    assert read_manifest(out) == manifest
+    names = [v["name"] for v in manifest["variants"]]
+    assert names == ["fp32", "torchscript", "onnx-fp32", "onnx-int8"]
+    for v in manifest["variants"]:
+        path = out / v["file"]
+        assert path.is_file() and v["sha256"] == sha256_file(path) and v["size_bytes"] == path.stat().st_size
+        assert set(v) >= {"backend", "precision", "accuracy", "latency_ms", "status", "settings"}
+        assert set(v["latency_ms"]) == {"1", "8"} and all(t > 0 for t in v["latency_ms"].values())
+    assert sorted(p.name for p in out.iterdir()) == sorted([v["file"] for v in manifest["variants"]]
+                                                           + ["manifest.json", "report.md"])
+    assert manifest["model"] == "small_cnn" and manifest["input"]["shape"] == [1, 16, 16]
+    assert manifest["classes"] == [str(i) for i in range(10)]
+    assert manifest["source"]["sha256"] and {"torch", "onnxruntime"} <= set(manifest["versions"])
+    report = (out / "report.md").read_text()
+    assert "| onnx-int8 | onnxruntime | int8 |" in report
+
+
+def test_every_variant_is_scored_against_fp32_on_the_test_split(artifact, small_cnn_checkpoint):
+    _, manifest = artifact
+    trained = torch.load(small_cnn_checkpoint, weights_only=True)["metrics"]["test_top1"]
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert by_name["fp32"]["accuracy"]["top1"] == pytest.approx(trained)
+    assert by_name["fp32"]["accuracy"]["agreement"] == 1.0 and by_name["fp32"]["accuracy"]["max_abs_diff"] == 0
+    for name in ("torchscript", "onnx-fp32"):
+        assert by_name[name]["accuracy"]["max_abs_diff"] < 1e-3
+        assert by_name[name]["accuracy"]["agreement"] == 1.0
+    int8 = by_name["onnx-int8"]
+    assert int8["precision"] == "int8" and int8["settings"]["calibration"] == "minmax"
+    assert int8["accuracy"]["agreement"] >= 0.97
+    assert all(v["status"] == "accepted" for v in manifest["variants"])
+    assert by_name["onnx-int8"]["size_bytes"] < by_name["onnx-fp32"]["size_bytes"] / 2
+
+
+def test_random_weights_on_synthetic_data_are_unvalidated_but_still_compared(tmp_path):
+    manifest = run_optimize(OptimizeConfig("small_cnn", weights="random", dataset="synthetic",
+                                           out=str(tmp_path / "r"), progress=False))
+    assert not manifest["accuracy_meaningful"] and "random weights" in manifest["accuracy_note"]
+    for v in manifest["variants"]:
+        assert v["status"] == "unvalidated" and v["accuracy"]["top1"] is None
+        assert v["accuracy"]["agreement"] >= 0.95
+    assert "Accuracy is not validated here" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_an_interrupted_run_leaves_the_previous_folder_untouched(artifact, tmp_path, monkeypatch):
+    out = tmp_path / "art"
+    shutil.copytree(artifact[0], out)
+    before = (out / "manifest.json").read_text()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "quantize_onnx_static", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_optimize(OptimizeConfig("small_cnn", weights="random", int8=True, out=str(out), progress=False))
+    assert (out / "manifest.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no staging folder left behind
+
+
+def test_without_a_checkpoint_it_trains_one_first_and_says_so(tmp_path):
+    proc = run_cli("optimize", "small_cnn", "--no-onnx", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no trained checkpoint at checkpoints/small_cnn-digits.pt: training small_cnn" in proc.stderr
+    manifest = json.loads((tmp_path / "artifacts" / "small_cnn-digits" / "manifest.json").read_text())
+    assert [v["name"] for v in manifest["variants"]] == ["fp32", "torchscript"]
+    assert manifest["variants"][0]["accuracy"]["top1"] > 0.9
+    assert "fp32" in proc.stdout and "wrote artifacts/small_cnn-digits/" in proc.stdout
+
+
+def test_bad_input_gives_one_clear_error_line(small_cnn_checkpoint, tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"\x00garbage")
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["resnet19"], "unknown model 'resnet19'"),
+        (["small_cnn", "--weights", str(junk)], "cannot read checkpoint"),
+        (["resnet18", "--weights", str(small_cnn_checkpoint)], "holds a 'small_cnn' model, not 'resnet18'"),
+        (["small_cnn", "--weights", "random", "--dataset", f"imagefolder:{tmp_path / 'empty'}"], "holds no images"),
+        (["small_cnn", "--calib-size", "0", "--weights", "random"], "--calib-size must be at least 1"),
+        (["small_cnn", "--calib-method", "median"], "invalid choice: 'median'"),
+    ]
+    for args, message in cases:
+        proc = run_cli("optimize", *args, "--out", str(tmp_path / "out"))
+        assert proc.returncode == 2, (args, proc.stderr)
+        *progress, error = proc.stderr.strip().splitlines()
+        assert message in error and error.startswith("optiserve optimize: error: "), (args, proc.stderr)
+        # before the error, only the progress lines of the passes, the last one naming the pass that failed
+        assert all(line.startswith("[") for line in progress), proc.stderr
+        assert not progress or progress[-1].endswith("failed"), proc.stderr
+    assert not (tmp_path / "out").exists()
