@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -19,8 +18,10 @@ from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import export_onnx
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
+from optiserve.optimize.quantize_torch import quantize_torch_fx
 from optiserve.optimize.trace import TraceMismatch, save_torchscript, trace_torchscript
 from optiserve.optimize.validate import gate
+from optiserve.runtime import load_session
 
 SMALL = InputSpec((1, 16, 16), (0.3,), (0.3,))
 
@@ -152,6 +153,20 @@ def test_ort_static_int8_is_qdq_per_channel_and_keeps_accuracy(method, small_cnn
         s = ort.InferenceSession(str(tmp_path / f"{name}.onnx"), providers=["CPUExecutionProvider"])
         top1[name] = (s.run(None, {"input": x})[0].argmax(1) == y).mean()
     assert top1["int8"] >= top1["fp32"] - 0.02
+
+
+def test_torch_fx_int8_runs_quantized_kernels_and_keeps_accuracy(small_cnn_checkpoint, digits, tmp_path):
+    model = fuse_conv_bn(load_model("small_cnn", str(small_cnn_checkpoint)).model)
+    scripted, settings = quantize_torch_fx(model, calibration_batches(digits.calibration_set(), 128))
+    save_torchscript(scripted, tmp_path / "int8.pt")
+    session = load_session(tmp_path / "int8.pt", {"name": "torch-int8", "backend": "torchscript",
+                                                  "settings": settings}, {})
+    graph = str(session.module.graph)
+    assert "quantized::conv2d" in graph or "quantized::conv2d_relu" in graph
+    x = np.stack([digits.test[i][0].numpy() for i in range(len(digits.test))])
+    with torch.no_grad():
+        fp32 = model(torch.from_numpy(x)).argmax(1).numpy()
+    assert (session.run(x).argmax(1) == fp32).mean() >= 0.97
 
 
 def test_accuracy_gate_rejects_drops_beyond_the_limit_and_marks_unlabelled_data():

@@ -27,7 +27,7 @@ def test_the_folder_holds_one_file_per_variant_a_manifest_and_a_report(artifact)
     out, manifest = artifact
     assert read_manifest(out) == manifest
     names = [v["name"] for v in manifest["variants"]]
-    assert names == ["fp32", "torchscript", "onnx-fp32", "onnx-int8"]
+    assert names == ["fp32", "torchscript", "onnx-fp32", "onnx-int8", "torch-int8"]
     for v in manifest["variants"]:
         path = out / v["file"]
         assert path.is_file() and v["sha256"] == sha256_file(path) and v["size_bytes"] == path.stat().st_size
@@ -56,6 +56,9 @@ def test_every_variant_is_scored_against_fp32_on_the_test_split(artifact, small_
     assert int8["accuracy"]["agreement"] >= 0.97
     assert all(v["status"] == "accepted" for v in manifest["variants"])
     assert by_name["onnx-int8"]["size_bytes"] < by_name["onnx-fp32"]["size_bytes"] / 2
+    torch_int8 = by_name["torch-int8"]
+    assert torch_int8["backend"] == "torchscript" and torch_int8["accuracy"]["agreement"] >= 0.97
+    assert any(n.startswith("INT8 flows on this machine") for n in manifest["notes"])
 
 
 def test_random_weights_on_synthetic_data_are_unvalidated_but_still_compared(tmp_path):

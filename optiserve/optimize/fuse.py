@@ -1,9 +1,10 @@
 """Conv+BN fusion: fold every BatchNorm that directly follows a convolution into that convolution.
 
 In eval mode BN is an affine map per channel, so conv -> BN equals one conv with rescaled weights
-and a shifted bias. The pass finds the pairs on the model's FX graph (so it works for any
-architecture, not only named conv1/bn1 pairs) and rewrites the eager modules in place of a copy:
-the fused conv replaces the conv, an Identity replaces the BN.
+and a shifted bias. The pass works on the model's FX graph, so it finds the pairs in any
+architecture (not only named conv1/bn1 pairs): the fused conv replaces the conv and the BN node
+is removed. The result is still an eager nn.Module (a GraphModule), and since no Identity is left
+between a conv and its ReLU, later passes (INT8) can fuse conv+ReLU too.
 """
 
 from __future__ import annotations
@@ -18,29 +19,34 @@ _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
-def conv_bn_pairs(model: nn.Module) -> list[tuple[str, str]]:
-    """(conv name, bn name) for every BN whose only input is a conv used by nothing else."""
-    graph = torch.fx.symbolic_trace(model).graph
-    modules = dict(model.named_modules())
-    pairs = []
-    for node in graph.nodes:
+def _fusable_bn_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """BN nodes whose only input is a conv used by nothing else (a conv output also used elsewhere
+    must stay unnormalized there, so its BN cannot be folded)."""
+    modules = dict(gm.named_modules())
+    found = []
+    for node in gm.graph.nodes:
         if node.op != "call_module" or not isinstance(modules.get(node.target), _BN):
             continue
         src = node.args[0]
         if (isinstance(src, torch.fx.Node) and src.op == "call_module"
                 and isinstance(modules.get(src.target), _CONV) and len(src.users) == 1):
-            pairs.append((src.target, node.target))
-    return pairs
+            found.append(node)
+    return found
 
 
-def fuse_conv_bn(model: nn.Module) -> nn.Module:
+def fuse_conv_bn(model: nn.Module) -> torch.fx.GraphModule:
     """An eval-mode copy of `model` with each conv+BN pair folded into one conv (the input is untouched)."""
-    fused = copy.deepcopy(model).eval()
-    for conv_name, bn_name in conv_bn_pairs(fused):
-        conv, bn = fused.get_submodule(conv_name), fused.get_submodule(bn_name)
-        _set_submodule(fused, conv_name, fuse_conv_bn_eval(conv, bn))
-        _set_submodule(fused, bn_name, nn.Identity())
-    return fused
+    gm = torch.fx.symbolic_trace(copy.deepcopy(model).eval())
+    for bn_node in _fusable_bn_nodes(gm):
+        conv_node = bn_node.args[0]
+        conv, bn = gm.get_submodule(conv_node.target), gm.get_submodule(bn_node.target)
+        _set_submodule(gm, conv_node.target, fuse_conv_bn_eval(conv, bn))
+        bn_node.replace_all_uses_with(conv_node)
+        gm.graph.erase_node(bn_node)
+        gm.delete_submodule(bn_node.target)
+    gm.graph.lint()
+    gm.recompile()
+    return gm.eval()
 
 
 def count_batchnorms(model: nn.Module) -> int:

@@ -18,6 +18,7 @@ from optiserve.optimize.export_onnx import export_onnx
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.progress import PassLog
 from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
+from optiserve.optimize.quantize_torch import quantize_torch_fx
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, gate, materialize, predict, score
 from optiserve.runtime import RuntimeOptions, load_session
@@ -105,7 +106,7 @@ def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> str:
 def run_optimize(cfg: OptimizeConfig) -> dict:
     """Build, validate and publish every requested variant; returns the manifest."""
     cfg.validate()
-    steps = 7 + cfg.onnx + (cfg.int8 and cfg.onnx)
+    steps = 7 + cfg.onnx + (cfg.int8 and cfg.onnx) + cfg.int8
     log = PassLog(steps, enabled=cfg.progress)
     with log.step(f"load {cfg.model} ({cfg.weights or 'default weights'})"):
         loaded = resolve_weights(cfg, log)
@@ -142,16 +143,22 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                 variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
                                         {"opset": 18, "fused_conv_bn": True, "graph_optimization": "all"}))
                 notes.append(f"ONNX export parity with eager: max |Δ| {export_diff:.1e}")
-            if cfg.int8:
+        if cfg.int8:
+            batches = calibration_batches(data.calibration_set(), cfg.calib_size)
+            if cfg.onnx:
                 with log.step(f"INT8 ONNX Runtime (static QDQ, {cfg.calib_method} calibration, "
                               f"{cfg.calib_size} train images)"):
-                    batches = calibration_batches(data.calibration_set(), cfg.calib_size)
                     settings = quantize_onnx_static(stage / "model.onnx", stage / "model.int8.onnx", batches,
                                                     cfg.calib_method)
                     variants.append(Variant("onnx-int8", "model.int8.onnx", "onnxruntime", "int8", settings))
+            with log.step(f"INT8 PyTorch x86 (FX graph mode, {cfg.calib_size} train images)"):
+                scripted, settings = quantize_torch_fx(fused, batches)
+                save_torchscript(scripted, stage / "torch-int8.pt")
+                variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8", settings))
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
             entries = _validate(variants, stage, loaded, evalset, cfg, why_not)
+            notes += _int8_comparison(entries, cfg.latency_batch)
         with log.step(f"write {out}"):
             manifest = _manifest(loaded, data, entries, cfg, why_not, notes, len(evalset.images))
             artifacts.write_manifest(stage, manifest)
@@ -181,6 +188,19 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
                                                 not why_not, why_not)
         entries.append(entry)
     return entries
+
+
+def _int8_comparison(entries: list[dict], n: int) -> list[str]:
+    """Which INT8 flow is faster on this machine, at batch 1 and batch n."""
+    by_name = {e["name"]: e for e in entries}
+    if not {"onnx-int8", "torch-int8"} <= set(by_name):
+        return []
+    parts = []
+    for b in ("1", str(n)):
+        ort_ms, torch_ms = by_name["onnx-int8"]["latency_ms"][b], by_name["torch-int8"]["latency_ms"][b]
+        faster, ratio = ("onnx-int8", torch_ms / ort_ms) if ort_ms <= torch_ms else ("torch-int8", ort_ms / torch_ms)
+        parts.append(f"batch {b}: {faster} {ratio:.2f}× faster ({ort_ms:.2f} vs {torch_ms:.2f} ms)")
+    return ["INT8 flows on this machine (onnx-int8 vs torch-int8): " + "; ".join(parts)]
 
 
 def _manifest(loaded, data, entries, cfg, why_not, notes, n_eval) -> dict:

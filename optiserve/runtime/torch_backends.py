@@ -53,6 +53,9 @@ def _load_eager(path: Path, variant: dict, manifest: dict, options: RuntimeOptio
 
 def _load_torchscript(path: Path, variant: dict, manifest: dict, options: RuntimeOptions) -> TorchSession:
     device = torch_device(options.device)
+    engine = variant.get("settings", {}).get("quantized_engine")
+    if engine:  # INT8 TorchScript runs the quantized kernels of the engine it was converted for
+        torch.backends.quantized.engine = engine
     with jit_quietly():
         module = torch.jit.load(str(path), map_location=device).eval()
         if variant.get("settings", {}).get("optimize_for_inference"):

@@ -1,0 +1,46 @@
+"""INT8 post-training quantization with PyTorch's x86 backend, calibrated on training images.
+
+This uses torch.ao's FX graph mode flow, not PT2E. PT2E (now in `torchao.quantization.pt2e`)
+produces a reference graph of quantize/dequantize ops around fp32 kernels that is only fast once
+torch.compile (Inductor) lowers it, which every server process would have to redo at start-up,
+with a C++ toolchain present, and the compiled kernels cannot be saved with the artifact. The FX
+flow emits real x86 (fbgemm/oneDNN) quantized kernels that run eagerly and serialize as frozen
+TorchScript, which the runtime loads like any other TorchScript variant. FX is deprecated upstream
+but works on torch 2.14; its warnings are silenced here on purpose.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+from optiserve.runtime.torch_backends import jit_quietly
+
+ENGINE = "x86"
+
+
+def quantize_torch_fx(model: nn.Module, batches: list[np.ndarray]) -> tuple[torch.jit.ScriptModule, dict]:
+    """Calibrate eval-mode `model` on `batches` and return the INT8 model as frozen TorchScript, plus settings."""
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    torch.backends.quantized.engine = ENGINE
+    example = torch.from_numpy(batches[0])
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch.ao")
+        prepared = prepare_fx(model.eval(), get_default_qconfig_mapping(ENGINE), (example,))
+        for batch in batches:
+            prepared(torch.from_numpy(batch))
+        quantized = convert_fx(prepared)
+        with jit_quietly():
+            scripted = torch.jit.freeze(torch.jit.trace(quantized, example, check_trace=False))
+    settings = {"flow": "torch.ao FX graph mode", "engine": ENGINE,
+                "qconfig": "x86 default: per-channel symmetric int8 weights, histogram-calibrated uint8 "
+                           "activations (reduce_range)",
+                "calibration_images": int(sum(len(b) for b in batches)), "quantized_engine": ENGINE}
+    return scripted, settings
