@@ -18,8 +18,9 @@ from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 @pytest.fixture(scope="module")
 def artifact(small_cnn_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("art") / "small"
-    manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
-                                           out=str(out), progress=False, latency_batch=8))
+    manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True, prune=0.5,
+                                           prune_channels=0.5, finetune_epochs=3, out=str(out), progress=False,
+                                           latency_batch=8))
     return out, manifest
 
 
@@ -27,7 +28,8 @@ def test_the_folder_holds_one_file_per_variant_a_manifest_and_a_report(artifact)
     out, manifest = artifact
     assert read_manifest(out) == manifest
     names = [v["name"] for v in manifest["variants"]]
-    assert names == ["fp32", "torchscript", "onnx-fp32", "onnx-int8", "torch-int8"]
+    assert names == ["fp32", "torchscript", "onnx-fp32", "onnx-int8", "torch-int8", "sparse50", "pruned50",
+                     "pruned50-int8"]
     for v in manifest["variants"]:
         path = out / v["file"]
         assert path.is_file() and v["sha256"] == sha256_file(path) and v["size_bytes"] == path.stat().st_size
@@ -54,11 +56,27 @@ def test_every_variant_is_scored_against_fp32_on_the_test_split(artifact, small_
     int8 = by_name["onnx-int8"]
     assert int8["precision"] == "int8" and int8["settings"]["calibration"] == "minmax"
     assert int8["accuracy"]["agreement"] >= 0.97
-    assert all(v["status"] == "accepted" for v in manifest["variants"])
+    assert all(v["status"] in ("accepted", "rejected") for v in manifest["variants"])
+    assert all(v["status"] == "accepted" for v in manifest["variants"] if v["name"] != "sparse50")
     assert by_name["onnx-int8"]["size_bytes"] < by_name["onnx-fp32"]["size_bytes"] / 2
     torch_int8 = by_name["torch-int8"]
     assert torch_int8["backend"] == "torchscript" and torch_int8["accuracy"]["agreement"] >= 0.97
     assert any(n.startswith("INT8 flows on this machine") for n in manifest["notes"])
+
+
+def test_pruned_variants_record_sparsity_size_and_accuracy_around_the_fine_tune(artifact):
+    _, manifest = artifact
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    sparse = by_name["sparse50"]
+    assert sparse["settings"]["measured_sparsity"] == pytest.approx(0.5, abs=1e-3)
+    assert sparse["size_compressed_bytes"] < 0.8 * by_name["onnx-fp32"]["size_compressed_bytes"]
+    pruned = by_name["pruned50"]["settings"]
+    assert pruned["macs_after"] < 0.35 * pruned["macs_before"]
+    assert pruned["finetune"]["epochs"] == 3
+    assert pruned["test_top1_after_finetune"] > pruned["test_top1_before_finetune"]
+    assert by_name["pruned50"]["accuracy"]["top1"] == pytest.approx(pruned["test_top1_after_finetune"], abs=0.01)
+    assert by_name["pruned50-int8"]["size_bytes"] < by_name["pruned50"]["size_bytes"] / 2
+    assert any("after fine-tuning" in n for n in manifest["notes"])
 
 
 def test_random_weights_on_synthetic_data_are_unvalidated_but_still_compared(tmp_path):
@@ -107,6 +125,8 @@ def test_bad_input_gives_one_clear_error_line(small_cnn_checkpoint, tmp_path):
         (["small_cnn", "--weights", "random", "--dataset", f"imagefolder:{tmp_path / 'empty'}"], "holds no images"),
         (["small_cnn", "--calib-size", "0", "--weights", "random"], "--calib-size must be at least 1"),
         (["small_cnn", "--calib-method", "median"], "invalid choice: 'median'"),
+        (["small_cnn", "--weights", "random", "--prune", "1.5"], "--prune must be a fraction in (0, 1)"),
+        (["small_cnn", "--weights", "random", "--prune-channels", "0.5", "--no-onnx"], "drop --no-onnx"),
     ]
     for args, message in cases:
         proc = run_cli("optimize", *args, "--out", str(tmp_path / "out"))

@@ -33,6 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default=DEFAULTS.dataset, metavar="NAME",
                    help=f"calibration and evaluation data: {DATASET_CHOICES} (default {DEFAULTS.dataset})")
     p.add_argument("--int8", action="store_true", help="add INT8 variants (ONNX Runtime static QDQ)")
+    p.add_argument("--prune", type=float, default=None, metavar="SPARSITY",
+                   help="add an unstructured-pruned variant (global L1) with this fraction of weights zeroed")
+    p.add_argument("--prune-channels", type=float, default=None, metavar="RATIO",
+                   help="add structured-pruned variants with this fraction of channels removed, fine-tuned "
+                        "when training data is available (and INT8 with --int8)")
+    p.add_argument("--finetune-epochs", type=int, default=DEFAULTS.finetune_epochs, metavar="N",
+                   help=f"epochs of fine-tuning after structured pruning (default {DEFAULTS.finetune_epochs})")
     p.add_argument("--onnx", action=argparse.BooleanOptionalAction, default=True,
                    help="build the ONNX Runtime variants (default on; --no-onnx skips them and INT8 with them)")
     p.add_argument("--calib-size", type=int, default=DEFAULTS.calib_size, metavar="N",
@@ -54,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = OptimizeConfig(
         model=args.model, weights=args.weights, dataset=args.dataset, int8=args.int8, onnx=args.onnx,
+        prune=args.prune, prune_channels=args.prune_channels, finetune_epochs=args.finetune_epochs,
         calib_size=args.calib_size, calib_method=args.calib_method, max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
     )

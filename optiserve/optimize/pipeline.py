@@ -17,12 +17,15 @@ from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import export_onnx
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.progress import PassLog
+from optiserve.optimize.prune import compressed_size, prune_unstructured
+from optiserve.optimize.prune_channels import count_flops, prune_channels
 from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
 from optiserve.optimize.quantize_torch import quantize_torch_fx
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, gate, materialize, predict, score
 from optiserve.runtime import RuntimeOptions, load_session
 from optiserve.runtime.timing import median_latency_ms
+from optiserve.train.finetune import fine_tune
 
 BASELINE = "fp32"
 
@@ -33,6 +36,9 @@ class OptimizeConfig:
     weights: str | None = None        # None: the trained digits checkpoint (trained on demand) or the model default
     dataset: str = "digits"
     int8: bool = False
+    prune: float | None = None            # unstructured sparsity in (0, 1)
+    prune_channels: float | None = None   # fraction of channels removed in (0, 1)
+    finetune_epochs: int = 5
     onnx: bool = True
     calib_size: int = 256
     calib_method: str = "minmax"
@@ -50,6 +56,13 @@ class OptimizeConfig:
             raise UserError(f"--calib-size must be at least 1, got {self.calib_size}")
         if self.max_accuracy_drop < 0:
             raise UserError(f"--max-accuracy-drop must be >= 0 points, got {self.max_accuracy_drop}")
+        for flag, value in (("--prune", self.prune), ("--prune-channels", self.prune_channels)):
+            if value is not None and not 0.0 < value < 1.0:
+                raise UserError(f"{flag} must be a fraction in (0, 1), e.g. 0.5; got {value}")
+        if (self.prune is not None or self.prune_channels is not None) and not self.onnx:
+            raise UserError("pruned variants are built as ONNX Runtime models; drop --no-onnx")
+        if self.finetune_epochs < 0:
+            raise UserError(f"--finetune-epochs must be >= 0, got {self.finetune_epochs}")
         if self.latency_batch < 1:
             raise UserError(f"--latency-batch must be at least 1, got {self.latency_batch}")
 
@@ -106,7 +119,8 @@ def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> str:
 def run_optimize(cfg: OptimizeConfig) -> dict:
     """Build, validate and publish every requested variant; returns the manifest."""
     cfg.validate()
-    steps = 7 + cfg.onnx + (cfg.int8 and cfg.onnx) + cfg.int8
+    steps = (7 + cfg.onnx + (cfg.int8 and cfg.onnx) + cfg.int8 + (cfg.prune is not None)
+             + (cfg.prune_channels is not None) * (1 + cfg.int8))
     log = PassLog(steps, enabled=cfg.progress)
     with log.step(f"load {cfg.model} ({cfg.weights or 'default weights'})"):
         loaded = resolve_weights(cfg, log)
@@ -155,6 +169,29 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                 scripted, settings = quantize_torch_fx(fused, batches)
                 save_torchscript(scripted, stage / "torch-int8.pt")
                 variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8", settings))
+        if cfg.prune is not None:
+            name = f"sparse{round(100 * cfg.prune)}"
+            with log.step(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)"):
+                sparse, sparsity = prune_unstructured(fused, cfg.prune)
+                export_onnx(sparse, example, stage / f"model.{name}.onnx")
+                variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32",
+                                        {"sparsity": cfg.prune, "measured_sparsity": sparsity["overall"],
+                                         "layer_sparsity": sparsity["layers"], "method": "global L1 unstructured"}))
+                notes.append(f"{name}: measured sparsity {sparsity['overall']:.1%} over "
+                             f"{len(sparsity['layers'])} conv/linear layers")
+        if cfg.prune_channels is not None:
+            name = f"pruned{round(100 * cfg.prune_channels)}"
+            with log.step(f"structured pruning of {cfg.prune_channels:.0%} of channels, fine-tune -> {name} (ONNX)"):
+                pruned_fused, settings = _prune_channels(loaded, data, evalset, example, cfg, why_not, log)
+                export_onnx(pruned_fused, example, stage / f"model.{name}.onnx")
+                variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32", settings))
+                notes.append(_pruning_note(name, settings))
+            if cfg.int8:
+                with log.step(f"INT8 ONNX Runtime of {name} -> {name}-int8"):
+                    q = quantize_onnx_static(stage / f"model.{name}.onnx", stage / f"model.{name}.int8.onnx",
+                                             batches, cfg.calib_method)
+                    variants.append(Variant(f"{name}-int8", f"model.{name}.int8.onnx", "onnxruntime", "int8",
+                                            {**q, "pruning": settings}))
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
             entries = _validate(variants, stage, loaded, evalset, cfg, why_not)
@@ -166,6 +203,42 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     return manifest
 
 
+def _prune_channels(loaded, data, evalset, example, cfg, why_not, log):
+    """Structured pruning of the unfused model, top-1 before and after a short fine-tune, then fusion."""
+    pruned, info = prune_channels(loaded.model, cfg.prune_channels)
+    flops_before, flops_after = count_flops(loaded.model, example[:1]), count_flops(pruned, example[:1])
+    settings = {"method": "structured L1 channel pruning", "ratio": cfg.prune_channels, **info,
+                "macs_before": flops_before, "macs_after": flops_after}
+
+    def test_top1(model):
+        if evalset.labels is None:
+            return None
+        with torch.no_grad():
+            logits = torch.cat([model(torch.from_numpy(evalset.images[i:i + 64]))
+                                for i in range(0, len(evalset.images), 64)])
+        return float((logits.argmax(1).numpy() == evalset.labels).mean())
+
+    settings["test_top1_before_finetune"] = test_top1(pruned)
+    if why_not or cfg.finetune_epochs == 0:
+        settings["finetune"] = None
+        log.note(f"no fine-tune ({why_not or '--finetune-epochs 0'})")
+    else:
+        log.note(f"fine-tuning for {cfg.finetune_epochs} epochs on {data.name} train")
+        settings["finetune"] = fine_tune(pruned, data, cfg.finetune_epochs, device=cfg.device,
+                                         progress=cfg.progress)
+    settings["test_top1_after_finetune"] = test_top1(pruned.eval())
+    return fuse_conv_bn(pruned), settings
+
+
+def _pruning_note(name: str, s: dict) -> str:
+    text = (f"{name}: {s['parameters_after'] / s['parameters_before']:.0%} of the parameters and "
+            f"{s['macs_after'] / s['macs_before']:.0%} of the multiply-adds remain")
+    if s["test_top1_before_finetune"] is not None:
+        text += (f"; test top-1 {100 * s['test_top1_before_finetune']:.2f}% right after pruning, "
+                 f"{100 * s['test_top1_after_finetune']:.2f}% after fine-tuning")
+    return text
+
+
 def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, why_not: str) -> list[dict]:
     base_manifest = {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict()}
     options = RuntimeOptions(device=cfg.device)
@@ -174,7 +247,8 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
     entries, reference, baseline_top1 = [], None, None
     for v in variants:
         entry = {"name": v.name, "file": v.file, "backend": v.backend, "precision": v.precision,
-                 **artifacts.file_facts(stage / v.file), "settings": v.settings}
+                 **artifacts.file_facts(stage / v.file),
+                 "size_compressed_bytes": compressed_size(stage / v.file), "settings": v.settings}
         session = load_session(stage / v.file, entry, base_manifest, options)
         logits = predict(session, evalset.images)
         if reference is None:
@@ -234,14 +308,14 @@ def summary_rows(manifest: dict) -> list[list[str]]:
         delta = "—" if acc["top1"] is None else f"{100 * (acc['top1'] - base['accuracy']['top1']):+.2f}"
         lat1, latn = v["latency_ms"]["1"], v["latency_ms"][n]
         rows.append([v["name"], v["backend"], v["precision"], top1, f"{100 * acc['agreement']:.1f}%", delta,
-                     _size(v["size_bytes"]), f"{lat1:.2f}", f"{latn:.2f}",
+                     _size(v["size_bytes"]), _size(v["size_compressed_bytes"]), f"{lat1:.2f}", f"{latn:.2f}",
                      f"{base['latency_ms']['1'] / lat1:.2f}× / {base['latency_ms'][n] / latn:.2f}×", v["status"]])
     return rows
 
 
 def summary_header(manifest: dict) -> list[str]:
     n = manifest["latency_batch"]
-    return ["variant", "backend", "precision", "top-1", "agree fp32", "Δ top-1", "size", "p50 ms b1",
+    return ["variant", "backend", "precision", "top-1", "agree fp32", "Δ top-1", "size", "zlib size", "p50 ms b1",
             f"p50 ms b{n}", f"speedup b1 / b{n}", "status"]
 
 
