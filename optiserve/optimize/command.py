@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "when training data is available (and INT8 with --int8)")
     p.add_argument("--finetune-epochs", type=int, default=DEFAULTS.finetune_epochs, metavar="N",
                    help=f"epochs of fine-tuning after structured pruning (default {DEFAULTS.finetune_epochs})")
+    p.add_argument("--tensorrt", action="store_true",
+                   help="add TensorRT engines through torch-tensorrt (needs a CUDA GPU and the [tensorrt] extra)")
+    p.add_argument("--fp16", action="store_true", help="with --tensorrt, also build an FP16 engine")
     p.add_argument("--onnx", action=argparse.BooleanOptionalAction, default=True,
                    help="build the ONNX Runtime variants (default on; --no-onnx skips them and INT8 with them)")
     p.add_argument("--calib-size", type=int, default=DEFAULTS.calib_size, metavar="N",
@@ -62,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = OptimizeConfig(
         model=args.model, weights=args.weights, dataset=args.dataset, int8=args.int8, onnx=args.onnx,
         prune=args.prune, prune_channels=args.prune_channels, finetune_epochs=args.finetune_epochs,
+        tensorrt=args.tensorrt, fp16=args.fp16,
         calib_size=args.calib_size, calib_method=args.calib_method, max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
     )

@@ -21,6 +21,7 @@ from optiserve.optimize.prune import compressed_size, prune_unstructured
 from optiserve.optimize.prune_channels import count_flops, prune_channels
 from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
 from optiserve.optimize.quantize_torch import quantize_torch_fx
+from optiserve.optimize.tensorrt import build_tensorrt_engine, tensorrt_unavailable
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, gate, materialize, predict, score
 from optiserve.runtime import RuntimeOptions, load_session
@@ -39,6 +40,8 @@ class OptimizeConfig:
     prune: float | None = None            # unstructured sparsity in (0, 1)
     prune_channels: float | None = None   # fraction of channels removed in (0, 1)
     finetune_epochs: int = 5
+    tensorrt: bool = False
+    fp16: bool = False
     onnx: bool = True
     calib_size: int = 256
     calib_method: str = "minmax"
@@ -61,6 +64,10 @@ class OptimizeConfig:
                 raise UserError(f"{flag} must be a fraction in (0, 1), e.g. 0.5; got {value}")
         if (self.prune is not None or self.prune_channels is not None) and not self.onnx:
             raise UserError("pruned variants are built as ONNX Runtime models; drop --no-onnx")
+        if self.fp16 and not self.tensorrt:
+            raise UserError("--fp16 builds a TensorRT FP16 engine; add --tensorrt")
+        if self.tensorrt and (why := tensorrt_unavailable()):
+            raise UserError(f"--tensorrt cannot run here: {why}")
         if self.finetune_epochs < 0:
             raise UserError(f"--finetune-epochs must be >= 0, got {self.finetune_epochs}")
         if self.latency_batch < 1:
@@ -120,7 +127,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     """Build, validate and publish every requested variant; returns the manifest."""
     cfg.validate()
     steps = (7 + cfg.onnx + (cfg.int8 and cfg.onnx) + cfg.int8 + (cfg.prune is not None)
-             + (cfg.prune_channels is not None) * (1 + cfg.int8))
+             + (cfg.prune_channels is not None) * (1 + cfg.int8) + cfg.tensorrt * (1 + cfg.fp16))
     log = PassLog(steps, enabled=cfg.progress)
     with log.step(f"load {cfg.model} ({cfg.weights or 'default weights'})"):
         loaded = resolve_weights(cfg, log)
@@ -192,6 +199,16 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                                              batches, cfg.calib_method)
                     variants.append(Variant(f"{name}-int8", f"model.{name}.int8.onnx", "onnxruntime", "int8",
                                             {**q, "pruning": settings}))
+        if cfg.tensorrt:
+            for fp16 in (False, True)[: 1 + cfg.fp16]:
+                name = f"trt-{'fp16' if fp16 else 'fp32'}"
+                with log.step(f"TensorRT engine {name} (torch-tensorrt, batch 1..64)"):
+                    settings = build_tensorrt_engine(fused, example, stage / f"{name}.ep", fp16=fp16)
+                    variants.append(Variant(name, f"{name}.ep", "tensorrt", settings["precision"], settings))
+            if cfg.int8:
+                notes.append("no TensorRT INT8 engine: torch-tensorrt's INT8 path needs NVIDIA ModelOpt "
+                             "calibration, which optiserve does not depend on; the INT8 variants above run on "
+                             "ONNX Runtime and PyTorch")
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
             entries = _validate(variants, stage, loaded, evalset, cfg, why_not)

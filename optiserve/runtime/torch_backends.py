@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import warnings
 from pathlib import Path
 
@@ -65,5 +66,36 @@ def _load_torchscript(path: Path, variant: dict, manifest: dict, options: Runtim
     return TorchSession(module, "torchscript", device, options.threads)
 
 
+class TensorRTSession(TorchSession):
+    """A torch-tensorrt ExportedProgram on CUDA; inputs are cast to the engine's input dtype (fp16/fp32)."""
+
+    def __init__(self, module, device, dtype):
+        super().__init__(module, "tensorrt", device, None)
+        self.dtype = dtype
+
+    @torch.inference_mode()
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self._device, self.dtype)
+        return self.module(x).float().cpu().numpy()
+
+
+def _load_tensorrt(path: Path, variant: dict, manifest: dict, options: RuntimeOptions) -> TensorRTSession:
+    import torch_tensorrt  # noqa: F401  registers the TensorRT runtime ops the program calls
+
+    dtype = getattr(torch, variant.get("settings", {}).get("input_dtype", "float32"))
+    module = torch.export.load(str(path)).module()
+    return TensorRTSession(module, torch.device("cuda"), dtype)
+
+
+def tensorrt_unavailable() -> str | None:
+    """Why TensorRT cannot run here, in one line, or None when it can."""
+    if importlib.util.find_spec("torch_tensorrt") is None:
+        return "torch-tensorrt is not installed (pip install 'optiserve[tensorrt]')"
+    if not torch.cuda.is_available():
+        return "TensorRT needs a CUDA GPU and none is available here"
+    return None
+
+
+register_backend(Backend("tensorrt", _load_tensorrt, tensorrt_unavailable, "TensorRT via torch-tensorrt (CUDA)"))
 register_backend(Backend("torch", _load_eager, lambda: None, "eager PyTorch from a state dict"))
 register_backend(Backend("torchscript", _load_torchscript, lambda: None, "TorchScript (traced, frozen)"))
