@@ -137,3 +137,32 @@ def test_bad_input_gives_one_clear_error_line(small_cnn_checkpoint, tmp_path):
         assert all(line.startswith("[") for line in progress), proc.stderr
         assert not progress or progress[-1].endswith("failed"), proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_image_folder_classes_are_matched_to_imagenet_categories_by_name(tmp_path, monkeypatch):
+    """--weights imagenet with an image folder named after ImageNet classes is scored, not unvalidated."""
+    import numpy as np
+    import torchvision
+    from PIL import Image
+
+    from optiserve.models import create_model, get_model_entry
+    from optiserve.optimize.pipeline import class_mapping
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "hub"))
+    weights = torchvision.models.get_weight(get_model_entry("resnet18").imagenet_weights)
+    cached = tmp_path / "hub" / "hub" / "checkpoints" / weights.url.rsplit("/", 1)[1]
+    cached.parent.mkdir(parents=True)
+    torch.save(create_model("resnet18").state_dict(), cached)  # stands in for the downloaded file
+    rng = np.random.default_rng(0)
+    for name in ("tench", "goldfish"):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for k in range(6):
+            Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(tmp_path / "images" / name / f"{k}.png")
+
+    assert class_mapping(weights.meta["categories"], ["tench", "goldfish"]) == [0, 1]
+    assert class_mapping(weights.meta["categories"], ["tench", "not_a_category"]) is None
+    manifest = run_optimize(OptimizeConfig("resnet18", weights="imagenet", dataset=f"imagefolder:{tmp_path / 'images'}",
+                                           onnx=False, out=str(tmp_path / "art"), progress=False, latency_batch=2))
+    assert manifest["accuracy_meaningful"] and manifest["input"]["shape"] == [3, 224, 224]
+    assert all(v["status"] in ("accepted", "rejected") and v["accuracy"]["top1"] is not None
+               for v in manifest["variants"])

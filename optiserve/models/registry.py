@@ -11,7 +11,7 @@ from typing import Callable
 
 from torch import nn
 
-from optiserve.errors import UserError
+from optiserve.registry import Registry
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -64,25 +64,19 @@ class ModelEntry:
     tags: tuple[str, ...] = field(default_factory=tuple)
 
 
-_REGISTRY: dict[str, ModelEntry] = {}
+_MODELS: Registry[ModelEntry] = Registry("model")
 
 
 def register_model(entry: ModelEntry) -> ModelEntry:
-    if entry.name in _REGISTRY:
-        raise ValueError(f"model {entry.name!r} is already registered")
-    _REGISTRY[entry.name] = entry
-    return entry
+    return _MODELS.register(entry.name, entry)
 
 
 def list_models() -> list[str]:
-    return sorted(_REGISTRY)
+    return _MODELS.names()
 
 
 def get_model_entry(name: str) -> ModelEntry:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise UserError(f"unknown model {name!r}; available: {', '.join(list_models())}") from None
+    return _MODELS.get(name)
 
 
 def create_model(name: str, num_classes: int | None = None, input_spec: InputSpec | None = None) -> nn.Module:

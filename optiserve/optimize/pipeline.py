@@ -109,18 +109,30 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
     return load_model(cfg.model, weights)
 
 
-def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> str:
-    """'' when accuracy on `data` is meaningful for `loaded`, else why not. Raises on unusable pairs."""
+def class_mapping(model_classes: list[str], data_classes: list[str]) -> list[int] | None:
+    """Model class index for each dataset class, matched by name (so an image folder whose class
+    folders are named after ImageNet categories, e.g. `tench/`, scores an ImageNet model); None when
+    some dataset class is not among the model's."""
+    norm = lambda name: name.lower().replace("_", " ").strip()  # noqa: E731
+    index = {norm(c): i for i, c in enumerate(model_classes)}
+    mapping = [index.get(norm(c)) for c in data_classes]
+    return None if None in mapping else mapping
+
+
+def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> tuple[str, list[int] | None]:
+    """('', class mapping) when accuracy on `data` is meaningful for `loaded`, else (why not, None).
+    Raises on pairs that cannot run at all."""
     if tuple(loaded.input.shape) != tuple(data.input.shape):
         raise UserError(f"the model takes input {list(loaded.input.shape)} but dataset {data.name} gives "
                         f"{list(data.input.shape)}; use the dataset the checkpoint was trained on")
     if not loaded.accuracy_meaningful:
-        return "random weights: accuracy is meaningless"
+        return "random weights: accuracy is meaningless", None
     if not data.labelled:
-        return f"dataset {data.name} has no labels"
-    if list(data.classes) != list(loaded.classes):
-        return f"dataset {data.name} has other classes than the model"
-    return ""
+        return f"dataset {data.name} has no labels", None
+    mapping = class_mapping(loaded.classes, data.classes)
+    if mapping is None:
+        return f"the classes of dataset {data.name} are not the model's (matched by name)", None
+    return "", mapping
 
 
 def run_optimize(cfg: OptimizeConfig) -> dict:
@@ -133,8 +145,10 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         loaded = resolve_weights(cfg, log)
     with log.step(f"load dataset {cfg.dataset}"):
         data = load_dataset(cfg.dataset, loaded.input, len(loaded.classes))
-        why_not = _check_compatible(loaded, data)
+        why_not, mapping = _check_compatible(loaded, data)
         evalset = materialize(data.test, data.labelled)
+        if mapping is not None and evalset.labels is not None:
+            evalset.labels = np.asarray(mapping)[evalset.labels]
     log.note(f"{len(evalset.images)} held-out test images; calibration draws from the train split")
 
     torch.manual_seed(0)

@@ -13,6 +13,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from optiserve.errors import UserError
+from optiserve.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -44,25 +45,19 @@ class Backend:
     description: str = ""
 
 
-_BACKENDS: dict[str, Backend] = {}
+_BACKENDS: Registry[Backend] = Registry("backend")
 
 
 def register_backend(backend: Backend) -> Backend:
-    if backend.name in _BACKENDS:
-        raise ValueError(f"backend {backend.name!r} is already registered")
-    _BACKENDS[backend.name] = backend
-    return backend
+    return _BACKENDS.register(backend.name, backend)
 
 
 def get_backend(name: str) -> Backend:
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise UserError(f"unknown backend {name!r}; available: {', '.join(sorted(_BACKENDS))}") from None
+    return _BACKENDS.get(name)
 
 
 def list_backends() -> list[str]:
-    return sorted(_BACKENDS)
+    return _BACKENDS.names()
 
 
 def load_session(path: str | Path, variant: dict, manifest: dict, options: RuntimeOptions = RuntimeOptions()) -> Session:
