@@ -14,6 +14,7 @@ from optiserve.errors import UserError
 COMMANDS = {
     "train": "optiserve.train.command",
     "optimize": "optiserve.optimize.command",
+    "serve": "optiserve.serve.command",
 }
 
 

@@ -27,3 +27,14 @@ def small_cnn_checkpoint(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ckpt") / "small_cnn-digits.pt"
     train(TrainConfig(model="small_cnn", dataset="digits", epochs=4, out=str(out), progress=False))
     return out
+
+
+@pytest.fixture(scope="session")
+def small_artifact(small_cnn_checkpoint, tmp_path_factory) -> Path:
+    """An artifact folder for small_cnn (fp32, torchscript, onnx-fp32, onnx-int8, torch-int8)."""
+    from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+    out = tmp_path_factory.mktemp("served") / "small_cnn-digits"
+    run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True, out=str(out),
+                                progress=False, latency_batch=4))
+    return out

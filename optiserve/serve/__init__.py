@@ -1,0 +1,1 @@
+"""The server: warm variants behind a DynamicBatcher, /predict, Open Inference Protocol v2, /stats."""

@@ -1,0 +1,365 @@
+"""The FastAPI app: warm variants, dynamic batching, /predict, the Open Inference Protocol (v2) and /stats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+import optiserve
+from optiserve.errors import UserError
+from optiserve.models import InputSpec
+from optiserve.optimize.artifacts import read_manifest
+from optiserve.runtime import RuntimeOptions
+from optiserve.serve.batcher import BatchFailed, DynamicBatcher, QueueFull, ShuttingDown
+from optiserve.serve.preprocess import BadInput, decode_base64_image, decode_image, tensor_batch
+from optiserve.serve.stats import VariantStats
+from optiserve.serve.variants import LoadedVariant, Router, load_verified, parse_ab, select_variants, warm_up
+
+log = logging.getLogger("optiserve.serve")
+CONFIG_ENV = "OPTISERVE_SERVE_CONFIG"
+
+
+@dataclass
+class ServeConfig:
+    artifact_dir: str
+    variants: list[str] | None = None
+    ab: str | None = None
+    max_batch_size: int = 16
+    max_delay_ms: float = 5.0
+    max_queue: int = 256
+    timeout_ms: float = 30_000
+    threads: int | None = None        # intra-op threads per variant; None: the runtime's default (all cores)
+    device: str = "auto"
+    max_body_bytes: int = 16 << 20
+    top_k: int = 5
+
+    def validate(self) -> None:
+        for name, value in (("--max-batch-size", self.max_batch_size), ("--max-queue", self.max_queue)):
+            if value < 1:
+                raise UserError(f"{name} must be at least 1, got {value}")
+        if self.max_delay_ms < 0 or self.timeout_ms <= 0:
+            raise UserError("--max-delay-ms must be >= 0 and --timeout-ms > 0")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+@dataclass
+class ServedVariant:
+    loaded: LoadedVariant
+    batcher: DynamicBatcher
+    stats: VariantStats = field(default_factory=VariantStats)
+
+
+class Server:
+    """Everything the app keeps between requests: manifest, variants, batchers, router, readiness."""
+
+    def __init__(self, cfg: ServeConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.folder = Path(cfg.artifact_dir)
+        self.manifest = read_manifest(self.folder)
+        self.entries = select_variants(self.manifest, cfg.variants)
+        self.router = Router(parse_ab(cfg.ab, [e["name"] for e in self.entries]))
+        self.spec = InputSpec.from_dict(self.manifest["input"])
+        self.classes = self.manifest["classes"]
+        self.variants: dict[str, ServedVariant] = {}
+        self.ready = False
+        self.error: str | None = None
+
+    async def start(self) -> None:
+        """Load and warm every variant off the event loop, then start its batcher and report ready."""
+        options = RuntimeOptions(device=self.cfg.device, threads=self.cfg.threads, extra={"spin": False})
+        sizes = sorted({1, *[2 ** i for i in range(1, 16) if 2 ** i < self.cfg.max_batch_size],
+                        self.cfg.max_batch_size})
+        try:
+            for entry in self.entries:
+                loaded = await asyncio.to_thread(load_verified, self.folder, entry, self.manifest, options)
+                await asyncio.to_thread(warm_up, loaded, self.manifest["input"]["shape"], sizes)
+                stats = VariantStats()
+                batcher = DynamicBatcher(loaded.session.run, self.cfg.max_batch_size, self.cfg.max_delay_ms,
+                                         self.cfg.max_queue, name=loaded.name,
+                                         on_batch=lambda rec, s=stats: s.record_batch(rec.size))
+                batcher.start()
+                self.variants[loaded.name] = ServedVariant(loaded, batcher, stats)
+                log.info("variant %s (%s, %s) loaded and warmed up", loaded.name, entry["backend"], entry["precision"])
+        except Exception as e:  # readiness stays false and says why
+            self.error = f"{type(e).__name__}: {e}"
+            log.error("loading variants failed: %s", self.error)
+            return
+        self.ready = True
+
+    async def stop(self) -> None:
+        self.ready = False
+        await asyncio.gather(*(v.batcher.close() for v in self.variants.values()))
+
+    def variant(self, name: str | None) -> ServedVariant:
+        if not self.ready:
+            raise ApiError(503, self.error and f"not ready: {self.error}" or "not ready: variants are warming up",
+                           {"Retry-After": "1"})
+        name = name or self.router.pick()
+        if name not in self.variants:
+            raise ApiError(404, f"unknown variant {name!r}; served: {', '.join(self.variants)}")
+        return self.variants[name]
+
+    async def infer(self, variant: ServedVariant, images: np.ndarray) -> tuple[np.ndarray, dict]:
+        """Run `images` through `variant`'s batcher; maps every failure to the right status."""
+        t0 = time.perf_counter()
+        try:
+            result = await variant.batcher.submit(images, self.cfg.timeout_ms / 1000)
+        except QueueFull as e:
+            variant.stats.record_request("rejected")
+            raise ApiError(429, f"overloaded: {e}; retry later", {"Retry-After": "1"}) from None
+        except TimeoutError as e:
+            variant.stats.record_request("timeout")
+            raise ApiError(504, str(e)) from None
+        except BatchFailed as e:
+            variant.stats.record_request("error")
+            raise ApiError(500, f"inference failed: {e}") from None
+        except ShuttingDown as e:
+            raise ApiError(503, str(e)) from None
+        total_ms = 1000 * (time.perf_counter() - t0)
+        variant.stats.record_request("ok", total_ms, len(images))
+        return result.logits, {"server_ms": total_ms, "queue_ms": 1000 * result.queue_s,
+                               "compute_ms": 1000 * result.compute_s, "batch_sizes": result.batch_sizes}
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(1, keepdims=True)
+
+
+class BodyLimit:
+    """ASGI middleware: a body over the limit is answered 413 before it is read whole."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await _send_json(send, 413, {"error": f"request body of {int(length):,} bytes is over the "
+                                                         f"{self.limit:,}-byte limit"})
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise ApiError(413, f"request body is over the {self.limit:,}-byte limit")
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def create_app(cfg: ServeConfig) -> FastAPI:
+    """The app for `cfg`; the manifest and variant choice are checked now, loading happens at start-up."""
+    server = Server(cfg)
+    model_name = server.manifest["model"]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(server.start())
+        yield
+        loading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loading
+        await server.stop()
+
+    app = FastAPI(title="optiserve", version=optiserve.__version__, lifespan=lifespan)
+    app.state.server = server
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(BadInput)
+    async def bad_input(request: Request, exc: BadInput):
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
+    async def json_body(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"malformed JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the JSON body must be an object")
+        return body
+
+    # ---- /predict -------------------------------------------------------------------------------
+    @app.post("/predict")
+    async def predict(request: Request):
+        """An image upload (multipart field `file`) or JSON {"inputs": tensors or base64 images}."""
+        ctype = request.headers.get("content-type", "")
+        variant_name = request.query_params.get("variant")
+        top_k = request.query_params.get("top_k")
+        if ctype.startswith("multipart/form-data"):
+            form = await request.form()
+            upload = form.get("file")
+            if upload is None or isinstance(upload, str):
+                raise ApiError(400, "multipart requests need the image in a file field named `file`")
+            images = decode_image(await upload.read(), server.spec)[None]
+            variant_name = variant_name or form.get("variant") or None
+        elif ctype.startswith("application/json") or not ctype:
+            body = await json_body(request)
+            if "inputs" not in body:
+                raise ApiError(400, 'JSON requests need "inputs": nested lists [N, C, H, W] or base64 images')
+            inputs = body["inputs"]
+            if isinstance(inputs, list) and inputs and all(isinstance(x, str) for x in inputs):
+                images = np.stack([decode_base64_image(x, server.spec) for x in inputs])
+            else:
+                images = tensor_batch(inputs, server.spec)
+            variant_name = variant_name or body.get("variant")
+            top_k = top_k or body.get("top_k")
+        else:
+            raise ApiError(415, f"unsupported content type {ctype!r}; send multipart/form-data or application/json")
+        try:
+            k = max(1, min(int(top_k or cfg.top_k), len(server.classes)))
+        except (TypeError, ValueError):
+            raise ApiError(400, f"top_k must be an integer, got {top_k!r}") from None
+        variant = server.variant(variant_name)
+        logits, timing = await server.infer(variant, images)
+        probs = _softmax(logits)
+        order = np.argsort(-probs, axis=1)[:, :k]
+        predictions = [[{"class": server.classes[i], "index": int(i), "probability": float(p[i])} for i in row]
+                       for row, p in zip(order, probs)]
+        return {"variant": variant.loaded.name, "predictions": predictions, "latency_ms": timing}
+
+    # ---- Open Inference Protocol v2 -------------------------------------------------------------
+    @app.get("/v2")
+    async def server_metadata():
+        return {"name": "optiserve", "version": optiserve.__version__, "extensions": []}
+
+    @app.get("/v2/health/live")
+    async def live():
+        return {"live": True}
+
+    @app.get("/v2/health/ready")
+    async def ready():
+        if not server.ready:
+            return JSONResponse({"ready": False, "error": server.error}, status_code=503)
+        return {"ready": True}
+
+    def check_model(name: str, version: str | None = None) -> None:
+        if name != model_name:
+            raise ApiError(404, f"unknown model {name!r}; this server serves {model_name!r}")
+        if version is not None and version not in [e["name"] for e in server.entries]:
+            raise ApiError(404, f"unknown version {version!r} of {name}; versions: "
+                                f"{', '.join(e['name'] for e in server.entries)}")
+
+    def metadata(version: str | None) -> dict:
+        c, h, w = server.spec.shape
+        return {"name": model_name, "versions": [e["name"] for e in server.entries], "platform": "optiserve",
+                **({"version": version} if version else {}),
+                "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, c, h, w]}],
+                "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, len(server.classes)]},
+                            {"name": "probabilities", "datatype": "FP32", "shape": [-1, len(server.classes)]}]}
+
+    @app.get("/v2/models/{name}")
+    async def model_metadata(name: str):
+        check_model(name)
+        return metadata(None)
+
+    @app.get("/v2/models/{name}/versions/{version}")
+    async def version_metadata(name: str, version: str):
+        check_model(name, version)
+        return metadata(version)
+
+    @app.get("/v2/models/{name}/ready")
+    async def model_ready(name: str):
+        check_model(name)
+        return JSONResponse({"name": name, "ready": server.ready}, status_code=200 if server.ready else 503)
+
+    @app.get("/v2/models/{name}/versions/{version}/ready")
+    async def version_ready(name: str, version: str):
+        check_model(name, version)
+        ok = server.ready and version in server.variants
+        return JSONResponse({"name": name, "version": version, "ready": ok}, status_code=200 if ok else 503)
+
+    async def oip_infer(request: Request, name: str, version: str | None):
+        check_model(name, version)
+        body = await json_body(request)
+        inputs = body.get("inputs")
+        if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+            raise ApiError(400, 'expected "inputs": [{"name": "input", "shape": [N, C, H, W], "datatype": "FP32", '
+                                '"data": [...]}]')
+        tensor = inputs[0]
+        if tensor.get("datatype") not in ("FP32", "FP64"):
+            raise ApiError(400, f"input datatype {tensor.get('datatype')!r} is not supported; send FP32")
+        shape = tensor.get("shape")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d > 0 for d in shape)):
+            raise ApiError(400, "input shape must be a list of positive integers")
+        try:
+            flat = np.asarray(tensor.get("data"), dtype=np.float32).reshape(-1)
+        except (ValueError, TypeError):
+            raise ApiError(400, "input data must be a (possibly nested) list of numbers") from None
+        if flat.size != int(np.prod(shape)):
+            raise ApiError(400, f"input data has {flat.size} values but shape {shape} needs {int(np.prod(shape))}")
+        images = tensor_batch(flat.reshape(shape), server.spec)
+        variant = server.variant(version)
+        logits, _ = await server.infer(variant, images)
+        wanted = [o.get("name") for o in body.get("outputs") or [{"name": "logits"}]]
+        outputs = []
+        for out_name in wanted:
+            if out_name not in ("logits", "probabilities"):
+                raise ApiError(400, f"unknown output {out_name!r}; outputs: logits, probabilities")
+            data = logits if out_name == "logits" else _softmax(logits)
+            outputs.append({"name": out_name, "datatype": "FP32", "shape": list(data.shape),
+                            "data": data.astype(np.float32).reshape(-1).tolist()})
+        response = {"model_name": name, "model_version": variant.loaded.name, "outputs": outputs}
+        if "id" in body:
+            response["id"] = body["id"]
+        return response
+
+    @app.post("/v2/models/{name}/infer")
+    async def infer(name: str, request: Request):
+        return await oip_infer(request, name, None)
+
+    @app.post("/v2/models/{name}/versions/{version}/infer")
+    async def infer_version(name: str, version: str, request: Request):
+        return await oip_infer(request, name, version)
+
+    # ---- /stats ---------------------------------------------------------------------------------
+    @app.get("/stats")
+    async def stats():
+        return {"model": model_name, "ready": server.ready, "ab": dict(zip(server.router.names, server.router.weights)),
+                "variants": {name: {**v.stats.snapshot(), "queue_depth": v.batcher.depth}
+                             for name, v in server.variants.items()}}
+
+    return app
+
+
+def app_from_environment() -> FastAPI:
+    """uvicorn factory for `--workers N`: each worker process builds the app from the same config."""
+    return create_app(ServeConfig(**json.loads(os.environ[CONFIG_ENV])))
+
+
+def config_to_environment(cfg: ServeConfig) -> None:
+    os.environ[CONFIG_ENV] = json.dumps(asdict(cfg))

@@ -1,0 +1,186 @@
+"""DynamicBatcher: an asyncio queue per variant that cuts batches and runs them in a worker thread.
+
+A batch is cut when it holds `max_batch_size` images or when its oldest image has waited
+`max_delay_ms` (as Triton's dynamic batcher does). Each request's images are queued as separate
+rows and joined again for the caller, so a multi-image request batches like several single ones.
+The event loop only queues and answers; inference runs on one dedicated thread per variant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+class QueueFull(Exception):
+    """The queue already holds max_queue images: answer 429 now rather than wait without bound."""
+
+
+class ShuttingDown(Exception):
+    """The batcher no longer accepts work."""
+
+
+class BatchFailed(Exception):
+    """The batch this request was in raised; only its own requests fail."""
+
+
+@dataclass(eq=False)  # rows are compared by identity
+class _Row:
+    image: np.ndarray
+    future: asyncio.Future
+    enqueued: float
+    deadline: float | None
+
+
+@dataclass
+class BatchRecord:
+    """What one executed batch looked like, for metrics."""
+
+    size: int
+    queue_s: list[float]
+    compute_s: float
+    ok: bool
+
+
+@dataclass
+class Result:
+    logits: np.ndarray
+    queue_s: float          # longest wait of this request's rows before their batch started
+    compute_s: float        # compute time of the (last) batch that served it
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class DynamicBatcher:
+    def __init__(self, run_batch: Callable[[np.ndarray], np.ndarray], max_batch_size: int = 16,
+                 max_delay_ms: float = 5.0, max_queue: int = 256, name: str = "",
+                 on_batch: Callable[[BatchRecord], None] | None = None):
+        if max_batch_size < 1 or max_queue < 1 or max_delay_ms < 0:
+            raise ValueError("max_batch_size and max_queue must be >= 1 and max_delay_ms >= 0")
+        self.run_batch, self.name = run_batch, name
+        self.max_batch_size, self.max_delay = max_batch_size, max_delay_ms / 1000
+        self.max_queue = max_queue
+        self.on_batch = on_batch or (lambda record: None)
+        self._queue: asyncio.Queue[_Row] = asyncio.Queue()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{name}")
+        self._task: asyncio.Task | None = None
+        self._closing = False
+
+    @property
+    def depth(self) -> int:
+        """Images waiting for a batch."""
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
+
+    async def submit(self, images: np.ndarray, timeout: float | None = None) -> Result:
+        """Queue `images` [k, C, H, W]; returns their logits [k, classes] in order.
+
+        Raises QueueFull at once when the queue is full, TimeoutError when the rows have not run
+        within `timeout` seconds (rows not yet started are dropped), BatchFailed when their batch raised.
+        """
+        if self._closing:
+            raise ShuttingDown("the server is shutting down")
+        k = len(images)
+        if self._queue.qsize() + k > self.max_queue:
+            raise QueueFull(f"{self.name}: {self._queue.qsize()} images already queued (limit {self.max_queue})")
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()
+        deadline = now + timeout if timeout else None
+        rows = [_Row(img, loop.create_future(), now, deadline) for img in images]
+        for row in rows:
+            self._queue.put_nowait(row)
+        try:
+            done = await asyncio.wait_for(asyncio.gather(*(r.future for r in rows), return_exceptions=True), timeout)
+        except asyncio.TimeoutError:
+            for r in rows:  # rows still queued are skipped by the loop; running ones finish unobserved
+                if not r.future.done():
+                    r.future.cancel()
+            raise TimeoutError(f"{self.name}: not served within {timeout * 1000:.0f} ms") from None
+        errors = [d for d in done if isinstance(d, BaseException)]
+        if errors:
+            raise errors[0]
+        logits = np.stack([d[0] for d in done])
+        return Result(logits, max(d[1] for d in done), max(d[2] for d in done), sorted({d[3] for d in done}))
+
+    async def close(self) -> None:
+        """Stop accepting, answer everything already queued, then stop the worker."""
+        self._closing = True
+        if self._task is not None:
+            await self._queue.join()
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    async def _next_batch(self) -> list[_Row]:
+        first = await self._queue.get()
+        batch = [first]
+        cutoff = first.enqueued + self.max_delay
+        while len(batch) < self.max_batch_size:
+            try:
+                batch.append(self._queue.get_nowait())
+                continue
+            except asyncio.QueueEmpty:
+                pass
+            remaining = cutoff - time.perf_counter()
+            if remaining <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+            except asyncio.TimeoutError:
+                break
+        return batch
+
+    async def _loop(self) -> None:
+        while True:
+            batch = await self._next_batch()
+            try:
+                await self._run(batch)
+            except Exception as e:  # never let one batch stop the batcher; its callers get the error
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(BatchFailed(f"{type(e).__name__}: {e}"))
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    async def _run(self, batch: list[_Row]) -> None:
+        """Drop rows whose caller gave up or whose deadline passed, run the rest, hand out the rows."""
+        now = time.perf_counter()
+        live = []
+        for r in batch:
+            if r.future.done():
+                continue
+            if r.deadline is not None and r.deadline <= now:
+                r.future.set_exception(TimeoutError("expired in the queue"))
+            else:
+                live.append(r)
+        if not live:
+            return
+        images = np.stack([r.image for r in live])
+        waits = [now - r.enqueued for r in live]
+        t0 = time.perf_counter()
+        try:
+            logits = await asyncio.get_running_loop().run_in_executor(self._executor, self.run_batch, images)
+            if len(logits) != len(live):
+                raise RuntimeError(f"the model returned {len(logits)} rows for {len(live)} images")
+        except Exception as e:  # a failing batch fails only its own requests
+            self.on_batch(BatchRecord(len(live), waits, time.perf_counter() - t0, False))
+            for r in live:
+                if not r.future.done():
+                    r.future.set_exception(BatchFailed(f"{type(e).__name__}: {e}"))
+            return
+        compute = time.perf_counter() - t0
+        self.on_batch(BatchRecord(len(live), waits, compute, True))
+        for r, wait, row in zip(live, waits, logits):
+            if not r.future.done():
+                r.future.set_result((row, wait, compute, len(live)))

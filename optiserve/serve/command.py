@@ -1,0 +1,65 @@
+"""`optiserve serve`: serve an artifact folder over HTTP (FastAPI on uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from optiserve.serve.app import ServeConfig, config_to_environment, create_app
+
+HELP = "serve an artifact folder: /predict, the Open Inference Protocol (v2) and /stats"
+DESCRIPTION = """\
+Load the variants of ARTIFACT_DIR once, warm them up, and serve them with dynamic batching.
+
+  optiserve serve artifacts/resnet18-digits
+  optiserve serve artifacts/resnet18-digits --variants onnx-int8,fp32 --ab onnx-int8=0.9,fp32=0.1"""
+
+DEFAULTS = ServeConfig(artifact_dir="")
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = DESCRIPTION
+    p.add_argument("artifact_dir", metavar="ARTIFACT_DIR", help="a folder written by `optimize`")
+    p.add_argument("--variants", type=_names, default=None, metavar="A,B",
+                   help="variants to serve (default: every accepted variant that can run here); a variant "
+                        "named here is served whatever its status, with a warning")
+    p.add_argument("--ab", default=None, metavar="A=W,B=W",
+                   help="traffic split for requests that name no variant (default: all to the first served)")
+    p.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size, metavar="N",
+                   help=f"largest batch the batcher forms (default {DEFAULTS.max_batch_size}; 1 turns batching off)")
+    p.add_argument("--max-delay-ms", type=float, default=DEFAULTS.max_delay_ms, metavar="T",
+                   help=f"longest the oldest queued image waits for a fuller batch (default {DEFAULTS.max_delay_ms:g})")
+    p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue, metavar="N",
+                   help=f"queued images per variant beyond which requests get 429 (default {DEFAULTS.max_queue})")
+    p.add_argument("--timeout-ms", type=float, default=DEFAULTS.timeout_ms, metavar="T",
+                   help=f"per-request limit; past it the answer is 504 (default {DEFAULTS.timeout_ms:g})")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="intra-op threads per variant (default: the runtime's, all cores)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto")
+    p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes, each with its own copy of every variant (default 1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    cfg = ServeConfig(artifact_dir=args.artifact_dir, variants=args.variants, ab=args.ab,
+                      max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
+                      max_queue=args.max_queue, timeout_ms=args.timeout_ms, threads=args.threads,
+                      device=args.device)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    app = create_app(cfg)  # checks the manifest and the variant choice before anything listens
+    if args.workers > 1:
+        config_to_environment(cfg)
+        uvicorn.run("optiserve.serve.app:app_from_environment", factory=True, host=args.host, port=args.port,
+                    workers=args.workers)
+    else:
+        uvicorn.run(app, host=args.host, port=args.port)
+    return 0

@@ -1,0 +1,81 @@
+"""Turn request payloads into the model's input: decoded images or already-normalized tensors.
+
+Images (PNG, JPEG, ...) are converted to the model's channels (grayscale or RGB) and resized:
+small-input models (side <= 64, e.g. digits at 16x16) get the image resized straight to H x W;
+larger ones get the ImageNet recipe (short side to 256/224 of the input, center crop). Then
+they are scaled to [0, 1] and normalized with the manifest's mean and std.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from optiserve.models import InputSpec
+
+MAX_IMAGE_PIXELS = 40_000_000  # a decompression bomb is refused, not decoded
+SMALL_SIDE = 64
+
+
+class BadInput(ValueError):
+    """The payload cannot become a model input; the message says why (answered with 400/422)."""
+
+
+def decode_image(data: bytes, spec: InputSpec) -> np.ndarray:
+    """Image bytes -> float32 [C, H, W], normalized per `spec`."""
+    if not data:
+        raise BadInput("the image is empty")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.width * im.height > MAX_IMAGE_PIXELS:
+                raise BadInput(f"the image is {im.width}x{im.height}, over {MAX_IMAGE_PIXELS:,} pixels")
+            im.load()
+            image = im.convert("L" if spec.channels == 1 else "RGB")
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+        raise BadInput(f"not a readable image (PNG, JPEG, ...): {e}") from None
+    h, w = spec.size
+    if image.size != (w, h):
+        if max(h, w) <= SMALL_SIDE:
+            image = image.resize((w, h), Image.BILINEAR)
+        else:
+            short = int(round(max(h, w) * 256 / 224))
+            scale = short / min(image.size)
+            image = image.resize((max(w, round(image.width * scale)), max(h, round(image.height * scale))),
+                                 Image.BILINEAR)
+            left, top = (image.width - w) // 2, (image.height - h) // 2
+            image = image.crop((left, top, left + w, top + h))
+    x = np.asarray(image, dtype=np.float32) / 255.0
+    x = x[None] if x.ndim == 2 else x.transpose(2, 0, 1)
+    mean = np.asarray(spec.mean, dtype=np.float32)[:, None, None]
+    std = np.asarray(spec.std, dtype=np.float32)[:, None, None]
+    return (x - mean) / std
+
+
+def decode_base64_image(text: str, spec: InputSpec) -> np.ndarray:
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadInput("a string input must be a base64-encoded image") from None
+    return decode_image(data, spec)
+
+
+def tensor_batch(value, spec: InputSpec) -> np.ndarray:
+    """Nested lists (or an array) of normalized values, [C, H, W] or [N, C, H, W] -> float32 [N, C, H, W]."""
+    try:
+        x = np.asarray(value, dtype=np.float32)
+    except (ValueError, TypeError):
+        raise BadInput("inputs must be numbers in nested lists of equal length") from None
+    if x.ndim == 3:
+        x = x[None]
+    if x.ndim != 4 or tuple(x.shape[1:]) != tuple(spec.shape):
+        raise BadInput(f"inputs have shape {list(x.shape)}; expected [N, {', '.join(map(str, spec.shape))}] "
+                       f"or [{', '.join(map(str, spec.shape))}]")
+    if len(x) == 0:
+        raise BadInput("inputs hold no images")
+    if not np.isfinite(x).all():
+        raise BadInput("inputs contain NaN or Inf")
+    return x

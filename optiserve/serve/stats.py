@@ -1,0 +1,48 @@
+"""Per-variant latency statistics for /stats (and later the Prometheus metrics)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+WINDOW = 20_000  # most recent requests kept for percentiles
+
+
+class VariantStats:
+    def __init__(self):
+        self.started = time.time()
+        self._lock = threading.Lock()
+        self.latencies_ms: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self.images = 0
+        self.batches = 0
+        self.batched_images = 0
+
+    def record_request(self, outcome: str, latency_ms: float | None = None, images: int = 0) -> None:
+        with self._lock:
+            self.outcomes[outcome] += 1
+            if latency_ms is not None:
+                self.latencies_ms.append(latency_ms)
+            self.images += images
+
+    def record_batch(self, size: int) -> None:
+        with self._lock:
+            self.batches += 1
+            self.batched_images += size
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            lat = np.asarray(self.latencies_ms, dtype=np.float64)
+            elapsed = max(1e-9, time.time() - self.started)
+            out = {"count": int(sum(self.outcomes.values())), "outcomes": dict(self.outcomes),
+                   "images": self.images, "throughput_images_per_s": self.images / elapsed,
+                   "mean_batch_size": self.batched_images / self.batches if self.batches else None}
+        if len(lat):
+            p50, p90, p99 = np.percentile(lat, [50, 90, 99])
+            out["latency_ms"] = {"p50": p50, "p90": p90, "p99": p99, "mean": float(lat.mean()), "window": len(lat)}
+        else:
+            out["latency_ms"] = None
+        return out

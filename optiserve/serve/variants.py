@@ -1,0 +1,103 @@
+"""Choose, verify, load and warm up the variants a server keeps for its whole life."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from optiserve.errors import UserError
+from optiserve.files import sha256_file
+from optiserve.runtime import RuntimeOptions, Session, get_backend, load_session
+
+log = logging.getLogger("optiserve.serve")
+
+
+def select_variants(manifest: dict, names: list[str] | None) -> list[dict]:
+    """The manifest entries to serve: the named ones (any status, with a warning), else every
+    accepted variant whose backend can run on this machine."""
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    if names:
+        chosen = []
+        for name in names:
+            if name not in by_name:
+                raise UserError(f"unknown variant {name!r}; the manifest has: {', '.join(by_name)}")
+            entry = by_name[name]
+            why = get_backend(entry["backend"]).unavailable()
+            if why:
+                raise UserError(f"variant {name!r} cannot run here: {why}")
+            if entry["status"] != "accepted":
+                log.warning("serving %s although optimize marked it %s (%s)", name, entry["status"],
+                            entry.get("reason") or "no reason given")
+            chosen.append(entry)
+        return chosen
+    chosen = [v for v in manifest["variants"]
+              if v["status"] == "accepted" and get_backend(v["backend"]).unavailable() is None]
+    if not chosen:
+        statuses = ", ".join(f"{v['name']}={v['status']}" for v in manifest["variants"])
+        raise UserError(f"no accepted variant can run here ({statuses}); name the ones to serve with --variants")
+    return chosen
+
+
+def parse_ab(spec: str | None, served: list[str]) -> dict[str, float]:
+    """`int8=0.9,fp32=0.1` -> traffic shares summing to 1. Default: everything to the first served variant."""
+    if not spec:
+        return {served[0]: 1.0}
+    weights = {}
+    for part in spec.split(","):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not sep or weight < 0:
+            raise UserError(f"--ab takes VARIANT=WEIGHT pairs like int8=0.9,fp32=0.1; got {part!r}")
+        if name not in served:
+            raise UserError(f"--ab names {name!r}, which is not served (served: {', '.join(served)})")
+        weights[name] = weight
+    total = sum(weights.values())
+    if total <= 0:
+        raise UserError("--ab weights must not all be zero")
+    return {k: v / total for k, v in weights.items()}
+
+
+class Router:
+    """Picks the variant for a request that names none, by the A/B shares."""
+
+    def __init__(self, shares: dict[str, float], seed: int | None = None):
+        self.names, self.weights = list(shares), list(shares.values())
+        self._rng = random.Random(seed)
+
+    def pick(self) -> str:
+        return self._rng.choices(self.names, self.weights)[0]
+
+
+@dataclass
+class LoadedVariant:
+    name: str
+    entry: dict
+    session: Session
+
+
+def load_verified(folder: Path, entry: dict, manifest: dict, options: RuntimeOptions) -> LoadedVariant:
+    """Check the file against the manifest's sha256, then load it through the runtime layer."""
+    path = folder / entry["file"]
+    if not path.is_file():
+        raise UserError(f"variant {entry['name']!r}: {path} is missing")
+    if sha256_file(path) != entry["sha256"]:
+        raise UserError(f"variant {entry['name']!r}: {path} does not match the manifest's sha256 "
+                        f"(changed since optimize wrote it); re-run optimize")
+    return LoadedVariant(entry["name"], entry, load_session(path, entry, manifest, options))
+
+
+def warm_up(variant: LoadedVariant, shape: list[int], batch_sizes: list[int], runs: int = 3) -> None:
+    """Run a few batches at every batch size the server will form, before reporting ready."""
+    rng = np.random.default_rng(0)
+    for b in batch_sizes:
+        x = rng.standard_normal((b, *shape), dtype=np.float32)
+        for _ in range(runs):
+            variant.session.run(x)

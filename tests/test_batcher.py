@@ -1,0 +1,148 @@
+"""DynamicBatcher on a real ONNX Runtime session: own rows under concurrency, overload, failures, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from optiserve.optimize.artifacts import read_manifest
+from optiserve.runtime import load_session
+from optiserve.serve.batcher import BatchFailed, DynamicBatcher, QueueFull, ShuttingDown
+
+
+@pytest.fixture(scope="module")
+def session(small_artifact):
+    manifest = read_manifest(small_artifact)
+    entry = next(v for v in manifest["variants"] if v["name"] == "onnx-fp32")
+    return load_session(small_artifact / entry["file"], entry, manifest)
+
+
+def _images(n, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, 1, 16, 16), dtype=np.float32)
+
+
+def test_concurrent_callers_each_get_their_own_rows_from_shared_batches(session):
+    images = _images(40)
+    sizes = []
+
+    async def main():
+        b = DynamicBatcher(session.run, max_batch_size=8, max_delay_ms=20, on_batch=lambda r: sizes.append(r.size))
+        b.start()
+        # single images and multi-image requests, all at once
+        singles = [b.submit(images[i:i + 1]) for i in range(30)]
+        multi = [b.submit(images[30:35]), b.submit(images[35:40])]
+        results = await asyncio.gather(*singles, *multi)
+        await b.close()
+        return results
+
+    results = asyncio.run(main())
+    expected = session.run(images)
+    for i in range(30):
+        np.testing.assert_allclose(results[i].logits[0], expected[i], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(results[30].logits, expected[30:35], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(results[31].logits, expected[35:40], rtol=1e-4, atol=1e-4)
+    assert sum(sizes) == 40 and max(sizes) == 8 and len(sizes) < 40  # really batched, never above the cap
+
+
+def test_a_lone_request_waits_at_most_about_max_delay(session):
+    async def main():
+        b = DynamicBatcher(session.run, max_batch_size=64, max_delay_ms=30)
+        b.start()
+        t0 = time.perf_counter()
+        await b.submit(_images(1))
+        elapsed = time.perf_counter() - t0
+        await b.close()
+        return elapsed
+
+    assert asyncio.run(main()) < 1.0  # cut by the delay, not held for a full batch
+
+
+def test_a_full_queue_rejects_at_once_and_accepted_requests_are_still_served(session):
+    gate = threading.Event()
+
+    def slow(batch):
+        gate.wait(5)
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher(slow, max_batch_size=4, max_delay_ms=0, max_queue=8)
+        b.start()
+        running = [asyncio.ensure_future(b.submit(_images(1, i))) for i in range(4)]
+        await asyncio.sleep(0.05)  # that batch is now running (blocked in the worker)
+        queued = [asyncio.ensure_future(b.submit(_images(1, i))) for i in range(8)]
+        await asyncio.sleep(0.01)
+        assert b.depth == 8
+        t0 = time.perf_counter()
+        with pytest.raises(QueueFull):
+            await b.submit(_images(1))
+        rejection_s = time.perf_counter() - t0
+        gate.set()
+        outcomes = await asyncio.gather(*running, *queued)
+        await b.close()
+        return rejection_s, outcomes
+
+    rejection_s, outcomes = asyncio.run(main())
+    assert rejection_s < 0.01
+    assert len(outcomes) == 12 and all(o.logits.shape == (1, 10) for o in outcomes)
+
+
+def test_a_failing_batch_fails_only_its_own_requests(session):
+    def strict(batch):
+        if not np.isfinite(batch).all():
+            raise ValueError("non-finite input")
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher(strict, max_batch_size=4, max_delay_ms=0)
+        b.start()
+        bad = _images(1)
+        bad[0, 0, 0, 0] = np.nan
+        with pytest.raises(BatchFailed, match="non-finite"):
+            await b.submit(bad)
+        good = await b.submit(_images(2))  # the batcher keeps running
+        await b.close()
+        return good
+
+    assert asyncio.run(main()).logits.shape == (2, 10)
+
+
+def test_timeouts_drop_work_that_has_not_started(session):
+    ran = []
+    gate = threading.Event()
+
+    def blocking(batch):
+        gate.wait(5)
+        ran.append(len(batch))
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher(blocking, max_batch_size=1, max_delay_ms=0)
+        b.start()
+        first = asyncio.ensure_future(b.submit(_images(1), timeout=5))
+        await asyncio.sleep(0.05)
+        with pytest.raises(TimeoutError):
+            await b.submit(_images(1, 1), timeout=0.05)  # queued behind the blocked batch
+        gate.set()
+        await first
+        await b.close()
+
+    asyncio.run(main())
+    assert ran == [1]  # the timed-out request never reached the model
+
+
+def test_close_answers_everything_already_accepted_then_refuses(session):
+    async def main():
+        b = DynamicBatcher(session.run, max_batch_size=4, max_delay_ms=50)
+        b.start()
+        pending = [asyncio.ensure_future(b.submit(_images(1, i))) for i in range(10)]
+        await asyncio.sleep(0)
+        await b.close()
+        with pytest.raises(ShuttingDown):
+            await b.submit(_images(1))
+        return await asyncio.gather(*pending)
+
+    assert len(asyncio.run(main())) == 10

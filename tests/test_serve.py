@@ -1,0 +1,225 @@
+"""The server: warm start, /predict, Open Inference Protocol v2, A/B routing, bad input, a real uvicorn process."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from conftest import ROOT
+from optiserve.data import load_dataset
+from optiserve.errors import UserError
+from optiserve.models import InputSpec
+from optiserve.optimize.artifacts import read_manifest
+from optiserve.runtime import load_session
+from optiserve.serve.app import ServeConfig, create_app
+from optiserve.serve.preprocess import decode_image
+
+
+def _wait_ready(client, seconds=60):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if client.get("/v2/health/ready").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not ready: {client.get('/v2/health/ready').json()}")
+
+
+@pytest.fixture(scope="module")
+def client(small_artifact):
+    app = create_app(ServeConfig(str(small_artifact), variants=["fp32", "onnx-int8"], ab="fp32=0.5,onnx-int8=0.5",
+                                 max_batch_size=8, max_delay_ms=2, max_body_bytes=1 << 20))
+    with TestClient(app) as c:
+        assert c.get("/v2/health/live").json() == {"live": True}
+        _wait_ready(c)
+        yield c
+
+
+@pytest.fixture(scope="module")
+def digits(small_artifact):
+    return load_dataset("digits", InputSpec.from_dict(read_manifest(small_artifact)["input"]), 10)
+
+
+def _png(array_0_255: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array_0_255.astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _offline(small_artifact, name, images):
+    manifest = read_manifest(small_artifact)
+    entry = next(v for v in manifest["variants"] if v["name"] == name)
+    return load_session(small_artifact / entry["file"], entry, manifest).run(images)
+
+
+def test_predict_serves_the_same_answer_as_the_offline_runtime(client, digits, small_artifact):
+    images = np.stack([digits.test[i][0].numpy() for i in range(6)])
+    r = client.post("/predict", json={"inputs": images.tolist(), "variant": "fp32", "top_k": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["variant"] == "fp32" and len(body["predictions"]) == 6
+    expected = _offline(small_artifact, "fp32", images).argmax(1)
+    assert [p[0]["index"] for p in body["predictions"]] == expected.tolist()
+    assert all(len(p) == 3 and p[0]["probability"] >= p[1]["probability"] for p in body["predictions"])
+    assert body["latency_ms"]["server_ms"] >= body["latency_ms"]["compute_ms"] > 0
+
+
+def _digit_pngs(n=12):
+    """Real digits: sklearn's 8x8 pixels as grayscale PNGs (the server resizes them to 16x16)."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return [_png(im * 255 / 16) for im in bunch.images[:n]], bunch.target[:n]
+
+
+def _offline_predictions(small_artifact, name, pngs):
+    spec = InputSpec.from_dict(read_manifest(small_artifact)["input"])
+    return _offline(small_artifact, name, np.stack([decode_image(p, spec) for p in pngs])).argmax(1)
+
+
+def test_predict_accepts_png_uploads_and_base64_images(client, small_artifact):
+    pngs, labels = _digit_pngs()
+    served = []
+    for png in pngs:
+        r = client.post("/predict?variant=fp32", files={"file": ("digit.png", png, "image/png")})
+        assert r.status_code == 200, r.text
+        served.append(int(r.json()["predictions"][0][0]["class"]))
+    assert served == _offline_predictions(small_artifact, "fp32", pngs).tolist()
+    assert np.mean(np.asarray(served) == labels) >= 0.75  # and they are mostly right: real digits
+
+    from sklearn.datasets import load_digits
+
+    gray = load_digits().images[1] * 255 / 16
+    rgb = _png(np.repeat(gray[..., None], 3, axis=2))  # the wrong mode: converted to grayscale
+    r = client.post("/predict", json={"inputs": [base64.b64encode(rgb).decode()], "variant": "fp32"})
+    assert r.status_code == 200
+    assert int(r.json()["predictions"][0][0]["class"]) == served[1]
+
+
+def test_open_inference_protocol_metadata_readiness_and_infer(client, digits, small_artifact):
+    assert client.get("/v2").json()["name"] == "optiserve"
+    meta = client.get("/v2/models/small_cnn").json()
+    assert meta["inputs"][0] == {"name": "input", "datatype": "FP32", "shape": [-1, 1, 16, 16]}
+    assert set(meta["versions"]) == {"fp32", "onnx-int8"}
+    assert client.get("/v2/models/small_cnn/ready").json()["ready"]
+    assert client.get("/v2/models/small_cnn/versions/onnx-int8/ready").status_code == 200
+    images = np.stack([digits.test[i][0].numpy() for i in range(3)])
+    body = {"id": "42", "inputs": [{"name": "input", "shape": [3, 1, 16, 16], "datatype": "FP32",
+                                    "data": images.reshape(-1).tolist()}],
+            "outputs": [{"name": "logits"}, {"name": "probabilities"}]}
+    r = client.post("/v2/models/small_cnn/versions/onnx-int8/infer", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["id"] == "42" and out["model_version"] == "onnx-int8"
+    logits = np.asarray(out["outputs"][0]["data"], dtype=np.float32).reshape(out["outputs"][0]["shape"])
+    np.testing.assert_allclose(logits, _offline(small_artifact, "onnx-int8", images), rtol=1e-4, atol=1e-4)
+    probs = np.asarray(out["outputs"][1]["data"]).reshape(3, 10)
+    np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-5)
+    assert client.post("/v2/models/small_cnn/infer", json=body).json()["model_version"] in ("fp32", "onnx-int8")
+
+
+def test_the_ab_split_sends_traffic_to_both_variants_and_stats_count_it(client):
+    x = np.zeros((1, 1, 16, 16)).tolist()
+    served = [client.post("/predict", json={"inputs": x}).json()["variant"] for _ in range(60)]
+    assert 10 < served.count("fp32") < 50 and served.count("fp32") + served.count("onnx-int8") == 60
+    stats = client.get("/stats").json()
+    assert stats["ab"] == {"fp32": 0.5, "onnx-int8": 0.5}
+    for name in ("fp32", "onnx-int8"):
+        v = stats["variants"][name]
+        assert v["outcomes"]["ok"] >= served.count(name) and v["latency_ms"]["p50"] > 0
+        assert v["mean_batch_size"] >= 1 and v["queue_depth"] == 0
+
+
+@pytest.mark.parametrize("kwargs, status, message", [
+    ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "malformed JSON"),
+    ({"json": {"images": []}}, 400, '"inputs"'),
+    ({"json": {"inputs": np.zeros((1, 3, 16, 16)).tolist()}}, 400, "expected [N, 1, 16, 16]"),
+    ({"content": json.dumps({"inputs": [[[[float("nan")] * 16] * 16]]}),  # NaN is not valid JSON, but common
+      "headers": {"content-type": "application/json"}}, 400, "NaN or Inf"),
+    ({"json": {"inputs": [[["a"]]]}}, 400, "numbers"),
+    ({"json": {"inputs": ["bm90IGFuIGltYWdl"]}}, 400, "not a readable image"),
+    ({"json": {"inputs": ["***"]}}, 400, "base64"),
+    ({"files": {"file": ("x.png", b"not an image", "image/png")}}, 400, "not a readable image"),
+    ({"files": {"other": ("x.png", b"", "image/png")}}, 400, "field named `file`"),
+    ({"json": {"inputs": np.zeros((1, 1, 16, 16)).tolist(), "variant": "int4"}}, 404, "unknown variant 'int4'"),
+    ({"json": {"inputs": np.zeros((1, 1, 16, 16)).tolist(), "top_k": "many"}}, 400, "top_k"),
+    ({"content": b"x" * (2 << 20), "headers": {"content-type": "application/json"}}, 413, "limit"),
+    ({"content": b"x", "headers": {"content-type": "text/plain"}}, 415, "unsupported content type"),
+])
+def test_bad_predict_requests_get_a_clear_4xx_and_the_server_keeps_serving(client, kwargs, status, message):
+    r = client.post("/predict", **kwargs)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]
+    ok = client.post("/predict", json={"inputs": np.zeros((1, 1, 16, 16)).tolist()})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("path, body, status, message", [
+    ("/v2/models/resnet50/infer", {}, 404, "unknown model 'resnet50'"),
+    ("/v2/models/small_cnn/versions/int4/infer", {}, 404, "unknown version 'int4'"),
+    ("/v2/models/small_cnn/infer", {"inputs": [{"name": "input", "shape": [1, 1, 16, 16], "datatype": "INT8",
+                                                 "data": [0] * 256}]}, 400, "datatype 'INT8'"),
+    ("/v2/models/small_cnn/infer", {"inputs": [{"name": "input", "shape": [1, 1, 16, 16], "datatype": "FP32",
+                                                 "data": [0.0] * 10}]}, 400, "has 10 values"),
+    ("/v2/models/small_cnn/infer", {"inputs": [{"name": "input", "shape": [1, 1, 16, 16], "datatype": "FP32",
+                                                 "data": [0.0] * 256}], "outputs": [{"name": "embedding"}]},
+     400, "unknown output"),
+])
+def test_bad_protocol_requests_get_the_protocol_error_body(client, path, body, status, message):
+    r = client.post(path, json=body)
+    assert r.status_code == status and message in r.json()["error"]
+
+
+def test_starting_on_a_bad_folder_or_variant_fails_with_one_clear_line(small_artifact, tmp_path):
+    with pytest.raises(UserError, match="no manifest.json"):
+        create_app(ServeConfig(str(tmp_path)))
+    with pytest.raises(UserError, match="unknown variant 'int4'; the manifest has: fp32"):
+        create_app(ServeConfig(str(small_artifact), variants=["int4"]))
+    with pytest.raises(UserError, match="--ab names 'torch-int8', which is not served"):
+        create_app(ServeConfig(str(small_artifact), variants=["fp32"], ab="torch-int8=1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_real_uvicorn_process_serves_on_loopback_and_shuts_down_cleanly(small_artifact):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(small_artifact), "--port", str(port),
+                             "--variants", "onnx-int8"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.1)
+        pngs, _ = _digit_pngs(4)
+        expected = _offline_predictions(small_artifact, "onnx-int8", pngs)
+        for png, want in zip(pngs, expected):
+            r = httpx.post(f"{base}/predict", files={"file": ("d.png", png, "image/png")}, timeout=10)
+            assert r.status_code == 200 and r.json()["variant"] == "onnx-int8"
+            assert int(r.json()["predictions"][0][0]["class"]) == want
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=30)[0]
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal for the exit status
+    assert proc.returncode in (0, -15), output
+    assert "Application shutdown complete" in output and "Traceback" not in output
