@@ -43,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto")
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--access-log", action="store_true", help="log every request (off: it costs CPU under load)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes, each with its own copy of every variant (default 1)")
 
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.workers > 1:
         config_to_environment(cfg)
         uvicorn.run("optiserve.serve.app:app_from_environment", factory=True, host=args.host, port=args.port,
-                    workers=args.workers)
+                    workers=args.workers, access_log=args.access_log)
     else:
-        uvicorn.run(app, host=args.host, port=args.port)
+        uvicorn.run(app, host=args.host, port=args.port, access_log=args.access_log)
     return 0

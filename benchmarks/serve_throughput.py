@@ -1,0 +1,163 @@
+"""Serving throughput: the server on loopback against the engine's offline ceiling, batching on and off.
+
+Builds torchvision ResNet-18 (224x224, random weights: timing only) with `optimize --int8`, then
+in one run prints: the ONNX Runtime INT8 engine's offline throughput at the server's max batch
+(the ceiling), and the server's throughput, p50 and p99 under a closed loop of concurrent clients
+uploading PNG images, with dynamic batching and with batching off (max batch 1). One load client
+process drives every configuration, so client overhead is the same in each.
+
+    python benchmarks/serve_throughput.py
+    python benchmarks/serve_throughput.py --concurrency 32 --duration 30 --variant onnx-int8
+
+The same script runs unchanged on a GPU machine (the server then uses CUDA where the runtime can).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from optiserve.optimize.artifacts import read_manifest  # noqa: E402
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
+from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
+
+
+def offline_ceiling(folder: Path, variant: str, batch: int, seconds: float) -> float:
+    manifest = read_manifest(folder)
+    entry = next(v for v in manifest["variants"] if v["name"] == variant)
+    session = load_session(folder / entry["file"], entry, manifest, RuntimeOptions(extra={"spin": False}))
+    x = np.random.default_rng(0).standard_normal((batch, *manifest["input"]["shape"]), dtype=np.float32)
+    for _ in range(3):
+        session.run(x)
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        session.run(x)
+        times.append(time.perf_counter() - t0)
+    return batch / statistics.median(times)
+
+
+def png_images(n: int, size: int) -> list[bytes]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def closed_loop(url: str, images: list[bytes], concurrency: int, seconds: float, warmup: float):
+    """`concurrency` clients, each sending its next request as soon as the last is answered."""
+    latencies, statuses, batch_sizes = [], {}, []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+        t_start = time.perf_counter()
+        t_measure, t_end = t_start + warmup, t_start + warmup + seconds
+
+        async def worker(i: int):
+            k = i
+            while time.perf_counter() < t_end:
+                t0 = time.perf_counter()
+                r = await client.post(url, files={"file": ("x.png", images[k % len(images)], "image/png")})
+                t1 = time.perf_counter()
+                k += concurrency
+                if t0 >= t_measure:
+                    latencies.append(t1 - t0)
+                    statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                    if r.status_code == 200:
+                        batch_sizes.extend(r.json()["latency_ms"]["batch_sizes"])
+
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    ok = statuses.get(200, 0)
+    lat = np.asarray(latencies) * 1000
+    return {"throughput": ok / seconds, "p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)),
+            "statuses": statuses, "mean_batch": float(np.mean(batch_sizes)) if batch_sizes else 0.0}
+
+
+def serve_and_measure(folder: Path, args, max_batch: int) -> dict:
+    port = free_port()
+    cmd = [sys.executable, "-m", "optiserve", "serve", str(folder), "--port", str(port), "--variants",
+           f"{args.variant},fp32", "--max-batch-size", str(max_batch), "--max-delay-ms", str(args.max_delay_ms),
+           "--max-queue", "1024"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                sys.exit(f"the server exited:\n{proc.stderr.read()[-3000:]}")
+            try:
+                if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                sys.exit("the server did not become ready in 300 s")
+            time.sleep(0.2)
+        images = png_images(64, args.image_size)
+        return asyncio.run(closed_loop(f"{base}/predict?variant={args.variant}", images, args.concurrency,
+                                       args.duration, args.warmup))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--variant", default="onnx-int8")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-delay-ms", type=float, default=5.0)
+    p.add_argument("--duration", type=float, default=30.0, help="measured seconds per configuration")
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
+    p.add_argument("--image-size", type=int, default=224, help="side of the uploaded PNGs")
+    p.add_argument("--artifacts", default=None, help="reuse an artifact folder instead of building one")
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.artifacts) if args.artifacts else Path(tmp) / "art"
+        if not args.artifacts:
+            run_optimize(OptimizeConfig(args.model, weights="random", dataset="synthetic", int8=True,
+                                        out=str(folder), progress=True))
+        ceiling = offline_ceiling(folder, args.variant, args.max_batch_size, 15)
+        batched = serve_and_measure(folder, args, args.max_batch_size)
+        unbatched = serve_and_measure(folder, args, 1)
+
+    print(f"\n{args.model} {args.variant}, {args.concurrency} concurrent clients (closed loop), PNG "
+          f"{args.image_size}x{args.image_size} uploads, {args.duration:g} s measured, {os.cpu_count()} cores\n")
+    print("| configuration | images/s | of ceiling | p50 ms | p99 ms | mean batch | responses |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    print(f"| offline engine, batch {args.max_batch_size} (ceiling) | {ceiling:.1f} | 100% | | | | |")
+    for label, r in ((f"server, batching (max {args.max_batch_size}, {args.max_delay_ms:g} ms)", batched),
+                     ("server, batching off (max 1)", unbatched)):
+        print(f"| {label} | {r['throughput']:.1f} | {r['throughput'] / ceiling:.0%} | {r['p50']:.0f} | "
+              f"{r['p99']:.0f} | {r['mean_batch']:.1f} | {r['statuses']} |")
+    print(f"\nbatching on / off: {batched['throughput'] / unbatched['throughput']:.2f}x throughput; "
+          f"targets: >= 78% of the ceiling with batching, p99 <= 600 ms, not slower than batching off")
+
+
+if __name__ == "__main__":
+    main()
