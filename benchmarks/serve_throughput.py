@@ -100,7 +100,7 @@ def serve_and_measure(folder: Path, args, max_batch: int) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "optiserve", "serve", str(folder), "--port", str(port), "--variants",
            f"{args.variant},fp32", "--max-batch-size", str(max_batch), "--max-delay-ms", str(args.max_delay_ms),
-           "--max-queue", "1024"]
+           "--max-queue", "1024"] + (["--threads", str(args.threads)] if args.threads else [])
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -131,15 +131,17 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-delay-ms", type=float, default=5.0)
+    p.add_argument("--threads", type=int, default=None, help="the server's intra-op threads per variant")
     p.add_argument("--duration", type=float, default=30.0, help="measured seconds per configuration")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
     p.add_argument("--image-size", type=int, default=224, help="side of the uploaded PNGs")
-    p.add_argument("--artifacts", default=None, help="reuse an artifact folder instead of building one")
+    p.add_argument("--artifacts", default=None,
+                   help="artifact folder to reuse (built there first when it does not exist yet)")
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.artifacts) if args.artifacts else Path(tmp) / "art"
-        if not args.artifacts:
+        if not (folder / "manifest.json").is_file():
             run_optimize(OptimizeConfig(args.model, weights="random", dataset="synthetic", int8=True,
                                         out=str(folder), progress=True))
         ceiling = offline_ceiling(folder, args.variant, args.max_batch_size, 15)

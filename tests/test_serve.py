@@ -223,3 +223,20 @@ def test_a_real_uvicorn_process_serves_on_loopback_and_shuts_down_cleanly(small_
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal for the exit status
     assert proc.returncode in (0, -15), output
     assert "Application shutdown complete" in output and "Traceback" not in output
+
+
+def test_metrics_expose_per_variant_counts_latencies_batches_and_queue_depth(client):
+    for _ in range(3):
+        assert client.post("/predict", json={"inputs": np.zeros((2, 1, 16, 16)).tolist(), "variant": "fp32"}).status_code == 200
+    client.post("/predict", json={"inputs": np.zeros((1, 1, 16, 16)).tolist(), "variant": "int4"})  # 404
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    ok = next(line for line in text.splitlines()
+              if line.startswith('optiserve_requests_total{outcome="ok",variant="fp32"}'))
+    assert float(ok.split()[-1]) >= 3
+    for family in ("optiserve_request_latency_seconds_bucket", "optiserve_queue_latency_seconds_bucket",
+                   "optiserve_compute_latency_seconds_bucket", "optiserve_batch_size_bucket",
+                   "optiserve_images_total"):
+        assert f'{family}{{' in text, family
+    assert 'optiserve_queue_depth{variant="onnx-int8"} 0.0' in text

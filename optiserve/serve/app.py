@@ -13,14 +13,17 @@ from pathlib import Path
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 import optiserve
 from optiserve.errors import UserError
 from optiserve.models import InputSpec
 from optiserve.optimize.artifacts import read_manifest
 from optiserve.runtime import RuntimeOptions
+from optiserve.serve.binary import HEADER as BINARY_HEADER
+from optiserve.serve.binary import BinaryFormatError, encode_response, input_array, split_request, wants_binary
 from optiserve.serve.batcher import BatchFailed, DynamicBatcher, QueueFull, ShuttingDown
+from optiserve.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from optiserve.serve.preprocess import BadInput, decode_base64_image, decode_image, tensor_batch
 from optiserve.serve.stats import VariantStats
 from optiserve.serve.variants import LoadedVariant, Router, load_verified, parse_ab, select_variants, warm_up
@@ -77,6 +80,7 @@ class Server:
         self.spec = InputSpec.from_dict(self.manifest["input"])
         self.classes = self.manifest["classes"]
         self.variants: dict[str, ServedVariant] = {}
+        self.metrics = ServerMetrics()
         self.ready = False
         self.error: str | None = None
 
@@ -90,10 +94,15 @@ class Server:
                 loaded = await asyncio.to_thread(load_verified, self.folder, entry, self.manifest, options)
                 await asyncio.to_thread(warm_up, loaded, self.manifest["input"]["shape"], sizes)
                 stats = VariantStats()
+
+                def on_batch(rec, stats=stats, name=loaded.name):
+                    stats.record_batch(rec.size)
+                    self.metrics.record_batch(name, rec.size, rec.queue_s, rec.compute_s)
+
                 batcher = DynamicBatcher(loaded.session.run, self.cfg.max_batch_size, self.cfg.max_delay_ms,
-                                         self.cfg.max_queue, name=loaded.name,
-                                         on_batch=lambda rec, s=stats: s.record_batch(rec.size))
+                                         self.cfg.max_queue, name=loaded.name, on_batch=on_batch)
                 batcher.start()
+                self.metrics.track_queue(loaded.name, lambda b=batcher: b.depth)
                 self.variants[loaded.name] = ServedVariant(loaded, batcher, stats)
                 log.info("variant %s (%s, %s) loaded and warmed up", loaded.name, entry["backend"], entry["precision"])
         except Exception as e:  # readiness stays false and says why
@@ -118,23 +127,32 @@ class Server:
     async def infer(self, variant: ServedVariant, images: np.ndarray) -> tuple[np.ndarray, dict]:
         """Run `images` through `variant`'s batcher; maps every failure to the right status."""
         t0 = time.perf_counter()
+        name = variant.loaded.name
         try:
             result = await variant.batcher.submit(images, self.cfg.timeout_ms / 1000)
         except QueueFull as e:
-            variant.stats.record_request("rejected")
+            self._record(variant, "rejected")
             raise ApiError(429, f"overloaded: {e}; retry later", {"Retry-After": "1"}) from None
         except TimeoutError as e:
-            variant.stats.record_request("timeout")
+            self._record(variant, "timeout")
             raise ApiError(504, str(e)) from None
         except BatchFailed as e:
-            variant.stats.record_request("error")
+            self._record(variant, "error")
             raise ApiError(500, f"inference failed: {e}") from None
         except ShuttingDown as e:
+            self._record(variant, "unavailable")
             raise ApiError(503, str(e)) from None
-        total_ms = 1000 * (time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        total_ms = 1000 * seconds
         variant.stats.record_request("ok", total_ms, len(images))
+        self.metrics.record_request(name, "ok", seconds, len(images))
         return result.logits, {"server_ms": total_ms, "queue_ms": 1000 * result.queue_s,
                                "compute_ms": 1000 * result.compute_s, "batch_sizes": result.batch_sizes}
+
+
+    def _record(self, variant: ServedVariant, outcome: str) -> None:
+        variant.stats.record_request(outcome)
+        self.metrics.record_request(variant.loaded.name, outcome)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -255,7 +273,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     # ---- Open Inference Protocol v2 -------------------------------------------------------------
     @app.get("/v2")
     async def server_metadata():
-        return {"name": "optiserve", "version": optiserve.__version__, "extensions": []}
+        return {"name": "optiserve", "version": optiserve.__version__, "extensions": ["binary_tensor_data"]}
 
     @app.get("/v2/health/live")
     async def live():
@@ -304,39 +322,47 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         return JSONResponse({"name": name, "version": version, "ready": ok}, status_code=200 if ok else 503)
 
     async def oip_infer(request: Request, name: str, version: str | None):
+        """JSON tensors, or the binary tensor data extension (tritonclient's default)."""
         check_model(name, version)
-        body = await json_body(request)
-        inputs = body.get("inputs")
-        if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
-            raise ApiError(400, 'expected "inputs": [{"name": "input", "shape": [N, C, H, W], "datatype": "FP32", '
-                                '"data": [...]}]')
-        tensor = inputs[0]
-        if tensor.get("datatype") not in ("FP32", "FP64"):
-            raise ApiError(400, f"input datatype {tensor.get('datatype')!r} is not supported; send FP32")
-        shape = tensor.get("shape")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d > 0 for d in shape)):
-            raise ApiError(400, "input shape must be a list of positive integers")
         try:
-            flat = np.asarray(tensor.get("data"), dtype=np.float32).reshape(-1)
-        except (ValueError, TypeError):
-            raise ApiError(400, "input data must be a (possibly nested) list of numbers") from None
+            body, tail = split_request(await request.body(), request.headers.get(BINARY_HEADER))
+            inputs = body.get("inputs")
+            if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+                raise ApiError(400, 'expected "inputs": [{"name": "input", "shape": [N, C, H, W], '
+                                    '"datatype": "FP32", "data": [...]}]')
+            tensor = inputs[0]
+            shape = tensor.get("shape")
+            if not (isinstance(shape, list) and all(isinstance(d, int) and d > 0 for d in shape)):
+                raise ApiError(400, "input shape must be a list of positive integers")
+            flat, _ = input_array(tensor, tail, 0)
+        except BinaryFormatError as e:
+            raise ApiError(400, str(e)) from None
         if flat.size != int(np.prod(shape)):
             raise ApiError(400, f"input data has {flat.size} values but shape {shape} needs {int(np.prod(shape))}")
         images = tensor_batch(flat.reshape(shape), server.spec)
+        requested = body.get("outputs") or [{"name": "logits"}, {"name": "probabilities"}]
+        for out in requested:
+            if not isinstance(out, dict) or out.get("name") not in ("logits", "probabilities"):
+                raise ApiError(400, f"unknown output {out!r}; outputs: logits, probabilities")
         variant = server.variant(version)
         logits, _ = await server.infer(variant, images)
-        wanted = [o.get("name") for o in body.get("outputs") or [{"name": "logits"}]]
-        outputs = []
-        for out_name in wanted:
-            if out_name not in ("logits", "probabilities"):
-                raise ApiError(400, f"unknown output {out_name!r}; outputs: logits, probabilities")
-            data = logits if out_name == "logits" else _softmax(logits)
-            outputs.append({"name": out_name, "datatype": "FP32", "shape": list(data.shape),
-                            "data": data.astype(np.float32).reshape(-1).tolist()})
+        outputs, binary = [], []
+        for out in requested:
+            data = (logits if out["name"] == "logits" else _softmax(logits)).astype(np.float32)
+            entry = {"name": out["name"], "datatype": "FP32", "shape": list(data.shape)}
+            if wants_binary(body, out):
+                binary.append((entry, data))
+            else:
+                entry["data"] = data.reshape(-1).tolist()
+            outputs.append(entry)
         response = {"model_name": name, "model_version": variant.loaded.name, "outputs": outputs}
         if "id" in body:
             response["id"] = body["id"]
-        return response
+        content, header_length = encode_response(response, binary)
+        if header_length is None:
+            return Response(content, media_type="application/json")
+        return Response(content, media_type="application/octet-stream",
+                        headers={BINARY_HEADER: str(header_length)})
 
     @app.post("/v2/models/{name}/infer")
     async def infer(name: str, request: Request):
@@ -345,6 +371,10 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     @app.post("/v2/models/{name}/versions/{version}/infer")
     async def infer_version(name: str, version: str, request: Request):
         return await oip_infer(request, name, version)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # ---- /stats ---------------------------------------------------------------------------------
     @app.get("/stats")

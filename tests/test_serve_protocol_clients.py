@@ -1,0 +1,110 @@
+"""Unmodified Open Inference Protocol clients: tritonclient.http (binary tensors by default) and raw binary bodies."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import ROOT
+from optiserve.optimize.artifacts import read_manifest
+from optiserve.runtime import load_session
+from optiserve.serve.app import ServeConfig, create_app
+
+HEADER = "Inference-Header-Content-Length"
+
+
+def _offline(folder, name, images):
+    manifest = read_manifest(folder)
+    entry = next(v for v in manifest["variants"] if v["name"] == name)
+    return load_session(folder / entry["file"], entry, manifest).run(images)
+
+
+@pytest.fixture(scope="module")
+def client(small_artifact):
+    with TestClient(create_app(ServeConfig(str(small_artifact), variants=["onnx-int8"]))) as c:
+        deadline = time.monotonic() + 60
+        while c.get("/v2/health/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        yield c
+
+
+def test_binary_inputs_and_outputs_round_trip(client, small_artifact):
+    images = np.random.default_rng(0).standard_normal((2, 1, 16, 16), dtype=np.float32)
+    header = {"inputs": [{"name": "input", "shape": [2, 1, 16, 16], "datatype": "FP32",
+                          "parameters": {"binary_data_size": images.nbytes}}],
+              "outputs": [{"name": "logits", "parameters": {"binary_data": True}}, {"name": "probabilities"}]}
+    head = json.dumps(header).encode()
+    r = client.post("/v2/models/small_cnn/infer", content=head + images.tobytes(),
+                    headers={HEADER: str(len(head)), "content-type": "application/octet-stream"})
+    assert r.status_code == 200, r.text
+    n = int(r.headers[HEADER])
+    meta = json.loads(r.content[:n])
+    logits_meta, probs_meta = meta["outputs"]
+    assert logits_meta["parameters"]["binary_data_size"] == 2 * 10 * 4 and "data" not in logits_meta
+    logits = np.frombuffer(r.content[n:], dtype="<f4").reshape(2, 10)
+    np.testing.assert_allclose(logits, _offline(small_artifact, "onnx-int8", images), rtol=1e-4, atol=1e-4)
+    assert len(probs_meta["data"]) == 20  # asked for as JSON, answered as JSON
+
+
+@pytest.mark.parametrize("header_value, body_tail, message", [
+    ("abc", b"", "must be an integer"),
+    ("99999", b"", "but the body has"),
+    (None, b"\x00" * 12, "does not fit"),
+])
+def test_malformed_binary_requests_are_400(client, header_value, body_tail, message):
+    header = {"inputs": [{"name": "input", "shape": [1, 1, 16, 16], "datatype": "FP32",
+                          "parameters": {"binary_data_size": 1024}}]}
+    head = json.dumps(header).encode()
+    headers = {HEADER: header_value if header_value is not None else str(len(head))}
+    r = client.post("/v2/models/small_cnn/infer", content=head + body_tail, headers=headers)
+    assert r.status_code == 400 and message in r.json()["error"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unmodified_tritonclient_infers_against_a_real_server(small_artifact):
+    httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(small_artifact), "--port", str(port),
+                             "--variants", "onnx-int8,fp32"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        client = httpclient.InferenceServerClient(url=f"127.0.0.1:{port}")
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("small_cnn")
+        assert client.get_model_metadata("small_cnn")["inputs"][0]["shape"] == [-1, 1, 16, 16]
+        images = np.random.default_rng(1).standard_normal((3, 1, 16, 16), dtype=np.float32)
+        infer_input = httpclient.InferInput("input", list(images.shape), "FP32")
+        infer_input.set_data_from_numpy(images)  # binary by default
+        result = client.infer("small_cnn", [infer_input], model_version="onnx-int8",
+                              outputs=[httpclient.InferRequestedOutput("logits")])
+        np.testing.assert_allclose(result.as_numpy("logits"), _offline(small_artifact, "onnx-int8", images),
+                                   rtol=1e-4, atol=1e-4)
+        routed = client.infer("small_cnn", [infer_input])  # no outputs named: all of them, binary
+        assert routed.as_numpy("probabilities").shape == (3, 10)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
