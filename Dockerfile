@@ -1,5 +1,6 @@
 # GPU image for optiserve: CUDA runtime, the package with the TensorRT extra.
-# Build: docker build -t optiserve .   Run: docker run --gpus all -v $PWD/artifacts:/artifacts optiserve ...
+# Build: docker build -t optiserve .
+# Run:   docker run --gpus all -p 8000:8000 -v $PWD/artifacts/resnet18-digits:/artifacts optiserve
 FROM nvidia/cuda:13.0.0-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
@@ -14,7 +15,8 @@ COPY pyproject.toml README.md ./
 COPY optiserve ./optiserve
 RUN pip install ".[tensorrt]"
 
-# The server subcommand lands with the serving issue; until then the image runs the CLI
-# (e.g. `docker run --gpus all optiserve train resnet18 --dataset digits`).
+# Serves the artifact folder mounted at /artifacts (written by `optimize`); any other subcommand
+# works too, e.g. `docker run --gpus all optiserve train resnet18 --dataset digits`.
+EXPOSE 8000
 ENTRYPOINT ["optiserve"]
-CMD ["--help"]
+CMD ["serve", "/artifacts", "--host", "0.0.0.0", "--port", "8000"]
