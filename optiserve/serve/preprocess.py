@@ -48,11 +48,15 @@ def decode_image(data: bytes, spec: InputSpec) -> np.ndarray:
                                  Image.BILINEAR)
             left, top = (image.width - w) // 2, (image.height - h) // 2
             image = image.crop((left, top, left + w, top + h))
-    x = np.asarray(image, dtype=np.float32) / 255.0
-    x = x[None] if x.ndim == 2 else x.transpose(2, 0, 1)
-    mean = np.asarray(spec.mean, dtype=np.float32)[:, None, None]
-    std = np.asarray(spec.std, dtype=np.float32)[:, None, None]
-    return (x - mean) / std
+    # (pixel / 255 - mean) / std as one multiply-add on the contiguous H x W x C array, then one
+    # transposing copy: arithmetic on the transposed (strided) view costs as much as the PNG decode
+    std = np.asarray(spec.std, dtype=np.float32)
+    scale = 1.0 / (255.0 * std)
+    shift = -np.asarray(spec.mean, dtype=np.float32) / std
+    x = np.asarray(image, dtype=np.float32)
+    if x.ndim == 2:
+        return (x * scale[0] + shift[0])[None]
+    return np.ascontiguousarray((x * scale + shift).transpose(2, 0, 1))
 
 
 def decode_base64_image(text: str, spec: InputSpec) -> np.ndarray:
