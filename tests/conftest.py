@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,23 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "optiserve", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def offline_logits(folder: Path, variant: str, images):
+    """What the runtime layer computes offline for `images` with one variant of an artifact folder."""
+    from optiserve.optimize.artifacts import read_manifest
+    from optiserve.runtime import load_session
+
+    manifest = read_manifest(folder)
+    entry = next(v for v in manifest["variants"] if v["name"] == variant)
+    return load_session(folder / entry["file"], entry, manifest).run(images)
 
 
 @pytest.fixture(scope="session")

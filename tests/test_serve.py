@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -16,12 +15,11 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from conftest import ROOT
+from conftest import ROOT, free_port, offline_logits
 from optiserve.data import load_dataset
 from optiserve.errors import UserError
 from optiserve.models import InputSpec
 from optiserve.optimize.artifacts import read_manifest
-from optiserve.runtime import load_session
 from optiserve.serve.app import ServeConfig, create_app
 from optiserve.serve.preprocess import decode_image
 
@@ -56,11 +54,6 @@ def _png(array_0_255: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _offline(small_artifact, name, images):
-    manifest = read_manifest(small_artifact)
-    entry = next(v for v in manifest["variants"] if v["name"] == name)
-    return load_session(small_artifact / entry["file"], entry, manifest).run(images)
-
 
 def test_predict_serves_the_same_answer_as_the_offline_runtime(client, digits, small_artifact):
     images = np.stack([digits.test[i][0].numpy() for i in range(6)])
@@ -68,7 +61,7 @@ def test_predict_serves_the_same_answer_as_the_offline_runtime(client, digits, s
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["variant"] == "fp32" and len(body["predictions"]) == 6
-    expected = _offline(small_artifact, "fp32", images).argmax(1)
+    expected = offline_logits(small_artifact, "fp32", images).argmax(1)
     assert [p[0]["index"] for p in body["predictions"]] == expected.tolist()
     assert all(len(p) == 3 and p[0]["probability"] >= p[1]["probability"] for p in body["predictions"])
     assert body["latency_ms"]["server_ms"] >= body["latency_ms"]["compute_ms"] > 0
@@ -84,7 +77,7 @@ def _digit_pngs(n=12):
 
 def _offline_predictions(small_artifact, name, pngs):
     spec = InputSpec.from_dict(read_manifest(small_artifact)["input"])
-    return _offline(small_artifact, name, np.stack([decode_image(p, spec) for p in pngs])).argmax(1)
+    return offline_logits(small_artifact, name, np.stack([decode_image(p, spec) for p in pngs])).argmax(1)
 
 
 def test_predict_accepts_png_uploads_and_base64_images(client, small_artifact):
@@ -122,7 +115,7 @@ def test_open_inference_protocol_metadata_readiness_and_infer(client, digits, sm
     out = r.json()
     assert out["id"] == "42" and out["model_version"] == "onnx-int8"
     logits = np.asarray(out["outputs"][0]["data"], dtype=np.float32).reshape(out["outputs"][0]["shape"])
-    np.testing.assert_allclose(logits, _offline(small_artifact, "onnx-int8", images), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, offline_logits(small_artifact, "onnx-int8", images), rtol=1e-4, atol=1e-4)
     probs = np.asarray(out["outputs"][1]["data"]).reshape(3, 10)
     np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-5)
     assert client.post("/v2/models/small_cnn/infer", json=body).json()["model_version"] in ("fp32", "onnx-int8")
@@ -189,14 +182,9 @@ def test_starting_on_a_bad_folder_or_variant_fails_with_one_clear_line(small_art
         create_app(ServeConfig(str(small_artifact), variants=["fp32"], ab="torch-int8=1"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_a_real_uvicorn_process_serves_on_loopback_and_shuts_down_cleanly(small_artifact):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(small_artifact), "--port", str(port),
                              "--variants", "onnx-int8"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,18 +12,11 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import ROOT
-from optiserve.optimize.artifacts import read_manifest
-from optiserve.runtime import load_session
+from conftest import ROOT, free_port, offline_logits
 from optiserve.serve.app import ServeConfig, create_app
 
 HEADER = "Inference-Header-Content-Length"
 
-
-def _offline(folder, name, images):
-    manifest = read_manifest(folder)
-    entry = next(v for v in manifest["variants"] if v["name"] == name)
-    return load_session(folder / entry["file"], entry, manifest).run(images)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +43,7 @@ def test_binary_inputs_and_outputs_round_trip(client, small_artifact):
     logits_meta, probs_meta = meta["outputs"]
     assert logits_meta["parameters"]["binary_data_size"] == 2 * 10 * 4 and "data" not in logits_meta
     logits = np.frombuffer(r.content[n:], dtype="<f4").reshape(2, 10)
-    np.testing.assert_allclose(logits, _offline(small_artifact, "onnx-int8", images), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, offline_logits(small_artifact, "onnx-int8", images), rtol=1e-4, atol=1e-4)
     assert len(probs_meta["data"]) == 20  # asked for as JSON, answered as JSON
 
 
@@ -69,15 +61,10 @@ def test_malformed_binary_requests_are_400(client, header_value, body_tail, mess
     assert r.status_code == 400 and message in r.json()["error"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_an_unmodified_tritonclient_infers_against_a_real_server(small_artifact):
     httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(small_artifact), "--port", str(port),
                              "--variants", "onnx-int8,fp32"], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -101,7 +88,7 @@ def test_an_unmodified_tritonclient_infers_against_a_real_server(small_artifact)
         infer_input.set_data_from_numpy(images)  # binary by default
         result = client.infer("small_cnn", [infer_input], model_version="onnx-int8",
                               outputs=[httpclient.InferRequestedOutput("logits")])
-        np.testing.assert_allclose(result.as_numpy("logits"), _offline(small_artifact, "onnx-int8", images),
+        np.testing.assert_allclose(result.as_numpy("logits"), offline_logits(small_artifact, "onnx-int8", images),
                                    rtol=1e-4, atol=1e-4)
         routed = client.infer("small_cnn", [infer_input])  # no outputs named: all of them, binary
         assert routed.as_numpy("probabilities").shape == (3, 10)

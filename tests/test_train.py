@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, free_port, run_cli
 from optiserve.checkpoint import read_checkpoint
 from optiserve.train.distributed import cleanup_distributed, setup_distributed, wrap_ddp
 from optiserve.train.trainer import train_step
@@ -82,15 +81,10 @@ def _ddp_worker(rank: int, port: int, out: str):
     cleanup_distributed()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_ddp_steps_on_two_half_batches_equal_single_process_steps_on_the_full_batch(tmp_path):
     out = tmp_path / "ddp_params.pt"
-    mp.spawn(_ddp_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(free_port(), str(out)), nprocs=2, join=True)
     torch.manual_seed(0)
     single = NoNormNet()
     _steps(single, *_batch())
