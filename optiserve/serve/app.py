@@ -127,7 +127,6 @@ class Server:
     async def infer(self, variant: ServedVariant, images: np.ndarray) -> tuple[np.ndarray, dict]:
         """Run `images` through `variant`'s batcher; maps every failure to the right status."""
         t0 = time.perf_counter()
-        name = variant.loaded.name
         try:
             result = await variant.batcher.submit(images, self.cfg.timeout_ms / 1000)
         except QueueFull as e:
@@ -143,16 +142,14 @@ class Server:
             self._record(variant, "unavailable")
             raise ApiError(503, str(e)) from None
         seconds = time.perf_counter() - t0
-        total_ms = 1000 * seconds
-        variant.stats.record_request("ok", total_ms, len(images))
-        self.metrics.record_request(name, "ok", seconds, len(images))
-        return result.logits, {"server_ms": total_ms, "queue_ms": 1000 * result.queue_s,
+        self._record(variant, "ok", seconds, len(images))
+        return result.logits, {"server_ms": 1000 * seconds, "queue_ms": 1000 * result.queue_s,
                                "compute_ms": 1000 * result.compute_s, "batch_sizes": result.batch_sizes}
 
-
-    def _record(self, variant: ServedVariant, outcome: str) -> None:
-        variant.stats.record_request(outcome)
-        self.metrics.record_request(variant.loaded.name, outcome)
+    def _record(self, variant: ServedVariant, outcome: str, seconds: float | None = None, images: int = 0) -> None:
+        """One request's outcome, into both /stats and /metrics."""
+        variant.stats.record_request(outcome, None if seconds is None else 1000 * seconds, images)
+        self.metrics.record_request(variant.loaded.name, outcome, seconds, images)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -224,12 +221,9 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     async def json_body(request: Request) -> dict:
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the JSON body must be an object")
-        return body
+            return split_request(await request.body(), None)[0]
+        except BinaryFormatError as e:
+            raise ApiError(400, str(e)) from None
 
     # ---- /predict -------------------------------------------------------------------------------
     @app.post("/predict")
