@@ -14,18 +14,19 @@ from optiserve.errors import UserError
 from optiserve.models import LoadedModel, get_model_entry, load_model
 from optiserve.optimize import artifacts
 from optiserve.optimize.calibrate import calibration_batches
-from optiserve.optimize.export_onnx import export_onnx
+from optiserve.optimize.export_onnx import OPSET, export_onnx
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.progress import PassLog
 from optiserve.optimize.prune import compressed_size, prune_unstructured
 from optiserve.optimize.prune_channels import count_flops, prune_channels
 from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
 from optiserve.optimize.quantize_torch import quantize_torch_fx
-from optiserve.optimize.tensorrt import build_tensorrt_engine, tensorrt_unavailable
+from optiserve.optimize.tensorrt import build_tensorrt_engine
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, gate, materialize, predict, score
 from optiserve.runtime import RuntimeOptions, load_session
 from optiserve.runtime.timing import median_latency_ms
+from optiserve.runtime.torch_backends import TorchSession, tensorrt_unavailable
 from optiserve.train.finetune import fine_tune
 
 BASELINE = "fp32"
@@ -173,10 +174,10 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             variants.append(Variant("torchscript", "torchscript.pt", "torchscript", "fp32",
                                     {"fused_conv_bn": True, "frozen": True, "optimize_for_inference": True}))
         if cfg.onnx:
-            with log.step("ONNX export (opset 18, dynamic batch)"):
+            with log.step(f"ONNX export (opset {OPSET}, dynamic batch)"):
                 export_diff = export_onnx(fused, example, stage / "model.onnx")
                 variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
-                                        {"opset": 18, "fused_conv_bn": True, "graph_optimization": "all"}))
+                                        {"opset": OPSET, "fused_conv_bn": True, "graph_optimization": "all"}))
                 notes.append(f"ONNX export parity with eager: max |Δ| {export_diff:.1e}")
         if cfg.int8:
             batches = calibration_batches(data.calibration_set(), cfg.calib_size)
@@ -242,12 +243,8 @@ def _prune_channels(loaded, data, evalset, example, cfg, why_not, log):
                 "macs_before": flops_before, "macs_after": flops_after}
 
     def test_top1(model):
-        if evalset.labels is None:
-            return None
-        with torch.no_grad():
-            logits = torch.cat([model(torch.from_numpy(evalset.images[i:i + 64]))
-                                for i in range(0, len(evalset.images), 64)])
-        return float((logits.argmax(1).numpy() == evalset.labels).mean())
+        logits = predict(TorchSession(model.eval(), "torch", torch.device("cpu"), None), evalset.images)
+        return score(logits, logits, evalset.labels)["top1"]
 
     settings["test_top1_before_finetune"] = test_top1(pruned)
     if why_not or cfg.finetune_epochs == 0:
@@ -257,7 +254,7 @@ def _prune_channels(loaded, data, evalset, example, cfg, why_not, log):
         log.note(f"fine-tuning for {cfg.finetune_epochs} epochs on {data.name} train")
         settings["finetune"] = fine_tune(pruned, data, cfg.finetune_epochs, device=cfg.device,
                                          progress=cfg.progress)
-    settings["test_top1_after_finetune"] = test_top1(pruned.eval())
+    settings["test_top1_after_finetune"] = test_top1(pruned)
     return fuse_conv_bn(pruned), settings
 
 

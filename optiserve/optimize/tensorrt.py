@@ -1,7 +1,7 @@
 """TensorRT engines through torch-tensorrt (Dynamo frontend), serialized as an ExportedProgram.
 
-GPU only: `tensorrt_unavailable()` says in one line what is missing (the extra, or CUDA). FP16 is
-built by casting the model and its input to half precision (torch-tensorrt's explicit typing);
+GPU only: `runtime.torch_backends.tensorrt_unavailable()` says in one line what is missing (the
+extra, or CUDA). FP16 is built by casting the model and its input to half precision (torch-tensorrt's explicit typing);
 INT8 engines are not built: torch-tensorrt's current INT8 path needs NVIDIA ModelOpt's
 quantization (its own calibration API), which is not one of our dependencies.
 """
@@ -13,8 +13,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-
-from optiserve.runtime.torch_backends import tensorrt_unavailable  # noqa: F401  re-exported for callers
 
 
 def build_tensorrt_engine(model: nn.Module, example: torch.Tensor, path: str | os.PathLike, fp16: bool,
