@@ -19,6 +19,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb"):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the result should read like any new file
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
@@ -28,6 +29,12 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

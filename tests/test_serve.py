@@ -5,8 +5,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import subprocess
-import sys
 import time
 
 import httpx
@@ -15,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from conftest import ROOT, free_port, offline_logits
+from conftest import offline_logits, serving
 from optiserve.data import load_dataset
 from optiserve.errors import UserError
 from optiserve.models import InputSpec
@@ -184,33 +182,16 @@ def test_starting_on_a_bad_folder_or_variant_fails_with_one_clear_line(small_art
 
 
 def test_a_real_uvicorn_process_serves_on_loopback_and_shuts_down_cleanly(small_artifact):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(small_artifact), "--port", str(port),
-                             "--variants", "onnx-int8"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.1)
+    with serving(small_artifact, "--variants", "onnx-int8") as (base, proc):
         pngs, _ = _digit_pngs(4)
         expected = _offline_predictions(small_artifact, "onnx-int8", pngs)
         for png, want in zip(pngs, expected):
             r = httpx.post(f"{base}/predict", files={"file": ("d.png", png, "image/png")}, timeout=10)
             assert r.status_code == 200 and r.json()["variant"] == "onnx-int8"
             assert int(r.json()["predictions"][0][0]["class"]) == want
-    finally:
-        proc.terminate()
-        output = proc.communicate(timeout=30)[0]
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal for the exit status
-    assert proc.returncode in (0, -15), output
-    assert "Application shutdown complete" in output and "Traceback" not in output
+    assert proc.returncode in (0, -15), proc.output
+    assert "Application shutdown complete" in proc.output and "Traceback" not in proc.output
 
 
 def test_metrics_expose_per_variant_counts_latencies_batches_and_queue_depth(client):
@@ -228,3 +209,31 @@ def test_metrics_expose_per_variant_counts_latencies_batches_and_queue_depth(cli
                    "optiserve_images_total"):
         assert f'{family}{{' in text, family
     assert 'optiserve_queue_depth{variant="onnx-int8"} 0.0' in text
+
+
+def test_a_full_queue_is_answered_429_before_the_body_is_read_and_the_queued_requests_are_served(small_artifact):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = ServeConfig(str(small_artifact), variants=["onnx-int8"], max_batch_size=1, max_delay_ms=0, max_queue=2)
+    with TestClient(create_app(cfg)) as c:
+        _wait_ready(c)
+        batcher = c.app.state.server.variants["onnx-int8"].batcher
+        gate, real = threading.Event(), batcher.run_batch
+        batcher.run_batch = lambda batch: (gate.wait(10), real(batch))[1]  # a model stuck on its first batch
+        pngs, _ = _digit_pngs(3)
+        with ThreadPoolExecutor(3) as pool:
+            pending = [pool.submit(c.post, "/predict?variant=onnx-int8", files={"file": ("d.png", p)}) for p in pngs]
+            deadline = time.monotonic() + 10
+            while batcher.depth < 2:  # one running (stuck), two queued: the queue is full
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            t0 = time.perf_counter()
+            r = c.post("/predict?variant=onnx-int8", files={"file": ("x.png", b"not even an image")})
+            rejected_in = time.perf_counter() - t0
+            gate.set()
+            answers = [f.result(timeout=30) for f in pending]
+    assert r.status_code == 429 and "limit 2" in r.json()["error"]  # 429, not 400: the body was never decoded
+    assert r.headers["Retry-After"] == "1" and r.headers["X-Optiserve-Variant"] == "onnx-int8"
+    assert rejected_in < 0.5  # generous for a shared CI machine; the batcher test bounds the rejection itself
+    assert [a.status_code for a in answers] == [200, 200, 200]

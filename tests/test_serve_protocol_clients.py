@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
-import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import ROOT, free_port, offline_logits
+from conftest import offline_logits, serving
 from optiserve.serve.app import ServeConfig, create_app
 
 HEADER = "Inference-Header-Content-Length"
@@ -64,22 +61,8 @@ def test_malformed_binary_requests_are_400(client, header_value, body_tail, mess
 
 def test_an_unmodified_tritonclient_infers_against_a_real_server(small_artifact):
     httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(small_artifact), "--port", str(port),
-                             "--variants", "onnx-int8,fp32"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        client = httpclient.InferenceServerClient(url=f"127.0.0.1:{port}")
+    with serving(small_artifact, "--variants", "onnx-int8,fp32") as (base, _):
+        client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
         assert client.is_server_live() and client.is_server_ready()
         assert client.is_model_ready("small_cnn")
         assert client.get_model_metadata("small_cnn")["inputs"][0]["shape"] == [-1, 1, 16, 16]
@@ -92,6 +75,3 @@ def test_an_unmodified_tritonclient_infers_against_a_real_server(small_artifact)
                                    rtol=1e-4, atol=1e-4)
         routed = client.infer("small_cnn", [infer_input])  # no outputs named: all of them, binary
         assert routed.as_numpy("probabilities").shape == (3, 10)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

@@ -30,6 +30,7 @@ from optiserve.serve.variants import LoadedVariant, Router, load_verified, parse
 
 log = logging.getLogger("optiserve.serve")
 CONFIG_ENV = "OPTISERVE_SERVE_CONFIG"
+VARIANT_HEADER = "X-Optiserve-Variant"
 
 
 @dataclass
@@ -124,23 +125,39 @@ class Server:
             raise ApiError(404, f"unknown variant {name!r}; served: {', '.join(self.variants)}")
         return self.variants[name]
 
+    def reject_early(self, name: str | None) -> None:
+        """Answer 429 before the body is read and decoded when the request can only land in a full
+        queue: under overload, rejecting must cost almost nothing, or it eats the CPU the accepted
+        requests need. A request that names no variant is rejected early only when every queue is full."""
+        if not self.ready or (name is not None and name not in self.variants):
+            return  # the normal path answers 503 / 404 with the reason
+        candidates = [self.variants[name]] if name else list(self.variants.values())
+        if any(v.batcher.has_room() for v in candidates):
+            return
+        variant = candidates[0] if name else self.variants[self.router.pick()]
+        self._record(variant, "rejected")
+        raise ApiError(429, f"overloaded: {variant.loaded.name} already has {variant.batcher.depth} images queued "
+                            f"(limit {variant.batcher.max_queue}); retry later",
+                       {"Retry-After": "1", VARIANT_HEADER: variant.loaded.name})
+
     async def infer(self, variant: ServedVariant, images: np.ndarray) -> tuple[np.ndarray, dict]:
         """Run `images` through `variant`'s batcher; maps every failure to the right status."""
         t0 = time.perf_counter()
+        served = {VARIANT_HEADER: variant.loaded.name}  # failures say which variant the A/B split chose
         try:
             result = await variant.batcher.submit(images, self.cfg.timeout_ms / 1000)
         except QueueFull as e:
             self._record(variant, "rejected")
-            raise ApiError(429, f"overloaded: {e}; retry later", {"Retry-After": "1"}) from None
+            raise ApiError(429, f"overloaded: {e}; retry later", {"Retry-After": "1", **served}) from None
         except TimeoutError as e:
             self._record(variant, "timeout")
-            raise ApiError(504, str(e)) from None
+            raise ApiError(504, str(e), served) from None
         except BatchFailed as e:
             self._record(variant, "error")
-            raise ApiError(500, f"inference failed: {e}") from None
+            raise ApiError(500, f"inference failed: {e}", served) from None
         except ShuttingDown as e:
             self._record(variant, "unavailable")
-            raise ApiError(503, str(e)) from None
+            raise ApiError(503, str(e), served) from None
         seconds = time.perf_counter() - t0
         self._record(variant, "ok", seconds, len(images))
         return result.logits, {"server_ms": 1000 * seconds, "queue_ms": 1000 * result.queue_s,
@@ -231,6 +248,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         """An image upload (multipart field `file`) or JSON {"inputs": tensors or base64 images}."""
         ctype = request.headers.get("content-type", "")
         variant_name = request.query_params.get("variant")
+        server.reject_early(variant_name)
         top_k = request.query_params.get("top_k")
         if ctype.startswith("multipart/form-data"):
             form = await request.form()
@@ -318,6 +336,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     async def oip_infer(request: Request, name: str, version: str | None):
         """JSON tensors, or the binary tensor data extension (tritonclient's default)."""
         check_model(name, version)
+        server.reject_early(version)
         try:
             body, tail = split_request(await request.body(), request.headers.get(BINARY_HEADER))
             inputs = body.get("inputs")
@@ -372,10 +391,14 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     # ---- /stats ---------------------------------------------------------------------------------
     @app.get("/stats")
-    async def stats():
-        return {"model": model_name, "ready": server.ready, "ab": dict(zip(server.router.names, server.router.weights)),
-                "variants": {name: {**v.stats.snapshot(), "queue_depth": v.batcher.depth}
-                             for name, v in server.variants.items()}}
+    async def stats(samples: bool = False):
+        """Latency per variant; `?samples=true` adds the recent raw latencies, for `optiserve compare`."""
+        out = {"model": model_name, "input": server.manifest["input"], "ready": server.ready,
+               "ab": dict(zip(server.router.names, server.router.weights)), "variants": {}}
+        for name, v in server.variants.items():
+            facts = {k: v.loaded.entry.get(k) for k in ("backend", "precision", "accuracy", "size_bytes")}
+            out["variants"][name] = {**v.stats.snapshot(samples), "queue_depth": v.batcher.depth, **facts}
+        return out
 
     return app
 

@@ -75,6 +75,14 @@ class DynamicBatcher:
         """Images waiting for a batch."""
         return self._queue.qsize()
 
+    def has_room(self, images: int = 1) -> bool:
+        return self._queue.qsize() + images <= self.max_queue
+
+    def check_room(self, images: int = 1) -> None:
+        """Raise QueueFull unless `images` more fit in the queue."""
+        if not self.has_room(images):
+            raise QueueFull(f"{self.name}: {self._queue.qsize()} images already queued (limit {self.max_queue})")
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
@@ -88,8 +96,7 @@ class DynamicBatcher:
         if self._closing:
             raise ShuttingDown("the server is shutting down")
         k = len(images)
-        if self._queue.qsize() + k > self.max_queue:
-            raise QueueFull(f"{self.name}: {self._queue.qsize()} images already queued (limit {self.max_queue})")
+        self.check_room(k)
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         deadline = now + timeout if timeout else None

@@ -1,4 +1,4 @@
-"""Per-variant latency statistics for /stats (and later the Prometheus metrics)."""
+"""Per-variant latency statistics for /stats: outcomes, a window of recent latencies, batch sizes."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class VariantStats:
         self.images = 0
         self.batches = 0
         self.batched_images = 0
+        self.batch_sizes: collections.Counter[int] = collections.Counter()
 
     def record_request(self, outcome: str, latency_ms: float | None = None, images: int = 0) -> None:
         with self._lock:
@@ -32,14 +33,20 @@ class VariantStats:
         with self._lock:
             self.batches += 1
             self.batched_images += size
+            self.batch_sizes[size] += 1
 
-    def snapshot(self) -> dict:
+    def snapshot(self, samples: bool = False) -> dict:
+        """Counts, throughput and percentiles; with `samples`, the window's raw latencies too."""
         with self._lock:
             lat = np.asarray(self.latencies_ms, dtype=np.float64)
             elapsed = max(1e-9, time.time() - self.started)
             out = {"count": int(sum(self.outcomes.values())), "outcomes": dict(self.outcomes),
                    "images": self.images, "throughput_images_per_s": self.images / elapsed,
-                   "mean_batch_size": self.batched_images / self.batches if self.batches else None}
+                   "mean_batch_size": self.batched_images / self.batches if self.batches else None,
+                   "batch_size_counts": {str(k): n for k, n in sorted(self.batch_sizes.items())},
+                   "elapsed_s": elapsed}
+            if samples:
+                out["latency_ms_samples"] = list(self.latencies_ms)
         if len(lat):
             p50, p90, p99 = np.percentile(lat, [50, 90, 99])
             out["latency_ms"] = {"p50": p50, "p90": p90, "p99": p99, "mean": float(lat.mean()), "window": len(lat)}
