@@ -15,6 +15,8 @@ COMMANDS = {
     "train": "optiserve.train.command",
     "optimize": "optiserve.optimize.command",
     "serve": "optiserve.serve.command",
+    "bench": "optiserve.bench.command",
+    "compare": "optiserve.bench.compare_command",
 }
 
 

@@ -11,14 +11,22 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return dict(action.choices)
 
 
+def _commands(parser: argparse.ArgumentParser, prefix: str = "optiserve"):
+    """Every (command line, parser), nested subcommands such as `optiserve bench http` included."""
+    for name, sub in _subparsers(parser).items():
+        yield f"{prefix} {name}", sub
+        if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+            yield from _commands(sub, f"{prefix} {name}")
+
+
 def test_every_option_of_every_subcommand_is_in_the_readme():
     readme = (ROOT / "README.md").read_text()
-    for name, sub in _subparsers(build_parser()).items():
-        assert f"optiserve {name}" in readme
+    for command, sub in _commands(build_parser()):
+        assert command in readme
         for action in sub._actions:
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
-                    assert f"`{flag}" in readme, f"{name} {flag} is not documented in README.md"
+                    assert f"`{flag}" in readme, f"{command} {flag} is not documented in README.md"
 
 
 def test_help_lists_only_the_subcommands_that_exist():

@@ -1,0 +1,62 @@
+"""`bench http`: check the server, then run every requested load setting against it in turn."""
+
+from __future__ import annotations
+
+import asyncio
+
+from optiserve.bench.loadgen import Load, generate_load
+from optiserve.bench.progress import ProgressLine
+from optiserve.bench.results import make_results
+from optiserve.errors import UserError
+
+
+def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0) -> dict:
+    """The server's /stats (model, input, variants with accuracy and size); a clear error when the
+    URL is not an optiserve server or is not ready yet."""
+    import httpx
+
+    base = base_url.rstrip("/")
+    try:
+        ready = httpx.get(f"{base}/v2/health/ready", timeout=timeout_s)
+        stats = httpx.get(f"{base}/stats", params={"samples": "true"} if samples else None, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise UserError(f"cannot reach {base}: {type(e).__name__}: {e} (is `optiserve serve` running there?)") from None
+    if stats.status_code != 200:
+        raise UserError(f"{base}/stats answered {stats.status_code}: is this an optiserve server?")
+    try:
+        facts = stats.json()
+    except ValueError:
+        raise UserError(f"{base}/stats did not answer JSON: is this an optiserve server?") from None
+    if ready.status_code != 200:
+        raise UserError(f"{base} is not ready yet (variants still loading or failed); "
+                        f"wait for /v2/health/ready to answer 200")
+    return facts
+
+
+def bench_http(base_url: str, images: list[bytes], variants: list[str] | None, concurrency: list[int],
+               rates: list[float], duration_s: float, warmup_s: float, timeout_s: float = 60.0,
+               progress: bool = True, settings: dict | None = None) -> dict:
+    """One closed-loop run per (variant, concurrency) and one open-loop run per (variant, rate).
+
+    Without `variants`, requests name no variant and the server's A/B split routes them; the
+    records say which variant served each one."""
+    facts = server_facts(base_url)
+    served = list(facts.get("variants", {}))
+    for name in variants or []:
+        if name not in served:
+            raise UserError(f"the server does not serve variant {name!r}; it serves: {', '.join(served)}")
+    if any(c < 1 for c in concurrency) or any(r <= 0 for r in rates):
+        raise UserError("--concurrency takes positive integers and --rate positive numbers")
+    if duration_s <= 0 or warmup_s < 0:
+        raise UserError("--duration must be positive and --warmup not negative")
+    loads = [Load("closed", c, duration_s, warmup_s, v, timeout_s) for v in (variants or [None]) for c in concurrency]
+    loads += [Load("open", r, duration_s, warmup_s, v, timeout_s) for v in (variants or [None]) for r in rates]
+    line = ProgressLine(progress)
+    runs = [asyncio.run(generate_load(base_url, images, load, line)) for load in loads]
+    info = {name: {k: v.get(k) for k in ("backend", "precision", "accuracy", "size_bytes")}
+            for name, v in facts.get("variants", {}).items()}
+    settings = {"url": base_url, "variants": variants, "concurrency": concurrency, "rates": rates,
+                "duration_s": duration_s, "warmup_s": warmup_s, "timeout_s": timeout_s, "ab": facts.get("ab"),
+                **(settings or {})}
+    return make_results("http", runs, settings, model={"name": facts.get("model"), "input": facts.get("input")},
+                        variants=info)

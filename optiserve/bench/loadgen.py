@@ -1,0 +1,175 @@
+"""HTTP load generator for `/predict`: closed loop (fixed concurrency) and open loop (Poisson arrivals).
+
+Closed loop: `concurrency` clients, each sending its next request when the last is answered —
+the number a capacity test wants, but a slow server slows the load down with it.
+Open loop: requests arrive at random (exponential gaps) at `rate` per second whatever the server
+does, as users do. Each request's latency is measured from its *intended* send time, so time a
+request spent waiting for the generator (a busy event loop, a full connection pool) counts as
+latency instead of vanishing: this avoids coordinated omission, which makes an overloaded
+server look fast.
+
+Every request is recorded — status, latency, the variant that served it and the server's own
+timing breakdown — and failures (HTTP errors, timeouts, refused connections) are counted, never
+dropped. Requests sent during the warm-up are not recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from optiserve.bench.progress import ProgressLine
+from optiserve.bench.results import Run
+from optiserve.serve.app import VARIANT_HEADER
+
+ERROR_TEXT = 200  # characters of an error body kept per failed request
+
+
+@dataclass(frozen=True)
+class Load:
+    mode: str                    # "closed" | "open"
+    level: float                 # concurrency | requests per second
+    duration_s: float
+    warmup_s: float = 2.0
+    variant: str | None = None   # None: the server's A/B split chooses
+    timeout_s: float = 60.0
+    max_connections: int = 512   # open loop: requests beyond this wait in the client (and that wait counts)
+    seed: int = 0
+
+    def describe(self) -> str:
+        what = f"concurrency {self.level:g}" if self.mode == "closed" else f"{self.level:g} req/s"
+        return f"{self.mode} loop, {what}, {self.variant or 'A/B split'}"
+
+
+class _Recorder:
+    def __init__(self, t_measure: float):
+        self.t_measure = t_measure
+        self.columns = {k: [] for k in ("t_s", "latency_ms", "ok", "status", "variant", "server_ms", "queue_ms",
+                                        "compute_ms", "batch", "error")}
+        self.in_flight = 0
+        self.last_done = t_measure
+
+    def add(self, t_intended: float, t_done: float, status: int | None, body: bytes | None, error: str | None,
+            variant: str | None) -> None:
+        if t_intended < self.t_measure:
+            return  # warm-up
+        self.last_done = max(self.last_done, t_done)
+        ok = status == 200
+        info, served = {}, variant
+        if body is not None:
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                parsed = None
+            if ok and isinstance(parsed, dict):
+                info, served = parsed.get("latency_ms") or {}, parsed.get("variant", variant)
+            elif not ok:
+                detail = parsed.get("error") or parsed.get("detail") if isinstance(parsed, dict) else None
+                error = error or str(detail or body[:ERROR_TEXT].decode(errors="replace"))[:ERROR_TEXT]
+        c = self.columns
+        c["t_s"].append(t_intended - self.t_measure)
+        c["latency_ms"].append(1000 * (t_done - t_intended))
+        c["ok"].append(ok)
+        c["status"].append(status)
+        c["variant"].append(served)
+        c["server_ms"].append(info.get("server_ms"))
+        c["queue_ms"].append(info.get("queue_ms"))
+        c["compute_ms"].append(info.get("compute_ms"))
+        sizes = info.get("batch_sizes")
+        c["batch"].append(sizes[0] if sizes else None)
+        c["error"].append(None if ok else error or f"HTTP {status}")
+
+    def summary(self, now: float) -> str:
+        c = self.columns
+        ok = sum(c["ok"])
+        elapsed = max(1e-9, now - self.t_measure)
+        text = f"{ok} ok, {len(c['ok']) - ok} failed, in flight {self.in_flight}"
+        if now > self.t_measure:
+            recent = [x for x, good in zip(c["latency_ms"][-500:], c["ok"][-500:]) if good]
+            text += f", {ok / elapsed:.1f} req/s"
+            if recent:
+                text += f", p50 {np.median(recent):.0f} ms"
+        return text
+
+
+async def generate_load(base_url: str, images: list[bytes], load: Load, progress: ProgressLine | None = None) -> Run:
+    """Drive `base_url`/predict with `load`; returns the measured run with one record per request."""
+    import aiohttp
+
+    if load.level <= 0:
+        raise ValueError("the concurrency or rate must be positive")
+    url = base_url.rstrip("/") + "/predict"
+    params = {"variant": load.variant} if load.variant else None
+    limit = int(load.level) if load.mode == "closed" else load.max_connections
+    connector = aiohttp.TCPConnector(limit=limit, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=load.timeout_s)
+    loop_start = time.perf_counter()
+    t_measure = loop_start + load.warmup_s
+    t_end = t_measure + load.duration_s
+    rec = _Recorder(t_measure)
+    progress = progress or ProgressLine(False)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def one(t_intended: float, image: bytes) -> None:
+            rec.in_flight += 1
+            status = body = error = None
+            variant = load.variant
+            form = aiohttp.FormData()
+            form.add_field("file", image, filename="image.png", content_type="application/octet-stream")
+            try:
+                async with session.post(url, data=form, params=params) as r:
+                    status, body = r.status, await r.read()
+                    variant = r.headers.get(VARIANT_HEADER, load.variant)
+            except asyncio.TimeoutError:
+                error = f"no answer within {load.timeout_s:g} s"
+            except aiohttp.ClientError as e:
+                error = f"{type(e).__name__}: {e}"[:ERROR_TEXT]
+            finally:
+                rec.in_flight -= 1
+            rec.add(t_intended, time.perf_counter(), status, body, error, variant)
+
+        async def closed_client(i: int) -> None:
+            k = i
+            while (t0 := time.perf_counter()) < t_end:
+                await one(t0, images[k % len(images)])
+                k += int(load.level)
+
+        async def open_arrivals() -> None:
+            rng = np.random.default_rng(load.seed)
+            tasks, t, k = [], loop_start, 0
+            while True:
+                t += rng.exponential(1.0 / load.level)
+                if t >= t_end:
+                    break
+                delay = t - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(t, images[k % len(images)])))
+                k += 1
+            await asyncio.gather(*tasks)
+
+        async def report() -> None:
+            while True:
+                now = time.perf_counter()
+                phase = "warm-up" if now < t_measure else f"{min(now, t_end) - t_measure:.0f}/{load.duration_s:g} s"
+                progress.update(f"{load.describe()}: {phase}, {rec.summary(now)}")
+                await asyncio.sleep(0.5)
+
+        reporter = asyncio.create_task(report())
+        try:
+            if load.mode == "closed":
+                await asyncio.gather(*(closed_client(i) for i in range(int(load.level))))
+            elif load.mode == "open":
+                await open_arrivals()
+            else:
+                raise ValueError(f"unknown load mode {load.mode!r}")
+        finally:
+            reporter.cancel()
+    duration = max(t_end, rec.last_done) - t_measure
+    progress.done(f"{load.describe()}: {rec.summary(t_measure + duration)}")
+    return Run(load.mode, load.level, load.variant, duration, 1, rec.columns)
