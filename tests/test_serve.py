@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import sys
 import time
 
 import httpx
@@ -63,6 +64,26 @@ def test_predict_serves_the_same_answer_as_the_offline_runtime(client, digits, s
     assert [p[0]["index"] for p in body["predictions"]] == expected.tolist()
     assert all(len(p) == 3 and p[0]["probability"] >= p[1]["probability"] for p in body["predictions"])
     assert body["latency_ms"]["server_ms"] >= body["latency_ms"]["compute_ms"] > 0
+
+
+def test_a_ready_server_has_frozen_its_startup_heap_so_full_collections_cannot_stall_requests(client):
+    import gc
+
+    assert client.get("/v2/health/ready").status_code == 200
+    assert gc.get_freeze_count() > 100_000  # torch, the runtimes and the app: ~200 ms per full collection otherwise
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are a Linux feature")
+def test_inference_threads_run_below_the_event_loops_priority(client):
+    import os
+    import threading
+
+    client.post("/predict", json={"inputs": np.zeros((1, 1, 16, 16)).tolist()})  # the worker threads exist now
+    workers = [t for t in threading.enumerate() if t.name.startswith("infer-")]
+    assert workers, "each variant has an inference thread"
+    for t in workers:
+        assert os.getpriority(os.PRIO_PROCESS, t.native_id) >= 10
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 10  # the rest of the process is untouched
 
 
 def _digit_pngs(n=12):

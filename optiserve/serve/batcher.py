@@ -58,7 +58,8 @@ class Result:
 class DynamicBatcher:
     def __init__(self, run_batch: Callable[[np.ndarray], np.ndarray], max_batch_size: int = 16,
                  max_delay_ms: float = 5.0, max_queue: int = 256, name: str = "",
-                 on_batch: Callable[[BatchRecord], None] | None = None):
+                 on_batch: Callable[[BatchRecord], None] | None = None,
+                 thread_initializer: Callable[[], None] | None = None):
         if max_batch_size < 1 or max_queue < 1 or max_delay_ms < 0:
             raise ValueError("max_batch_size and max_queue must be >= 1 and max_delay_ms >= 0")
         self.run_batch, self.name = run_batch, name
@@ -66,7 +67,8 @@ class DynamicBatcher:
         self.max_queue = max_queue
         self.on_batch = on_batch or (lambda record: None)
         self._queue: asyncio.Queue[_Row] = asyncio.Queue()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{name}")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{name}",
+                                            initializer=thread_initializer)
         self._task: asyncio.Task | None = None
         self._closing = False
 

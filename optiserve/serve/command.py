@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"per-request limit; past it the answer is 504 (default {DEFAULTS.timeout_ms:g})")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="intra-op threads per variant (default: the runtime's, all cores)")
+    p.add_argument("--inference-nice", type=int, default=DEFAULTS.inference_nice, metavar="N",
+                   help=f"CPU priority of inference threads below request handling, as a nice value (Linux; "
+                        f"default {DEFAULTS.inference_nice}, 0 for equal priority)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto")
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
@@ -54,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = ServeConfig(artifact_dir=args.artifact_dir, variants=args.variants, ab=args.ab,
                       max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
                       max_queue=args.max_queue, timeout_ms=args.timeout_ms, threads=args.threads,
+                      inference_nice=args.inference_nice,
                       device=args.device)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     app = create_app(cfg)  # checks the manifest and the variant choice before anything listens
