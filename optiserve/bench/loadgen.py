@@ -10,12 +10,14 @@ server look fast.
 
 Every request is recorded — status, latency, the variant that served it and the server's own
 timing breakdown — and failures (HTTP errors, timeouts, refused connections) are counted, never
-dropped. Requests sent during the warm-up are not recorded.
+dropped. Requests sent during the warm-up are not recorded. `send_lag_ms` records how late the
+generator itself started each request (an overloaded client machine shows up there).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ import numpy as np
 
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run
-from optiserve.serve.app import VARIANT_HEADER
+from optiserve.serve import VARIANT_HEADER
 
 ERROR_TEXT = 200  # characters of an error body kept per failed request
 
@@ -48,13 +50,14 @@ class Load:
 class _Recorder:
     def __init__(self, t_measure: float):
         self.t_measure = t_measure
-        self.columns = {k: [] for k in ("t_s", "latency_ms", "ok", "status", "variant", "server_ms", "queue_ms",
-                                        "compute_ms", "batch", "error")}
+        self.columns = {k: [] for k in ("t_s", "latency_ms", "send_lag_ms", "ok", "status", "variant", "server_ms",
+                                        "queue_ms", "compute_ms", "batch", "error")}
         self.in_flight = 0
         self.last_done = t_measure
 
-    def add(self, t_intended: float, t_done: float, status: int | None, body: bytes | None, error: str | None,
-            variant: str | None) -> None:
+    def add(self, t_intended: float, t_started: float, t_done: float, status: int | None, body: bytes | None,
+            error: str | None, variant: str | None) -> None:
+        """One request: intended send time, when the generator got to it (its lag), when answered."""
         if t_intended < self.t_measure:
             return  # warm-up
         self.last_done = max(self.last_done, t_done)
@@ -73,6 +76,7 @@ class _Recorder:
         c = self.columns
         c["t_s"].append(t_intended - self.t_measure)
         c["latency_ms"].append(1000 * (t_done - t_intended))
+        c["send_lag_ms"].append(1000 * (t_started - t_intended))
         c["ok"].append(ok)
         c["status"].append(status)
         c["variant"].append(served)
@@ -97,7 +101,19 @@ class _Recorder:
 
 
 async def generate_load(base_url: str, images: list[bytes], load: Load, progress: ProgressLine | None = None) -> Run:
-    """Drive `base_url`/predict with `load`; returns the measured run with one record per request."""
+    """Drive `base_url`/predict with `load`; returns the measured run with one record per request.
+
+    The caller's existing objects are frozen (`gc.freeze`) for the run: a full collection of a heap
+    holding torch takes ~200 ms, and the generator must not stall like that while timing others."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return await _generate_load(base_url, images, load, progress)
+    finally:
+        gc.unfreeze()
+
+
+async def _generate_load(base_url: str, images: list[bytes], load: Load, progress: ProgressLine | None) -> Run:
     import aiohttp
 
     if load.level <= 0:
@@ -116,6 +132,7 @@ async def generate_load(base_url: str, images: list[bytes], load: Load, progress
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def one(t_intended: float, image: bytes) -> None:
+            t_started = time.perf_counter()
             rec.in_flight += 1
             status = body = error = None
             variant = load.variant
@@ -131,7 +148,7 @@ async def generate_load(base_url: str, images: list[bytes], load: Load, progress
                 error = f"{type(e).__name__}: {e}"[:ERROR_TEXT]
             finally:
                 rec.in_flight -= 1
-            rec.add(t_intended, time.perf_counter(), status, body, error, variant)
+            rec.add(t_intended, t_started, time.perf_counter(), status, body, error, variant)
 
         async def closed_client(i: int) -> None:
             k = i

@@ -9,7 +9,7 @@ import numpy as np
 
 from optiserve.files import atomic_write
 
-MAX_CDF_PANELS = 6
+MAX_CDF_PANELS = 9
 
 
 def _pyplot():
@@ -42,6 +42,7 @@ def latency_cdf(report: dict, path: Path) -> bool:
             x = np.sort(np.asarray(g["latency_ms"]))
             ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=g["name"])
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel("latency (ms, log scale)")
@@ -61,6 +62,8 @@ def latency_cdf(report: dict, path: Path) -> bool:
 def load_curve(report: dict, path: Path) -> bool:
     """Throughput and p99 (with its CI) against concurrency, rate or batch size, one line per variant."""
     plt = _pyplot()
+    from matplotlib import ticker
+
     modes = [m for m in ("closed", "open", "engine") if any(g["mode"] == m and g["stats"]["count"]
                                                            for g in report["groups"])]
     if not modes:
@@ -80,10 +83,14 @@ def load_curve(report: dict, path: Path) -> bool:
         axes[0, col].set_ylabel("images/s")
         axes[1, col].set_title(f"{mode}: p99 latency (95% CI)")
         axes[1, col].set_ylabel("ms")
-        levels = [g["level"] for g in groups]
+        levels = sorted({g["level"] for g in groups})
         for ax in axes[:, col]:
             if min(levels) > 0 and max(levels) / min(levels) >= 8:  # 1, 8, 32 spread evenly
                 ax.set_xscale("log", base=2)
+                ax.xaxis.set_minor_locator(ticker.NullLocator())
+            ax.set_xticks(levels, [f"{v:g}" for v in levels])
+            ax.set_ylim(bottom=0)
+            ax.set_ylim(top=ax.get_ylim()[1] * 1.08)  # a point at the top edge stays visible
             ax.set_xlabel(xlabel[mode])
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)

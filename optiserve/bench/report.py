@@ -131,6 +131,17 @@ def _group_row(g: dict) -> list[str]:
     return row
 
 
+def _describe_source(source: dict) -> str:
+    st = source.get("settings") or {}
+    if source["kind"] == "engine":
+        return (f"engine timings, batch sizes {', '.join(map(str, st.get('batch_sizes', [])))}, "
+                f"{st.get('duration_s', '?'):g} s each after warm-up")
+    if source["kind"] == "http":
+        return (f"HTTP load on {st.get('url')}, {st.get('duration_s', '?'):g} s per run after {st.get('warmup_s', 0):g} s "
+                f"warm-up, images: {st.get('images', '?')}")
+    return f"the server's own traffic at {st.get('url')} (latency measured inside the server)"
+
+
 GROUP_HEADER = (["variant", "requests", "errors", "req/s", "images/s", "mean ms"]
                 + [f"p{p} ms (95% CI)" for p in PERCENTILES] + ["max ms", "top-1", "size"])
 
@@ -142,7 +153,8 @@ def report_blocks(report: dict, plots: dict[str, str]) -> list[tuple]:
     src = []
     for s in report["sources"]:
         env = s.get("environment") or {}
-        src.append(f"{s['name']}: {s['kind']} results from {s.get('created')}, optiserve {env.get('optiserve', '?')}, "
+        src.append(f"{s['name']}: {_describe_source(s)}; {s.get('created')}, optiserve {env.get('optiserve', '?')}, "
+                   f"torch {env.get('torch', '?')}, onnxruntime {env.get('onnxruntime', '?')}, "
                    f"{env.get('cpu_count', '?')} CPUs" + (f", {env['gpu']}" if env.get("gpu") else ""))
     blocks += [("p", f"Baseline: {report['baseline']}. Percentiles are of successful requests; the intervals are "
                      "95% bootstrap confidence intervals; a speedup is baseline ÷ variant (above 1 is faster)."),
