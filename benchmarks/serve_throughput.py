@@ -136,7 +136,8 @@ def serve_and_measure(folder: Path, args, max_batch: int) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "optiserve", "serve", str(folder), "--port", str(port), "--variants",
            f"{args.variant},fp32", "--max-batch-size", str(max_batch), "--max-delay-ms", str(args.max_delay_ms),
-           "--max-queue", "1024"] + (["--threads", str(args.threads)] if args.threads else [])
+           "--max-queue", "1024", "--inference-nice", str(args.inference_nice)]
+    cmd += ["--threads", str(args.threads)] if args.threads else []
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -170,6 +171,7 @@ def main() -> None:
     p.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
                    help="the load client library (default aiohttp, the lighter of the two)")
     p.add_argument("--threads", type=int, default=None, help="the server's intra-op threads per variant")
+    p.add_argument("--inference-nice", type=int, default=10, help="the server's --inference-nice (default 10)")
     p.add_argument("--duration", type=float, default=30.0, help="measured seconds per configuration")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
     p.add_argument("--image-size", type=int, default=224, help="side of the uploaded PNGs")
