@@ -258,3 +258,19 @@ def test_a_full_queue_is_answered_429_before_the_body_is_read_and_the_queued_req
     assert r.headers["Retry-After"] == "1" and r.headers["X-Optiserve-Variant"] == "onnx-int8"
     assert rejected_in < 0.5  # generous for a shared CI machine; the batcher test bounds the rejection itself
     assert [a.status_code for a in answers] == [200, 200, 200]
+
+
+def test_several_worker_processes_each_load_warm_and_serve(small_artifact):
+    pngs, _ = _digit_pngs(6)
+    expected = _offline_predictions(small_artifact, "onnx-int8", pngs)
+    with serving(small_artifact, "--variants", "onnx-int8", "--workers", "2") as (base, proc):
+        # ready means *a* worker is ready: wait until fresh connections keep finding ready ones
+        deadline, streak = time.monotonic() + 120, 0
+        while streak < 10:
+            assert time.monotonic() < deadline, "the second worker never became ready"
+            streak = streak + 1 if httpx.get(f"{base}/v2/health/ready").status_code == 200 else 0
+            time.sleep(0.05)
+        answers = [httpx.post(f"{base}/predict", files={"file": ("d.png", p)}, timeout=30) for p in pngs * 3]
+        assert all(a.status_code == 200 for a in answers)
+        assert [int(a.json()["predictions"][0][0]["class"]) for a in answers] == list(expected) * 3
+    assert proc.output.count("loaded and warmed up") == 2, proc.output  # once per worker process

@@ -420,8 +420,14 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     return app
 
 
+def configure_logging() -> None:
+    """The server's own lines (variants loaded, warnings) in uvicorn's style, in every process."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+
+
 def app_from_environment() -> FastAPI:
     """uvicorn factory for `--workers N`: each worker process builds the app from the same config."""
+    configure_logging()  # worker processes are spawned fresh: the parent's logging setup is not inherited
     return create_app(ServeConfig(**json.loads(os.environ[CONFIG_ENV])))
 
 

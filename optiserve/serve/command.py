@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
-from optiserve.serve.app import ServeConfig, config_to_environment, create_app
+from optiserve.serve.app import ServeConfig, config_to_environment, configure_logging, create_app
 
 HELP = "serve an artifact folder: /predict, the Open Inference Protocol (v2) and /stats"
 DESCRIPTION = """\
@@ -59,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
                       max_queue=args.max_queue, timeout_ms=args.timeout_ms, threads=args.threads,
                       inference_nice=args.inference_nice,
                       device=args.device)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    configure_logging()
     app = create_app(cfg)  # checks the manifest and the variant choice before anything listens
     if args.workers > 1:
         config_to_environment(cfg)
