@@ -17,12 +17,11 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from optiserve.serve.launch import served  # noqa: E402
 
 
 def sh(command: str, cwd: Path) -> None:
@@ -44,28 +43,12 @@ def main() -> None:
         sh("optimize resnet18 --int8", ROOT)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        server = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(artifacts), "--port",
-                                   str(args.port), "--variants", "fp32,onnx-int8"], cwd=ROOT)
-        url = f"http://127.0.0.1:{args.port}"
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if server.poll() is not None or time.monotonic() > deadline:
-                    sys.exit("the server did not start")
-                time.sleep(0.2)
+        with served(artifacts, "--variants", "fp32,onnx-int8", port=args.port) as (url, _):
             d = f"{args.duration:g}"
             sh(f"optiserve bench engine {artifacts} --variants fp32,onnx-int8 --batch-sizes 1,8,32 --duration {d} "
                f"--out {tmp}/engine.json --quiet", ROOT)
             sh(f"optiserve bench http {url} --variants fp32,onnx-int8 --concurrency 1,8,32 --rate 100 "
                f"--duration {d} --out {tmp}/http.json --quiet", ROOT)
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
         sh(f"optiserve compare {tmp}/engine.json {tmp}/http.json --baseline fp32 --out {ROOT / args.out}", ROOT)
 
 

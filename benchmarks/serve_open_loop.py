@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +40,7 @@ from optiserve.bench.payloads import dataset_images  # noqa: E402
 from optiserve.optimize.artifacts import read_manifest  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
 from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
+from optiserve.serve.launch import served  # noqa: E402
 
 
 def batch_compute_ms(folder: Path, variant: str, batch: int, seconds: float, threads: int | None) -> float:
@@ -55,34 +52,12 @@ def batch_compute_ms(folder: Path, variant: str, batch: int, seconds: float, thr
     return statistics.median(time_variant(session, x, seconds))
 
 
-@contextlib.contextmanager
 def running_server(folder: Path, args):
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "optiserve", "serve", str(folder), "--port", str(port), "--variants", args.variant,
-           "--max-batch-size", str(args.max_batch_size), "--max-delay-ms", str(args.max_delay_ms),
-           "--max-queue", str(args.max_queue), "--inference-nice", str(args.inference_nice)]
-    cmd += ["--threads", str(args.threads)] if args.threads else []
+    flags = ["--variants", args.variant, "--max-batch-size", str(args.max_batch_size), "--max-delay-ms",
+             str(args.max_delay_ms), "--max-queue", str(args.max_queue), "--inference-nice", str(args.inference_nice)]
+    flags += ["--threads", str(args.threads)] if args.threads else []
     pin = (lambda: os.sched_setaffinity(0, args.server_cores)) if args.server_cores else None
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=pin)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                sys.exit(f"the server exited:\n{proc.stderr.read()[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                sys.exit("the server did not become ready in 300 s")
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    return served(folder, *flags, preexec_fn=pin)
 
 
 def describe(run, duration: float) -> dict:
@@ -135,7 +110,7 @@ def main() -> None:
             os.sched_setaffinity(0, set(cores) - args.server_cores)  # from here on: the load generator
         bound = args.max_delay_ms + 3 * compute
         images = dataset_images("synthetic", args.image_size)
-        with running_server(folder, args) as base:
+        with running_server(folder, args) as (base, _):
             def drive(load):
                 return asyncio.run(generate_load(base, images, load))
 

@@ -18,9 +18,7 @@ import argparse
 import asyncio
 import io
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from optiserve.optimize.artifacts import read_manifest  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
 from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
+from optiserve.serve.launch import served  # noqa: E402
 
 
 def offline_ceiling(folder: Path, variant: str, batch: int, seconds: float) -> float:
@@ -60,12 +59,6 @@ def png_images(n: int, size: int) -> list[bytes]:
         Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, format="PNG")
         out.append(buf.getvalue())
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class HttpxPoster:
@@ -133,32 +126,13 @@ async def closed_loop(url: str, images: list[bytes], concurrency: int, seconds: 
 
 
 def serve_and_measure(folder: Path, args, max_batch: int) -> dict:
-    port = free_port()
-    cmd = [sys.executable, "-m", "optiserve", "serve", str(folder), "--port", str(port), "--variants",
-           f"{args.variant},fp32", "--max-batch-size", str(max_batch), "--max-delay-ms", str(args.max_delay_ms),
-           "--max-queue", "1024", "--inference-nice", str(args.inference_nice)]
-    cmd += ["--threads", str(args.threads)] if args.threads else []
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                sys.exit(f"the server exited:\n{proc.stderr.read()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                sys.exit("the server did not become ready in 300 s")
-            time.sleep(0.2)
+    flags = ["--variants", f"{args.variant},fp32", "--max-batch-size", str(max_batch), "--max-delay-ms",
+             str(args.max_delay_ms), "--max-queue", "1024", "--inference-nice", str(args.inference_nice)]
+    flags += ["--threads", str(args.threads)] if args.threads else []
+    with served(folder, *flags) as (base, _):
         images = png_images(64, args.image_size)
         return asyncio.run(closed_loop(f"{base}/predict?variant={args.variant}", images, args.concurrency,
                                        args.duration, args.warmup, args.client))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def main() -> None:

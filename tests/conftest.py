@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from optiserve.serve.launch import free_port, served  # noqa: F401  free_port is used by test modules
 from optiserve.train import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,39 +22,9 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
                           timeout=timeout, env=full_env, cwd=cwd)
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def serving(folder: Path, *args: str, ready_within_s: float = 120):
-    """Run `optiserve serve FOLDER ARGS` as a real uvicorn process on loopback; yields (base URL,
-    process) once /v2/health/ready answers 200, and terminates it afterwards."""
-    import httpx
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(folder), "--port", str(port), *args],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ready_within_s
-        while True:
-            try:
-                if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, f"the server was not ready within {ready_within_s} s"
-            time.sleep(0.1)
-        yield base, proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.output = proc.communicate(timeout=30)[0]  # for tests that check how it shut down
+    """Run `optiserve serve FOLDER ARGS` as a real uvicorn process on loopback (see serve.launch)."""
+    return served(folder, *args, ready_within_s=ready_within_s)
 
 
 def offline_logits(folder: Path, variant: str, images):

@@ -1,0 +1,61 @@
+"""Run `optiserve serve` as a child process on loopback and wait until it is ready: what the
+benchmarks and the tests do before they measure or call it."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(folder: str | Path, *args: str, port: int | None = None, ready_within_s: float = 300,
+           preexec_fn: Callable[[], None] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start `optiserve serve FOLDER ARGS` on loopback `port` (default: a free one); yield (base URL, process) once
+    /v2/health/ready answers 200; terminate it afterwards. The server's output goes to a file (a
+    pipe nobody reads could fill and block it) and is left on `process.output` at the end."""
+    import httpx
+
+    port = port or free_port()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(folder), "--port", str(port), *args],
+                                stdout=log, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
+        base = f"http://127.0.0.1:{port}"
+
+        def output() -> str:
+            log.seek(0)
+            return log.read()
+
+        try:
+            deadline = time.monotonic() + ready_within_s
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
+                        break
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with status {proc.returncode}:\n{output()[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server was not ready within {ready_within_s:g} s:\n{output()[-3000:]}")
+                time.sleep(0.1)
+            yield base, proc
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.output = output()
