@@ -18,8 +18,6 @@ class VariantStats:
         self.latencies_ms: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.images = 0
-        self.batches = 0
-        self.batched_images = 0
         self.batch_sizes: collections.Counter[int] = collections.Counter()
 
     def record_request(self, outcome: str, latency_ms: float | None = None, images: int = 0) -> None:
@@ -31,8 +29,6 @@ class VariantStats:
 
     def record_batch(self, size: int) -> None:
         with self._lock:
-            self.batches += 1
-            self.batched_images += size
             self.batch_sizes[size] += 1
 
     def snapshot(self, samples: bool = False) -> dict:
@@ -40,9 +36,11 @@ class VariantStats:
         with self._lock:
             lat = np.asarray(self.latencies_ms, dtype=np.float64)
             elapsed = max(1e-9, time.time() - self.started)
+            batches = sum(self.batch_sizes.values())
+            batched_images = sum(size * n for size, n in self.batch_sizes.items())
             out = {"count": int(sum(self.outcomes.values())), "outcomes": dict(self.outcomes),
                    "images": self.images, "throughput_images_per_s": self.images / elapsed,
-                   "mean_batch_size": self.batched_images / self.batches if self.batches else None,
+                   "mean_batch_size": batched_images / batches if batches else None,
                    "batch_size_counts": {str(k): n for k, n in sorted(self.batch_sizes.items())},
                    "elapsed_s": elapsed}
             if samples:
