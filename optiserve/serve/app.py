@@ -152,10 +152,15 @@ class Server:
         if any(v.batcher.has_room() for v in candidates):
             return
         variant = candidates[0] if name else self.variants[self.router.pick()]
+        try:
+            variant.batcher.check_room()
+        except QueueFull as e:
+            raise self._overloaded(variant, e) from None
+
+    def _overloaded(self, variant: ServedVariant, e: QueueFull) -> ApiError:
+        """The 429 for a full queue, counted as rejected: the same whether refused early or at submit."""
         self._record(variant, "rejected")
-        raise ApiError(429, f"overloaded: {variant.loaded.name} already has {variant.batcher.depth} images queued "
-                            f"(limit {variant.batcher.max_queue}); retry later",
-                       {"Retry-After": "1", VARIANT_HEADER: variant.loaded.name})
+        return ApiError(429, f"overloaded: {e}; retry later", {"Retry-After": "1", VARIANT_HEADER: variant.loaded.name})
 
     async def infer(self, variant: ServedVariant, images: np.ndarray) -> tuple[np.ndarray, dict]:
         """Run `images` through `variant`'s batcher; maps every failure to the right status."""
@@ -164,8 +169,7 @@ class Server:
         try:
             result = await variant.batcher.submit(images, self.cfg.timeout_ms / 1000)
         except QueueFull as e:
-            self._record(variant, "rejected")
-            raise ApiError(429, f"overloaded: {e}; retry later", {"Retry-After": "1", **served}) from None
+            raise self._overloaded(variant, e) from None
         except TimeoutError as e:
             self._record(variant, "timeout")
             raise ApiError(504, str(e), served) from None
