@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from optiserve.bench.http import server_facts
-    from optiserve.bench.report import build_report, print_summary, results_from_server, write_report
+    from optiserve.bench.http import results_from_server, server_facts
+    from optiserve.bench.report import build_report, print_summary, write_report
     from optiserve.bench.results import load_results
     from optiserve.errors import UserError
 

@@ -1,4 +1,5 @@
-"""`bench http`: check the server, then run every requested load setting against it in turn."""
+"""Talking to a running server: `bench http` (check it, then run every requested load setting in turn)
+and turning its /stats into results for `compare`."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import asyncio
 
 from optiserve.bench.loadgen import Load, generate_load
 from optiserve.bench.progress import ProgressLine
-from optiserve.bench.results import make_results
+from optiserve.bench.results import Run, make_results
 from optiserve.errors import UserError
+from optiserve.optimize.artifacts import reported_facts
 
 
 def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0) -> dict:
@@ -53,10 +55,33 @@ def bench_http(base_url: str, images: list[bytes], variants: list[str] | None, c
     loads += [Load("open", r, duration_s, warmup_s, v, timeout_s) for v in (variants or [None]) for r in rates]
     line = ProgressLine(progress)
     runs = [asyncio.run(generate_load(base_url, images, load, line)) for load in loads]
-    info = {name: {k: v.get(k) for k in ("backend", "precision", "accuracy", "size_bytes")}
-            for name, v in facts.get("variants", {}).items()}
     settings = {"url": base_url, "variants": variants, "concurrency": concurrency, "rates": rates,
                 "duration_s": duration_s, "warmup_s": warmup_s, "timeout_s": timeout_s, "ab": facts.get("ab"),
                 **(settings or {})}
-    return make_results("http", runs, settings, model={"name": facts.get("model"), "input": facts.get("input")},
-                        variants=info)
+    return make_results("http", runs, settings, **_model_and_variants(facts))
+
+
+def _model_and_variants(facts: dict) -> dict:
+    """The model and per-variant facts of a server's /stats, as `make_results` takes them."""
+    return {"model": {"name": facts.get("model"), "input": facts.get("input")},
+            "variants": {name: reported_facts(v) for name, v in facts.get("variants", {}).items()}}
+
+
+def results_from_server(facts: dict, url: str) -> dict:
+    """A results dict from a running server's /stats?samples=true: its real A/B traffic so far."""
+    runs = []
+    for name, v in facts.get("variants", {}).items():
+        samples = v.get("latency_ms_samples") or []
+        outcomes = v.get("outcomes", {})
+        ok = outcomes.get("ok", 0)
+        failed = [(k, n) for k, n in outcomes.items() if k != "ok"]
+        # the server keeps a window of recent latencies; older successes are counted without one
+        latency = list(samples) + [None] * max(0, ok - len(samples))
+        status = ["ok"] * len(latency) + [k for k, n in failed for _ in range(n)]
+        records = {"latency_ms": latency + [None] * (len(status) - len(latency)),
+                   "ok": [True] * len(latency) + [False] * (len(status) - len(latency)),
+                   "status": status, "variant": [name] * len(status)}
+        counts = {k: int(k) * n for k, n in (v.get("batch_size_counts") or {}).items()}
+        runs.append(Run("server", 0, name, float(v.get("elapsed_s") or 0.0), 1, records, counts))
+    return make_results("server", runs, {"url": url, "ab": facts.get("ab")}, **_model_and_variants(facts))
+

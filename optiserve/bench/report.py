@@ -15,37 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from optiserve.bench.results import Run, group_runs, to_csv
+from optiserve.bench.results import group_runs, to_csv
 from optiserve.bench.stats import PERCENTILES, speedup, summarize, verdict
 from optiserve.errors import UserError
 from optiserve.files import atomic_write
 
 REPORT_FORMAT = "optiserve.report/1"
 SPEEDUP_STATISTICS = ("p50", "p99")
-
-
-def results_from_server(facts: dict, url: str) -> dict:
-    """A results dict from a running server's /stats?samples=true: its real A/B traffic so far."""
-    from optiserve.bench.results import make_results
-
-    runs = []
-    for name, v in facts.get("variants", {}).items():
-        samples = v.get("latency_ms_samples") or []
-        outcomes = v.get("outcomes", {})
-        ok = outcomes.get("ok", 0)
-        failed = [(k, n) for k, n in outcomes.items() if k != "ok"]
-        # the server keeps a window of recent latencies; older successes are counted without one
-        latency = list(samples) + [None] * max(0, ok - len(samples))
-        status = ["ok"] * len(latency) + [k for k, n in failed for _ in range(n)]
-        records = {"latency_ms": latency + [None] * (len(status) - len(latency)),
-                   "ok": [True] * len(latency) + [False] * (len(status) - len(latency)),
-                   "status": status, "variant": [name] * len(status)}
-        counts = {k: int(k) * n for k, n in (v.get("batch_size_counts") or {}).items()}
-        runs.append(Run("server", 0, name, float(v.get("elapsed_s") or 0.0), 1, records, counts))
-    info = {name: {k: v.get(k) for k in ("backend", "precision", "accuracy", "size_bytes")}
-            for name, v in facts.get("variants", {}).items()}
-    return make_results("server", runs, {"url": url, "ab": facts.get("ab")},
-                        model={"name": facts.get("model"), "input": facts.get("input")}, variants=info)
 
 
 def _top1(info: dict | None) -> float | None:

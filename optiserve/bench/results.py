@@ -27,7 +27,7 @@ import numpy as np
 
 from optiserve.errors import UserError
 from optiserve.files import atomic_write
-from optiserve.optimize.artifacts import versions
+from optiserve.optimize.artifacts import reported_facts, versions
 
 FORMAT = "optiserve.bench/1"
 MODES = ("engine", "closed", "open", "server")
@@ -72,9 +72,7 @@ def make_results(kind: str, runs: list[Run], settings: dict, model: dict | None 
 
 def variant_facts(manifest: dict) -> dict:
     """What the report quotes from a manifest about each variant: accuracy and size."""
-    return {v["name"]: {"backend": v["backend"], "precision": v.get("precision"), "status": v.get("status"),
-                        "accuracy": v.get("accuracy"), "size_bytes": v.get("size_bytes")}
-            for v in manifest["variants"]}
+    return {v["name"]: {**reported_facts(v), "status": v.get("status")} for v in manifest["variants"]}
 
 
 def save_results(results: dict, path: str | Path) -> Path:

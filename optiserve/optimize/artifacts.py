@@ -30,6 +30,15 @@ def versions() -> dict:
     return out
 
 
+REPORTED_FACTS = ("backend", "precision", "accuracy", "size_bytes")
+
+
+def reported_facts(entry: dict) -> dict:
+    """What /stats and the A/B reports quote about a variant from its manifest entry (or from a
+    /stats variant, which carries the same keys)."""
+    return {k: entry.get(k) for k in REPORTED_FACTS}
+
+
 def file_facts(path: Path) -> dict:
     return {"sha256": sha256_file(path), "size_bytes": path.stat().st_size}
 

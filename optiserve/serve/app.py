@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 import optiserve
 from optiserve.errors import UserError
 from optiserve.models import InputSpec
-from optiserve.optimize.artifacts import read_manifest
+from optiserve.optimize.artifacts import read_manifest, reported_facts
 from optiserve.runtime import RuntimeOptions
 from optiserve.serve import VARIANT_HEADER
 from optiserve.serve.batcher import BatchFailed, DynamicBatcher, QueueFull, ShuttingDown
@@ -417,8 +417,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         out = {"model": model_name, "input": server.manifest["input"], "ready": server.ready,
                "ab": dict(zip(server.router.names, server.router.weights)), "variants": {}}
         for name, v in server.variants.items():
-            facts = {k: v.loaded.entry.get(k) for k in ("backend", "precision", "accuracy", "size_bytes")}
-            out["variants"][name] = {**v.stats.snapshot(samples), "queue_depth": v.batcher.depth, **facts}
+            out["variants"][name] = {**v.stats.snapshot(samples), "queue_depth": v.batcher.depth,
+                                     **reported_facts(v.loaded.entry)}
         return out
 
     return app
