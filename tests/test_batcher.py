@@ -90,6 +90,36 @@ def test_a_full_queue_rejects_at_once_and_accepted_requests_are_still_served(ses
     assert len(outcomes) == 12 and all(o.logits.shape == (1, 10) for o in outcomes)
 
 
+def test_room_held_at_the_door_counts_against_the_queue_until_the_request_is_queued(session):
+    gate = threading.Event()
+
+    def slow(batch):
+        gate.wait(5)
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher(slow, max_batch_size=1, max_delay_ms=0, max_queue=2)
+        b.start()
+        running = asyncio.ensure_future(b.submit(_images(1)))
+        await asyncio.sleep(0.05)  # running (stuck in the worker); the queue is empty
+        first, second = b.reserve(), b.reserve()  # two requests still reading and decoding their bodies
+        with pytest.raises(QueueFull, match="0 images queued and 2 arriving"):
+            b.reserve()
+        second.release()  # e.g. its body was bad: the place is free again, once
+        second.release()
+        assert b.has_room(1) and not b.has_room(2)
+        queued = asyncio.ensure_future(b.submit(_images(1, 1), reservation=first))
+        await asyncio.sleep(0.01)
+        assert b.depth == 1 and b.has_room(1) and not b.has_room(2)  # its held place became its row, not a second
+        gate.set()
+        outcomes = await asyncio.gather(running, queued)
+        await b.close()
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    assert [o.logits.shape for o in outcomes] == [(1, 10), (1, 10)]
+
+
 def test_a_failing_batch_fails_only_its_own_requests(session):
     def strict(batch):
         if not np.isfinite(batch).all():

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -24,7 +25,7 @@ from optiserve.models import InputSpec
 from optiserve.optimize.artifacts import read_manifest, reported_facts
 from optiserve.runtime import RuntimeOptions
 from optiserve.serve import VARIANT_HEADER
-from optiserve.serve.batcher import BatchFailed, DynamicBatcher, QueueFull, ShuttingDown
+from optiserve.serve.batcher import BatchFailed, DynamicBatcher, QueueFull, Reservation, ShuttingDown
 from optiserve.serve.binary import HEADER as BINARY_HEADER
 from optiserve.serve.binary import BinaryFormatError, encode_response, input_array, split_request, wants_binary
 from optiserve.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -71,6 +72,14 @@ class ServedVariant:
     loaded: LoadedVariant
     batcher: DynamicBatcher
     stats: VariantStats = field(default_factory=VariantStats)
+
+
+@dataclass
+class Admission:
+    """A request let in at the door: the variant it was routed to and the queue room it holds."""
+
+    variant: ServedVariant
+    reservation: Reservation
 
 
 class Server:
@@ -133,41 +142,50 @@ class Server:
         self.ready = False
         await asyncio.gather(*(v.batcher.close() for v in self.variants.values()))
 
-    def variant(self, name: str | None) -> ServedVariant:
+    def variant(self, name: str | None, admission: Admission | None = None) -> ServedVariant:
+        """The variant `name`, or the one the request was routed to at the door, or the A/B split's pick."""
         if not self.ready:
             raise ApiError(503, self.error and f"not ready: {self.error}" or "not ready: variants are warming up",
                            {"Retry-After": "1"})
+        if name is None and admission is not None:
+            return admission.variant
         name = name or self.router.pick()
         if name not in self.variants:
             raise ApiError(404, f"unknown variant {name!r}; served: {', '.join(self.variants)}")
         return self.variants[name]
 
-    def reject_early(self, name: str | None) -> None:
-        """Answer 429 before the body is read and decoded when the request can only land in a full
-        queue: under overload, rejecting must cost almost nothing, or it eats the CPU the accepted
-        requests need. A request that names no variant is rejected early only when every queue is full."""
+    @contextlib.contextmanager
+    def admitted(self, name: str | None) -> Iterator[Admission | None]:
+        """Route the request and hold one image's room in that variant's queue before its body is
+        read, or answer 429 at once. Under overload refusing must cost almost nothing, and only as
+        many requests as there are free places may go on to be decoded: both are CPU the accepted
+        requests need. Yields None when the normal path will answer (503 not ready, 404 unknown)."""
         if not self.ready or (name is not None and name not in self.variants):
-            return  # the normal path answers 503 / 404 with the reason
-        candidates = [self.variants[name]] if name else list(self.variants.values())
-        if any(v.batcher.has_room() for v in candidates):
+            yield None
             return
-        variant = candidates[0] if name else self.variants[self.router.pick()]
+        variant = self.variants[name or self.router.pick()]
         try:
-            variant.batcher.check_room()
+            reservation = variant.batcher.reserve()
         except QueueFull as e:
             raise self._overloaded(variant, e) from None
+        try:
+            yield Admission(variant, reservation)
+        finally:
+            reservation.release()
 
     def _overloaded(self, variant: ServedVariant, e: QueueFull) -> ApiError:
         """The 429 for a full queue, counted as rejected: the same whether refused early or at submit."""
         self._record(variant, "rejected")
         return ApiError(429, f"overloaded: {e}; retry later", {"Retry-After": "1", VARIANT_HEADER: variant.loaded.name})
 
-    async def infer(self, variant: ServedVariant, images: np.ndarray) -> tuple[np.ndarray, dict]:
+    async def infer(self, variant: ServedVariant, images: np.ndarray,
+                    admission: Admission | None = None) -> tuple[np.ndarray, dict]:
         """Run `images` through `variant`'s batcher; maps every failure to the right status."""
         t0 = time.perf_counter()
         served = {VARIANT_HEADER: variant.loaded.name}  # failures say which variant the A/B split chose
+        held = admission.reservation if admission is not None and admission.variant is variant else None
         try:
-            result = await variant.batcher.submit(images, self.cfg.timeout_ms / 1000)
+            result = await variant.batcher.submit(images, self.cfg.timeout_ms / 1000, held)
         except QueueFull as e:
             raise self._overloaded(variant, e) from None
         except TimeoutError as e:
@@ -269,7 +287,10 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         """An image upload (multipart field `file`) or JSON {"inputs": tensors or base64 images}."""
         ctype = request.headers.get("content-type", "")
         variant_name = request.query_params.get("variant")
-        server.reject_early(variant_name)
+        with server.admitted(variant_name) as admission:
+            return await predict_admitted(request, ctype, variant_name, admission)
+
+    async def predict_admitted(request: Request, ctype: str, variant_name: str | None, admission: Admission | None):
         top_k = request.query_params.get("top_k")
         if ctype.startswith("multipart/form-data"):
             form = await request.form()
@@ -295,8 +316,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             k = max(1, min(int(top_k or cfg.top_k), len(server.classes)))
         except (TypeError, ValueError):
             raise ApiError(400, f"top_k must be an integer, got {top_k!r}") from None
-        variant = server.variant(variant_name)
-        logits, timing = await server.infer(variant, images)
+        variant = server.variant(variant_name, admission)
+        logits, timing = await server.infer(variant, images, admission)
         probs = _softmax(logits)
         order = np.argsort(-probs, axis=1)[:, :k]
         predictions = [[{"class": server.classes[i], "index": int(i), "probability": float(p[i])} for i in row]
@@ -357,7 +378,10 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     async def oip_infer(request: Request, name: str, version: str | None):
         """JSON tensors, or the binary tensor data extension (tritonclient's default)."""
         check_model(name, version)
-        server.reject_early(version)
+        with server.admitted(version) as admission:
+            return await oip_infer_admitted(request, name, version, admission)
+
+    async def oip_infer_admitted(request: Request, name: str, version: str | None, admission: Admission | None):
         try:
             body, tail = split_request(await request.body(), request.headers.get(BINARY_HEADER))
             inputs = body.get("inputs")
@@ -378,8 +402,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         for out in requested:
             if not isinstance(out, dict) or out.get("name") not in ("logits", "probabilities"):
                 raise ApiError(400, f"unknown output {out!r}; outputs: logits, probabilities")
-        variant = server.variant(version)
-        logits, _ = await server.infer(variant, images)
+        variant = server.variant(version, admission)
+        logits, _ = await server.infer(variant, images, admission)
         outputs, binary = [], []
         for out in requested:
             data = (logits if out["name"] == "logits" else _softmax(logits)).astype(np.float32)

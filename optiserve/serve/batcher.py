@@ -29,6 +29,23 @@ class BatchFailed(Exception):
     """The batch this request was in raised; only its own requests fail."""
 
 
+class Reservation:
+    """Queue room held for one request from the door until it is queued.
+
+    The room is taken before the body is read and decoded, so under overload only as many requests
+    as there are free places get that far; checking the depth alone would let through every request
+    arriving while the first ones decode, and the surplus would be decoded only to be refused.
+    """
+
+    def __init__(self, batcher: "DynamicBatcher", images: int):
+        self.batcher, self.images = batcher, images
+
+    def release(self) -> None:
+        if self.images:
+            self.batcher._reserved -= self.images
+            self.images = 0
+
+
 @dataclass(eq=False)  # rows are compared by identity
 class _Row:
     image: np.ndarray
@@ -65,6 +82,7 @@ class DynamicBatcher:
         self.run_batch, self.name = run_batch, name
         self.max_batch_size, self.max_delay = max_batch_size, max_delay_ms / 1000
         self.max_queue = max_queue
+        self._reserved = 0  # images admitted at the door (being read and decoded), not yet queued
         self.on_batch = on_batch or (lambda record: None)
         self._queue: asyncio.Queue[_Row] = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{name}",
@@ -78,23 +96,34 @@ class DynamicBatcher:
         return self._queue.qsize()
 
     def has_room(self, images: int = 1) -> bool:
-        return self._queue.qsize() + images <= self.max_queue
+        return self._queue.qsize() + self._reserved + images <= self.max_queue
 
     def check_room(self, images: int = 1) -> None:
-        """Raise QueueFull unless `images` more fit in the queue."""
+        """Raise QueueFull unless `images` more fit in the queue (room held by reservations counts as taken)."""
         if not self.has_room(images):
-            raise QueueFull(f"{self.name}: {self._queue.qsize()} images already queued (limit {self.max_queue})")
+            raise QueueFull(f"{self.name}: {self._queue.qsize()} images queued and {self._reserved} arriving "
+                            f"(limit {self.max_queue})")
+
+    def reserve(self, images: int = 1) -> Reservation:
+        """Hold room for `images` rows until `submit` (or `release`); QueueFull if there is none."""
+        self.check_room(images)
+        self._reserved += images
+        return Reservation(self, images)
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
 
-    async def submit(self, images: np.ndarray, timeout: float | None = None) -> Result:
+    async def submit(self, images: np.ndarray, timeout: float | None = None,
+                     reservation: Reservation | None = None) -> Result:
         """Queue `images` [k, C, H, W]; returns their logits [k, classes] in order.
 
-        Raises QueueFull at once when the queue is full, TimeoutError when the rows have not run
+        A `reservation` from `reserve` is used up here: its room counts towards these rows.
+        Raises QueueFull at once when there is no room, TimeoutError when the rows have not run
         within `timeout` seconds (rows not yet started are dropped), BatchFailed when their batch raised.
         """
+        if reservation is not None:
+            reservation.release()
         if self._closing:
             raise ShuttingDown("the server is shutting down")
         k = len(images)
