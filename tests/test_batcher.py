@@ -25,6 +25,17 @@ def _images(n, seed=0):
     return np.random.default_rng(seed).standard_normal((n, 1, 16, 16), dtype=np.float32)
 
 
+def _held_until_set(session):
+    """A model whose batches wait for the returned gate (at most 5 s): a batch stuck in the worker."""
+    gate = threading.Event()
+
+    def slow(batch):
+        gate.wait(5)
+        return session.run(batch)
+
+    return gate, slow
+
+
 def test_concurrent_callers_each_get_their_own_rows_from_shared_batches(session):
     images = _images(40)
     sizes = []
@@ -62,11 +73,7 @@ def test_a_lone_request_waits_at_most_about_max_delay(session):
 
 
 def test_a_full_queue_rejects_at_once_and_accepted_requests_are_still_served(session):
-    gate = threading.Event()
-
-    def slow(batch):
-        gate.wait(5)
-        return session.run(batch)
+    gate, slow = _held_until_set(session)
 
     async def main():
         b = DynamicBatcher(slow, max_batch_size=4, max_delay_ms=0, max_queue=8)
@@ -91,11 +98,7 @@ def test_a_full_queue_rejects_at_once_and_accepted_requests_are_still_served(ses
 
 
 def test_room_held_at_the_door_counts_against_the_queue_until_the_request_is_queued(session):
-    gate = threading.Event()
-
-    def slow(batch):
-        gate.wait(5)
-        return session.run(batch)
+    gate, slow = _held_until_set(session)
 
     async def main():
         b = DynamicBatcher(slow, max_batch_size=1, max_delay_ms=0, max_queue=2)
