@@ -128,6 +128,8 @@ def test_bad_input_gives_one_clear_error_line(small_cnn_checkpoint, tmp_path):
         (["small_cnn", "--weights", "random", "--prune", "1.5"], "--prune must be a fraction in (0, 1)"),
         (["small_cnn", "--weights", "random", "--prune-channels", "0.5", "--no-onnx"], "drop --no-onnx"),
     ]
+    if not torch.cuda.is_available():  # asked for a GPU that is not there: said before anything is built
+        cases.append((["small_cnn", "--weights", "random", "--device", "cuda"], "no CUDA device is visible here"))
     for args, message in cases:
         proc = run_cli("optimize", *args, "--out", str(tmp_path / "out"))
         assert proc.returncode == 2, (args, proc.stderr)

@@ -11,6 +11,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
@@ -199,6 +200,13 @@ def test_starting_on_a_bad_folder_or_variant_fails_with_one_clear_line(small_art
         create_app(ServeConfig(str(small_artifact), variants=["int4"]))
     with pytest.raises(UserError, match="--ab names 'torch-int8', which is not served"):
         create_app(ServeConfig(str(small_artifact), variants=["fp32"], ab="torch-int8=1"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_asking_for_cuda_without_a_gpu_fails_before_listening(small_artifact):
+    # not a server that stays up, never ready, with the error only in its log
+    with pytest.raises(UserError, match="--device cuda: no CUDA device is visible here; use --device cpu"):
+        create_app(ServeConfig(str(small_artifact), device="cuda"))
 
 
 

@@ -26,7 +26,7 @@ from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, gate, materialize, predict, score
 from optiserve.runtime import RuntimeOptions, load_session
 from optiserve.runtime.timing import median_latency_ms
-from optiserve.runtime.torch_backends import TorchSession, tensorrt_unavailable
+from optiserve.runtime.torch_backends import TorchSession, tensorrt_unavailable, torch_device
 from optiserve.train.finetune import fine_tune
 
 BASELINE = "fp32"
@@ -67,6 +67,7 @@ class OptimizeConfig:
             raise UserError("pruned variants are built as ONNX Runtime models; drop --no-onnx")
         if self.fp16 and not self.tensorrt:
             raise UserError("--fp16 builds a TensorRT FP16 engine; add --tensorrt")
+        torch_device(self.device)  # --device cuda without a GPU fails here, not after the build
         if self.tensorrt and (why := tensorrt_unavailable()):
             raise UserError(f"--tensorrt cannot run here: {why}")
         if self.finetune_epochs < 0:

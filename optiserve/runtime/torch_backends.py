@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from optiserve.errors import UserError
 from optiserve.models import InputSpec, create_model
 from optiserve.runtime.registry import Backend, RuntimeOptions, register_backend
 
@@ -26,6 +27,9 @@ def jit_quietly():
 def torch_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible here; use --device cpu (or auto, which takes "
+                        "the GPU where there is one)")
     return torch.device(requested)
 
 

@@ -24,6 +24,7 @@ from optiserve.errors import UserError
 from optiserve.models import InputSpec
 from optiserve.optimize.artifacts import read_manifest, reported_facts
 from optiserve.runtime import RuntimeOptions
+from optiserve.runtime.torch_backends import torch_device
 from optiserve.serve import VARIANT_HEADER
 from optiserve.serve.batcher import BatchFailed, DynamicBatcher, QueueFull, Reservation, ShuttingDown
 from optiserve.serve.binary import HEADER as BINARY_HEADER
@@ -91,6 +92,7 @@ class Server:
         self.folder = Path(cfg.artifact_dir)
         self.manifest = read_manifest(self.folder)
         self.entries = select_variants(self.manifest, cfg.variants)
+        torch_device(cfg.device)  # --device cuda without a GPU: a clear error now, not a server never ready
         self.router = Router(parse_ab(cfg.ab, [e["name"] for e in self.entries]))
         self.spec = InputSpec.from_dict(self.manifest["input"])
         self.classes = self.manifest["classes"]
