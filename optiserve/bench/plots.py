@@ -22,8 +22,10 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> None:
+    """Write the figure as a PNG, atomically, and free it (pyplot keeps every open figure alive)."""
     with atomic_write(path, "wb") as f:
         fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
+    _pyplot().close(fig)
 
 
 def latency_cdf(report: dict, path: Path) -> bool:
@@ -55,7 +57,6 @@ def latency_cdf(report: dict, path: Path) -> bool:
     fig.suptitle("Latency CDF per variant")
     fig.tight_layout()
     _save(fig, path)
-    plt.close(fig)
     return True
 
 
@@ -96,7 +97,6 @@ def load_curve(report: dict, path: Path) -> bool:
             ax.legend(fontsize=8)
     fig.tight_layout()
     _save(fig, path)
-    plt.close(fig)
     return True
 
 
@@ -122,7 +122,6 @@ def batch_sizes(report: dict, path: Path) -> bool:
     ax.set_title("Batch sizes the server formed")
     ax.legend(fontsize=8)
     _save(fig, path)
-    plt.close(fig)
     return True
 
 
