@@ -1,12 +1,15 @@
-"""File helpers every writer uses: atomic writes (an interrupted run never leaves half a file) and hashes."""
+"""File helpers: atomic writes (an interrupted run never leaves half a file), hashes, and JSON reads with a clear error."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
+
+from optiserve.errors import UserError
 
 
 @contextlib.contextmanager
@@ -43,3 +46,11 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def read_json(path: str | os.PathLike):
+    """Parse a JSON file; anything that is not JSON text is one clear UserError, not a traceback."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None

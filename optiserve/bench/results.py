@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from optiserve.errors import UserError
-from optiserve.files import atomic_write
+from optiserve.files import atomic_write, read_json
 from optiserve.optimize.artifacts import reported_facts, versions
 
 FORMAT = "optiserve.bench/1"
@@ -87,10 +87,7 @@ def load_results(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such results file (write one with `optiserve bench engine|http --out`)")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not a JSON results file ({e})") from None
+    data = read_json(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise UserError(f"{path}: not an optiserve results file (expected format {FORMAT!r}, "
                         f"got {data.get('format') if isinstance(data, dict) else type(data).__name__!r})")

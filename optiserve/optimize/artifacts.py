@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 from optiserve.errors import UserError
-from optiserve.files import atomic_write, sha256_file
+from optiserve.files import atomic_write, read_json, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = "optiserve.manifest/1"
@@ -73,10 +73,7 @@ def read_manifest(folder: str | os.PathLike) -> dict:
     path = Path(folder) / MANIFEST
     if not path.is_file():
         raise UserError(f"{folder} is not an artifact folder: no {MANIFEST} (write one with `optimize MODEL`)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON: {e}") from None
+    manifest = read_json(path)
     if manifest.get("format") != FORMAT:
         raise UserError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest
