@@ -61,6 +61,8 @@ def test_every_variant_is_scored_against_fp32_on_the_test_split(artifact, small_
     assert by_name["onnx-int8"]["size_bytes"] < by_name["onnx-fp32"]["size_bytes"] / 2
     torch_int8 = by_name["torch-int8"]
     assert torch_int8["backend"] == "torchscript" and torch_int8["accuracy"]["agreement"] >= 0.97
+    assert torch_int8["device"] == "cpu"  # also on a GPU machine: the quantized kernels are CPU-only
+    assert {v["device"] for v in manifest["variants"]} <= {"cpu", "cuda"}
     assert any(n.startswith("INT8 flows on this machine") for n in manifest["notes"])
 
 
@@ -168,3 +170,11 @@ def test_image_folder_classes_are_matched_to_imagenet_categories_by_name(tmp_pat
     assert manifest["accuracy_meaningful"] and manifest["input"]["shape"] == [3, 224, 224]
     assert all(v["status"] in ("accepted", "rejected") and v["accuracy"]["top1"] is not None
                for v in manifest["variants"])
+
+
+def test_the_report_says_when_variants_ran_on_different_devices():
+    # On a GPU, torch-int8 stays on the CPU (PyTorch's INT8 kernels are CPU-only): its latency is a CPU figure.
+    mixed = [{"name": "fp32", "device": "cuda"}, {"name": "torch-int8", "device": "cpu"}]
+    assert pipeline._device_note(mixed) == [
+        "devices: fp32 on cuda, torch-int8 on cpu (PyTorch's INT8 kernels run on the CPU only; their latency is a CPU figure)"]
+    assert pipeline._device_note([{"name": "fp32", "device": "cpu"}, {"name": "onnx-int8", "device": "cpu"}]) == []

@@ -32,7 +32,7 @@ def test_torchrun_with_two_gloo_processes_trains_and_only_rank0_logs(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          "-m", "optiserve", "train", "small_cnn", "--dataset", "digits", "--epochs", "4", "--out", str(out),
-         "--no-progress"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+         "--device", "cpu", "--no-progress"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = read_checkpoint(out)
     assert ckpt["world_size"] == 2 and ckpt["config"]["batch_size"] == 64

@@ -229,6 +229,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
             entries = _validate(variants, stage, loaded, evalset, cfg, why_not)
             notes += _int8_comparison(entries, cfg.latency_batch)
+            notes += _device_note(entries)
         with log.step(f"write {out}"):
             manifest = _manifest(loaded, data, entries, cfg, why_not, notes, len(evalset.images))
             artifacts.write_manifest(stage, manifest)
@@ -279,6 +280,7 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
                  **artifacts.file_facts(stage / v.file),
                  "size_compressed_bytes": compressed_size(stage / v.file), "settings": v.settings}
         session = load_session(stage / v.file, entry, base_manifest, options)
+        entry["device"] = session.device  # torch-int8 runs on the CPU even where the others use CUDA
         logits = predict(session, evalset.images)
         if reference is None:
             reference = logits
@@ -291,6 +293,15 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
                                                 not why_not, why_not)
         entries.append(entry)
     return entries
+
+
+def _device_note(entries: list[dict]) -> list[str]:
+    """Say so when variants were validated and timed on different devices (a GPU run with CPU-only INT8)."""
+    devices = {e["name"]: e["device"] for e in entries}
+    if len(set(devices.values())) < 2:
+        return []
+    return ["devices: " + ", ".join(f"{name} on {device}" for name, device in devices.items())
+            + " (PyTorch's INT8 kernels run on the CPU only; their latency is a CPU figure)"]
 
 
 def _int8_comparison(entries: list[dict], n: int) -> list[str]:

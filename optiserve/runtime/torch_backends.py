@@ -61,6 +61,9 @@ def _load_torchscript(path: Path, variant: dict, manifest: dict, options: Runtim
     engine = variant.get("settings", {}).get("quantized_engine")
     if engine:  # INT8 TorchScript runs the quantized kernels of the engine it was converted for
         torch.backends.quantized.engine = engine
+        # Those kernels (x86/fbgemm, qnnpack) exist on the CPU only: moved to CUDA the module
+        # crashed the process (a segfault, seen on an H100), so it stays on the CPU on a GPU machine too.
+        device = torch.device("cpu")
     with jit_quietly():
         module = torch.jit.load(str(path), map_location=device).eval()
         if variant.get("settings", {}).get("optimize_for_inference"):
