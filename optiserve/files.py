@@ -50,7 +50,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 def read_json(path: str | os.PathLike):
     """Parse a JSON file; anything that is not JSON text is one clear UserError, not a traceback."""
+    return read_json_bytes(Path(path).read_bytes(), path)
+
+
+def read_json_bytes(data: bytes, path: str | os.PathLike):
+    """Parse JSON read from `path` (named in the error)."""
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path} is not valid JSON: {e}") from None

@@ -179,3 +179,30 @@ def test_close_answers_everything_already_accepted_then_refuses(session):
         return await asyncio.gather(*pending)
 
     assert len(asyncio.run(main())) == 10
+
+
+def test_close_with_a_stuck_model_ends_at_its_timeout_and_fails_what_is_left_with_shutting_down(session):
+    stuck = threading.Event()  # never set: the model never returns from its first batch
+
+    def never_returns(batch):
+        stuck.wait(60)
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher(never_returns, max_batch_size=1, max_delay_ms=0, name="v")
+        b.start()
+        running = asyncio.ensure_future(b.submit(_images(1)))
+        await asyncio.sleep(0.1)          # the first request is inside the stuck batch
+        queued = asyncio.ensure_future(b.submit(_images(1, seed=1)))
+        await asyncio.sleep(0.05)
+        t0 = time.perf_counter()
+        drained = await b.close(timeout=0.5)
+        took = time.perf_counter() - t0
+        outcomes = await asyncio.gather(running, queued, return_exceptions=True)
+        return drained, took, outcomes, b
+
+    drained, took, outcomes, b = asyncio.run(main())
+    assert not drained and 0.5 <= took < 3
+    assert all(isinstance(o, ShuttingDown) and "shutdown deadline" in str(o) for o in outcomes), outcomes
+    assert b._executor.busy_thread is not None and b._executor.busy_thread.daemon  # abandoned, cannot block exit
+    stuck.set()

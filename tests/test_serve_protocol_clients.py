@@ -44,19 +44,32 @@ def test_binary_inputs_and_outputs_round_trip(client, small_artifact):
     assert len(probs_meta["data"]) == 20  # asked for as JSON, answered as JSON
 
 
-@pytest.mark.parametrize("header_value, body_tail, message", [
-    ("abc", b"", "must be an integer"),
-    ("99999", b"", "but the body has"),
-    (None, b"\x00" * 12, "does not fit"),
+@pytest.mark.parametrize("header_value, size, body_tail, message", [
+    ("abc", 1024, b"", "must be a non-negative integer"),
+    ("99999", 1024, b"", "but the body has"),
+    (None, 1024, b"\x00" * 12, "binary_data_size is 1,024 but 12 bytes follow the JSON"),
+    (None, 1024, b"\x00" * 1028, "but 1,028 bytes follow the JSON"),          # bytes left over after the tensor
+    (None, 1020, b"\x00" * 1020, "must be 256 values x 4 bytes = 1,024"),    # size does not match shape x dtype
+    (None, True, b"\x00" * 1024, "must be 256 values x 4 bytes = 1,024"),    # a bool is not a size
 ])
-def test_malformed_binary_requests_are_400(client, header_value, body_tail, message):
+def test_malformed_binary_requests_are_400(client, header_value, size, body_tail, message):
     header = {"inputs": [{"name": "input", "shape": [1, 1, 16, 16], "datatype": "FP32",
-                          "parameters": {"binary_data_size": 1024}}]}
+                          "parameters": {"binary_data_size": size}}]}
     head = json.dumps(header).encode()
     headers = {HEADER: header_value if header_value is not None else str(len(head))}
     r = client.post("/v2/models/small_cnn/infer", content=head + body_tail, headers=headers)
-    assert r.status_code == 400 and message in r.json()["error"]
+    assert r.status_code == 400 and message in r.json()["error"], r.text
 
+
+def test_binary_data_with_exactly_the_declared_bytes_is_served(client):
+    header = {"inputs": [{"name": "input", "shape": [1, 1, 16, 16], "datatype": "FP16",
+                          "parameters": {"binary_data_size": 512}}]}
+    head = json.dumps(header).encode()
+    r = client.post("/v2/models/small_cnn/infer", content=head + np.zeros(256, "<f2").tobytes(),
+                    headers={HEADER: str(len(head))})
+    assert r.status_code == 200, r.text
+    assert [(o["name"], o["datatype"], o["shape"]) for o in r.json()["outputs"]] == [
+        ("logits", "FP32", [1, 10]), ("probabilities", "FP32", [1, 10])]  # what /v2/models/small_cnn says
 
 
 def test_an_unmodified_tritonclient_infers_against_a_real_server(small_artifact):

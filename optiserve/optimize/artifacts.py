@@ -7,6 +7,7 @@ interrupted run leaves the previous folder (or none) and never a half-written ma
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -16,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 from optiserve.errors import UserError
-from optiserve.files import atomic_write, read_json, sha256_file
+from optiserve.files import atomic_write, read_json, read_json_bytes, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = "optiserve.manifest/1"
@@ -69,11 +70,20 @@ def write_manifest(folder: Path, manifest: dict) -> None:
         f.write("\n")
 
 
-def read_manifest(folder: str | os.PathLike) -> dict:
+def read_manifest(folder: str | os.PathLike, expected_sha256: str | None = None) -> dict:
+    """The folder's manifest; with `expected_sha256`, only if manifest.json has exactly that hash
+    (the manifest pins every variant file's hash in turn, so this pins the whole artifact)."""
     path = Path(folder) / MANIFEST
     if not path.is_file():
         raise UserError(f"{folder} is not an artifact folder: no {MANIFEST} (write one with `optimize MODEL`)")
-    manifest = read_json(path)
+    if expected_sha256 is not None:
+        data = path.read_bytes()
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != expected_sha256.strip().lower():
+            raise UserError(f"{path} has sha256 {actual}, not the pinned {expected_sha256}: refusing to load it")
+        manifest = read_json_bytes(data, path)
+    else:
+        manifest = read_json(path)
     if manifest.get("format") != FORMAT:
         raise UserError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest

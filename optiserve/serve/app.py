@@ -17,7 +17,9 @@ from typing import Iterator
 
 import numpy as np
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import optiserve
 from optiserve.errors import UserError
@@ -28,9 +30,10 @@ from optiserve.runtime.torch_backends import torch_device
 from optiserve.serve import VARIANT_HEADER
 from optiserve.serve.batcher import BatchFailed, DynamicBatcher, QueueFull, Reservation, ShuttingDown
 from optiserve.serve.binary import HEADER as BINARY_HEADER
-from optiserve.serve.binary import BinaryFormatError, encode_response, input_array, split_request, wants_binary
+from optiserve.serve.binary import encode_response
+from optiserve.serve.envelope import infer_request, predict_request, top_k
 from optiserve.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from optiserve.serve.preprocess import BadInput, decode_base64_image, decode_image, tensor_batch
+from optiserve.serve.preprocess import BadInput, ImageLimits, decode_image
 from optiserve.serve.priority import lower_thread_priority
 from optiserve.serve.stats import VariantStats
 from optiserve.serve.variants import LoadedVariant, Router, load_verified, parse_ab, select_variants, warm_up
@@ -53,13 +56,21 @@ class ServeConfig:
     device: str = "auto"
     max_body_bytes: int = 16 << 20
     top_k: int = 5
+    body_timeout_s: float = 10.0      # a request whose body has not arrived by then gets 408 and its queue place back
+    shutdown_timeout_s: float = 25.0  # under Kubernetes' default 30 s grace period
+    max_image_pixels: int = ImageLimits.max_pixels
+    decode_threads: int | None = None  # threads that parse bodies and decode images; None: min(4, cores)
+    manifest_sha256: str | None = None  # serve the folder only if manifest.json has this hash
 
     def validate(self) -> None:
-        for name, value in (("--max-batch-size", self.max_batch_size), ("--max-queue", self.max_queue)):
+        for name, value in (("--max-batch-size", self.max_batch_size), ("--max-queue", self.max_queue),
+                            ("--max-image-pixels", self.max_image_pixels), ("--decode-threads", self.decode_threads or 1)):
             if value < 1:
                 raise UserError(f"{name} must be at least 1, got {value}")
         if self.max_delay_ms < 0 or self.timeout_ms <= 0:
             raise UserError("--max-delay-ms must be >= 0 and --timeout-ms > 0")
+        if self.body_timeout_s <= 0 or self.shutdown_timeout_s < 0:
+            raise UserError("--body-timeout-s must be > 0 and --shutdown-timeout-s >= 0")
 
 
 class ApiError(Exception):
@@ -90,7 +101,7 @@ class Server:
         cfg.validate()
         self.cfg = cfg
         self.folder = Path(cfg.artifact_dir)
-        self.manifest = read_manifest(self.folder)
+        self.manifest = read_manifest(self.folder, cfg.manifest_sha256)
         self.entries = select_variants(self.manifest, cfg.variants)
         torch_device(cfg.device)  # --device cuda without a GPU: a clear error now, not a server never ready
         self.router = Router(parse_ab(cfg.ab, [e["name"] for e in self.entries]))
@@ -100,6 +111,12 @@ class Server:
         self.metrics = ServerMetrics()
         self.ready = False
         self.error: str | None = None
+        self.image_limits = ImageLimits(cfg.max_image_pixels)
+        # Parsing JSON, base64 and images costs milliseconds per request: off the event loop, so
+        # health checks and 429s are answered at once whatever is being uploaded.
+        self.decode_pool = ThreadPoolExecutor(max_workers=cfg.decode_threads or min(4, os.cpu_count() or 1),
+                                              thread_name_prefix="decode")
+        self.draining: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Load and warm every variant off the event loop, then start its batcher and report ready."""
@@ -140,54 +157,98 @@ class Server:
         gc.freeze()
         self.ready = True
 
-    async def stop(self) -> None:
-        self.ready = False
-        await asyncio.gather(*(v.batcher.close() for v in self.variants.values()))
+    def begin_shutdown(self) -> asyncio.Task:
+        """Stop admitting and drain every variant, at most `shutdown_timeout_s`: what is still queued
+        then is answered 503. Started when the server is told to stop, before uvicorn waits for the
+        open requests, so a stuck model cannot keep them (and the process) waiting."""
+        if self.draining is None:
+            self.ready = False
+            timeout = self.cfg.shutdown_timeout_s
+            self.draining = asyncio.ensure_future(
+                asyncio.gather(*(v.batcher.close(timeout) for v in self.variants.values())))
+        return self.draining
 
-    def variant(self, name: str | None, admission: Admission | None = None) -> ServedVariant:
-        """The variant `name`, or the one the request was routed to at the door, or the A/B split's pick."""
+    async def stop(self) -> None:
+        drained = await self.begin_shutdown()
+        if not all(drained):
+            log.warning("shutdown: not every queued request was served within %g s; the rest were answered 503",
+                        self.cfg.shutdown_timeout_s)
+        self.decode_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _check_ready(self) -> None:
         if not self.ready:
+            if self.draining is not None:
+                raise ApiError(503, "the server is shutting down", {"Connection": "close"})
             raise ApiError(503, self.error and f"not ready: {self.error}" or "not ready: variants are warming up",
                            {"Retry-After": "1"})
-        if name is None and admission is not None:
-            return admission.variant
-        name = name or self.router.pick()
+
+    def _named(self, name: str) -> ServedVariant:
         if name not in self.variants:
             raise ApiError(404, f"unknown variant {name!r}; served: {', '.join(self.variants)}")
         return self.variants[name]
 
     @contextlib.contextmanager
-    def admitted(self, name: str | None) -> Iterator[Admission | None]:
-        """Route the request and hold one image's room in that variant's queue before its body is
-        read, or answer 429 at once. Under overload refusing must cost almost nothing, and only as
-        many requests as there are free places may go on to be decoded: both are CPU the accepted
-        requests need. Yields None when the normal path will answer (503 not ready, 404 unknown)."""
-        if not self.ready or (name is not None and name not in self.variants):
-            yield None
-            return
-        variant = self.variants[name or self.router.pick()]
+    def admitted(self, name: str | None, request: Request) -> Iterator[Admission]:
+        """Check readiness and the variant, route the request, and hold one image's room in that
+        variant's queue before its body is read — or answer 503, 404 or 429 at once. Under overload
+        refusing must cost almost nothing, and only as many requests as there are free places may go
+        on to be decoded: both are CPU the accepted requests need."""
+        self._check_ready()
+        variant = self._named(name) if name is not None else self.variants[self.router.pick()]
+        request.state.variant = variant.loaded.name  # for the variant header, also on unexpected errors
         try:
             reservation = variant.batcher.reserve()
         except QueueFull as e:
             raise self._overloaded(variant, e) from None
+        admission = Admission(variant, reservation)
         try:
-            yield Admission(variant, reservation)
+            yield admission
         finally:
-            reservation.release()
+            admission.reservation.release()
+
+    def reroute(self, admission: Admission, name: str | None, request: Request) -> None:
+        """The body named a variant: move the held queue place to it (404 unknown, 429 full)."""
+        if name is None or name == admission.variant.loaded.name:
+            return
+        variant = self._named(name)
+        request.state.variant = name
+        try:
+            reservation = variant.batcher.reserve()
+        except QueueFull as e:
+            raise self._overloaded(variant, e) from None
+        admission.reservation.release()
+        admission.variant, admission.reservation = variant, reservation
+
+    async def read_body(self, request: Request) -> bytes:
+        return await self._within_body_timeout(request.body())
+
+    async def read_form(self, request: Request):
+        return await self._within_body_timeout(request.form())
+
+    async def _within_body_timeout(self, reading):
+        """The body, or 408 once `body_timeout_s` has passed: an idle upload must not keep its queue place."""
+        try:
+            return await asyncio.wait_for(reading, self.cfg.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.cfg.body_timeout_s:g} s",
+                           {"Connection": "close"}) from None
+
+    async def decode(self, fn, *args):
+        """Run a parser or decoder on the decode threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.decode_pool, fn, *args)
 
     def _overloaded(self, variant: ServedVariant, e: QueueFull) -> ApiError:
         """The 429 for a full queue, counted as rejected: the same whether refused early or at submit."""
         self._record(variant, "rejected")
         return ApiError(429, f"overloaded: {e}; retry later", {"Retry-After": "1", VARIANT_HEADER: variant.loaded.name})
 
-    async def infer(self, variant: ServedVariant, images: np.ndarray,
-                    admission: Admission | None = None) -> tuple[np.ndarray, dict]:
-        """Run `images` through `variant`'s batcher; maps every failure to the right status."""
+    async def infer(self, admission: Admission, images: np.ndarray) -> tuple[np.ndarray, dict]:
+        """Run `images` through the admitted variant's batcher; maps every failure to the right status."""
         t0 = time.perf_counter()
+        variant = admission.variant
         served = {VARIANT_HEADER: variant.loaded.name}  # failures say which variant the A/B split chose
-        held = admission.reservation if admission is not None and admission.variant is variant else None
         try:
-            result = await variant.batcher.submit(images, self.cfg.timeout_ms / 1000, held)
+            result = await variant.batcher.submit(images, self.cfg.timeout_ms / 1000, admission.reservation)
         except QueueFull as e:
             raise self._overloaded(variant, e) from None
         except TimeoutError as e:
@@ -244,10 +305,39 @@ class BodyLimit:
         return await self.app(scope, limited_receive, send)
 
 
-async def _send_json(send, status: int, body: dict) -> None:
+class InternalErrors:
+    """ASGI middleware: an exception no handler expected becomes a JSON 500 naming the variant, with
+    the traceback logged once here and never sent to the client."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception:
+            log.exception("unexpected error answering %s %s", scope.get("method"), scope.get("path"))
+            if started:  # the status line is out: all that is left is to end the response
+                return
+            variant = (scope.get("state") or {}).get("variant")
+            extra = [(VARIANT_HEADER.lower().encode(), variant.encode())] if variant else []
+            await _send_json(send, 500, {"error": "internal server error (logged on the server)"}, extra)
+
+
+async def _send_json(send, status: int, body: dict, headers: list | None = None) -> None:
     payload = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                            *(headers or [])]})
     await send({"type": "http.response.body", "body": payload})
 
 
@@ -268,63 +358,67 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="optiserve", version=optiserve.__version__, lifespan=lifespan)
     app.state.server = server
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
+    app.add_middleware(InternalErrors)  # added last: outermost of the two, so it also sees BodyLimit's errors
+
+    def variant_header(request: Request) -> dict:
+        name = getattr(request.state, "variant", None)
+        return {VARIANT_HEADER: name} if name else {}
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
+        return JSONResponse({"error": exc.message}, status_code=exc.status,
+                            headers={**variant_header(request), **exc.headers})
 
     @app.exception_handler(BadInput)
     async def bad_input(request: Request, exc: BadInput):
-        return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse({"error": str(exc)}, status_code=400, headers=variant_header(request))
 
-    async def json_body(request: Request) -> dict:
-        try:
-            return split_request(await request.body(), None)[0]
-        except BinaryFormatError as e:
-            raise ApiError(400, str(e)) from None
+    @app.exception_handler(StarletteHTTPException)  # e.g. a malformed multipart body, an unknown path
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code,
+                            headers={**variant_header(request), **(exc.headers or {})})
+
+    @app.exception_handler(RequestValidationError)  # a query parameter of the wrong type
+    async def validation_error(request: Request, exc: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
+        return JSONResponse({"error": f"invalid request: {problems}"[:500]}, status_code=422)
 
     # ---- /predict -------------------------------------------------------------------------------
     @app.post("/predict")
     async def predict(request: Request):
         """An image upload (multipart field `file`) or JSON {"inputs": tensors or base64 images}."""
         ctype = request.headers.get("content-type", "")
-        variant_name = request.query_params.get("variant")
-        with server.admitted(variant_name) as admission:
-            return await predict_admitted(request, ctype, variant_name, admission)
-
-    async def predict_admitted(request: Request, ctype: str, variant_name: str | None, admission: Admission | None):
-        top_k = request.query_params.get("top_k")
-        if ctype.startswith("multipart/form-data"):
-            form = await request.form()
-            upload = form.get("file")
-            if upload is None or isinstance(upload, str):
-                raise ApiError(400, "multipart requests need the image in a file field named `file`")
-            images = decode_image(await upload.read(), server.spec)[None]
-            variant_name = variant_name or form.get("variant") or None
-        elif ctype.startswith("application/json") or not ctype:
-            body = await json_body(request)
-            if "inputs" not in body:
-                raise ApiError(400, 'JSON requests need "inputs": nested lists [N, C, H, W] or base64 images')
-            inputs = body["inputs"]
-            if isinstance(inputs, list) and inputs and all(isinstance(x, str) for x in inputs):
-                images = np.stack([decode_base64_image(x, server.spec) for x in inputs])
+        if not (ctype.startswith("multipart/form-data") or ctype.startswith("application/json") or not ctype):
+            raise ApiError(415, f"unsupported content type {ctype[:100]!r}; send multipart/form-data or "
+                                f"application/json")
+        k = top_k(request.query_params.get("top_k"), len(server.classes))
+        with server.admitted(request.query_params.get("variant"), request) as admission:
+            if ctype.startswith("multipart/form-data"):
+                form = await server.read_form(request)
+                upload, named = form.get("file"), form.get("variant")
+                if upload is None or isinstance(upload, str):
+                    raise ApiError(400, "multipart requests need the image in a file field named `file`")
+                if named is not None and not isinstance(named, str):
+                    raise ApiError(400, "the form field `variant` must be text")
+                if "variant" not in request.query_params:
+                    server.reroute(admission, named or None, request)
+                data = await upload.read()
+                images = (await server.decode(decode_image, data, server.spec, server.image_limits))[None]
             else:
-                images = tensor_batch(inputs, server.spec)
-            variant_name = variant_name or body.get("variant")
-            top_k = top_k or body.get("top_k")
-        else:
-            raise ApiError(415, f"unsupported content type {ctype!r}; send multipart/form-data or application/json")
-        try:
-            k = max(1, min(int(top_k or cfg.top_k), len(server.classes)))
-        except (TypeError, ValueError):
-            raise ApiError(400, f"top_k must be an integer, got {top_k!r}") from None
-        variant = server.variant(variant_name, admission)
-        logits, timing = await server.infer(variant, images, admission)
+                body = await server.read_body(request)
+                parsed = await server.decode(predict_request, body, server.spec, len(server.classes),
+                                             cfg.max_queue, server.image_limits)
+                if "variant" not in request.query_params:
+                    server.reroute(admission, parsed.variant, request)
+                images, k = parsed.images, k or parsed.top_k
+            logits, timing = await server.infer(admission, images)
+        k = k or min(cfg.top_k, len(server.classes))
         probs = _softmax(logits)
         order = np.argsort(-probs, axis=1)[:, :k]
         predictions = [[{"class": server.classes[i], "index": int(i), "probability": float(p[i])} for i in row]
                        for row, p in zip(order, probs)]
-        return {"variant": variant.loaded.name, "predictions": predictions, "latency_ms": timing}
+        return JSONResponse({"variant": admission.variant.loaded.name, "predictions": predictions,
+                             "latency_ms": timing}, headers={VARIANT_HEADER: admission.variant.loaded.name})
 
     # ---- Open Inference Protocol v2 -------------------------------------------------------------
     @app.get("/v2")
@@ -380,49 +474,30 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     async def oip_infer(request: Request, name: str, version: str | None):
         """JSON tensors, or the binary tensor data extension (tritonclient's default)."""
         check_model(name, version)
-        with server.admitted(version) as admission:
-            return await oip_infer_admitted(request, name, version, admission)
-
-    async def oip_infer_admitted(request: Request, name: str, version: str | None, admission: Admission | None):
-        try:
-            body, tail = split_request(await request.body(), request.headers.get(BINARY_HEADER))
-            inputs = body.get("inputs")
-            if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
-                raise ApiError(400, 'expected "inputs": [{"name": "input", "shape": [N, C, H, W], '
-                                    '"datatype": "FP32", "data": [...]}]')
-            tensor = inputs[0]
-            shape = tensor.get("shape")
-            if not (isinstance(shape, list) and all(isinstance(d, int) and d > 0 for d in shape)):
-                raise ApiError(400, "input shape must be a list of positive integers")
-            flat, _ = input_array(tensor, tail, 0)
-        except BinaryFormatError as e:
-            raise ApiError(400, str(e)) from None
-        if flat.size != int(np.prod(shape)):
-            raise ApiError(400, f"input data has {flat.size} values but shape {shape} needs {int(np.prod(shape))}")
-        images = tensor_batch(flat.reshape(shape), server.spec)
-        requested = body.get("outputs") or [{"name": "logits"}, {"name": "probabilities"}]
-        for out in requested:
-            if not isinstance(out, dict) or out.get("name") not in ("logits", "probabilities"):
-                raise ApiError(400, f"unknown output {out!r}; outputs: logits, probabilities")
-        variant = server.variant(version, admission)
-        logits, _ = await server.infer(variant, images, admission)
+        with server.admitted(version, request) as admission:
+            body = await server.read_body(request)
+            parsed = await server.decode(infer_request, body, request.headers.get(BINARY_HEADER), server.spec,
+                                         cfg.max_queue)
+            logits, _ = await server.infer(admission, parsed.images)
+        variant = admission.variant.loaded.name
         outputs, binary = [], []
-        for out in requested:
-            data = (logits if out["name"] == "logits" else _softmax(logits)).astype(np.float32)
-            entry = {"name": out["name"], "datatype": "FP32", "shape": list(data.shape)}
-            if wants_binary(body, out):
+        for out_name, as_binary in parsed.outputs:
+            data = (logits if out_name == "logits" else _softmax(logits)).astype(np.float32)
+            entry = {"name": out_name, "datatype": "FP32", "shape": list(data.shape)}
+            if as_binary:
                 binary.append((entry, data))
             else:
                 entry["data"] = data.reshape(-1).tolist()
             outputs.append(entry)
-        response = {"model_name": name, "model_version": variant.loaded.name, "outputs": outputs}
-        if "id" in body:
-            response["id"] = body["id"]
+        response = {"model_name": name, "model_version": variant, "outputs": outputs}
+        if parsed.id is not None:
+            response["id"] = parsed.id
         content, header_length = encode_response(response, binary)
+        headers = {VARIANT_HEADER: variant}
         if header_length is None:
-            return Response(content, media_type="application/json")
+            return Response(content, media_type="application/json", headers=headers)
         return Response(content, media_type="application/octet-stream",
-                        headers={BINARY_HEADER: str(header_length)})
+                        headers={**headers, BINARY_HEADER: str(header_length)})
 
     @app.post("/v2/models/{name}/infer")
     async def infer(name: str, request: Request):

@@ -9,8 +9,10 @@ The event loop only queues and answers; inference runs on one dedicated thread p
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -44,6 +46,47 @@ class Reservation:
         if self.images:
             self.batcher._reserved -= self.images
             self.images = 0
+
+
+class DaemonExecutor(Executor):
+    """One daemon thread that runs submitted calls in order. A ThreadPoolExecutor's threads are
+    joined when the interpreter exits, so a model stuck inside a batch would keep the process
+    alive forever after shutdown; a daemon thread is abandoned instead."""
+
+    def __init__(self, name: str, initializer: Callable[[], None] | None = None):
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._shutdown = False
+        self._thread = threading.Thread(target=self._serve, args=(initializer,), name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self, initializer) -> None:
+        if initializer is not None:
+            initializer()
+        while (item := self._work.get()) is not None:
+            future, fn, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # handed to the caller, like ThreadPoolExecutor does
+                    future.set_exception(e)
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        if self._shutdown:
+            raise RuntimeError("cannot submit after shutdown")
+        future: Future = Future()
+        self._work.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._shutdown = True
+        self._work.put(None)
+        if wait:
+            self._thread.join()
+
+    @property
+    def busy_thread(self) -> threading.Thread | None:
+        """The worker thread if it is still alive (e.g. stuck in a batch after shutdown)."""
+        return self._thread if self._thread.is_alive() else None
 
 
 @dataclass(eq=False)  # rows are compared by identity
@@ -85,8 +128,8 @@ class DynamicBatcher:
         self._reserved = 0  # images admitted at the door (being read and decoded), not yet queued
         self.on_batch = on_batch or (lambda record: None)
         self._queue: asyncio.Queue[_Row] = asyncio.Queue()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{name}",
-                                            initializer=thread_initializer)
+        self._executor = DaemonExecutor(f"infer-{name}", thread_initializer)
+        self._running: list[_Row] = []
         self._task: asyncio.Task | None = None
         self._closing = False
 
@@ -147,17 +190,30 @@ class DynamicBatcher:
         logits = np.stack([d[0] for d in done])
         return Result(logits, max(d[1] for d in done), max(d[2] for d in done), sorted({d[3] for d in done}))
 
-    async def close(self) -> None:
-        """Stop accepting, answer everything already queued, then stop the worker."""
+    async def close(self, timeout: float | None = None) -> bool:
+        """Stop accepting and answer everything already queued, waiting at most `timeout` seconds;
+        past it, the rows still queued or running fail with ShuttingDown (answered 503) and a stuck
+        batch is abandoned on its daemon thread. Returns True when everything was answered in time."""
         self._closing = True
+        drained = True
         if self._task is not None:
-            await self._queue.join()
+            try:
+                await asyncio.wait_for(self._queue.join(), timeout)
+            except asyncio.TimeoutError:
+                drained = False
+                stranded = [*self._running]
+                while not self._queue.empty():
+                    stranded.append(self._queue.get_nowait())
+                for r in stranded:
+                    if not r.future.done():
+                        r.future.set_exception(ShuttingDown(f"{self.name}: not served before the shutdown deadline"))
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=drained)
+        return drained
 
     async def _next_batch(self) -> list[_Row]:
         first = await self._queue.get()
@@ -188,6 +244,7 @@ class DynamicBatcher:
                     if not r.future.done():
                         r.future.set_exception(BatchFailed(f"{type(e).__name__}: {e}"))
             finally:
+                self._running = []
                 for _ in batch:
                     self._queue.task_done()
 
@@ -207,6 +264,7 @@ class DynamicBatcher:
         images = np.stack([r.image for r in live])
         waits = [now - r.enqueued for r in live]
         t0 = time.perf_counter()
+        self._running = live
         try:
             logits = await asyncio.get_running_loop().run_in_executor(self._executor, self.run_batch, images)
             if len(logits) != len(live):

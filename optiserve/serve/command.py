@@ -42,6 +42,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inference-nice", type=int, default=DEFAULTS.inference_nice, metavar="N",
                    help=f"CPU priority of inference threads below request handling, as a nice value (Linux; "
                         f"default {DEFAULTS.inference_nice}, 0 for equal priority)")
+    p.add_argument("--body-timeout-s", type=float, default=DEFAULTS.body_timeout_s, metavar="S",
+                   help=f"a request body not received within S seconds gets 408 and gives its queue place back "
+                        f"(default {DEFAULTS.body_timeout_s:g})")
+    p.add_argument("--shutdown-timeout-s", type=float, default=DEFAULTS.shutdown_timeout_s, metavar="S",
+                   help=f"on SIGTERM, how long queued requests may still be served; the rest get 503 "
+                        f"(default {DEFAULTS.shutdown_timeout_s:g})")
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULTS.max_image_pixels, metavar="N",
+                   help=f"larger uploads are refused from their header (default {DEFAULTS.max_image_pixels:,})")
+    p.add_argument("--decode-threads", type=int, default=None, metavar="N",
+                   help="threads that parse request bodies and decode images (default: min(4, cores))")
+    p.add_argument("--manifest-sha256", default=None, metavar="HEX",
+                   help="serve the folder only if its manifest.json has this sha256 (pins every variant file)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto")
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
@@ -56,14 +68,33 @@ def run(args: argparse.Namespace) -> int:
     cfg = ServeConfig(artifact_dir=args.artifact_dir, variants=args.variants, ab=args.ab,
                       max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
                       max_queue=args.max_queue, timeout_ms=args.timeout_ms, threads=args.threads,
-                      inference_nice=args.inference_nice,
-                      device=args.device)
+                      inference_nice=args.inference_nice, device=args.device, body_timeout_s=args.body_timeout_s,
+                      shutdown_timeout_s=args.shutdown_timeout_s, max_image_pixels=args.max_image_pixels,
+                      decode_threads=args.decode_threads, manifest_sha256=args.manifest_sha256)
     configure_logging()
     app = create_app(cfg)  # checks the manifest and the variant choice before anything listens
+    # uvicorn's own bound on waiting for open requests: ours plus a margin, so it only acts if ours failed
+    graceful = cfg.shutdown_timeout_s + 5
     if args.workers > 1:
         config_to_environment(cfg)
         uvicorn.run("optiserve.serve.app:app_from_environment", factory=True, host=args.host, port=args.port,
-                    workers=args.workers, access_log=args.access_log)
-    else:
-        uvicorn.run(app, host=args.host, port=args.port, access_log=args.access_log)
+                    workers=args.workers, access_log=args.access_log, timeout_graceful_shutdown=graceful)
+        return 0
+    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=args.access_log,
+                            timeout_graceful_shutdown=graceful)
+    draining_server(config, app.state.server).run()  # a stuck model's daemon thread cannot hold the exit
     return 0
+
+
+def draining_server(config, server):
+    """uvicorn's Server, told to drain the batchers the moment shutdown begins: uvicorn first waits for
+    the open requests and only then runs the app's shutdown, so requests stuck behind a hung model
+    would otherwise hold the process until their own timeouts."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            server.begin_shutdown()
+            await super().shutdown(sockets)
+
+    return DrainingServer(config)

@@ -1,0 +1,187 @@
+"""The request envelope: every JSON body is parsed with limits and every field type-checked before use.
+
+A body from the network may be anything: nested a hundred thousand deep, a 5,000-digit number, a
+list where a string belongs. `parse_json` bounds what the parser will build, and `predict_request`
+/ `infer_request` check the fields /predict and the Open Inference Protocol read, so that whatever
+arrives becomes either model input or a `BadInput` (a 400 with its reason) — never an exception
+inside a handler. Both run on the server's decode threads, not on the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from optiserve.models import InputSpec
+from optiserve.serve.binary import DTYPES, HEADER, BinaryFormatError, split_body
+from optiserve.serve.preprocess import BadInput, ImageLimits, decode_base64_image, tensor_batch
+
+MAX_NUMBER_CHARS = 64      # longer than any float32 written out; Python would parse 4,300-digit integers
+MAX_NAME_CHARS = 256       # variant names, output names, ids
+OUTPUTS = ("logits", "probabilities")
+
+
+def _number(kind):
+    def parse(text: str):
+        if len(text) > MAX_NUMBER_CHARS:
+            raise BadInput(f"a number in the JSON is {len(text):,} characters long (at most {MAX_NUMBER_CHARS})")
+        return kind(text)
+    return parse
+
+
+_parse_int, _parse_float = _number(int), _number(float)
+
+
+def parse_json(data: bytes) -> dict:
+    """A JSON object from `data`, or BadInput: malformed, not an object, too deep, a number too long."""
+    try:
+        value = json.loads(data, parse_int=_parse_int, parse_float=_parse_float)
+    except RecursionError:
+        raise BadInput("the JSON is nested too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInput(f"malformed JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise BadInput("the JSON body must be an object")
+    return value
+
+
+def _name(value, field: str, optional: bool = True) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
+        raise BadInput(f'"{field}" must be a non-empty string of at most {MAX_NAME_CHARS} characters, got '
+                       f"{_show(value)}")
+    return value
+
+
+def _show(value) -> str:
+    text = type(value).__name__ if isinstance(value, (list, dict)) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def top_k(value, classes: int) -> int | None:
+    """`top_k` from JSON (an integer) or a query string (digits), clipped to 1..classes; None if absent."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.isascii() and value.strip().isdigit() and len(value) <= MAX_NUMBER_CHARS:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadInput(f"top_k must be a positive integer, got {_show(value)}")
+    return max(1, min(value, classes))
+
+
+def _dict(value, field: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadInput(f'"{field}" must be an object, got {_show(value)}')
+    return value
+
+
+@dataclass
+class PredictRequest:
+    images: np.ndarray            # float32 [N, C, H, W], normalized
+    variant: str | None
+    top_k: int | None
+
+
+def predict_request(data: bytes, spec: InputSpec, classes: int, max_images: int, limits: ImageLimits) -> PredictRequest:
+    """/predict's JSON: {"inputs": base64 images or nested lists [N, C, H, W], "variant"?, "top_k"?}."""
+    body = parse_json(data)
+    if "inputs" not in body:
+        raise BadInput('JSON requests need "inputs": nested lists [N, C, H, W] or base64 images')
+    variant, k = _name(body.get("variant"), "variant"), top_k(body.get("top_k"), classes)
+    inputs = body["inputs"]
+    if not isinstance(inputs, list) or not inputs:
+        raise BadInput('"inputs" must be a non-empty list: base64 images, or nested lists [N, C, H, W]')
+    if all(isinstance(x, str) for x in inputs):
+        if len(inputs) > max_images:
+            raise BadInput(f"{len(inputs)} images in one request; at most {max_images}")
+        images = np.stack([decode_base64_image(x, spec, limits) for x in inputs])
+    else:
+        images = tensor_batch(inputs, spec)
+        if len(images) > max_images:
+            raise BadInput(f"{len(images)} images in one request; at most {max_images}")
+    return PredictRequest(images, variant, k)
+
+
+@dataclass
+class InferRequest:
+    images: np.ndarray
+    outputs: list[tuple[str, bool]]   # (output name, answer it as binary)
+    id: str | None
+
+
+def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_images: int) -> InferRequest:
+    """The protocol's infer request: one FP32/FP16/FP64 input of shape [N, C, H, W] as JSON `data` or
+    as binary tensor data; outputs among logits and probabilities (both when none are named)."""
+    try:
+        head, tail = split_body(data, header_length)
+    except BinaryFormatError as e:
+        raise BadInput(str(e)) from None
+    body = parse_json(head)
+    params = _dict(body.get("parameters"), "parameters")
+    inputs = body.get("inputs")
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise BadInput('expected "inputs": [{"name": "input", "shape": [N, C, H, W], "datatype": "FP32", "data": [...]}]')
+    tensor = inputs[0]
+    _name(tensor.get("name"), "inputs[0].name", optional=False)
+    shape = tensor.get("shape")
+    if not (isinstance(shape, list) and 1 <= len(shape) <= 8
+            and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+        raise BadInput("input shape must be a list of 1 to 8 positive integers")
+    count = math.prod(shape)  # Python integers: a huge shape cannot overflow into a small one
+    per_image = math.prod(spec.shape)
+    if count > max_images * per_image:
+        raise BadInput(f"input shape {shape} holds {count:,} values; at most {max_images} images "
+                       f"({max_images * per_image:,} values) per request")
+    datatype = tensor.get("datatype")
+    if not isinstance(datatype, str) or datatype not in DTYPES:
+        raise BadInput(f"input datatype {_show(datatype)} is not supported; send FP32 (or FP16/FP64)")
+    dtype = np.dtype(DTYPES[datatype]).newbyteorder("<")
+    size = _dict(tensor.get("parameters"), "inputs[0].parameters").get("binary_data_size")
+    if size is None:
+        if tail:
+            raise BadInput(f"{len(tail)} bytes of binary data follow the JSON, but no input has binary_data_size")
+        if "data" not in tensor:
+            raise BadInput('the input needs "data" (or binary_data_size with binary tensor data)')
+        try:
+            flat = np.asarray(tensor["data"], dtype=dtype).reshape(-1)
+        except (ValueError, TypeError, OverflowError, RecursionError):
+            raise BadInput("input data must be a (possibly nested) list of numbers") from None
+    else:
+        if header_length is None:
+            raise BadInput(f"binary_data_size needs the {HEADER} header")
+        if isinstance(size, bool) or not isinstance(size, int) or size != count * dtype.itemsize:
+            raise BadInput(f"binary_data_size must be {count:,} values x {dtype.itemsize} bytes = "
+                           f"{count * dtype.itemsize:,} for shape {shape} and {datatype}, got {_show(size)}")
+        if len(tail) != size:
+            raise BadInput(f"binary_data_size is {size:,} but {len(tail):,} bytes follow the JSON")
+        flat = np.frombuffer(tail, dtype=dtype)
+    if flat.size != count:
+        raise BadInput(f"input data has {flat.size} values but shape {shape} needs {count}")
+    images = tensor_batch(flat.reshape(shape), spec)
+    return InferRequest(images, _outputs(body.get("outputs"), params), _id(body.get("id")))
+
+
+def _outputs(requested, params: dict) -> list[tuple[str, bool]]:
+    default_binary = bool(params.get("binary_data_output", False))
+    if requested is None:
+        return [(name, default_binary) for name in OUTPUTS]
+    if not isinstance(requested, list) or not requested:
+        raise BadInput(f'"outputs" must be a non-empty list of {{"name": ...}} objects, got {_show(requested)}')
+    outputs = []
+    for out in requested:
+        if not isinstance(out, dict) or out.get("name") not in OUTPUTS:
+            raise BadInput(f"unknown output {_show(out.get('name') if isinstance(out, dict) else out)}; "
+                           f"outputs: {', '.join(OUTPUTS)}")
+        out_params = _dict(out.get("parameters"), "outputs[].parameters")
+        outputs.append((out["name"], bool(out_params.get("binary_data", default_binary))))
+    return outputs
+
+
+def _id(value) -> str | None:
+    return None if value is None else _name(value, "id")
