@@ -13,6 +13,8 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY optiserve ./optiserve
+# ONNX Runtime here is the CPU build: the ONNX variants run on the CPU, the PyTorch and TensorRT
+# variants on the GPU (onnxruntime-gpu cannot be installed beside onnxruntime: same module).
 RUN pip install ".[tensorrt]"
 
 # Serves the artifact folder mounted at /artifacts (written by `optimize`); any other subcommand

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from optiserve.bench.engine import time_variant  # noqa: E402
 from optiserve.bench.loadgen import Load, generate_load  # noqa: E402
 from optiserve.bench.payloads import dataset_images  # noqa: E402
-from optiserve.optimize.artifacts import read_manifest  # noqa: E402
+from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
 from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402

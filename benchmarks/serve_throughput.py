@@ -36,7 +36,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from optiserve.bench.engine import time_variant  # noqa: E402
-from optiserve.optimize.artifacts import read_manifest  # noqa: E402
+from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
 from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402
@@ -128,6 +128,7 @@ def serve_and_measure(folder: Path, args, max_batch: int) -> dict:
     flags = ["--variants", f"{args.variant},fp32", "--max-batch-size", str(max_batch), "--max-delay-ms",
              str(args.max_delay_ms), "--max-queue", "1024", "--inference-nice", str(args.inference_nice)]
     flags += ["--threads", str(args.threads)] if args.threads else []
+    flags += ["--decode-threads", str(args.decode_threads)] if args.decode_threads else []
     with served(folder, *flags) as (base, _):
         images = png_images(64, args.image_size)
         return asyncio.run(closed_loop(f"{base}/predict?variant={args.variant}", images, args.concurrency,
@@ -144,6 +145,8 @@ def main() -> None:
     p.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
                    help="the load client library (default aiohttp, the lighter of the two)")
     p.add_argument("--threads", type=int, default=None, help="the server's intra-op threads per variant")
+    p.add_argument("--decode-threads", type=int, default=None,
+                   help="the server's --decode-threads (default: the server's, min(4, cores))")
     p.add_argument("--inference-nice", type=int, default=10, help="the server's --inference-nice (default 10)")
     p.add_argument("--duration", type=float, default=30.0, help="measured seconds per configuration")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")

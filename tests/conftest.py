@@ -29,12 +29,39 @@ def serving(folder: Path, *args: str, ready_within_s: float = 120):
 
 def offline_logits(folder: Path, variant: str, images):
     """What the runtime layer computes offline for `images` with one variant of an artifact folder."""
-    from optiserve.optimize.artifacts import read_manifest
+    from optiserve.artifacts import read_manifest
     from optiserve.runtime import load_session
 
     manifest = read_manifest(folder)
     entry = next(v for v in manifest["variants"] if v["name"] == variant)
     return load_session(folder / entry["file"], entry, manifest).run(images)
+
+
+def cache_imagenet_weights(torch_home: Path, monkeypatch, state: dict, name_hash: str | None = None) -> Path:
+    """Put `state` in a fresh torch hub cache under the file name torchvision would download to; by
+    default that name carries the file's own sha256 prefix (as torchvision's names carry theirs)."""
+    import hashlib
+    import io
+    from types import SimpleNamespace
+
+    import torch
+    import torchvision
+
+    from optiserve.models import get_model_entry
+    from optiserve.models import weights as weights_module
+
+    monkeypatch.setenv("TORCH_HOME", str(torch_home))
+    real = torchvision.models.get_weight(get_model_entry("resnet18").imagenet_weights)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    prefix = name_hash or hashlib.sha256(buf.getvalue()).hexdigest()[:8]
+    url = f"https://download.pytorch.org/models/resnet18-{prefix}.pth"
+    monkeypatch.setattr(weights_module.torchvision.models, "get_weight",
+                        lambda name: SimpleNamespace(url=url, meta=real.meta))
+    cached = torch_home / "hub" / "checkpoints" / url.rsplit("/", 1)[1]
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(buf.getvalue())
+    return cached
 
 
 @pytest.fixture(scope="session")

@@ -65,9 +65,18 @@ def test_the_same_distribution_is_reported_as_no_significant_difference():
     same = sum(speedup(draw(rng, 500), draw(rng, 500), "p50", resamples=300, seed=t).contains(1.0)
                for t in range(60))
     assert same / 60 >= 0.88
-    r = speedup(draw(rng, 500), draw(rng, 500), "p50", resamples=300)
-    if r.contains(1.0):
-        assert "no significant difference" in verdict("int8", "fp32", r)
+
+
+
+@pytest.mark.parametrize("estimate, sentence", [
+    (Estimate(1.02, 0.97, 1.08), "int8: no significant difference from fp32 at p50 (speedup 1.02×, 95% CI 0.97–1.08)"),
+    (Estimate(2.5, 2.4, 2.6), "int8 is 2.50× faster than fp32 at p50 (95% CI 2.40–2.60)"),
+    (Estimate(0.5, 0.45, 0.55), "int8 is 2.00× slower than fp32 at p50 (95% CI 1.82–2.22)"),
+])
+def test_the_verdict_says_faster_slower_or_no_significant_difference_from_the_interval(estimate, sentence):
+    assert verdict("int8", "fp32", estimate) == sentence
+    assert verdict("int8", "fp32", estimate, accuracy_delta_points=-0.281).endswith(", 0.28 points less accurate")
+    assert verdict("int8", "fp32", estimate, accuracy_delta_points=0.001).endswith(", equally accurate")
 
 
 def test_verdicts_read_as_plain_sentences():

@@ -58,6 +58,24 @@ def test_imagefolder_prepares_images_for_the_model_input(tmp_path):
     assert len(data.train) + len(data.val) + len(data.test) == 12
 
 
+@pytest.mark.parametrize("spec", [InputSpec((1, 16, 16), (0.5,), (0.25,)),                 # small input: resized
+                                  InputSpec((3, 72, 72), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))])  # resize + crop
+def test_an_image_folder_is_scored_on_exactly_the_pixels_the_server_makes_of_the_same_file(tmp_path, spec):
+    from optiserve.serve.preprocess import decode_image
+
+    for label in (0, 1):  # non-square images: resizing straight and cropping the center would differ
+        (tmp_path / f"c{label}").mkdir()
+        for k in range(5):
+            pixels = np.random.default_rng(10 * label + k).integers(0, 256, (24, 40, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(tmp_path / f"c{label}" / f"{k}.png")
+    data = load_dataset(f"imagefolder:{tmp_path}", spec, 1000)
+    folder = data.test.dataset  # a Subset of the evaluation ImageFolder
+    for i in data.test.indices:
+        path, _ = folder.samples[i]
+        served = decode_image(open(path, "rb").read(), spec)
+        np.testing.assert_array_equal(folder[i][0].numpy(), served)
+
+
 def test_imagefolder_errors_name_the_problem(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_dataset(f"imagefolder:{tmp_path / 'nope'}", IMAGENET_INPUT, 1000)

@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import cache_imagenet_weights, run_cli
 from optiserve.files import sha256_file
 from optiserve.optimize import pipeline
-from optiserve.optimize.artifacts import read_manifest
+from optiserve.artifacts import read_manifest
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
 
@@ -66,6 +66,26 @@ def test_every_variant_is_scored_against_fp32_on_the_test_split(artifact, small_
     assert any(n.startswith("INT8 flows on this machine") for n in manifest["notes"])
 
 
+def test_variants_are_scored_against_fp32_by_name_whatever_order_they_come_in(artifact, small_cnn_checkpoint):
+    from optiserve.data import load_dataset
+    from optiserve.models import load_model
+    from optiserve.optimize.validate import materialize
+
+    out, manifest = artifact
+    loaded = load_model("small_cnn", str(small_cnn_checkpoint))
+    data = load_dataset("digits", loaded.input, len(loaded.classes))
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    variants = [pipeline.Variant(n, by_name[n]["file"], by_name[n]["backend"], by_name[n]["precision"],
+                                 by_name[n]["settings"]) for n in ("onnx-int8", "fp32")]  # fp32 last
+    cfg = OptimizeConfig("small_cnn", latency_batch=2, progress=False)
+    entries = pipeline._validate(variants, out, loaded, materialize(data.test, True), cfg, "")
+    assert [e["name"] for e in entries] == ["onnx-int8", "fp32"]  # the caller's order is kept
+    int8, fp32 = entries
+    assert fp32["accuracy"]["agreement"] == 1.0 and fp32["status"] == "accepted"
+    assert int8["accuracy"] == by_name["onnx-int8"]["accuracy"]  # measured against fp32, as in the build
+    assert int8["status"] == "accepted"  # gated against fp32's top-1, not left unvalidated
+
+
 def test_pruned_variants_record_sparsity_size_and_accuracy_around_the_fine_tune(artifact):
     _, manifest = artifact
     by_name = {v["name"]: v for v in manifest["variants"]}
@@ -104,6 +124,33 @@ def test_an_interrupted_run_leaves_the_previous_folder_untouched(artifact, tmp_p
         run_optimize(OptimizeConfig("small_cnn", weights="random", int8=True, out=str(out), progress=False))
     assert (out / "manifest.json").read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no staging folder left behind
+
+
+def test_a_crash_between_the_two_renames_of_a_publish_leaves_a_folder_the_next_reader_finds_complete(
+        artifact, tmp_path, monkeypatch):
+    from optiserve import artifacts
+
+    out = tmp_path / "art"
+    shutil.copytree(artifact[0], out)
+    before = read_manifest(out)
+    real_replace, calls = artifacts.os.replace, []
+
+    def crash_on_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # out was moved aside; the new folder is not in place yet
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(artifacts.os, "replace", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        with artifacts.staging_folder(out) as stage:
+            (stage / "manifest.json").write_text("{}")
+    monkeypatch.setattr(artifacts.os, "replace", real_replace)
+    assert not out.exists()  # the window the recovery is for
+    assert read_manifest(out) == before  # the previous version is put back and read
+    with artifacts.staging_folder(out) as stage:  # and the next publish works and leaves nothing hidden
+        shutil.copytree(out, stage, dirs_exist_ok=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
 def test_without_a_checkpoint_it_trains_one_first_and_says_so(tmp_path):
@@ -152,11 +199,8 @@ def test_image_folder_classes_are_matched_to_imagenet_categories_by_name(tmp_pat
     from optiserve.models import create_model, get_model_entry
     from optiserve.optimize.pipeline import class_mapping
 
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "hub"))
     weights = torchvision.models.get_weight(get_model_entry("resnet18").imagenet_weights)
-    cached = tmp_path / "hub" / "hub" / "checkpoints" / weights.url.rsplit("/", 1)[1]
-    cached.parent.mkdir(parents=True)
-    torch.save(create_model("resnet18").state_dict(), cached)  # stands in for the downloaded file
+    cache_imagenet_weights(tmp_path / "hub", monkeypatch, create_model("resnet18").state_dict())  # the download
     rng = np.random.default_rng(0)
     for name in ("tench", "goldfish"):
         (tmp_path / "images" / name).mkdir(parents=True)

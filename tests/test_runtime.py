@@ -4,12 +4,32 @@ import numpy as np
 import pytest
 
 from optiserve.errors import UserError
-from optiserve.optimize.artifacts import read_manifest
+from optiserve.artifacts import read_manifest
 from optiserve.runtime import RuntimeOptions, list_backends, load_session
 
 
-def test_the_backends_are_registered():
-    assert {"torch", "torchscript", "onnxruntime", "tensorrt"} <= set(list_backends())
+def test_a_new_runtime_is_one_registered_entry_that_load_session_uses(tmp_path):
+    from optiserve.runtime.registry import _BACKENDS, Backend, register_backend
+
+    class LinearSession:  # a toy runtime: logits = flattened images @ weights
+        backend, device = "numpy-linear", "cpu"
+
+        def __init__(self, weights):
+            self.weights = weights
+
+        def run(self, batch):
+            return (batch.reshape(len(batch), -1) @ self.weights).astype(np.float32)
+
+    weights = np.random.default_rng(0).standard_normal((256, 10)).astype(np.float32)
+    np.save(tmp_path / "w.npy", weights)
+    register_backend(Backend("numpy-linear", lambda path, v, m, o: LinearSession(np.load(path)), lambda: None))
+    try:
+        assert {"torch", "torchscript", "onnxruntime", "tensorrt", "numpy-linear"} <= set(list_backends())
+        session = load_session(tmp_path / "w.npy", {"name": "lin", "backend": "numpy-linear"}, {})
+        batch = np.ones((2, 1, 16, 16), np.float32)
+        np.testing.assert_allclose(session.run(batch), batch.reshape(2, -1) @ weights, rtol=1e-5)
+    finally:
+        _BACKENDS._items.pop("numpy-linear", None)
 
 
 def test_unknown_backends_and_missing_files_are_refused_readably(tmp_path):

@@ -24,3 +24,18 @@ def test_tensorrt_engines_build_reload_and_match_fp32(small_cnn_checkpoint, tmp_
     assert by_name["trt-fp32"]["accuracy"]["agreement"] >= 0.99
     assert by_name["trt-fp16"]["accuracy"]["agreement"] >= 0.98
     assert by_name["trt-fp16"]["status"] == "accepted"
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"needs TensorRT: {WHY}")
+def test_building_an_engine_leaves_the_callers_model_on_the_cpu_in_fp32_and_in_its_mode(tmp_path):
+    import torch
+
+    from optiserve.models import InputSpec, create_model
+    from optiserve.optimize.tensorrt import build_tensorrt_engine
+
+    model = create_model("small_cnn", 10, InputSpec((1, 16, 16), (0.5,), (0.5,))).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    build_tensorrt_engine(model, torch.zeros(2, 1, 16, 16), tmp_path / "e.ep", fp16=True)
+    assert model.training  # the build's eval() was not applied to the caller's model
+    for k, v in model.state_dict().items():
+        assert v.device.type == "cpu" and v.dtype == before[k].dtype and torch.equal(v, before[k]), k

@@ -16,7 +16,7 @@ from torch import nn
 
 from conftest import ROOT, free_port, run_cli
 from optiserve.checkpoint import read_checkpoint
-from optiserve.train.distributed import cleanup_distributed, setup_distributed, wrap_ddp
+from optiserve.train.distributed import broadcast_buffers, cleanup_distributed, setup_distributed, wrap_ddp
 from optiserve.train.trainer import train_step
 
 
@@ -39,6 +39,17 @@ def test_torchrun_with_two_gloo_processes_trains_and_only_rank0_logs(tmp_path):
     assert ckpt["metrics"]["test_top1"] >= 0.9
     assert proc.stdout.count("epoch 1/4") == 1, proc.stdout
     assert len(ckpt["rng"]) == 2  # every rank's RNG state is kept for an exact resume
+    # the reported test accuracy is the saved model's: both ranks scored with rank 0's BatchNorm statistics
+    from optiserve.data import load_dataset
+    from optiserve.models import load_model
+
+    loaded = load_model("small_cnn", str(out))
+    data = load_dataset("digits", loaded.input, 10)
+    images = torch.stack([data.test[i][0] for i in range(len(data.test))])
+    labels = torch.stack([data.test[i][1] for i in range(len(data.test))])
+    with torch.no_grad():
+        top1 = (loaded.model(images).argmax(1) == labels).float().mean().item()
+    assert top1 == pytest.approx(ckpt["metrics"]["test_top1"], abs=1e-6)  # one image is 0.0028
 
 
 class NoNormNet(nn.Module):
@@ -100,9 +111,11 @@ def _train_args(out, *extra):
             "--out", str(out), "--no-progress", *extra]
 
 
-def test_resume_continues_exactly_where_a_killed_run_stopped(tmp_path):
+@pytest.mark.parametrize("workers", ["0", "2"])  # augmentation in the main process, and in DataLoader workers
+def test_resume_continues_exactly_where_a_killed_run_stopped(tmp_path, workers):
+    _train_args_w = lambda out, *extra: _train_args(out, "--workers", workers, *extra)  # noqa: E731
     reference, killed = tmp_path / "reference.pt", tmp_path / "killed.pt"
-    proc = subprocess.Popen([sys.executable, "-m", "optiserve", *_train_args(killed)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "optiserve", *_train_args_w(killed)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
@@ -116,10 +129,10 @@ def test_resume_continues_exactly_where_a_killed_run_stopped(tmp_path):
     stopped_at = read_checkpoint(killed)["epoch"]
     assert 2 <= stopped_at < 6, "the run was not killed mid-way"
 
-    resumed = run_cli(*_train_args(killed, "--resume", str(killed)))
+    resumed = run_cli(*_train_args_w(killed, "--resume", str(killed)))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming at epoch {stopped_at + 1}" in resumed.stdout
-    full = run_cli(*_train_args(reference))
+    full = run_cli(*_train_args_w(reference))
     assert full.returncode == 0, full.stderr[-2000:]
 
     a, b = read_checkpoint(killed), read_checkpoint(reference)
@@ -150,3 +163,48 @@ def test_resume_refuses_a_different_world_size_or_changed_settings(small_cnn_che
     assert proc.returncode == 2 and "world size mismatch" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_cli("train", "small_cnn", "--resume", str(ckpt), "--epochs", "9")
     assert proc.returncode == 2 and "trained with epochs=4, not 9" in proc.stderr
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.pop("world_size"), "missing world_size"),
+    (lambda c: c["config"].pop("amp"), "missing config.amp"),
+    (lambda c: c.update(format="optiserve.checkpoint/0"), "format 'optiserve.checkpoint/0'"),
+])
+def test_a_checkpoint_from_another_version_is_refused_in_one_line_not_a_key_error(small_cnn_checkpoint, tmp_path,
+                                                                                  change, message):
+    ckpt = read_checkpoint(small_cnn_checkpoint)
+    change(ckpt)
+    old = tmp_path / "old.pt"
+    torch.save(ckpt, old)
+    proc = run_cli("train", "small_cnn", "--resume", str(old))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "was written by another optiserve version" in proc.stderr and message in proc.stderr
+
+
+def _evaluate_worker(rank: int, port: int, out: str):
+    """Each rank holds different BatchNorm statistics, as after DDP training steps on different batches."""
+    from optiserve.train.trainer import evaluate
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    ctx = setup_distributed("cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 14 * 14, 10))
+    images, _ = _batch()
+    with torch.no_grad():  # labels the saved (rank 0) model gets all right
+        labels = model.eval()(images).argmax(1)
+    model[1].running_mean.fill_(3.0 * rank)  # rank 1 drifted far away
+    broadcast_buffers(model, ctx)
+    dataset = torch.utils.data.TensorDataset(images, labels)
+    distributed_top1 = evaluate(model, dataset, ctx, 4, 0, None)
+    if ctx.is_main:
+        torch.save({"top1": distributed_top1, "state_dict": model.state_dict()}, out)
+    cleanup_distributed()
+
+
+def test_under_ddp_every_rank_evaluates_the_model_rank0_saves(tmp_path):
+    out = tmp_path / "eval.pt"
+    mp.spawn(_evaluate_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    result = torch.load(out, weights_only=True)
+    assert result["top1"] == 1.0  # rank 1's half too was scored with rank 0's statistics
+    assert torch.all(result["state_dict"]["1.running_mean"] == 0)

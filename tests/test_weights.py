@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-import torchvision
 
+from conftest import cache_imagenet_weights
 from optiserve.checkpoint import read_checkpoint
 from optiserve.data import load_dataset
 from optiserve.errors import UserError
@@ -71,15 +71,18 @@ def test_random_weights_mark_accuracy_as_meaningless():
 
 
 def test_imagenet_weights_load_offline_from_the_hub_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
-    weights = torchvision.models.get_weight(get_model_entry("resnet18").imagenet_weights)
-    cached = tmp_path / "hub" / "checkpoints" / weights.url.rsplit("/", 1)[1]
-    cached.parent.mkdir(parents=True)
     reference = create_model("resnet18").state_dict()
-    torch.save(reference, cached)
+    cache_imagenet_weights(tmp_path, monkeypatch, reference)
     loaded = load_model("resnet18", "imagenet")
     assert torch.equal(loaded.model.state_dict()["fc.weight"], reference["fc.weight"])
     assert len(loaded.classes) == 1000 and loaded.classes[0] == "tench"
+
+
+def test_cached_imagenet_weights_that_do_not_match_their_hash_are_refused(tmp_path, monkeypatch):
+    cached = cache_imagenet_weights(tmp_path, monkeypatch, create_model("resnet18").state_dict(), name_hash="f37072fd")
+    with pytest.raises(UserError, match="do not match the sha256 prefix in their name \\(f37072fd\\)"):
+        load_model("resnet18", "imagenet")
+    assert cached.is_file()  # named, not deleted behind the user's back
 
 
 def test_unreachable_imagenet_weights_name_the_alternatives(tmp_path, monkeypatch):

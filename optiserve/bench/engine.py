@@ -16,7 +16,7 @@ import numpy as np
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run, make_results, variant_facts
 from optiserve.errors import UserError
-from optiserve.optimize.artifacts import read_manifest
+from optiserve.artifacts import read_manifest
 from optiserve.runtime import RuntimeOptions
 from optiserve.serve.variants import load_verified, select_variants, warm_up
 

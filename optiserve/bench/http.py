@@ -9,7 +9,7 @@ from optiserve.bench.loadgen import Load, generate_load
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run, make_results
 from optiserve.errors import UserError
-from optiserve.optimize.artifacts import reported_facts
+from optiserve.artifacts import reported_facts
 
 
 def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0) -> dict:

@@ -27,7 +27,7 @@ import numpy as np
 
 from optiserve.errors import UserError
 from optiserve.files import atomic_write, read_json
-from optiserve.optimize.artifacts import reported_facts, versions
+from optiserve.artifacts import reported_facts, versions
 
 FORMAT = "optiserve.bench/1"
 MODES = ("engine", "closed", "open", "server")

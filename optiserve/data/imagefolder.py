@@ -5,21 +5,25 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch.utils.data import Subset
 from torchvision import datasets, transforms
 
+from optiserve.data.image_input import image_to_input
 from optiserve.data.splits import DatasetSplits, stratified_split
 from optiserve.errors import UserError
 from optiserve.models.registry import InputSpec
 
 
-def eval_transform(spec: InputSpec) -> transforms.Compose:
-    """Resize the short side to 256/224 of the input size, center-crop, normalize (the torchvision recipe)."""
-    h, w = spec.size
-    steps = [transforms.Grayscale()] if spec.channels == 1 else [transforms.Lambda(lambda im: im.convert("RGB"))]
-    steps += [transforms.Resize(int(round(max(h, w) * 256 / 224))), transforms.CenterCrop((h, w)),
-              transforms.ToTensor(), transforms.Normalize(spec.mean, spec.std)]
-    return transforms.Compose(steps)
+class EvalPreprocess:
+    """The evaluation transform: `image_to_input`, the function the server applies to uploads, so a
+    model is scored on exactly the pixels it will be served."""
+
+    def __init__(self, spec: InputSpec):
+        self.spec = spec
+
+    def __call__(self, image) -> torch.Tensor:
+        return torch.from_numpy(image_to_input(image, self.spec))
 
 
 def train_transform(spec: InputSpec) -> transforms.Compose:
@@ -46,13 +50,13 @@ def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0) -> Datase
         train = _folder(root / "train", train_transform(spec))
         test_dir = root / "test" if (root / "test").is_dir() else root / "val"
         val_dir = root / "val" if (root / "val").is_dir() else root / "test"
-        val, test = _folder(val_dir, eval_transform(spec)), _folder(test_dir, eval_transform(spec))
+        val, test = _folder(val_dir, EvalPreprocess(spec)), _folder(test_dir, EvalPreprocess(spec))
         if val.classes != train.classes or test.classes != train.classes:
             raise UserError(f"{root}: train, val and test folders must hold the same class subfolders")
         classes = train.classes
-        calib = _folder(root / "train", eval_transform(spec))
+        calib = _folder(root / "train", EvalPreprocess(spec))
     else:
-        full_eval = _folder(root, eval_transform(spec))
+        full_eval = _folder(root, EvalPreprocess(spec))
         full_train = _folder(root, train_transform(spec))
         targets = np.asarray(full_eval.targets)
         if np.bincount(targets).min() < 5:

@@ -14,9 +14,14 @@ def default_workers(in_memory: bool) -> int:
 
 
 def make_loader(dataset: Dataset, batch_size: int, device: torch.device, *, workers: int,
-                shuffle: bool = False, sampler: Sampler | None = None, drop_last: bool = False) -> DataLoader:
+                shuffle: bool = False, sampler: Sampler | None = None, drop_last: bool = False,
+                generator: torch.Generator | None = None, persistent: bool = True) -> DataLoader:
+    """`generator` seeds the worker processes' RNGs each time they start; with `persistent=False`
+    they start every epoch, so seeding the generator per epoch makes each epoch's augmentation a
+    function of the epoch alone (what an exact resume needs)."""
     return DataLoader(
         dataset, batch_size=batch_size, shuffle=shuffle if sampler is None else False, sampler=sampler,
         num_workers=workers, pin_memory=device.type == "cuda", drop_last=drop_last,
-        persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
+        persistent_workers=persistent and workers > 0, prefetch_factor=4 if workers > 0 else None,
+        generator=generator,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def _load_imagenet(entry, num_classes, input_spec) -> LoadedModel:
                         f"{list(entry.input.shape)}; train on your dataset and pass --weights PATH instead")
     w = torchvision.models.get_weight(entry.imagenet_weights)
     cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(w.url)
+    _check_cached_hash(cached)  # torch.hub checks the hash only when it downloads, not a file already cached
     try:
         state = torch.hub.load_state_dict_from_url(w.url, progress=True, check_hash=True, weights_only=True)
     except Exception as e:
@@ -84,6 +86,17 @@ def _load_imagenet(entry, num_classes, input_spec) -> LoadedModel:
     _load_state_dict_readably(model, state, f"ImageNet weights {cached}")
     source = {"weights": "imagenet", "sha256": sha256_file(cached), "url": w.url}
     return LoadedModel(entry.name, model, entry.input, list(w.meta["categories"]), source)
+
+
+HASH_PREFIX = re.compile(r"-([a-f0-9]{6,})\.")  # torchvision names files NAME-<sha256 prefix>.pth
+
+
+def _check_cached_hash(cached: Path) -> None:
+    """A cached weights file must match the sha256 prefix in its name, as a download is checked."""
+    match = HASH_PREFIX.search(cached.name)
+    if match and cached.is_file() and not sha256_file(cached).startswith(match.group(1)):
+        raise UserError(f"the cached ImageNet weights {cached} do not match the sha256 prefix in their name "
+                        f"({match.group(1)}): the file is damaged or was replaced; delete it and download it again")
 
 
 def _load_state_dict_readably(model: nn.Module, state: dict, what: str) -> None:

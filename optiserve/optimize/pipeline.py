@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from optiserve import artifacts
 from optiserve.data import DatasetSplits, load_dataset
 from optiserve.errors import UserError
 from optiserve.models import LoadedModel, get_model_entry, load_model
-from optiserve.optimize import artifacts
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, export_onnx
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
@@ -274,8 +274,11 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
     options = RuntimeOptions(device=cfg.device)
     batch1 = evalset.images[:1]
     batch_n = np.resize(evalset.images, (cfg.latency_batch, *evalset.images.shape[1:])).astype(np.float32)
-    entries, reference, baseline_top1 = [], None, None
-    for v in variants:
+    if BASELINE not in [v.name for v in variants]:
+        raise RuntimeError(f"no {BASELINE} variant to validate the others against")
+    # The baseline by name, validated first: every other variant is scored against it, whatever the order.
+    entries, reference, baseline_top1 = {}, None, None
+    for v in sorted(variants, key=lambda v: v.name != BASELINE):
         entry = {"name": v.name, "file": v.file, "backend": v.backend, "precision": v.precision,
                  **artifacts.file_facts(stage / v.file),
                  "size_compressed_bytes": compressed_size(stage / v.file), "settings": v.settings}
@@ -291,8 +294,8 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
                                str(cfg.latency_batch): median_latency_ms(session, batch_n)}
         entry["status"], entry["reason"] = gate(entry["accuracy"], baseline_top1, cfg.max_accuracy_drop,
                                                 not why_not, why_not)
-        entries.append(entry)
-    return entries
+        entries[v.name] = entry
+    return [entries[v.name] for v in variants]
 
 
 def _device_note(entries: list[dict]) -> list[str]:

@@ -8,6 +8,7 @@ quantization (its own calibration API), which is not one of our dependencies.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -21,7 +22,9 @@ def build_tensorrt_engine(model: nn.Module, example: torch.Tensor, path: str | o
     import torch_tensorrt
 
     dtype = torch.float16 if fp16 else torch.float32
-    module = model.eval().cuda().to(dtype)
+    # A copy: .cuda() and .to(dtype) work in place, and the caller's model is still the CPU fp32
+    # model the other variants are built from and validated against.
+    module = copy.deepcopy(model).eval().cuda().to(dtype)
     shape = tuple(example.shape[1:])
     x = example[:1].cuda().to(dtype)
     inputs = [torch_tensorrt.Input(min_shape=(1, *shape), opt_shape=(opt_batch, *shape),

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import optiserve
 from optiserve.errors import UserError
 from optiserve.models import InputSpec
-from optiserve.optimize.artifacts import read_manifest, reported_facts
+from optiserve.artifacts import read_manifest, reported_facts
 from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.torch_backends import torch_device
 from optiserve.serve import VARIANT_HEADER

@@ -1,10 +1,5 @@
-"""Turn request payloads into the model's input: decoded images or already-normalized tensors.
-
-Images (PNG, JPEG, ...) are converted to the model's channels (grayscale or RGB) and resized:
-small-input models (side <= 64, e.g. digits at 16x16) get the image resized straight to H x W;
-larger ones get the ImageNet recipe (short side to 256/224 of the input, center crop). Then
-they are scaled to [0, 1] and normalized with the manifest's mean and std.
-"""
+"""Turn request payloads into the model's input: decoded images (through the same `image_to_input`
+that evaluation uses) or already-normalized tensors."""
 
 from __future__ import annotations
 
@@ -16,9 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from optiserve.data.image_input import channel_mode, image_to_input
 from optiserve.models import InputSpec
-
-SMALL_SIDE = 64
 
 
 @dataclass(frozen=True)
@@ -43,35 +37,12 @@ def decode_image(data: bytes, spec: InputSpec, limits: ImageLimits = ImageLimits
             if im.width * im.height > limits.max_pixels:
                 raise BadInput(f"the image is {im.width}x{im.height}, over the server's limit of "
                                f"{limits.max_pixels:,} pixels")
-            im.load()
-            image = im.convert("L" if spec.channels == 1 else "RGB")
+            image = im.convert(channel_mode(spec))  # decodes; the copy outlives the file
     except BadInput:
         raise
     except Exception as e:  # Pillow's decoders raise many kinds (OSError, SyntaxError, struct.error, ...) on bad bytes
         raise BadInput(f"not a readable image (PNG, JPEG, ...): {type(e).__name__}: {e}"[:300]) from None
-    h, w = spec.size
-    if image.size != (w, h):
-        if max(h, w) <= SMALL_SIDE:
-            image = image.resize((w, h), Image.BILINEAR)
-        else:
-            short = int(round(max(h, w) * 256 / 224))
-            scale = short / min(image.size)
-            image = image.resize((max(w, round(image.width * scale)), max(h, round(image.height * scale))),
-                                 Image.BILINEAR)
-            left, top = (image.width - w) // 2, (image.height - h) // 2
-            image = image.crop((left, top, left + w, top + h))
-    # (pixel / 255 - mean) / std as one in-place multiply-add per channel plane: the uint8 pixels are
-    # moved to C x H x W first, because arithmetic broadcast over a strided or 3-wide last axis costs
-    # numpy as much as decoding the PNG
-    std = np.asarray(spec.std, dtype=np.float32)
-    scale = (1.0 / (255.0 * std))[:, None, None]
-    shift = (-np.asarray(spec.mean, dtype=np.float32) / std)[:, None, None]
-    pixels = np.asarray(image)
-    chw = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
-    x = np.ascontiguousarray(chw).astype(np.float32)
-    x *= scale
-    x += shift
-    return x
+    return image_to_input(image, spec)
 
 
 def decode_base64_image(text: str, spec: InputSpec, limits: ImageLimits = ImageLimits()) -> np.ndarray:

@@ -82,6 +82,16 @@ def wrap_ddp(model: nn.Module, ctx: DistContext) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
 
+def broadcast_buffers(model: nn.Module, ctx: DistContext) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics). Each rank's statistics drift
+    with its own batches between DDP's broadcasts; evaluating with rank 0's makes the reported
+    accuracy that of the model rank 0 saves. Training is unchanged: DDP broadcasts rank 0's
+    buffers at the start of every forward anyway."""
+    if ctx.distributed:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)

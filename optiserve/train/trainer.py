@@ -17,11 +17,13 @@ from optiserve.checkpoint import read_checkpoint, save_checkpoint
 from optiserve.data import DatasetSplits, default_workers, load_dataset, make_loader
 from optiserve.errors import UserError
 from optiserve.models import create_model, get_model_entry
-from optiserve.train.distributed import (DistContext, all_gather_objects, all_reduce_sum, cleanup_distributed,
-                                         launched_world_size, setup_distributed, wrap_ddp)
+from optiserve.train.distributed import (DistContext, all_gather_objects, all_reduce_sum, broadcast_buffers,
+                                         cleanup_distributed, launched_world_size, setup_distributed, wrap_ddp)
 from optiserve.train.schedule import scaled_lr, warmup_cosine
 
 # Options that change the optimization itself: a resumed run must keep them to continue exactly.
+CHECKPOINT_FORMAT = "optiserve.checkpoint/1"
+RESUME_KEYS = ("optimizer", "scheduler", "epoch", "rng", "config", "world_size", "history")
 RESUME_LOCKED = ("model", "dataset", "epochs", "batch_size", "lr", "momentum", "weight_decay",
                  "warmup_epochs", "seed", "amp")
 
@@ -66,6 +68,13 @@ def resume_config(cfg: TrainConfig, explicit: set[str]) -> tuple[TrainConfig, di
     ckpt = read_checkpoint(cfg.resume)
     if "optimizer" not in ckpt or "config" not in ckpt:
         raise UserError(f"{cfg.resume} is a final export without optimizer state; it cannot be resumed")
+    missing = [k for k in RESUME_KEYS if k not in ckpt]
+    missing += [f"config.{k}" for k in RESUME_LOCKED if not isinstance(ckpt["config"], dict) or k not in ckpt["config"]]
+    if ckpt.get("format") != CHECKPOINT_FORMAT or missing:
+        raise UserError(f"{cfg.resume} was written by another optiserve version (format {ckpt.get('format')!r}, "
+                        f"this one writes {CHECKPOINT_FORMAT!r}"
+                        + (f"; missing {', '.join(missing[:4])}" if missing else "")
+                        + "): it cannot be resumed; start a new run (its weights still work with optimize --weights)")
     saved = ckpt["config"]
     for key in RESUME_LOCKED:
         if key in explicit and getattr(cfg, key) != saved[key]:
@@ -180,7 +189,11 @@ def _train(cfg: TrainConfig, ctx: DistContext, data: DatasetSplits, resumed: dic
 
     sampler = DistributedSampler(data.train, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
-    loader = make_loader(data.train, cfg.batch_size, ctx.device, workers=workers, sampler=sampler, drop_last=True)
+    # Workers (image folders) augment with their own RNGs: started afresh each epoch from a generator
+    # seeded by (seed, epoch, rank), so a resumed run replays the same augmentation as an unbroken one.
+    worker_seeds = torch.Generator()
+    loader = make_loader(data.train, cfg.batch_size, ctx.device, workers=workers, sampler=sampler, drop_last=True,
+                         generator=worker_seeds, persistent=False)
     if len(loader) == 0:
         raise UserError(f"--batch-size {cfg.batch_size} x {ctx.world_size} process(es) is larger than the "
                         f"training split ({len(data.train)} images); use a smaller batch")
@@ -208,6 +221,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, data: DatasetSplits, resumed: dic
     val_top1 = history[-1]["val_top1"] if history else None
     for epoch in range(start_epoch, cfg.epochs):
         sampler.set_epoch(epoch)
+        worker_seeds.manual_seed((cfg.seed * 1_000_003 + epoch) * 1_009 + ctx.rank)
         ddp_model.train()
         loss_sum = torch.zeros((), device=ctx.device)
         bar = tqdm(total=len(loader) * global_batch, unit="img", unit_scale=True, leave=False, file=sys.stderr,
@@ -231,6 +245,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, data: DatasetSplits, resumed: dic
         seconds = time.perf_counter() - t0
         bar.close()
         mean_loss = all_reduce_sum(loss_sum).item() / (len(loader) * ctx.world_size)
+        broadcast_buffers(model, ctx)  # every rank scores the model rank 0 saves
         val_top1 = evaluate(model, data.val, ctx, 2 * cfg.batch_size, workers, dtype)
         ips = len(loader) * global_batch / seconds
         history.append({"epoch": epoch + 1, "loss": mean_loss, "val_top1": val_top1,
@@ -242,6 +257,7 @@ def _train(cfg: TrainConfig, ctx: DistContext, data: DatasetSplits, resumed: dic
         if ctx.is_main:
             save_checkpoint(ckpt, cfg.out_path)
 
+    broadcast_buffers(model, ctx)
     test_top1 = evaluate(model, data.test, ctx, 2 * cfg.batch_size, workers, dtype)
     final = _checkpoint(cfg, ctx, data, model, optimizer, scheduler, scaler, cfg.epochs, history,
                         {"val_top1": val_top1, "test_top1": test_top1})
@@ -260,7 +276,7 @@ def _checkpoint(cfg, ctx, data, model, optimizer, scheduler, scaler, epoch, hist
         return {}
     config = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
     return {
-        "format": "optiserve.checkpoint/1",
+        "format": CHECKPOINT_FORMAT,
         "model": cfg.model,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "dataset": cfg.dataset,

@@ -44,11 +44,31 @@ def file_facts(path: Path) -> dict:
     return {"sha256": sha256_file(path), "size_bytes": path.stat().st_size}
 
 
+def _previous_versions(out: Path) -> list[Path]:
+    """Folders a publish moved aside (`.NAME.old-PID`), newest first."""
+    return sorted(out.parent.glob(f".{out.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def recover_interrupted_publish(out: str | os.PathLike) -> None:
+    """A publish swaps two folders with two renames; a crash between them leaves no `out` and the
+    previous version under its hidden name. Put that version back (one atomic rename), so whoever
+    comes next — the next `optimize`, or a server — finds a complete folder."""
+    out = Path(out).absolute()
+    if not out.exists():
+        for old in _previous_versions(out):
+            if (old / MANIFEST).is_file():
+                os.replace(old, out)
+                break
+
+
 @contextlib.contextmanager
 def staging_folder(out: Path):
-    """Yield an empty folder beside `out`; on success it replaces `out`, on failure it is removed."""
+    """Yield an empty folder beside `out`; on success it replaces `out`, on failure it is removed.
+    An interruption at any point leaves a complete folder at `out` (the old or the new one) or,
+    between the two renames, one that `recover_interrupted_publish` puts back."""
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_publish(out)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".staging", dir=out.parent))
     try:
         yield stage
@@ -59,6 +79,8 @@ def staging_folder(out: Path):
         os.replace(stage, out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        for leftover in _previous_versions(out):  # from an earlier interrupted run
+            shutil.rmtree(leftover, ignore_errors=True)
     finally:
         if stage.exists():
             shutil.rmtree(stage, ignore_errors=True)
@@ -73,6 +95,7 @@ def write_manifest(folder: Path, manifest: dict) -> None:
 def read_manifest(folder: str | os.PathLike, expected_sha256: str | None = None) -> dict:
     """The folder's manifest; with `expected_sha256`, only if manifest.json has exactly that hash
     (the manifest pins every variant file's hash in turn, so this pins the whole artifact)."""
+    recover_interrupted_publish(folder)
     path = Path(folder) / MANIFEST
     if not path.is_file():
         raise UserError(f"{folder} is not an artifact folder: no {MANIFEST} (write one with `optimize MODEL`)")
