@@ -26,6 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from optiserve.bench.machine import cpu_line  # noqa: E402
 from optiserve.checkpoint import read_checkpoint  # noqa: E402
 
 
@@ -59,6 +60,7 @@ def main() -> None:
     counts = list(range(1, torch.cuda.device_count() + 1)) if args.device == "cuda" else [1, 2]
     backend = "nccl" if args.device == "cuda" else "gloo"
     cores = os.cpu_count()
+    print(f"\nmachine: {cpu_line()}")
     print(f"{args.model} on {args.dataset}, batch {args.batch_size} per process, {args.epochs} epochs x "
           f"{args.repeats} repeats, {args.device} ({cores} cores), torch {torch.__version__}")
     samples: dict[int, list[float]] = {n: [] for n in counts}

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from optiserve.bench.machine import cpu_line  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
 from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
 
@@ -74,6 +75,7 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
     med = {k: statistics.median(v) for k, v in samples.items()}
+    print(f"\nmachine: {cpu_line()}")
     print(f"\n{args.model} {shape[1]}x{shape[2]}, random weights, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; median of {args.rounds} rounds x {args.runs} runs\n")
     head = "| variant | backend | precision | " + " | ".join(

@@ -37,6 +37,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from optiserve.bench.machine import cpu_line  # noqa: E402
 from optiserve.bench.engine import time_variant  # noqa: E402
 from optiserve.bench.loadgen import Load, generate_load  # noqa: E402
 from optiserve.bench.payloads import dataset_images  # noqa: E402
@@ -131,6 +132,7 @@ def main() -> None:
 
     placement = (f"server on cores {sorted(args.server_cores)} ({args.threads} intra-op threads), load generator "
                  f"on core {cores[0]}" if args.server_cores else f"server and load generator sharing {len(cores)} cores")
+    print(f"\nmachine: {cpu_line()}")
     print(f"\n{placement}")
     print(f"{args.model} {args.variant}, PNG {args.image_size}x{args.image_size} uploads, max batch "
           f"{args.max_batch_size}, max delay {args.max_delay_ms:g} ms, "

@@ -35,6 +35,7 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from optiserve.bench.machine import cpu_line  # noqa: E402
 from optiserve.bench.engine import time_variant  # noqa: E402
 from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
@@ -174,6 +175,7 @@ def main() -> None:
                            "on_off": batched["throughput"] / unbatched["throughput"]})
     median = sorted(rounds, key=lambda r: r["share"])[(len(rounds) - 1) // 2]
 
+    print(f"\nmachine: {cpu_line()}")
     print(f"\n{args.model} {args.variant}, {args.concurrency} concurrent {args.client} clients (closed loop), PNG "
           f"{args.image_size}x{args.image_size} uploads, {args.duration:g} s measured, {os.cpu_count()} cores, "
           f"{args.repeats} alternating rounds\n")

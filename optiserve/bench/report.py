@@ -131,7 +131,7 @@ def report_blocks(report: dict, plots: dict[str, str]) -> list[tuple]:
         env = s.get("environment") or {}
         src.append(f"{s['name']}: {_describe_source(s)}; {s.get('created')}, optiserve {env.get('optiserve', '?')}, "
                    f"torch {env.get('torch', '?')}, onnxruntime {env.get('onnxruntime', '?')}, "
-                   f"{env.get('cpu_count', '?')} CPUs" + (f", {env['gpu']}" if env.get("gpu") else ""))
+                   + (env.get("cpu") or f"{env.get('cpu_count', '?')} CPUs") + (f", {env['gpu']}" if env.get("gpu") else ""))
     blocks += [("p", f"Baseline: {report['baseline']}. Percentiles are of successful requests; the intervals are "
                      "95% bootstrap confidence intervals; a speedup is baseline ÷ variant (above 1 is faster)."),
                ("ul", src)]

@@ -28,6 +28,7 @@ import numpy as np
 from optiserve.errors import UserError
 from optiserve.files import atomic_write, read_json
 from optiserve.artifacts import reported_facts, versions
+from optiserve.bench.machine import cpu_line
 
 FORMAT = "optiserve.bench/1"
 MODES = ("engine", "closed", "open", "server")
@@ -52,7 +53,7 @@ class Run:
 
 
 def environment() -> dict:
-    env = {**versions(), "platform": platform.platform(), "cpu_count": os.cpu_count()}
+    env = {**versions(), "platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu": cpu_line()}
     try:
         import torch
 
