@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 from optiserve.errors import UserError
-from optiserve.files import atomic_write, read_json, read_json_bytes, sha256_file
+from optiserve.files import atomic_write, read_json_bytes, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = "optiserve.manifest/1"
@@ -99,14 +99,12 @@ def read_manifest(folder: str | os.PathLike, expected_sha256: str | None = None)
     path = Path(folder) / MANIFEST
     if not path.is_file():
         raise UserError(f"{folder} is not an artifact folder: no {MANIFEST} (write one with `optimize MODEL`)")
+    data = path.read_bytes()  # hashed and parsed from the same bytes
     if expected_sha256 is not None:
-        data = path.read_bytes()
         actual = hashlib.sha256(data).hexdigest()
         if actual != expected_sha256.strip().lower():
             raise UserError(f"{path} has sha256 {actual}, not the pinned {expected_sha256}: refusing to load it")
-        manifest = read_json_bytes(data, path)
-    else:
-        manifest = read_json(path)
+    manifest = read_json_bytes(data, path)
     if manifest.get("format") != FORMAT:
         raise UserError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest

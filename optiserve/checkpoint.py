@@ -19,6 +19,7 @@ import torch
 from optiserve.errors import UserError
 from optiserve.files import atomic_write
 
+FORMAT = "optiserve.checkpoint/1"
 REQUIRED_KEYS = ("model", "state_dict", "dataset", "classes", "input", "metrics")
 
 

@@ -37,6 +37,21 @@ def offline_logits(folder: Path, variant: str, images):
     return load_session(folder / entry["file"], entry, manifest).run(images)
 
 
+def checkpoint_test_top1(checkpoint: Path) -> float:
+    """Top-1 of a trained digits checkpoint on the test split, computed here from the saved weights."""
+    import torch
+
+    from optiserve.data import load_dataset
+    from optiserve.models import load_model
+
+    loaded = load_model("small_cnn", str(checkpoint))
+    data = load_dataset("digits", loaded.input, 10)
+    images = torch.stack([data.test[i][0] for i in range(len(data.test))])
+    labels = torch.stack([data.test[i][1] for i in range(len(data.test))])
+    with torch.no_grad():
+        return (loaded.model(images).argmax(1) == labels).float().mean().item()
+
+
 def cache_imagenet_weights(torch_home: Path, monkeypatch, state: dict, name_hash: str | None = None) -> Path:
     """Put `state` in a fresh torch hub cache under the file name torchvision would download to; by
     default that name carries the file's own sha256 prefix (as torchvision's names carry theirs)."""

@@ -304,3 +304,11 @@ def test_a_pinned_manifest_hash_serves_that_folder_and_refuses_any_other(small_a
     create_app(ServeConfig(str(small_artifact), manifest_sha256=pinned.upper()))  # case does not matter
     with pytest.raises(UserError, match="not the pinned 00+: refusing to load it"):
         create_app(ServeConfig(str(small_artifact), manifest_sha256="0" * 64))
+
+
+def test_server_limits_below_one_are_refused_before_anything_starts(small_artifact):
+    from optiserve.errors import UserError
+
+    for option, field in (("--decode-threads", "decode_threads"), ("--max-image-pixels", "max_image_pixels")):
+        with pytest.raises(UserError, match=f"{option} must be at least 1, got 0"):
+            create_app(ServeConfig(str(small_artifact), **{field: 0}))

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import ROOT, free_port, run_cli
+from conftest import ROOT, checkpoint_test_top1, free_port, run_cli
 from optiserve.checkpoint import read_checkpoint
 from optiserve.train.distributed import broadcast_buffers, cleanup_distributed, setup_distributed, wrap_ddp
 from optiserve.train.trainer import train_step
@@ -40,16 +40,7 @@ def test_torchrun_with_two_gloo_processes_trains_and_only_rank0_logs(tmp_path):
     assert proc.stdout.count("epoch 1/4") == 1, proc.stdout
     assert len(ckpt["rng"]) == 2  # every rank's RNG state is kept for an exact resume
     # the reported test accuracy is the saved model's: both ranks scored with rank 0's BatchNorm statistics
-    from optiserve.data import load_dataset
-    from optiserve.models import load_model
-
-    loaded = load_model("small_cnn", str(out))
-    data = load_dataset("digits", loaded.input, 10)
-    images = torch.stack([data.test[i][0] for i in range(len(data.test))])
-    labels = torch.stack([data.test[i][1] for i in range(len(data.test))])
-    with torch.no_grad():
-        top1 = (loaded.model(images).argmax(1) == labels).float().mean().item()
-    assert top1 == pytest.approx(ckpt["metrics"]["test_top1"], abs=1e-6)  # one image is 0.0028
+    assert checkpoint_test_top1(out) == pytest.approx(ckpt["metrics"]["test_top1"], abs=1e-6)  # one image is 0.0028
 
 
 class NoNormNet(nn.Module):

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from conftest import cache_imagenet_weights
+from conftest import cache_imagenet_weights, checkpoint_test_top1
 from optiserve.checkpoint import read_checkpoint
-from optiserve.data import load_dataset
 from optiserve.errors import UserError
 from optiserve.models import create_model, get_model_entry, load_model
 
@@ -21,11 +20,7 @@ def test_a_training_checkpoint_is_a_plain_dict_with_the_documented_fields(small_
 
 def test_checkpoint_weights_rebuild_the_trained_model(small_cnn_checkpoint):
     loaded = load_model("small_cnn", str(small_cnn_checkpoint))
-    data = load_dataset("digits", loaded.input, 10)
-    images = torch.stack([data.test[i][0] for i in range(len(data.test))])
-    labels = torch.stack([data.test[i][1] for i in range(len(data.test))])
-    with torch.no_grad():
-        top1 = (loaded.model(images).argmax(1) == labels).float().mean().item()
+    top1 = checkpoint_test_top1(small_cnn_checkpoint)
     assert top1 == pytest.approx(read_checkpoint(small_cnn_checkpoint)["metrics"]["test_top1"], abs=1e-6)
     assert loaded.source["sha256"] and loaded.accuracy_meaningful and not loaded.model.training
 

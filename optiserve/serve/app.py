@@ -64,8 +64,8 @@ class ServeConfig:
 
     def validate(self) -> None:
         for name, value in (("--max-batch-size", self.max_batch_size), ("--max-queue", self.max_queue),
-                            ("--max-image-pixels", self.max_image_pixels), ("--decode-threads", self.decode_threads or 1)):
-            if value < 1:
+                            ("--max-image-pixels", self.max_image_pixels), ("--decode-threads", self.decode_threads)):
+            if value is not None and value < 1:
                 raise UserError(f"{name} must be at least 1, got {value}")
         if self.max_delay_ms < 0 or self.timeout_ms <= 0:
             raise UserError("--max-delay-ms must be >= 0 and --timeout-ms > 0")

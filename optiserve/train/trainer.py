@@ -13,6 +13,7 @@ from torch.utils.data import DistributedSampler, Subset
 from tqdm import tqdm
 
 import optiserve
+from optiserve.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from optiserve.checkpoint import read_checkpoint, save_checkpoint
 from optiserve.data import DatasetSplits, default_workers, load_dataset, make_loader
 from optiserve.errors import UserError
@@ -21,9 +22,9 @@ from optiserve.train.distributed import (DistContext, all_gather_objects, all_re
                                          cleanup_distributed, launched_world_size, setup_distributed, wrap_ddp)
 from optiserve.train.schedule import scaled_lr, warmup_cosine
 
-# Options that change the optimization itself: a resumed run must keep them to continue exactly.
-CHECKPOINT_FORMAT = "optiserve.checkpoint/1"
+# What a checkpoint needs beyond the weights to be resumed.
 RESUME_KEYS = ("optimizer", "scheduler", "epoch", "rng", "config", "world_size", "history")
+# Options that change the optimization itself: a resumed run must keep them to continue exactly.
 RESUME_LOCKED = ("model", "dataset", "epochs", "batch_size", "lr", "momentum", "weight_decay",
                  "warmup_epochs", "seed", "amp")
 
