@@ -5,14 +5,20 @@
 # serve --device cuda answering /predict, the protocol's infer and a short load. A step that
 # fails is reported and the next one still runs; the exit status counts the failed steps.
 #
+# Then a model repository on CUDA: load/unload cycles (GPU memory must come back), the measured
+# default variant, and the reload and shadow benchmarks.
+#
 #   bash benchmarks/gpu_paths.sh [WORKDIR]       (default: gpu-out; logs land there)
+#   STEPS='train-cuda|optimize-cuda-int8|serve-cuda-repository' bash benchmarks/gpu_paths.sh   (only those)
 set -uo pipefail
 W=${1:-gpu-out}
 mkdir -p "$W"
 PY=${PYTHON:-python3}
 failed=0
+STEPS=${STEPS:-.}
 step() {  # step NAME COMMAND...: run it, keep its log, print one line with the outcome and time
     local name=$1; shift
+    [[ $STEPS == . || $name =~ ^($STEPS)$ ]] || return 0
     local t0=$SECONDS
     if "$@" >"$W/$name.log" 2>&1; then
         echo "PASS  $name ($((SECONDS - t0)) s)"
@@ -81,6 +87,49 @@ step serve-cuda-load bash -c "
   for i in \$(seq 600); do curl -sf http://127.0.0.1:8321/v2/health/ready >/dev/null && break; kill -0 \$pid || exit 1; sleep 0.2; done
   $PY -m optiserve bench http http://127.0.0.1:8321 --concurrency 1,32 --duration 5 --warmup 2 --out '$W/http.json' --quiet
   rc=\$?; curl -s http://127.0.0.1:8321/stats > '$W/stats.json'; kill \$pid; wait \$pid; exit \$rc"
+
+step serve-cuda-repository $PY - "$W" <<'EOF'
+import json, shutil, subprocess, sys, tempfile
+from pathlib import Path
+import httpx, numpy as np
+from optiserve.serve.launch import served
+
+art = Path(sys.argv[1]) / "art-int8"
+tmp = Path(tempfile.mkdtemp())
+repo = tmp / "models"
+for name in ("digits-a", "digits-b"):
+    shutil.copytree(art, repo / name)
+(tmp / "token").write_text("gpu-paths-admin-token-0123456789")
+auth = {"Authorization": "Bearer gpu-paths-admin-token-0123456789"}
+x = np.zeros((1, 1, 16, 16)).tolist()
+
+def gpu_mib(pid):
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout
+    return sum(int(m) for p, m in (l.split(", ") for l in out.strip().splitlines() if l) if int(p) == pid)
+
+with served(repo, "--device", "cuda", "--model-control", "explicit", "--load-model", "digits-a",
+            "--admin-token-file", str(tmp / "token")) as (base, proc):
+    stats = httpx.get(f"{base}/stats").json()["models"]["digits-a"]
+    print("default choice on cuda:", json.dumps(stats["default_choice"]))
+    print("backends:", {n: v.get("backend") for n, v in stats["variants"].items()})
+    used = []
+    for i in range(5):
+        assert httpx.post(f"{base}/v2/repository/models/digits-b/load", headers=auth, timeout=300).status_code == 200
+        r = httpx.post(f"{base}/predict", params={"model": "digits-b"}, json={"inputs": x})
+        assert r.status_code == 200, r.text
+        loaded = gpu_mib(proc.pid)
+        assert httpx.post(f"{base}/v2/repository/models/digits-b/unload", headers=auth, timeout=300).status_code == 200
+        used.append(gpu_mib(proc.pid))
+        print(f"cycle {i + 1}: GPU MiB with digits-b loaded {loaded}, after unload {used[-1]}")
+    assert max(used) <= 1.10 * used[0], used
+    for i in range(3):
+        assert httpx.post(f"{base}/v2/repository/models/digits-a/load", headers=auth, timeout=300).status_code == 200
+        assert httpx.post(f"{base}/predict", params={"model": "digits-a"}, json={"inputs": x}).status_code == 200
+    print("index:", httpx.post(f"{base}/v2/repository/index", headers=auth).json())
+EOF
+step serve-reload-cuda $PY benchmarks/serve_reload.py --artifact "$W/art-int8" --duration 8 --rounds 1
+step serve-shadow-cuda $PY benchmarks/serve_shadow.py --artifact "$W/art-int8" --shadow torch-int8 --duration 6 --rounds 1
 
 echo "== results"
 for f in "$W/art/report.md" "$W/art-int8/report.md"; do [ -f "$f" ] && sed -n '1,40p' "$f"; done

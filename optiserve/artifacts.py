@@ -95,16 +95,53 @@ def write_manifest(folder: Path, manifest: dict) -> None:
 def read_manifest(folder: str | os.PathLike, expected_sha256: str | None = None) -> dict:
     """The folder's manifest; with `expected_sha256`, only if manifest.json has exactly that hash
     (the manifest pins every variant file's hash in turn, so this pins the whole artifact)."""
+    return read_manifest_versioned(folder, expected_sha256)[0]
+
+
+def read_manifest_versioned(folder: str | os.PathLike, expected_sha256: str | None = None) -> tuple[dict, str]:
+    """The manifest and the sha256 of manifest.json's bytes: the artifact's version, since the
+    manifest pins every variant file's hash (a server reloads a model when it changes)."""
     recover_interrupted_publish(folder)
     path = Path(folder) / MANIFEST
     if not path.is_file():
         raise UserError(f"{folder} is not an artifact folder: no {MANIFEST} (write one with `optimize MODEL`)")
     data = path.read_bytes()  # hashed and parsed from the same bytes
-    if expected_sha256 is not None:
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != expected_sha256.strip().lower():
-            raise UserError(f"{path} has sha256 {actual}, not the pinned {expected_sha256}: refusing to load it")
+    actual = hashlib.sha256(data).hexdigest()
+    if expected_sha256 is not None and actual != expected_sha256.strip().lower():
+        raise UserError(f"{path} has sha256 {actual}, not the pinned {expected_sha256}: refusing to load it")
     manifest = read_json_bytes(data, path)
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
-    return manifest
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise UserError(f"{path} has format {found!r}, expected {FORMAT!r}")
+    return manifest, actual
+
+
+def manifest_version(folder: str | os.PathLike) -> str | None:
+    """sha256 of the folder's manifest.json, or None when it has none (cheap: what a poll compares)."""
+    with contextlib.suppress(OSError):
+        return hashlib.sha256((Path(folder) / MANIFEST).read_bytes()).hexdigest()
+    return None
+
+
+def is_artifact_folder(folder: str | os.PathLike) -> bool:
+    return (Path(folder) / MANIFEST).is_file()
+
+
+def find_models(path: str | os.PathLike) -> dict[str, Path]:
+    """The models under `path`: an artifact folder is one model, named by its manifest; a repository
+    is a folder of artifact folders, each a model named after its sub-folder. Hidden sub-folders
+    (a publish's staging and previous versions) are not models."""
+    root = Path(path)
+    if not root.is_dir():
+        raise UserError(f"{root} is not a folder: give an artifact folder written by `optimize` or a "
+                        f"repository of them")
+    recover_interrupted_publish(root)
+    if is_artifact_folder(root):
+        return {str(read_manifest(root).get("model") or root.name): root}
+    return {sub.name: sub for sub in sorted(root.iterdir())
+            if sub.is_dir() and not sub.name.startswith(".") and is_artifact_folder(sub)}
+
+
+def is_repository(path: str | os.PathLike) -> bool:
+    """True for a folder of artifact folders, False for one artifact folder."""
+    return Path(path).is_dir() and not is_artifact_folder(path)

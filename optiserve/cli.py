@@ -50,3 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"optiserve {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def optimize_main(argv: list[str] | None = None) -> int:
+    """The `optimize` console script: the same as `optiserve optimize`."""
+    return main(["optimize", *(sys.argv[1:] if argv is None else argv)])

@@ -149,8 +149,8 @@ def test_the_ab_split_sends_traffic_to_both_variants_and_stats_count_it(client):
     x = np.zeros((1, 1, 16, 16)).tolist()
     served = [client.post("/predict", json={"inputs": x}).json()["variant"] for _ in range(60)]
     assert 10 < served.count("fp32") < 50 and served.count("fp32") + served.count("onnx-int8") == 60
-    stats = client.get("/stats").json()
-    assert stats["ab"] == {"fp32": 0.5, "onnx-int8": 0.5}
+    stats = client.get("/stats").json()["models"]["small_cnn"]
+    assert stats["ab"] == {"fp32": 0.5, "onnx-int8": 0.5} and stats["traffic"]["set_by"] == "--ab"
     for name in ("fp32", "onnx-int8"):
         v = stats["variants"][name]
         assert v["outcomes"]["ok"] >= served.count(name) and v["latency_ms"]["p50"] > 0
@@ -227,7 +227,7 @@ def test_a_real_uvicorn_process_serves_on_loopback_and_shuts_down_cleanly(small_
     assert "Application shutdown complete" in proc.output and "Traceback" not in proc.output
 
 
-def test_metrics_expose_per_variant_counts_latencies_batches_and_queue_depth(client):
+def test_metrics_expose_per_model_and_variant_counts_latencies_batches_and_queue_depth(client):
     for _ in range(3):
         assert client.post("/predict", json={"inputs": np.zeros((2, 1, 16, 16)).tolist(), "variant": "fp32"}).status_code == 200
     client.post("/predict", json={"inputs": np.zeros((1, 1, 16, 16)).tolist(), "variant": "int4"})  # 404
@@ -235,13 +235,13 @@ def test_metrics_expose_per_variant_counts_latencies_batches_and_queue_depth(cli
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
     ok = next(line for line in text.splitlines()
-              if line.startswith('optiserve_requests_total{outcome="ok",variant="fp32"}'))
+              if line.startswith('optiserve_requests_total{model="small_cnn",outcome="ok",variant="fp32"}'))
     assert float(ok.split()[-1]) >= 3
     for family in ("optiserve_request_latency_seconds_bucket", "optiserve_queue_latency_seconds_bucket",
                    "optiserve_compute_latency_seconds_bucket", "optiserve_batch_size_bucket",
                    "optiserve_images_total"):
         assert f'{family}{{' in text, family
-    assert 'optiserve_queue_depth{variant="onnx-int8"} 0.0' in text
+    assert 'optiserve_queue_depth{model="small_cnn",variant="onnx-int8"} 0.0' in text
 
 
 def test_a_full_queue_is_answered_429_before_the_body_is_read_and_the_queued_requests_are_served(small_artifact):
@@ -251,7 +251,7 @@ def test_a_full_queue_is_answered_429_before_the_body_is_read_and_the_queued_req
     cfg = ServeConfig(str(small_artifact), variants=["onnx-int8"], max_batch_size=1, max_delay_ms=0, max_queue=2)
     with TestClient(create_app(cfg)) as c:
         _wait_ready(c)
-        batcher = c.app.state.server.variants["onnx-int8"].batcher
+        batcher = c.app.state.server.models["small_cnn"].variants["onnx-int8"].batcher
         gate, real = threading.Event(), batcher.run_batch
         batcher.run_batch = lambda batch: (gate.wait(10), real(batch))[1]  # a model stuck on its first batch
         pngs, _ = _digit_pngs(3)

@@ -38,7 +38,7 @@ def _wait_ready(client, seconds=60):
 
 @pytest.fixture(scope="module")
 def client(small_artifact):
-    app = create_app(ServeConfig(str(small_artifact), variants=["fp32", "onnx-int8"], max_batch_size=4,
+    app = create_app(ServeConfig(str(small_artifact), variants=["fp32", "onnx-int8"], ab="fp32=1", max_batch_size=4,
                                  max_delay_ms=1, max_body_bytes=1 << 20, max_image_pixels=4000))
     with TestClient(app, raise_server_exceptions=False) as c:
         _wait_ready(c)
@@ -93,7 +93,7 @@ def test_an_image_over_the_pixel_limit_is_refused_from_its_header(client):
 
 
 def test_images_and_bodies_are_decoded_on_the_decode_threads_not_the_event_loop(client, monkeypatch):
-    from optiserve.serve import app as app_module
+    from optiserve.serve import routes_predict as app_module
 
     threads = []
     real_decode, real_parse = app_module.decode_image, app_module.predict_request
@@ -109,12 +109,12 @@ def test_images_and_bodies_are_decoded_on_the_decode_threads_not_the_event_loop(
 
 
 def test_an_unexpected_error_is_a_json_500_with_the_variant_and_one_logged_traceback(client, monkeypatch, caplog):
-    from optiserve.serve import app as app_module
+    from optiserve.serve import routes_predict
 
     def broken(logits):
         raise RuntimeError("a bug in the response code")
 
-    monkeypatch.setattr(app_module, "_softmax", broken)
+    monkeypatch.setattr(routes_predict, "softmax", broken)
     with caplog.at_level(logging.ERROR, logger="optiserve.serve"):
         r = client.post("/predict", json={"inputs": ZEROS, "variant": "onnx-int8"})
     assert r.status_code == 500 and r.json() == {"error": "internal server error (logged on the server)"}
@@ -128,7 +128,7 @@ def test_a_failed_batch_is_500_and_a_request_past_its_timeout_is_504_over_http(s
     cfg = ServeConfig(str(small_artifact), variants=["onnx-int8"], max_batch_size=1, timeout_ms=300)
     with TestClient(create_app(cfg)) as c:
         _wait_ready(c)
-        batcher = c.app.state.server.variants["onnx-int8"].batcher
+        batcher = c.app.state.server.models["small_cnn"].variants["onnx-int8"].batcher
         real = batcher.run_batch
 
         def failing(batch):
@@ -162,7 +162,7 @@ def test_a_variant_named_in_the_body_holds_its_queue_place_in_that_variants_queu
                       max_delay_ms=0, max_queue=1)
     with TestClient(create_app(cfg)) as c:
         _wait_ready(c)
-        fp32, int8 = (c.app.state.server.variants[n].batcher for n in ("fp32", "onnx-int8"))
+        fp32, int8 = (c.app.state.server.models["small_cnn"].variants[n].batcher for n in ("fp32", "onnx-int8"))
         gate = threading.Event()
         for b in (fp32, int8):
             b.run_batch = (lambda real: lambda batch: (gate.wait(10), real(batch))[1])(b.run_batch)

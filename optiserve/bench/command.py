@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     h = sub.add_parser("http", help="load generator against a running `optiserve serve`")
     h.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8000")
+    h.add_argument("--model", default=None, metavar="NAME",
+                   help="the model to load (default: the server's only model)")
     h.add_argument("--variants", type=_names, default=None, metavar="A,B",
                    help="measure each named variant in turn (default: send requests without a variant, "
                         "so the server's A/B split routes them)")
@@ -99,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         concurrency = args.concurrency if args.concurrency is not None else ([] if args.rate else [1, 8, 32])
         results = bench_http(args.url, images, args.variants, concurrency, args.rate, args.duration, args.warmup,
                              args.timeout, progress=not args.quiet,
-                             settings={"images": args.images or f"{args.dataset} {args.image_size}px"})
+                             settings={"images": args.images or f"{args.dataset} {args.image_size}px"},
+                             model=args.model)
     out = save_results(results, args.out)
     report = build_report([(out.name, results)], resamples=1000)
     csv_path = Path(out).with_suffix(".csv")

@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.add_argument("results", metavar="RESULTS", nargs="+",
                    help="results files from `optiserve bench`, or the URL of a running server")
+    p.add_argument("--model", default=None, metavar="NAME",
+                   help="with a server URL: the model to report (default: the server's only model)")
     p.add_argument("--baseline", default=None, metavar="VARIANT",
                    help="the variant the others are compared with (default fp32 when present, else the first)")
     p.add_argument("--out", required=True, metavar="DIR",
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     sources = []
     for item in args.results:
         if item.startswith(("http://", "https://")):
-            sources.append((item, results_from_server(server_facts(item, samples=True), item)))
+            sources.append((item, results_from_server(server_facts(item, samples=True, model=args.model), item)))
         else:
             sources.append((Path(item).name, load_results(item)))
     report = build_report(sources, args.baseline, args.resamples)

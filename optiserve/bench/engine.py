@@ -18,7 +18,7 @@ from optiserve.bench.results import Run, make_results, variant_facts
 from optiserve.errors import UserError
 from optiserve.artifacts import read_manifest
 from optiserve.runtime import RuntimeOptions
-from optiserve.serve.variants import load_verified, select_variants, warm_up
+from optiserve.runtime.variants import load_verified, select_variants, warm_up
 
 MIN_CALLS = 5  # a batch size slower than the duration still gets this many timed calls
 

@@ -12,9 +12,10 @@ from optiserve.errors import UserError
 from optiserve.artifacts import reported_facts
 
 
-def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0) -> dict:
-    """The server's /stats (model, input, variants with accuracy and size); a clear error when the
-    URL is not an optiserve server or is not ready yet."""
+def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0, model: str | None = None) -> dict:
+    """One served model's /stats (model, input, variants with accuracy and size): `model`, or the
+    only one served; a clear error when the URL is not an optiserve server, is not ready yet, or
+    serves several models and none was named."""
     import httpx
 
     base = base_url.rstrip("/")
@@ -32,17 +33,25 @@ def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0) 
     if ready.status_code != 200:
         raise UserError(f"{base} is not ready yet (variants still loading or failed); "
                         f"wait for /v2/health/ready to answer 200")
-    return facts
+    models = facts.get("models") or {}
+    if model is None and len(models) == 1:
+        model = next(iter(models))
+    if model not in models:
+        raise UserError(f"{base} serves {', '.join(models) or 'no model'}: name one with --model"
+                        if model is None else f"{base} does not serve a model {model!r} (it serves "
+                                              f"{', '.join(models) or 'none'})")
+    return models[model]
 
 
 def bench_http(base_url: str, images: list[bytes], variants: list[str] | None, concurrency: list[int],
                rates: list[float], duration_s: float, warmup_s: float, timeout_s: float = 60.0,
-               progress: bool = True, settings: dict | None = None) -> dict:
+               progress: bool = True, settings: dict | None = None, model: str | None = None) -> dict:
     """One closed-loop run per (variant, concurrency) and one open-loop run per (variant, rate).
 
     Without `variants`, requests name no variant and the server's A/B split routes them; the
     records say which variant served each one."""
-    facts = server_facts(base_url)
+    facts = server_facts(base_url, model=model)
+    model = facts.get("model")
     served = list(facts.get("variants", {}))
     for name in variants or []:
         if name not in served:
@@ -51,8 +60,10 @@ def bench_http(base_url: str, images: list[bytes], variants: list[str] | None, c
         raise UserError("--concurrency takes positive integers and --rate positive numbers")
     if duration_s <= 0 or warmup_s < 0:
         raise UserError("--duration must be positive and --warmup not negative")
-    loads = [Load("closed", c, duration_s, warmup_s, v, timeout_s) for v in (variants or [None]) for c in concurrency]
-    loads += [Load("open", r, duration_s, warmup_s, v, timeout_s) for v in (variants or [None]) for r in rates]
+    loads = [Load("closed", c, duration_s, warmup_s, v, timeout_s, model=model)
+             for v in (variants or [None]) for c in concurrency]
+    loads += [Load("open", r, duration_s, warmup_s, v, timeout_s, model=model)
+              for v in (variants or [None]) for r in rates]
     line = ProgressLine(progress)
     runs = [asyncio.run(generate_load(base_url, images, load, line)) for load in loads]
     settings = {"url": base_url, "variants": variants, "concurrency": concurrency, "rates": rates,
@@ -83,5 +94,13 @@ def results_from_server(facts: dict, url: str) -> dict:
                    "status": status, "variant": [name] * len(status)}
         counts = {k: int(k) * n for k, n in (v.get("batch_size_counts") or {}).items()}
         runs.append(Run("server", 0, name, float(v.get("elapsed_s") or 0.0), 1, records, counts))
-    return make_results("server", runs, {"url": url, "ab": facts.get("ab")}, **_model_and_variants(facts))
+    settings = {"url": url, "ab": facts.get("ab"), "shadow": _shadow(facts)}
+    return make_results("server", runs, settings, **_model_and_variants(facts))
+
+
+def _shadow(facts: dict) -> list[dict]:
+    """Per shadow variant: images compared with the answering variant and how many agreed on top-1."""
+    return [{"variant": name, "images": int(s.get("images") or 0), "agreed": int(s.get("agreed") or 0),
+             "dropped": int(s.get("dropped") or 0), "latency_ms": s.get("latency_ms")}
+            for name, s in (facts.get("shadow") or {}).items()]
 

@@ -41,6 +41,7 @@ class Load:
     timeout_s: float = 60.0
     max_connections: int = 512   # open loop: requests beyond this wait in the client (and that wait counts)
     seed: int = 0
+    model: str | None = None     # None: the server's only model
 
     def describe(self) -> str:
         what = f"concurrency {self.level:g}" if self.mode == "closed" else f"{self.level:g} req/s"
@@ -119,7 +120,7 @@ async def _generate_load(base_url: str, images: list[bytes], load: Load, progres
     if load.level <= 0:
         raise ValueError("the concurrency or rate must be positive")
     url = base_url.rstrip("/") + "/predict"
-    params = {"variant": load.variant} if load.variant else None
+    params = {k: v for k, v in (("model", load.model), ("variant", load.variant)) if v} or None
     limit = int(load.level) if load.mode == "closed" else load.max_connections
     connector = aiohttp.TCPConnector(limit=limit, force_close=False)
     timeout = aiohttp.ClientTimeout(total=load.timeout_s)

@@ -19,6 +19,7 @@ from optiserve.bench.results import group_runs, to_csv
 from optiserve.bench.stats import PERCENTILES, speedup, summarize, verdict
 from optiserve.errors import UserError
 from optiserve.files import atomic_write
+from optiserve.intervals import wilson_interval
 
 REPORT_FORMAT = "optiserve.report/1"
 SPEEDUP_STATISTICS = ("p50", "p99")
@@ -72,11 +73,28 @@ def build_report(sources: list[tuple[str, dict]], baseline: str | None = None, r
                                 "accuracy_delta_points": delta,
                                 "verdict": verdict(g["name"], base["name"], ratios["p50"], "p50", delta),
                                 "verdict_p99": verdict(g["name"], base["name"], ratios["p99"], "p99")})
+    shadows = [{**sh, "source": name, **_agreement(sh["agreed"], sh["images"])}
+               for name, r in sources for sh in ((r.get("settings") or {}).get("shadow") or [])]
     return {"format": REPORT_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "baseline": baseline,
+            "shadow": shadows,
             "model": next((r.get("model") for _, r in sources if r.get("model")), {}),
             "sources": [{"name": n, "kind": r.get("kind"), "created": r.get("created"), "settings": r.get("settings"),
                          "environment": r.get("environment")} for n, r in sources],
             "variants": facts, "settings": settings, "groups": groups, "comparisons": comparisons}
+
+
+def _agreement(agreed: int, images: int) -> dict:
+    interval = wilson_interval(agreed, images)
+    return {"agreement": agreed / images if images else None, "agreement_ci95": list(interval) if interval else None}
+
+
+def _shadow_line(sh: dict) -> str:
+    if not sh["images"]:
+        return f"{sh['variant']} (shadow, {sh['source']}): no images compared yet ({sh['dropped']} runs dropped)"
+    low, high = sh["agreement_ci95"]
+    return (f"{sh['variant']} (shadow, {sh['source']}): agreed with the answering variant's top-1 class on "
+            f"{sh['agreement']:.2%} of {sh['images']:,} images (95% CI {low:.2%}–{high:.2%}); "
+            f"{sh['dropped']:,} shadow runs dropped under load")
 
 
 # ---- rendering -------------------------------------------------------------------------------------
@@ -156,6 +174,11 @@ def report_blocks(report: dict, plots: dict[str, str]) -> list[tuple]:
         errors = [f"{g['name']}: {e}" for g in here for e in g["error_examples"]]
         if errors:
             blocks += [("p", "Failures seen:"), ("ul", errors)]
+    if report.get("shadow"):
+        blocks += [("h2", "Shadow traffic"),
+                   ("p", "Requests mirrored to a shadow variant after their answer was sent; agreement is on the "
+                         "top-1 class, with a 95% Wilson interval."),
+                   ("ul", [_shadow_line(sh) for sh in report["shadow"]])]
     if plots:
         blocks.append(("h2", "Plots"))
         for name, caption in plots.items():
@@ -267,3 +290,5 @@ def print_summary(report: dict) -> None:
         print()
         for c in report["comparisons"]:
             print(f"{c['setting']}: {c['verdict']}")
+    for sh in report.get("shadow") or []:
+        print(_shadow_line(sh))

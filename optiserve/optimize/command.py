@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from optiserve.data import DATASET_CHOICES
 from optiserve.models import list_models
@@ -85,10 +84,3 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The `optimize` console script: the same as `optiserve optimize`."""
-    from optiserve.cli import main as cli_main
-
-    return cli_main(["optimize", *(sys.argv[1:] if argv is None else argv)])

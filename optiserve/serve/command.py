@@ -6,12 +6,16 @@ import argparse
 
 from optiserve.serve.app import ServeConfig, config_to_environment, configure_logging, create_app
 
-HELP = "serve an artifact folder: /predict, the Open Inference Protocol (v2) and /stats"
+HELP = "serve an artifact folder or a repository of them: /predict, the Open Inference Protocol (v2), /stats"
 DESCRIPTION = """\
-Load the variants of ARTIFACT_DIR once, warm them up, and serve them with dynamic batching.
+Load the variants of PATH once, warm them up, and serve them with dynamic batching. PATH is one
+artifact folder (one model, named by its manifest) or a repository: a folder of artifact folders,
+each a model named after its sub-folder. Without --ab a model's traffic goes to its fastest
+accepted variant, timed at start-up on this machine.
 
   optiserve serve artifacts/resnet18-digits
-  optiserve serve artifacts/resnet18-digits --variants onnx-int8,fp32 --ab onnx-int8=0.9,fp32=0.1"""
+  optiserve serve artifacts/resnet18-digits --variants onnx-int8,fp32 --ab onnx-int8=0.9,fp32=0.1
+  optiserve serve models/ --model-control poll --admin-token-file token.txt"""
 
 DEFAULTS = ServeConfig(artifact_dir="")
 
@@ -23,12 +27,14 @@ def _names(text: str) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = DESCRIPTION
-    p.add_argument("artifact_dir", metavar="ARTIFACT_DIR", help="a folder written by `optimize`")
+    p.add_argument("artifact_dir", metavar="PATH",
+                   help="a folder written by `optimize`, or a repository: a folder of such folders")
     p.add_argument("--variants", type=_names, default=None, metavar="A,B",
                    help="variants to serve (default: every accepted variant that can run here); a variant "
                         "named here is served whatever its status, with a warning")
     p.add_argument("--ab", default=None, metavar="A=W,B=W",
-                   help="traffic split for requests that name no variant (default: all to the first served)")
+                   help="traffic split for requests that name no variant (default: all to the fastest accepted "
+                        "variant, timed at start-up)")
     p.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size, metavar="N",
                    help=f"largest batch the batcher forms (default {DEFAULTS.max_batch_size}; 1 turns batching off)")
     p.add_argument("--max-delay-ms", type=float, default=DEFAULTS.max_delay_ms, metavar="T",
@@ -54,6 +60,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="threads that parse request bodies and decode images (default: min(4, cores))")
     p.add_argument("--manifest-sha256", default=None, metavar="HEX",
                    help="serve the folder only if its manifest.json has this sha256 (pins every variant file)")
+    p.add_argument("--model-control", default=DEFAULTS.model_control, choices=["none", "explicit", "poll"],
+                   help="none: load every model at start-up, no load/unload API (default); explicit: load the "
+                        "--load-model ones, then what the repository API asks; poll: follow the folder, "
+                        "loading new, reloading changed and unloading removed models")
+    p.add_argument("--load-model", action="append", default=None, metavar="NAME", dest="load_models",
+                   help="with --model-control explicit: a model to load at start-up (repeatable; * for all)")
+    p.add_argument("--poll-seconds", type=float, default=DEFAULTS.poll_seconds, metavar="S",
+                   help=f"with --model-control poll: how often the repository is re-read (default "
+                        f"{DEFAULTS.poll_seconds:g})")
+    p.add_argument("--admin-token-file", default=None, metavar="FILE",
+                   help="enables the repository and traffic endpoints, for requests with `Authorization: "
+                        "Bearer <the file's token>` (without it they answer 403)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto")
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
@@ -70,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
                       max_queue=args.max_queue, timeout_ms=args.timeout_ms, threads=args.threads,
                       inference_nice=args.inference_nice, device=args.device, body_timeout_s=args.body_timeout_s,
                       shutdown_timeout_s=args.shutdown_timeout_s, max_image_pixels=args.max_image_pixels,
-                      decode_threads=args.decode_threads, manifest_sha256=args.manifest_sha256)
+                      decode_threads=args.decode_threads, manifest_sha256=args.manifest_sha256,
+                      model_control=args.model_control, load_models=args.load_models,
+                      poll_seconds=args.poll_seconds, admin_token_file=args.admin_token_file)
     configure_logging()
     app = create_app(cfg)  # checks the manifest and the variant choice before anything listens
     # uvicorn's own bound on waiting for open requests: ours plus a margin, so it only acts if ours failed

@@ -24,6 +24,16 @@ MAX_NAME_CHARS = 256       # variant names, output names, ids
 OUTPUTS = ("logits", "probabilities")
 
 
+class TooManyImages(BadInput):
+    """More images than a queue holds: such a request can never be admitted, so 413, not 429 'retry later'."""
+
+    status = 413
+
+    def __init__(self, images: int, max_images: int, detail: str = ""):
+        super().__init__(f"{detail}{images} images in one request, but a queue holds at most {max_images} "
+                         f"(the server's --max-queue): split it into smaller requests")
+
+
 def _number(kind):
     def parse(text: str):
         if len(text) > MAX_NUMBER_CHARS:
@@ -99,12 +109,12 @@ def predict_request(data: bytes, spec: InputSpec, classes: int, max_images: int,
         raise BadInput('"inputs" must be a non-empty list: base64 images, or nested lists [N, C, H, W]')
     if all(isinstance(x, str) for x in inputs):
         if len(inputs) > max_images:
-            raise BadInput(f"{len(inputs)} images in one request; at most {max_images}")
+            raise TooManyImages(len(inputs), max_images)
         images = np.stack([decode_base64_image(x, spec, limits) for x in inputs])
     else:
         images = tensor_batch(inputs, spec)
         if len(images) > max_images:
-            raise BadInput(f"{len(images)} images in one request; at most {max_images}")
+            raise TooManyImages(len(images), max_images)
     return PredictRequest(images, variant, k)
 
 
@@ -136,6 +146,8 @@ def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_i
     count = math.prod(shape)  # Python integers: a huge shape cannot overflow into a small one
     per_image = math.prod(spec.shape)
     if count > max_images * per_image:
+        if len(shape) == 4 and shape[1:] == list(spec.shape):  # well-formed, just more than a queue holds
+            raise TooManyImages(shape[0], max_images)
         raise BadInput(f"input shape {shape} holds {count:,} values; at most {max_images} images "
                        f"({max_images * per_image:,} values) per request")
     datatype = tensor.get("datatype")

@@ -1,4 +1,4 @@
-"""Prometheus metrics per variant: requests by outcome, end-to-end / queue / compute latency,
+"""Prometheus metrics per model and variant: requests by outcome, end-to-end / queue / compute latency,
 batch sizes and queue depth. Each app has its own registry, so several apps in one process
 (tests, workers) never share counters."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  re-exported for the /metrics route
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -18,33 +19,67 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("optiserve_requests", "Inference requests by variant and outcome",
-                                ["variant", "outcome"], registry=r)
-        self.images = Counter("optiserve_images", "Images inferred, by variant", ["variant"], registry=r)
+                                ["model", "variant", "outcome"], registry=r)
+        self.images = Counter("optiserve_images", "Images inferred, by variant", ["model", "variant"], registry=r)
         self.latency = Histogram("optiserve_request_latency_seconds", "End-to-end server latency of a request",
-                                 ["variant"], buckets=LATENCY_BUCKETS, registry=r)
+                                 ["model", "variant"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("optiserve_queue_latency_seconds", "Time an image waited for its batch",
-                               ["variant"], buckets=LATENCY_BUCKETS, registry=r)
+                               ["model", "variant"], buckets=LATENCY_BUCKETS, registry=r)
         self.compute = Histogram("optiserve_compute_latency_seconds", "Time a batch ran on the model",
-                                 ["variant"], buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("optiserve_batch_size", "Images per executed batch", ["variant"],
+                                 ["model", "variant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("optiserve_batch_size", "Images per executed batch", ["model", "variant"],
                                     buckets=BATCH_BUCKETS, registry=r)
-        self.queue_depth = Gauge("optiserve_queue_depth", "Images waiting for a batch", ["variant"], registry=r)
+        self.queue_depth = QueueDepths()
+        r.register(self.queue_depth)
 
-    def track_queue(self, variant: str, depth: Callable[[], int]) -> None:
-        self.queue_depth.labels(variant).set_function(depth)
+        self.shadow_agreement = Counter("optiserve_shadow_agreement", "Images run on a shadow variant, by whether "
+                                        "its top-1 class agreed with the variant that answered",
+                                        ["model", "variant", "agreed"], registry=r)
+        self.shadow_latency = Histogram("optiserve_shadow_latency_seconds", "Latency of a shadow run",
+                                        ["model", "variant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.shadow_dropped = Counter("optiserve_shadow_dropped", "Shadow runs skipped because the shadow "
+                                      "variant's queue was busy", ["model", "variant"], registry=r)
 
-    def record_request(self, variant: str, outcome: str, seconds: float | None = None, images: int = 0) -> None:
-        self.requests.labels(variant, outcome).inc()
+    def track_queue(self, model: str, variant: str, depth: Callable[[], int]) -> None:
+        self.queue_depth.depths[(model, variant)] = depth
+
+    def forget_queue(self, model: str, variant: str) -> None:
+        """Drop an unloaded variant's queue gauge (its function holds the batcher)."""
+        self.queue_depth.depths.pop((model, variant), None)
+
+    def record_request(self, model: str, variant: str, outcome: str, seconds: float | None = None,
+                       images: int = 0) -> None:
+        self.requests.labels(model, variant, outcome).inc()
         if seconds is not None:
-            self.latency.labels(variant).observe(seconds)
+            self.latency.labels(model, variant).observe(seconds)
         if images:
-            self.images.labels(variant).inc(images)
+            self.images.labels(model, variant).inc(images)
 
-    def record_batch(self, variant: str, size: int, queue_seconds: list[float], compute_seconds: float) -> None:
-        self.batch_size.labels(variant).observe(size)
-        self.compute.labels(variant).observe(compute_seconds)
+    def record_batch(self, model: str, variant: str, size: int, queue_seconds: list[float],
+                     compute_seconds: float) -> None:
+        self.batch_size.labels(model, variant).observe(size)
+        self.compute.labels(model, variant).observe(compute_seconds)
+        queue = self.queue.labels(model, variant)
         for q in queue_seconds:
-            self.queue.labels(variant).observe(q)
+            queue.observe(q)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class QueueDepths:
+    """optiserve_queue_depth, read from each variant's batcher when scraped. A collector of its own
+    rather than Gauge.set_function, whose children hold themselves in a cycle: an unloaded
+    variant's batcher (and its sessions) must be freed as soon as it is forgotten."""
+
+    def __init__(self):
+        self.depths: dict[tuple[str, str], Callable[[], int]] = {}
+
+    def collect(self):
+        family = GaugeMetricFamily("optiserve_queue_depth", "Images waiting for a batch", labels=["model", "variant"])
+        for (model, variant), depth in list(self.depths.items()):
+            family.add_metric([model, variant], float(depth()))
+        yield family
+
+    def describe(self):
+        return []

@@ -25,7 +25,9 @@ class ImageLimits:
 
 
 class BadInput(ValueError):
-    """The payload cannot become a model input; the message says why (answered with 400/422)."""
+    """The payload cannot become a model input; the message says why (answered with `status`)."""
+
+    status = 400
 
 
 def decode_image(data: bytes, spec: InputSpec, limits: ImageLimits = ImageLimits()) -> np.ndarray:

@@ -1,9 +1,9 @@
-"""Choose, verify, load and warm up the variants a server keeps for its whole life."""
+"""Choose, verify, load and warm up an artifact folder's variants: what the server, the benchmarks and
+anything else that runs a variant do before the first timed or served batch."""
 
 from __future__ import annotations
 
 import logging
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +13,7 @@ from optiserve.errors import UserError
 from optiserve.files import sha256_file
 from optiserve.runtime import RuntimeOptions, Session, get_backend, load_session
 
-log = logging.getLogger("optiserve.serve")
+log = logging.getLogger("optiserve.runtime")
 
 
 def select_variants(manifest: dict, names: list[str] | None) -> list[dict]:
@@ -40,40 +40,6 @@ def select_variants(manifest: dict, names: list[str] | None) -> list[dict]:
         statuses = ", ".join(f"{v['name']}={v['status']}" for v in manifest["variants"])
         raise UserError(f"no accepted variant can run here ({statuses}); name the ones to serve with --variants")
     return chosen
-
-
-def parse_ab(spec: str | None, served: list[str]) -> dict[str, float]:
-    """`int8=0.9,fp32=0.1` -> traffic shares summing to 1. Default: everything to the first served variant."""
-    if not spec:
-        return {served[0]: 1.0}
-    weights = {}
-    for part in spec.split(","):
-        name, sep, value = part.partition("=")
-        name = name.strip()
-        try:
-            weight = float(value)
-        except ValueError:
-            weight = -1.0
-        if not sep or weight < 0:
-            raise UserError(f"--ab takes VARIANT=WEIGHT pairs like int8=0.9,fp32=0.1; got {part!r}")
-        if name not in served:
-            raise UserError(f"--ab names {name!r}, which is not served (served: {', '.join(served)})")
-        weights[name] = weight
-    total = sum(weights.values())
-    if total <= 0:
-        raise UserError("--ab weights must not all be zero")
-    return {k: v / total for k, v in weights.items()}
-
-
-class Router:
-    """Picks the variant for a request that names none, by the A/B shares."""
-
-    def __init__(self, shares: dict[str, float], seed: int | None = None):
-        self.names, self.weights = list(shares), list(shares.values())
-        self._rng = random.Random(seed)
-
-    def pick(self) -> str:
-        return self._rng.choices(self.names, self.weights)[0]
 
 
 @dataclass

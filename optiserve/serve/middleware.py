@@ -1,0 +1,75 @@
+"""ASGI middleware around every route: the body-size limit, and JSON 500s for the unexpected."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from optiserve.serve import VARIANT_HEADER
+from optiserve.serve.server import ApiError
+
+log = logging.getLogger("optiserve.serve")
+
+
+class BodyLimit:
+    """ASGI middleware: a body over the limit is answered 413 before it is read whole."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await _send_json(send, 413, {"error": f"request body of {int(length):,} bytes is over the "
+                                                         f"{self.limit:,}-byte limit"})
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise ApiError(413, f"request body is over the {self.limit:,}-byte limit")
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
+class InternalErrors:
+    """ASGI middleware: an exception no handler expected becomes a JSON 500 naming the variant, with
+    the traceback logged once here and never sent to the client."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception:
+            log.exception("unexpected error answering %s %s", scope.get("method"), scope.get("path"))
+            if started:  # the status line is out: all that is left is to end the response
+                return
+            variant = (scope.get("state") or {}).get("variant")
+            extra = [(VARIANT_HEADER.lower().encode(), variant.encode())] if variant else []
+            await _send_json(send, 500, {"error": "internal server error (logged on the server)"}, extra)
+
+
+async def _send_json(send, status: int, body: dict, headers: list | None = None) -> None:
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": payload})

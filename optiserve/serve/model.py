@@ -1,0 +1,178 @@
+"""One served model: an artifact folder's manifest, its warm variants with their batchers, and the
+split of its traffic. A new version is loaded beside the one it replaces, and a replaced or unloaded
+version is retired only once the requests it admitted are answered."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from optiserve.artifacts import read_manifest_versioned
+from optiserve.models import InputSpec
+import numpy as np
+
+from optiserve.runtime import RuntimeOptions
+from optiserve.runtime.timing import interleaved_median_ms
+from optiserve.runtime.variants import LoadedVariant, load_verified, select_variants, warm_up
+from optiserve.serve.batcher import BatchRecord, DynamicBatcher
+from optiserve.serve.metrics import ServerMetrics
+from optiserve.serve.stats import VariantStats
+from optiserve.serve.traffic import Router, Shadow, ShadowStats, parse_ab
+
+log = logging.getLogger("optiserve.serve")
+
+
+@dataclass
+class ServedVariant:
+    loaded: LoadedVariant
+    batcher: DynamicBatcher
+    stats: VariantStats = field(default_factory=VariantStats)
+
+    @property
+    def name(self) -> str:
+        return self.loaded.name
+
+
+@dataclass
+class BatchingConfig:
+    """What every model's batchers are built with (from the server's options)."""
+
+    max_batch_size: int
+    max_delay_ms: float
+    max_queue: int
+    thread_initializer: Callable[[], None] | None = None
+
+    @property
+    def sizes(self) -> list[int]:
+        """The batch sizes the batcher forms often enough to warm up: powers of two and the maximum."""
+        return sorted({1, *[2 ** i for i in range(1, 16) if 2 ** i < self.max_batch_size], self.max_batch_size})
+
+
+class ServedModel:
+    """An artifact folder being served. Constructing it reads the manifest and chooses the variants
+    (a clear error for a bad folder); `load` creates and warms the sessions and starts the batchers."""
+
+    def __init__(self, name: str, folder: str | Path, variants: list[str] | None = None, ab: str | None = None,
+                 manifest_sha256: str | None = None):
+        self.name, self.folder = name, Path(folder)
+        self.manifest, self.version = read_manifest_versioned(self.folder, manifest_sha256)
+        self.entries = select_variants(self.manifest, variants)
+        self.spec = InputSpec.from_dict(self.manifest["input"])
+        self.classes: list[str] = self.manifest["classes"]
+        names = [e["name"] for e in self.entries]
+        self.router = Router(parse_ab(ab, names))
+        self.traffic_source = "--ab" if ab else "default"  # what set the split: --ab, default, fastest, api
+        self.choice: dict | None = None  # why the default split chose its variant, when it was measured
+        self.shadow: Shadow | None = None
+        self.shadow_stats: dict[str, ShadowStats] = {}
+        self.variants: dict[str, ServedVariant] = {}
+        self._inflight = 0
+        self._idle: asyncio.Event | None = None
+
+    @property
+    def entry_names(self) -> list[str]:
+        return [e["name"] for e in self.entries]
+
+    async def load(self, loader: Executor, options: RuntimeOptions, batching: BatchingConfig,
+                   metrics: ServerMetrics) -> None:
+        """Load and warm every variant on `loader` (off the event loop), then start its batcher.
+        On failure whatever was started is stopped again and the error propagates."""
+        loop = asyncio.get_running_loop()
+        try:
+            for entry in self.entries:
+                loaded = await loop.run_in_executor(loader, load_verified, self.folder, entry, self.manifest, options)
+                await loop.run_in_executor(loader, warm_up, loaded, self.manifest["input"]["shape"], batching.sizes)
+                stats = VariantStats()
+
+                def on_batch(rec: BatchRecord, stats=stats, model=self.name, variant=loaded.name):
+                    stats.record_batch(rec.size)
+                    metrics.record_batch(model, variant, rec.size, rec.queue_s, rec.compute_s)
+
+                batcher = DynamicBatcher(loaded.session.run, batching.max_batch_size, batching.max_delay_ms,
+                                         batching.max_queue, name=f"{self.name}/{loaded.name}", on_batch=on_batch,
+                                         thread_initializer=batching.thread_initializer)
+                batcher.start()
+                self.variants[loaded.name] = ServedVariant(loaded, batcher, stats)
+                log.info("model %s: variant %s (%s, %s) loaded and warmed up", self.name, loaded.name,
+                         entry["backend"], entry["precision"])
+        except BaseException:
+            await self.close(0)
+            raise
+
+    def choose_fastest(self, max_batch_size: int, within: float = 0.05) -> dict | None:
+        """Send the default traffic to the accepted variant with the highest throughput at
+        `max_batch_size`, timed here and now (within `within` of the best: the smallest file).
+        Blocking: run it off the event loop. None when there is nothing to choose between."""
+        accepted = [n for n in self.variants if self.variants[n].loaded.entry.get("status") == "accepted"]
+        candidates = accepted or list(self.variants)
+        if len(candidates) < 2:
+            return None
+        batch = np.random.default_rng(0).standard_normal((max_batch_size, *self.spec.shape), dtype=np.float32)
+        medians = interleaved_median_ms({n: self.variants[n].loaded.session for n in candidates}, batch)
+        throughput = {n: max_batch_size / (ms / 1000) for n, ms in medians.items()}
+        best = max(throughput.values())
+        close = [n for n in candidates if throughput[n] >= (1 - within) * best]
+        size = lambda n: self.variants[n].loaded.entry.get("size_bytes") or 0  # noqa: E731
+        chosen = min(close, key=lambda n: (size(n), -throughput[n]))
+        why = (f"highest throughput at batch {max_batch_size} on this machine "
+               f"({throughput[chosen]:,.0f} images/s" +
+               (f"; the smallest file among {', '.join(close)}, all within {within:.0%} of the best)"
+                if len(close) > 1 else ")"))
+        self.choice = {"variant": chosen, "why": why, "batch_size": max_batch_size,
+                       "images_per_s": {n: round(t, 1) for n, t in throughput.items()}}
+        return self.choice
+
+    def set_traffic(self, shares: dict[str, float] | None, shadow: Shadow | None, shadow_given: bool,
+                    source: str = "api") -> None:
+        """Apply a checked traffic setting (see traffic.parse_traffic)."""
+        if shares is not None:
+            self.router.set(shares)
+            self.traffic_source = source
+        if shadow_given:
+            self.shadow = shadow
+            if shadow is not None:
+                self.shadow_stats.setdefault(shadow.variant, ShadowStats())
+
+    def traffic(self) -> dict:
+        return {"weights": self.router.shares, "set_by": self.traffic_source,
+                "shadow": self.shadow.to_dict() if self.shadow else None}
+
+    def track_queues(self, metrics: ServerMetrics) -> None:
+        """Point the queue-depth gauges at this version's batchers (called when it starts serving)."""
+        for name, v in self.variants.items():
+            metrics.track_queue(self.name, name, lambda b=v.batcher: b.depth)
+
+    # ---- requests in flight, so that a retired version answers what it admitted ------------------
+    def enter(self) -> None:
+        self._inflight += 1
+
+    def leave(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0 and self._idle is not None:
+            self._idle.set()
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    async def retire(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) for the requests this version admitted, then close its batchers
+        and drop its sessions. True when everything was answered in time."""
+        drained = True
+        if self._inflight:
+            self._idle = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except asyncio.TimeoutError:
+                drained = False
+        return await self.close(0 if not drained else timeout) and drained
+
+    async def close(self, timeout: float | None) -> bool:
+        """Close every batcher (answering what is queued within `timeout`) and drop the sessions."""
+        results = await asyncio.gather(*(v.batcher.close(timeout) for v in self.variants.values()))
+        self.variants.clear()
+        return all(results)

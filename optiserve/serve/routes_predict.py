@@ -1,0 +1,69 @@
+"""/predict: an image upload (multipart or a raw image body) or JSON, answered with the top classes."""
+
+from __future__ import annotations
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from optiserve.serve import VARIANT_HEADER
+from optiserve.serve.envelope import predict_request, top_k
+from optiserve.serve.preprocess import decode_image
+from optiserve.serve.server import ApiError, Server
+
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/bmp")
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(1, keepdims=True)
+
+
+def add_predict_routes(app: FastAPI, server: Server) -> None:
+    cfg = server.cfg
+
+    @app.post("/predict")
+    async def predict(request: Request):
+        """A multipart upload (field `file`), a raw image body (content-type image/png, ...), or JSON
+        {"inputs": tensors or base64 images}; `?model=` picks the model, `?variant=` the variant."""
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        raw_image = ctype in IMAGE_TYPES
+        if not (raw_image or ctype in ("multipart/form-data", "application/json", "")):
+            raise ApiError(415, f"unsupported content type {ctype[:100]!r}; send multipart/form-data, "
+                                f"application/json or an image ({', '.join(IMAGE_TYPES)})")
+        query = request.query_params
+        with server.admitted(query.get("model"), query.get("variant"), request) as admission:
+            model = admission.model
+            k = top_k(query.get("top_k"), len(model.classes))
+            if ctype == "multipart/form-data":
+                form = await server.read_form(request)
+                upload, named = form.get("file"), form.get("variant")
+                if upload is None or isinstance(upload, str):
+                    raise ApiError(400, "multipart requests need the image in a file field named `file`")
+                if named is not None and not isinstance(named, str):
+                    raise ApiError(400, "the form field `variant` must be text")
+                if "variant" not in query:
+                    server.reroute(admission, named or None, request)
+                data = await upload.read()
+                images = (await server.decode(decode_image, data, model.spec, server.image_limits))[None]
+            elif raw_image:
+                data = await server.read_body(request)
+                images = (await server.decode(decode_image, data, model.spec, server.image_limits))[None]
+            else:
+                body = await server.read_body(request)
+                parsed = await server.decode(predict_request, body, model.spec, len(model.classes),
+                                             cfg.max_queue, server.image_limits)
+                if "variant" not in query:
+                    server.reroute(admission, parsed.variant, request)
+                images, k = parsed.images, k or parsed.top_k
+            logits, timing = await server.infer(admission, images)
+        k = k or min(cfg.top_k, len(model.classes))
+        probs = softmax(logits)
+        order = np.argsort(-probs, axis=1)[:, :k]
+        predictions = [[{"class": model.classes[i], "index": int(i), "probability": float(p[i])} for i in row]
+                       for row, p in zip(order, probs)]
+        variant = admission.variant.name
+        return JSONResponse({"model": model.name, "variant": variant, "predictions": predictions,
+                             "latency_ms": timing}, headers={VARIANT_HEADER: variant},
+                            background=server.shadow_task(admission, images, logits))

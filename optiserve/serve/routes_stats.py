@@ -1,0 +1,35 @@
+"""/stats (latency, traffic, the default choice and shadow agreement per model and variant) and /metrics."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from optiserve.artifacts import reported_facts
+from optiserve.serve.metrics import CONTENT_TYPE_LATEST
+from optiserve.serve.model import ServedModel
+from optiserve.serve.server import Server
+
+
+def model_stats(model: ServedModel, samples: bool) -> dict:
+    variants = {name: {**v.stats.snapshot(samples), "queue_depth": v.batcher.depth, **reported_facts(v.loaded.entry)}
+                for name, v in list(model.variants.items())}
+    shadow = {name: s.snapshot() for name, s in model.shadow_stats.items()}
+    return {"model": model.name, "version": model.version[:12], "input": model.manifest["input"],
+            "ab": model.router.shares, "traffic": model.traffic(), "default_choice": model.choice,
+            "variants": variants, "shadow": shadow}
+
+
+def add_stats_routes(app: FastAPI, server: Server) -> None:
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats(samples: bool = False, model: str | None = None):
+        """Per model: latency per variant, the traffic split and why, shadow agreement. `?model=`
+        one model only; `?samples=true` adds the recent raw latencies, for `optiserve compare`."""
+        if model is not None:
+            return {"ready": server.ready, **model_stats(server.model(model), samples)}
+        return {"ready": server.ready, **({"error": server.error} if server.error else {}),
+                "models": {name: model_stats(m, samples) for name, m in list(server.models.items())}}

@@ -1,0 +1,53 @@
+"""Layers point down only: cli -> train/optimize/serve/bench -> runtime -> models/data -> shared modules.
+Checked on the imports every module really makes (parsed, so lazy imports inside functions count)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "optiserve"
+
+# what each layer must never import (module prefixes)
+FORBIDDEN = {
+    "serve": ("optiserve.optimize", "optiserve.train", "optiserve.bench", "optiserve.cli"),
+    "bench": ("optiserve.serve", "optiserve.optimize", "optiserve.train", "optiserve.cli"),
+    # the optimizer may fine-tune a pruned model with the trainer: the one sideways import allowed
+    "optimize": ("optiserve.serve", "optiserve.bench", "optiserve.cli"),
+    "train": ("optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.cli"),
+    "runtime": ("optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.train", "optiserve.cli"),
+    "models": ("optiserve.runtime", "optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.train"),
+    "data": ("optiserve.runtime", "optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.train"),
+}
+# the one name bench may take from serving: the response header that says which variant answered
+ALLOWED = {("bench", "optiserve.serve", "VARIANT_HEADER")}
+
+
+def _imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                yield node.module, alias.name
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_a_layer_imports_nothing_above_it(layer):
+    offences = []
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
+        for module, name in _imports(path):
+            if (layer, module, name) in ALLOWED:
+                continue
+            if any(module == f or module.startswith(f + ".") for f in FORBIDDEN[layer]):
+                offences.append(f"{path.relative_to(PACKAGE.parent)} imports {module}{'.' + name if name else ''}")
+    assert not offences, "\n".join(offences)
+
+
+def test_the_artifact_folder_format_is_read_from_below_the_layers_that_use_it():
+    readers = [p for layer in ("serve", "bench", "runtime") for p in (PACKAGE / layer).rglob("*.py")
+               if any(m == "optiserve.artifacts" for m, _ in _imports(p))]
+    assert readers, "serve, bench and runtime read artifact folders through optiserve.artifacts"
