@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
-import json
 import shutil
 import statistics
 import sys
@@ -31,7 +30,7 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from optiserve.artifacts import read_manifest  # noqa: E402
+from optiserve.artifacts import read_manifest, staging_folder, write_manifest  # noqa: E402
 from optiserve.bench.loadgen import Load, generate_load  # noqa: E402
 from optiserve.bench.machine import cpu_line  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402
@@ -53,16 +52,13 @@ def artifact(path: str | None) -> Path:
 
 
 def republish(target: Path, source: Path, change: str) -> None:
-    """A new version of the folder, swapped in with two renames (what `optimize --out` does)."""
-    stage = target.with_name(f".{target.name}.staging")
-    shutil.copytree(source, stage)
-    manifest = json.loads((stage / "manifest.json").read_text())
-    manifest["notes"] = [*manifest.get("notes", []), change]
-    (stage / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    old = target.with_name(f".{target.name}.old")
-    target.rename(old)
-    stage.rename(target)
-    shutil.rmtree(old)
+    """A new version of the folder (its manifest notes `change`), published the way `optimize --out`
+    publishes: written beside the target and swapped in with renames."""
+    with staging_folder(target) as stage:
+        shutil.copytree(source, stage, dirs_exist_ok=True)
+        manifest = read_manifest(stage)
+        manifest["notes"] = [*manifest.get("notes", []), change]
+        write_manifest(stage, manifest)
 
 
 def pngs(shape: list[int], n: int = 64) -> list[bytes]:

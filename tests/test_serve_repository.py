@@ -5,7 +5,6 @@ the measured default variant, and the admin token that guards what changes what 
 from __future__ import annotations
 
 import io
-import json
 import shutil
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from conftest import offline_logits
-from optiserve.artifacts import read_manifest
+from optiserve.artifacts import read_manifest, staging_folder, write_manifest
 from optiserve.bench.http import results_from_server
 from optiserve.bench.report import build_report, render_markdown, report_blocks
 from optiserve.data import load_dataset
@@ -66,17 +65,14 @@ def _admin(token=TOKEN) -> dict:
     return {"Authorization": f"Bearer {token}"}
 
 
-def _republish(folder: Path, source: Path, change: str) -> None:
-    """What `optimize --out` does to a served folder: a new version swapped in with renames."""
-    stage = folder.with_name(f".{folder.name}.staging")
-    shutil.copytree(source, stage)
-    manifest = json.loads((stage / "manifest.json").read_text())
-    manifest["notes"] = [*manifest.get("notes", []), change]
-    (stage / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    old = folder.with_name(f".{folder.name}.old")
-    folder.rename(old)
-    stage.rename(folder)
-    shutil.rmtree(old)
+def _republish(target: Path, source: Path, change: str) -> None:
+    """A new version of the folder (its manifest notes `change`), published the way `optimize --out`
+    publishes: written beside the target and swapped in with renames."""
+    with staging_folder(target) as stage:
+        shutil.copytree(source, stage, dirs_exist_ok=True)
+        manifest = read_manifest(stage)
+        manifest["notes"] = [*manifest.get("notes", []), change]
+        write_manifest(stage, manifest)
 
 
 def test_tritonclient_drives_the_repository_api_load_unload_and_load_again(repository, token_file, digits,
