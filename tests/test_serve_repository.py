@@ -152,6 +152,15 @@ def test_a_bad_admin_token_file_is_one_clear_line_at_start_up(small_artifact, tm
             create_app(ServeConfig(str(small_artifact), admin_token_file=str(path)))
 
 
+def test_worker_processes_refuse_the_admin_api_that_would_reach_only_one_of_them(small_artifact, token_file,
+                                                                                  capsys):
+    from optiserve.cli import main
+
+    for extra in (["--admin-token-file", token_file], ["--model-control", "explicit"]):
+        assert main(["serve", str(small_artifact), "--workers", "2", *extra]) == 2
+        assert "--workers N > 1 cannot be combined" in capsys.readouterr().err
+
+
 def test_model_control_none_refuses_load_and_unload_with_the_mode_to_use(repository, token_file):
     cfg = ServeConfig(str(repository), variants=["fp32"], admin_token_file=token_file)
     with TestClient(create_app(cfg)) as c:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from optiserve.errors import UserError
 from optiserve.serve.app import ServeConfig, config_to_environment, configure_logging, create_app
 
 HELP = "serve an artifact folder or a repository of them: /predict, the Open Inference Protocol (v2), /stats"
@@ -91,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
                       decode_threads=args.decode_threads, manifest_sha256=args.manifest_sha256,
                       model_control=args.model_control, load_models=args.load_models,
                       poll_seconds=args.poll_seconds, admin_token_file=args.admin_token_file)
+    if args.workers > 1 and (cfg.model_control == "explicit" or cfg.admin_token_file):
+        # each worker is a process with its own models: an API call would change one of them at random
+        raise UserError("--workers N > 1 cannot be combined with --model-control explicit or --admin-token-file: "
+                        "a load, unload or traffic call would reach only the worker that answered it. Use one "
+                        "worker per process (and replicas for scale), or --model-control poll")
     configure_logging()
     app = create_app(cfg)  # checks the manifest and the variant choice before anything listens
     # uvicorn's own bound on waiting for open requests: ours plus a margin, so it only acts if ours failed
