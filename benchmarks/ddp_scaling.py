@@ -26,7 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from optiserve.bench.machine import cpu_line  # noqa: E402
+from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.checkpoint import read_checkpoint  # noqa: E402
 
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from hostile_requests import hostile_requests, send  # noqa: E402
-from optiserve.bench.machine import cpu_line  # noqa: E402
+from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
 from optiserve.runtime import load_session  # noqa: E402

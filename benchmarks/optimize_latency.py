@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from optiserve.bench.machine import cpu_line  # noqa: E402
+from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
 from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
 

@@ -37,7 +37,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from optiserve.bench.machine import cpu_line  # noqa: E402
+from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.bench.engine import time_variant  # noqa: E402
 from optiserve.bench.loadgen import Load, generate_load  # noqa: E402
 from optiserve.bench.payloads import dataset_images  # noqa: E402

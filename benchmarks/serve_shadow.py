@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.bench.loadgen import Load, generate_load  # noqa: E402
-from optiserve.bench.machine import cpu_line  # noqa: E402
+from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.bench.payloads import dataset_images  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402
 

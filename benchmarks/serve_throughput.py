@@ -35,7 +35,7 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from optiserve.bench.machine import cpu_line  # noqa: E402
+from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.bench.engine import time_variant  # noqa: E402
 from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402

@@ -13,6 +13,7 @@ from optiserve.files import sha256_file
 from optiserve.optimize import pipeline
 from optiserve.artifacts import read_manifest
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+from optiserve.runtime.openvino_backend import bf16_unavailable
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +29,20 @@ def test_the_folder_holds_one_file_per_variant_a_manifest_and_a_report(artifact)
     out, manifest = artifact
     assert read_manifest(out) == manifest
     names = [v["name"] for v in manifest["variants"]]
-    assert names == ["fp32", "torchscript", "onnx-fp32", "onnx-int8", "torch-int8", "sparse50", "pruned50",
-                     "pruned50-int8"]
+    bf16 = ["openvino-bf16"] if bf16_unavailable() is None else []
+    assert names == ["fp32", "torchscript", "onnx-fp32", "onnx-int8", "torch-int8", "openvino-fp32", *bf16,
+                     "openvino-int8", "sparse50", "pruned50", "pruned50-int8", "openvino-pruned50-int8"]
+    files = set()
     for v in manifest["variants"]:
         path = out / v["file"]
-        assert path.is_file() and v["sha256"] == sha256_file(path) and v["size_bytes"] == path.stat().st_size
+        companions = v.get("companions", {})
+        assert path.is_file() and v["sha256"] == sha256_file(path)
+        assert v["size_bytes"] == path.stat().st_size + sum(c["size_bytes"] for c in companions.values())
+        assert all(c["sha256"] == sha256_file(out / name) for name, c in companions.items())
         assert set(v) >= {"backend", "precision", "accuracy", "latency_ms", "status", "settings"}
         assert set(v["latency_ms"]) == {"1", "8"} and all(t > 0 for t in v["latency_ms"].values())
-    assert sorted(p.name for p in out.iterdir()) == sorted([v["file"] for v in manifest["variants"]]
-                                                           + ["manifest.json", "report.md"])
+        files |= {v["file"], *companions}
+    assert sorted(p.name for p in out.iterdir()) == sorted(files | {"manifest.json", "report.md"})
     assert manifest["model"] == "small_cnn" and manifest["input"]["shape"] == [1, 16, 16]
     assert manifest["classes"] == [str(i) for i in range(10)]
     assert manifest["source"]["sha256"] and {"torch", "onnxruntime"} <= set(manifest["versions"])
@@ -222,3 +228,20 @@ def test_the_report_says_when_variants_ran_on_different_devices():
     assert pipeline._device_note(mixed) == [
         "devices: fp32 on cuda, torch-int8 on cpu (PyTorch's INT8 kernels run on the CPU only; their latency is a CPU figure)"]
     assert pipeline._device_note([{"name": "fp32", "device": "cpu"}, {"name": "onnx-int8", "device": "cpu"}]) == []
+
+
+def test_the_manifest_recommends_the_fastest_accepted_variant_and_names_the_cpu_it_was_timed_on(artifact):
+    out, manifest = artifact
+    accepted = [v for v in manifest["variants"] if v["status"] == "accepted"]
+    rec = manifest["recommended"]
+    assert rec["latency"] == min(accepted, key=lambda v: v["latency_ms"]["1"])["name"]
+    assert rec["throughput"] == min(accepted, key=lambda v: v["latency_ms"]["8"])["name"]
+    assert rec["batch"] == 8 and rec["accuracy_gated"] is True
+    machine = manifest["machine"]
+    assert machine["model"] and machine["cores"] >= 1 and isinstance(machine["flags"], list)
+    report = (out / "report.md").read_text()
+    assert f"for latency (batch 1) **{rec['latency']}**" in report and machine["model"] in report
+    row = next(r for r in pipeline.summary_rows(manifest) if r[0] == rec["latency"])
+    assert "fastest b1" in row[-1]
+    assert not any("fastest" in r[-1] for r in pipeline.summary_rows(manifest)
+                   if r[0] not in (rec["latency"], rec["throughput"]))

@@ -28,7 +28,7 @@ import numpy as np
 from optiserve.errors import UserError
 from optiserve.files import atomic_write, read_json
 from optiserve.artifacts import reported_facts, versions
-from optiserve.bench.machine import cpu_line
+from optiserve.machine import cpu_line
 
 FORMAT = "optiserve.bench/1"
 MODES = ("engine", "closed", "open", "server")

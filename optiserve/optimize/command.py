@@ -7,7 +7,8 @@ import argparse
 from optiserve.data import DATASET_CHOICES
 from optiserve.models import list_models
 from optiserve.models.weights import WEIGHT_CHOICES
-from optiserve.optimize.pipeline import OptimizeConfig, run_optimize, summary_header, summary_rows
+from optiserve.optimize.pipeline import (OptimizeConfig, recommendation_line, run_optimize, summary_header,
+                                         summary_rows)
 from optiserve.optimize.quantize_ort import CALIB_METHODS
 
 HELP = "build, validate and package faster variants of a model (TorchScript, ONNX, INT8)"
@@ -44,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp16", action="store_true", help="with --tensorrt, also build an FP16 engine")
     p.add_argument("--onnx", action=argparse.BooleanOptionalAction, default=True,
                    help="build the ONNX Runtime variants (default on; --no-onnx skips them and INT8 with them)")
+    p.add_argument("--openvino", action=argparse.BooleanOptionalAction, default=True,
+                   help="build the OpenVINO variants from the ONNX files: openvino-fp32, openvino-bf16 where the "
+                        "CPU has bf16, openvino-int8 with --int8 (default on; --no-openvino skips them)")
     p.add_argument("--calib-size", type=int, default=DEFAULTS.calib_size, metavar="N",
                    help=f"training images used to calibrate INT8 ranges (default {DEFAULTS.calib_size})")
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULTS.calib_method,
@@ -62,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = OptimizeConfig(
-        model=args.model, weights=args.weights, dataset=args.dataset, int8=args.int8, onnx=args.onnx,
+        model=args.model, weights=args.weights, dataset=args.dataset, int8=args.int8, onnx=args.onnx, openvino=args.openvino,
         prune=args.prune, prune_channels=args.prune_channels, finetune_epochs=args.finetune_epochs,
         tensorrt=args.tensorrt, fp16=args.fp16,
         calib_size=args.calib_size, calib_method=args.calib_method, max_accuracy_drop=args.max_accuracy_drop,
@@ -76,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     for v in manifest["variants"]:
         if v["status"] == "rejected":
             print(f"{v['name']} rejected: {v['reason']}; not served by default")
-    print(f"wrote {cfg.out_path}/ (manifest.json, report.md, {len(manifest['variants'])} variant files)")
+    print(recommendation_line(manifest).replace("**", ""))
+    print(f"wrote {cfg.out_path}/ (manifest.json, report.md, {len(manifest['variants'])} variants)")
     return 0
 
 

@@ -12,9 +12,11 @@ import torch
 from optiserve import artifacts
 from optiserve.data import DatasetSplits, load_dataset
 from optiserve.errors import UserError
+from optiserve.machine import cpu_facts, cpu_line
 from optiserve.models import LoadedModel, get_model_entry, load_model
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, export_onnx
+from optiserve.optimize.export_openvino import export_openvino
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.progress import PassLog
 from optiserve.optimize.prune import compressed_size, prune_unstructured
@@ -25,6 +27,8 @@ from optiserve.optimize.tensorrt import build_tensorrt_engine
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, gate, materialize, predict, score
 from optiserve.runtime import RuntimeOptions, load_session
+from optiserve.runtime.openvino_backend import bf16_unavailable, companion_bin
+from optiserve.runtime.openvino_backend import _unavailable as openvino_unavailable
 from optiserve.runtime.timing import median_latency_ms
 from optiserve.runtime.torch_backends import TorchSession, tensorrt_unavailable, torch_device
 from optiserve.train.finetune import fine_tune
@@ -44,6 +48,7 @@ class OptimizeConfig:
     tensorrt: bool = False
     fp16: bool = False
     onnx: bool = True
+    openvino: bool = True             # OpenVINO IR variants (built from the ONNX files)
     calib_size: int = 256
     calib_method: str = "minmax"
     max_accuracy_drop: float = 1.0    # percentage points of top-1
@@ -65,6 +70,8 @@ class OptimizeConfig:
                 raise UserError(f"{flag} must be a fraction in (0, 1), e.g. 0.5; got {value}")
         if (self.prune is not None or self.prune_channels is not None) and not self.onnx:
             raise UserError("pruned variants are built as ONNX Runtime models; drop --no-onnx")
+        if self.openvino and self.onnx and (why := openvino_unavailable()):
+            raise UserError(f"the OpenVINO variants cannot be built here: {why}; or add --no-openvino")
         if self.fp16 and not self.tensorrt:
             raise UserError("--fp16 builds a TensorRT FP16 engine; add --tensorrt")
         torch_device(self.device)  # --device cuda without a GPU fails here, not after the build
@@ -90,6 +97,7 @@ class Variant:
     backend: str
     precision: str
     settings: dict = field(default_factory=dict)
+    companions: list[str] = field(default_factory=list)  # files the main file needs beside it (an IR's .bin)
 
 
 def default_checkpoint(model: str, dataset: str) -> Path:
@@ -140,7 +148,9 @@ def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> tuple[str, li
 def run_optimize(cfg: OptimizeConfig) -> dict:
     """Build, validate and publish every requested variant; returns the manifest."""
     cfg.validate()
+    openvino = cfg.openvino and cfg.onnx
     steps = (7 + cfg.onnx + (cfg.int8 and cfg.onnx) + cfg.int8 + (cfg.prune is not None)
+             + openvino * (1 + cfg.int8 + (cfg.int8 and cfg.prune_channels is not None))
              + (cfg.prune_channels is not None) * (1 + cfg.int8) + cfg.tensorrt * (1 + cfg.fp16))
     log = PassLog(steps, enabled=cfg.progress)
     with log.step(f"load {cfg.model} ({cfg.weights or 'default weights'})"):
@@ -192,6 +202,8 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                 scripted, settings = quantize_torch_fx(fused, batches)
                 save_torchscript(scripted, stage / "torch-int8.pt")
                 variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8", settings))
+        if openvino:
+            _openvino_variants(stage, variants, notes, cfg, log)
         if cfg.prune is not None:
             name = f"sparse{round(100 * cfg.prune)}"
             with log.step(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)"):
@@ -215,6 +227,13 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                                              batches, cfg.calib_method)
                     variants.append(Variant(f"{name}-int8", f"model.{name}.int8.onnx", "onnxruntime", "int8",
                                             {**q, "pruning": settings}))
+                if openvino:
+                    with log.step(f"OpenVINO IR of {name}-int8 -> openvino-{name}-int8"):
+                        ir = f"model.{name}.int8.openvino.xml"
+                        ov = export_openvino(stage / f"model.{name}.int8.onnx", stage / ir)
+                        variants.append(Variant(f"openvino-{name}-int8", ir, "openvino", "int8",
+                                                {**q, **ov, "inference_precision": "f32", "pruning": settings},
+                                                [companion_bin(Path(ir)).name]))
         if cfg.tensorrt:
             for fp16 in (False, True)[: 1 + cfg.fp16]:
                 name = f"trt-{'fp16' if fp16 else 'fp32'}"
@@ -235,6 +254,29 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             artifacts.write_manifest(stage, manifest)
             (stage / "report.md").write_text(render_report(manifest))
     return manifest
+
+
+def _openvino_variants(stage: Path, variants: list[Variant], notes: list[str], cfg: OptimizeConfig, log) -> None:
+    """openvino-fp32 and, where the CPU has bf16, openvino-bf16 (one IR, the precision set at load);
+    with --int8, openvino-int8: the ONNX Runtime QDQ file read by OpenVINO, which runs it in INT8."""
+    with log.step("OpenVINO IR (fp32 weights; f32 and bf16 inference)"):
+        ov = export_openvino(stage / "model.onnx", stage / "model.openvino.xml")
+        bin_name = companion_bin(Path("model.openvino.xml")).name
+        variants.append(Variant("openvino-fp32", "model.openvino.xml", "openvino", "fp32",
+                                {**ov, "inference_precision": "f32"}, [bin_name]))
+        if why := bf16_unavailable():
+            notes.append(f"no openvino-bf16: {why}")
+        else:
+            variants.append(Variant("openvino-bf16", "model.openvino.xml", "openvino", "bf16",
+                                    {**ov, "inference_precision": "bf16"}, [bin_name]))
+    if cfg.int8 and any(v.name == "onnx-int8" for v in variants):
+        with log.step("OpenVINO IR of the INT8 QDQ model -> openvino-int8"):
+            q = next(v for v in variants if v.name == "onnx-int8").settings
+            ov = export_openvino(stage / "model.int8.onnx", stage / "model.int8.openvino.xml")
+            variants.append(Variant("openvino-int8", "model.int8.openvino.xml", "openvino", "int8",
+                                    {**q, **ov, "inference_precision": "f32",
+                                     "flow": "the ONNX Runtime QDQ file (same calibration) read by OpenVINO"},
+                                    [companion_bin(Path("model.int8.openvino.xml")).name]))
 
 
 def _prune_channels(loaded, data, evalset, example, cfg, why_not, log):
@@ -281,7 +323,11 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
     for v in sorted(variants, key=lambda v: v.name != BASELINE):
         entry = {"name": v.name, "file": v.file, "backend": v.backend, "precision": v.precision,
                  **artifacts.file_facts(stage / v.file),
-                 "size_compressed_bytes": compressed_size(stage / v.file), "settings": v.settings}
+                 "size_compressed_bytes": sum(compressed_size(stage / f) for f in (v.file, *v.companions)),
+                 "settings": v.settings}
+        if v.companions:
+            entry["companions"] = {f: artifacts.file_facts(stage / f) for f in v.companions}
+            entry["size_bytes"] += sum(c["size_bytes"] for c in entry["companions"].values())
         session = load_session(stage / v.file, entry, base_manifest, options)
         entry["device"] = session.device  # torch-int8 runs on the CPU even where the others use CUDA
         logits = predict(session, evalset.images)
@@ -335,9 +381,30 @@ def _manifest(loaded, data, entries, cfg, why_not, notes, n_eval) -> dict:
         "max_accuracy_drop": cfg.max_accuracy_drop,
         "latency_batch": cfg.latency_batch,
         "versions": artifacts.versions(),
+        "machine": cpu_facts(),
+        "recommended": recommend(entries, cfg.latency_batch),
         "notes": notes,
         "variants": entries,
     }
+
+
+def recommend(entries: list[dict], n: int) -> dict | None:
+    """The fastest accepted variant at batch 1 ("latency") and at batch n ("throughput"), as timed in
+    this run on this machine; among unvalidated ones when none could be gated (random weights)."""
+    pool = [e for e in entries if e["status"] == "accepted"]
+    gated = bool(pool)
+    pool = pool or [e for e in entries if e["status"] == "unvalidated"]
+    if not pool:
+        return None
+    fastest = lambda b: min(pool, key=lambda e: e["latency_ms"][b])["name"]  # noqa: E731
+    return {"latency": fastest("1"), "throughput": fastest(str(n)), "batch": n, "accuracy_gated": gated}
+
+
+def _marks(manifest: dict, name: str) -> str:
+    rec = manifest.get("recommended") or {}
+    marks = [f"fastest b{b}" for b, key in (("1", "latency"), (str(rec.get("batch")), "throughput"))
+             if rec.get(key) == name]
+    return f" ({', '.join(marks)})" if marks else ""
 
 
 def summary_rows(manifest: dict) -> list[list[str]]:
@@ -352,7 +419,8 @@ def summary_rows(manifest: dict) -> list[list[str]]:
         lat1, latn = v["latency_ms"]["1"], v["latency_ms"][n]
         rows.append([v["name"], v["backend"], v["precision"], top1, f"{100 * acc['agreement']:.1f}%", delta,
                      _size(v["size_bytes"]), _size(v["size_compressed_bytes"]), f"{lat1:.2f}", f"{latn:.2f}",
-                     f"{base['latency_ms']['1'] / lat1:.2f}× / {base['latency_ms'][n] / latn:.2f}×", v["status"]])
+                     f"{base['latency_ms']['1'] / lat1:.2f}× / {base['latency_ms'][n] / latn:.2f}×",
+                     v["status"] + _marks(manifest, v["name"])])
     return rows
 
 
@@ -360,6 +428,17 @@ def summary_header(manifest: dict) -> list[str]:
     n = manifest["latency_batch"]
     return ["variant", "backend", "precision", "top-1", "agree fp32", "Δ top-1", "size", "zlib size", "p50 ms b1",
             f"p50 ms b{n}", f"speedup b1 / b{n}", "status"]
+
+
+def recommendation_line(manifest: dict) -> str:
+    rec = manifest.get("recommended")
+    machine = cpu_line(manifest["machine"]) if manifest.get("machine") else "this machine"
+    if not rec:
+        return f"No recommendation: no variant was accepted (measured on {machine})."
+    gated = "" if rec["accuracy_gated"] else " (not accuracy-gated: the accuracy could not be measured)"
+    return (f"Recommended on {machine}: for latency (batch 1) **{rec['latency']}**, for throughput "
+            f"(batch {rec['batch']}) **{rec['throughput']}**{gated}. Timed here, in this run: on another CPU "
+            f"the order can differ.")
 
 
 def _size(n: int) -> str:
@@ -380,6 +459,7 @@ def render_report(manifest: dict) -> str:
     rejected = [v for v in manifest["variants"] if v["status"] == "rejected"]
     if rejected:
         lines += [""] + [f"- **{v['name']} rejected**: {v['reason']}; not served by default." for v in rejected]
+    lines += ["", recommendation_line(manifest)]
     lines += ["", "Notes:"] + [f"- {n}" for n in manifest["notes"]]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items()), ""]
     return "\n".join(lines)

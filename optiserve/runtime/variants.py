@@ -50,13 +50,17 @@ class LoadedVariant:
 
 
 def load_verified(folder: Path, entry: dict, manifest: dict, options: RuntimeOptions) -> LoadedVariant:
-    """Check the file against the manifest's sha256, then load it through the runtime layer."""
+    """Check the file (and its companions, e.g. an OpenVINO IR's .bin) against the manifest's sha256,
+    then load it through the runtime layer."""
     path = folder / entry["file"]
-    if not path.is_file():
-        raise UserError(f"variant {entry['name']!r}: {path} is missing")
-    if sha256_file(path) != entry["sha256"]:
-        raise UserError(f"variant {entry['name']!r}: {path} does not match the manifest's sha256 "
-                        f"(changed since optimize wrote it); re-run optimize")
+    files = [(path, entry["sha256"])] + [(folder / name, facts["sha256"])
+                                         for name, facts in (entry.get("companions") or {}).items()]
+    for file, expected in files:
+        if not file.is_file():
+            raise UserError(f"variant {entry['name']!r}: {file} is missing")
+        if sha256_file(file) != expected:
+            raise UserError(f"variant {entry['name']!r}: {file} does not match the manifest's sha256 "
+                            f"(changed since optimize wrote it); re-run optimize")
     return LoadedVariant(entry["name"], entry, load_session(path, entry, manifest, options))
 
 

@@ -1,0 +1,82 @@
+"""OpenVINO backend: an IR model (`.xml` with its `.bin` beside it) compiled for the CPU.
+
+The inference precision is always set explicitly from the variant's settings (`f32` or `bf16`):
+left alone, OpenVINO silently computes in bf16 on CPUs that support it, which changes both the
+speed and the answers of a variant that says it is fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from optiserve.errors import UserError
+from optiserve.runtime.registry import Backend, RuntimeOptions, register_backend
+
+PRECISIONS = {"f32": "f32", "bf16": "bf16"}
+
+
+@functools.lru_cache(maxsize=1)
+def core():
+    """One OpenVINO Core per process (it owns the plugins and their thread pools)."""
+    import openvino as ov
+
+    return ov.Core()
+
+
+def cpu_capabilities() -> list[str]:
+    """OpenVINO's view of the CPU: e.g. ['BF16', 'FP32', 'INT8', ...]."""
+    return list(core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+
+
+def bf16_unavailable() -> str | None:
+    """Why bf16 inference cannot run here, or None (bf16 needs avx512_bf16 or AMX on the CPU)."""
+    why = _unavailable()
+    if why:
+        return why
+    if "BF16" not in cpu_capabilities():
+        return "this CPU has no bf16 support (OpenVINO reports " + ", ".join(cpu_capabilities()) + ")"
+    return None
+
+
+def companion_bin(xml: Path) -> Path:
+    """The weights file OpenVINO reads beside an IR's `.xml`."""
+    return xml.with_suffix(".bin")
+
+
+class OpenVinoSession:
+    backend = "openvino"
+    device = "cpu"
+
+    def __init__(self, path: Path, variant: dict, options: RuntimeOptions):
+        precision = (variant.get("settings") or {}).get("inference_precision", "f32")
+        if precision not in PRECISIONS:
+            raise UserError(f"variant {variant['name']!r}: unknown OpenVINO inference precision {precision!r}")
+        if precision == "bf16" and (why := bf16_unavailable()):
+            raise UserError(f"variant {variant['name']!r} runs in bf16, which cannot run here: {why}")
+        if not companion_bin(path).is_file():
+            raise UserError(f"variant {variant['name']!r}: {companion_bin(path)} (the IR's weights) is missing")
+        config = {"INFERENCE_PRECISION_HINT": PRECISIONS[precision], "PERFORMANCE_HINT": "LATENCY",
+                  "NUM_STREAMS": 1}
+        if options.threads:
+            config["INFERENCE_NUM_THREADS"] = options.threads
+        model = core().read_model(str(path))
+        self.compiled = core().compile_model(model, "CPU", config)
+        self.request = self.compiled.create_infer_request()
+        self.precision = precision
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(batch, dtype=np.float32)
+        result = self.request.infer({0: x}, share_inputs=True)
+        return np.array(result[0], dtype=np.float32, copy=True)  # the request reuses its output buffer
+
+
+def _unavailable() -> str | None:
+    return None if importlib.util.find_spec("openvino") else "the openvino package is not installed (pip install openvino)"
+
+
+register_backend(Backend("openvino", lambda p, v, m, o: OpenVinoSession(p, v, o), _unavailable,
+                         "OpenVINO (CPU), explicit f32/bf16 inference precision"))

@@ -1,0 +1,94 @@
+"""The OpenVINO backend and variants: IR files hash-checked with their weights, an inference
+precision that is always the one the variant names, answers that match the ONNX Runtime files they
+were converted from, and the same server path as every other backend."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import openvino as ov
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import offline_logits
+from optiserve.artifacts import read_manifest
+from optiserve.data import load_dataset
+from optiserve.errors import UserError
+from optiserve.models import InputSpec
+from optiserve.runtime import RuntimeOptions
+from optiserve.runtime.openvino_backend import bf16_unavailable, cpu_capabilities
+from optiserve.runtime.variants import load_verified
+from optiserve.serve.app import ServeConfig, create_app
+
+
+@pytest.fixture(scope="module")
+def images(small_artifact):
+    data = load_dataset("digits", InputSpec.from_dict(read_manifest(small_artifact)["input"]), 10)
+    return np.stack([data.test[i][0].numpy() for i in range(64)])
+
+
+def _entry(folder, name):
+    return next(v for v in read_manifest(folder)["variants"] if v["name"] == name)
+
+
+def test_openvino_variants_answer_as_the_onnx_files_they_come_from(small_artifact, images):
+    fp32, ort_fp32 = offline_logits(small_artifact, "openvino-fp32", images), offline_logits(small_artifact, "onnx-fp32", images)
+    np.testing.assert_allclose(fp32, ort_fp32, rtol=1e-4, atol=1e-4)
+    int8, ort_int8 = offline_logits(small_artifact, "openvino-int8", images), offline_logits(small_artifact, "onnx-int8", images)
+    assert (int8.argmax(1) == ort_int8.argmax(1)).mean() >= 0.95
+    entry = _entry(small_artifact, "openvino-int8")
+    assert entry["precision"] == "int8" and entry["settings"]["ir_from"] == "model.int8.onnx"
+    assert entry["status"] == "accepted" and set(entry["companions"]) == {"model.int8.openvino.bin"}
+
+
+def test_the_inference_precision_is_the_variants_never_the_cpus_default(small_artifact):
+    manifest = read_manifest(small_artifact)
+    loaded = load_verified(small_artifact, _entry(small_artifact, "openvino-fp32"), manifest, RuntimeOptions(threads=1))
+    precision = loaded.session.compiled.get_property("INFERENCE_PRECISION_HINT")
+    assert precision == ov.Type.f32, precision  # also on CPUs where OpenVINO would pick bf16 by itself
+    assert loaded.session.compiled.get_property("INFERENCE_NUM_THREADS") == 1
+    names = [v["name"] for v in manifest["variants"]]
+    if bf16_unavailable() is None:
+        bf16 = load_verified(small_artifact, _entry(small_artifact, "openvino-bf16"), manifest, RuntimeOptions())
+        assert bf16.session.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.bf16
+    else:
+        assert "openvino-bf16" not in names
+        assert any("no openvino-bf16" in n for n in manifest["notes"]), cpu_capabilities()
+
+
+def test_an_altered_ir_weights_file_is_refused_before_loading(small_artifact, tmp_path):
+    folder = tmp_path / "copy"
+    shutil.copytree(small_artifact, folder)
+    with open(folder / "model.openvino.bin", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02\x03")
+    manifest = read_manifest(folder)
+    with pytest.raises(UserError, match="model.openvino.bin does not match the manifest's sha256"):
+        load_verified(folder, _entry(folder, "openvino-fp32"), manifest, RuntimeOptions())
+    (folder / "model.openvino.bin").unlink()
+    with pytest.raises(UserError, match="model.openvino.bin is missing"):
+        load_verified(folder, _entry(folder, "openvino-fp32"), manifest, RuntimeOptions())
+
+
+def test_the_server_serves_an_openvino_variant_like_any_other(small_artifact, images):
+    cfg = ServeConfig(str(small_artifact), variants=["openvino-int8"], max_batch_size=8, max_delay_ms=1)
+    with TestClient(create_app(cfg)) as c:
+        import time
+
+        deadline = time.monotonic() + 60
+        while c.get("/v2/health/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = c.post("/predict", json={"inputs": images[:5].tolist(), "top_k": 1})
+        assert r.status_code == 200 and r.json()["variant"] == "openvino-int8"
+        expected = offline_logits(small_artifact, "openvino-int8", images[:5]).argmax(1)
+        assert [p[0]["index"] for p in r.json()["predictions"]] == expected.tolist()
+
+
+def test_no_openvino_skips_the_openvino_variants(small_cnn_checkpoint, tmp_path):
+    from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+    manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), openvino=False,
+                                           out=str(tmp_path / "a"), progress=False, latency_batch=2))
+    assert [v["name"] for v in manifest["variants"]] == ["fp32", "torchscript", "onnx-fp32"]
