@@ -93,3 +93,40 @@ def test_tiny_samples_give_degenerate_intervals_and_speedups_refuse():
     assert one["p99"] == Estimate(5.0, 5.0, 5.0)
     with pytest.raises(ValueError, match="at least two"):
         speedup([1.0], [1.0, 2.0])
+
+
+def test_an_accuracy_difference_of_one_image_in_360_is_not_significant_and_twenty_are():
+    from optiserve.intervals import describe_accuracy_difference, mcnemar_exact_p, paired_accuracy_difference
+
+    base = np.ones(360, bool)
+    one = base.copy()
+    one[7] = False
+    d = paired_accuracy_difference(base, one)
+    assert d["points"] == pytest.approx(-100 / 360) and d["only_baseline_right"] == 1 and not d["significant"]
+    assert d["ci95"][0] < 0 <= d["ci95"][1]
+    assert describe_accuracy_difference(d).startswith("no significant accuracy difference (-0.28 points")
+    twenty = base.copy()
+    twenty[:20] = False
+    d = paired_accuracy_difference(base, twenty)
+    assert d["significant"] and d["ci95"][1] < 0 and d["mcnemar_p"] < 1e-5
+    assert describe_accuracy_difference(d).startswith("5.56 points less accurate")
+    # exact McNemar: 0 of 10 discordant pairs on one side is p = 2 / 2**10
+    assert mcnemar_exact_p(0, 10) == pytest.approx(2 / 1024) and mcnemar_exact_p(3, 3) == 1.0
+    # swaps that cancel out are no difference, however many
+    swapped = base.copy()
+    swapped[:5] = False
+    other = base.copy()
+    other[5:10] = False
+    d = paired_accuracy_difference(swapped, other)
+    assert d["points"] == 0 and not d["significant"] and d["only_candidate_right"] == 5
+
+
+def test_the_verdict_quotes_the_paired_accuracy_interval_when_the_manifest_has_it():
+    from optiserve.intervals import paired_accuracy_difference
+
+    base = np.ones(360, bool)
+    cand = base.copy()
+    cand[0] = False
+    ratio = Estimate(2.0, 1.8, 2.2)
+    text = verdict("onnx-int8", "fp32", ratio, "p50", -0.28, paired_accuracy_difference(base, cand))
+    assert text.startswith("onnx-int8 is 2.00× faster") and "no significant accuracy difference" in text

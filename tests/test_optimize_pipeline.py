@@ -59,6 +59,10 @@ def test_every_variant_is_scored_against_fp32_on_the_test_split(artifact, small_
     for name in ("torchscript", "onnx-fp32"):
         assert by_name[name]["accuracy"]["max_abs_diff"] < 1e-3
         assert by_name[name]["accuracy"]["agreement"] == 1.0
+    for v in manifest["variants"][1:]:  # every difference from fp32 comes with its paired interval
+        d = v["accuracy"]["vs_baseline"]
+        assert d["points"] == pytest.approx(100 * (v["accuracy"]["top1"] - by_name["fp32"]["accuracy"]["top1"]))
+        assert d["ci95"][0] <= d["points"] <= d["ci95"][1] and d["images"] == 360
     int8 = by_name["onnx-int8"]
     assert int8["precision"] == "int8" and int8["settings"]["calibration"] == "minmax"
     assert int8["accuracy"]["agreement"] >= 0.97

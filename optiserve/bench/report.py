@@ -68,10 +68,12 @@ def build_report(sources: list[tuple[str, dict]], baseline: str | None = None, r
             ratios = {s: speedup(base["latency_ms"], g["latency_ms"], s, resamples) for s in SPEEDUP_STATISTICS}
             b1, c1 = _top1(base["info"]), _top1(g["info"])
             delta = None if b1 is None or c1 is None else 100 * (c1 - b1)
+            # the optimizer's paired comparison holds against fp32, the manifest's baseline
+            paired = (g["info"].get("accuracy") or {}).get("vs_baseline") if base["variant"] == "fp32" else None
             comparisons.append({"setting": label, "candidate": g["name"], "baseline": base["name"],
                                 "speedup": {s: r.to_dict() for s, r in ratios.items()},
-                                "accuracy_delta_points": delta,
-                                "verdict": verdict(g["name"], base["name"], ratios["p50"], "p50", delta),
+                                "accuracy_delta_points": delta, "accuracy_difference": paired,
+                                "verdict": verdict(g["name"], base["name"], ratios["p50"], "p50", delta, paired),
                                 "verdict_p99": verdict(g["name"], base["name"], ratios["p99"], "p99")})
     shadows = [{**sh, "source": name, **_agreement(sh["agreed"], sh["images"])}
                for name, r in sources for sh in ((r.get("settings") or {}).get("shadow") or [])]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from optiserve.intervals import describe_accuracy_difference
+
 PERCENTILES = (50, 90, 95, 99)
 CONFIDENCE = 0.95
 RESAMPLES = 2000
@@ -97,8 +99,9 @@ def speedup(baseline_ms, candidate_ms, statistic: str = "p50", resamples: int = 
 
 
 def verdict(candidate: str, baseline: str, ratio: Estimate, statistic: str = "p50",
-            accuracy_delta_points: float | None = None) -> str:
-    """One plain sentence: faster, slower or no significant difference, and the accuracy cost."""
+            accuracy_delta_points: float | None = None, accuracy_difference: dict | None = None) -> str:
+    """One plain sentence: faster, slower or no significant difference, and the accuracy cost (with
+    its interval when the manifest has the paired comparison against fp32)."""
     if ratio.contains(1.0):
         text = (f"{candidate}: no significant difference from {baseline} at {statistic} "
                 f"(speedup {ratio.value:.2f}×, 95% CI {ratio.low:.2f}–{ratio.high:.2f})")
@@ -108,7 +111,9 @@ def verdict(candidate: str, baseline: str, ratio: Estimate, statistic: str = "p5
     else:
         text = (f"{candidate} is {1 / ratio.value:.2f}× slower than {baseline} at {statistic} "
                 f"(95% CI {1 / ratio.high:.2f}–{1 / ratio.low:.2f})")
-    if accuracy_delta_points is not None:
+    if accuracy_difference is not None:
+        text += ", " + describe_accuracy_difference(accuracy_difference)
+    elif accuracy_delta_points is not None:
         d = round(accuracy_delta_points, 2)
         if d == 0:
             text += ", equally accurate"

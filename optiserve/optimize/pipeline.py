@@ -12,6 +12,7 @@ import torch
 from optiserve import artifacts
 from optiserve.data import DatasetSplits, load_dataset
 from optiserve.errors import UserError
+from optiserve.intervals import paired_accuracy_difference
 from optiserve.machine import cpu_facts, cpu_line
 from optiserve.models import LoadedModel, get_model_entry, load_model
 from optiserve.optimize.calibrate import calibration_batches
@@ -334,6 +335,9 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
         if reference is None:
             reference = logits
         entry["accuracy"] = score(logits, reference, evalset.labels)
+        if evalset.labels is not None and v.name != BASELINE:
+            entry["accuracy"]["vs_baseline"] = paired_accuracy_difference(reference.argmax(1) == evalset.labels,
+                                                                          logits.argmax(1) == evalset.labels)
         if v.name == BASELINE:
             baseline_top1 = entry["accuracy"]["top1"]
         entry["latency_ms"] = {"1": median_latency_ms(session, batch1),
@@ -416,6 +420,9 @@ def summary_rows(manifest: dict) -> list[list[str]]:
         acc = v["accuracy"]
         top1 = "—" if acc["top1"] is None else f"{100 * acc['top1']:.2f}%"
         delta = "—" if acc["top1"] is None else f"{100 * (acc['top1'] - base['accuracy']['top1']):+.2f}"
+        if acc.get("vs_baseline") and acc["vs_baseline"]["points"] != 0:
+            low, high = acc["vs_baseline"]["ci95"]
+            delta += f" [{low:+.2f}, {high:+.2f}]" + ("" if acc["vs_baseline"]["significant"] else " n.s.")
         lat1, latn = v["latency_ms"]["1"], v["latency_ms"][n]
         rows.append([v["name"], v["backend"], v["precision"], top1, f"{100 * acc['agreement']:.1f}%", delta,
                      _size(v["size_bytes"]), _size(v["size_compressed_bytes"]), f"{lat1:.2f}", f"{latn:.2f}",
@@ -426,7 +433,7 @@ def summary_rows(manifest: dict) -> list[list[str]]:
 
 def summary_header(manifest: dict) -> list[str]:
     n = manifest["latency_batch"]
-    return ["variant", "backend", "precision", "top-1", "agree fp32", "Δ top-1", "size", "zlib size", "p50 ms b1",
+    return ["variant", "backend", "precision", "top-1", "agree fp32", "Δ top-1 [95% CI]", "size", "zlib size", "p50 ms b1",
             f"p50 ms b{n}", f"speedup b1 / b{n}", "status"]
 
 
@@ -459,6 +466,9 @@ def render_report(manifest: dict) -> str:
     rejected = [v for v in manifest["variants"] if v["status"] == "rejected"]
     if rejected:
         lines += [""] + [f"- **{v['name']} rejected**: {v['reason']}; not served by default." for v in rejected]
+    lines += ["", "Δ top-1 is in points against fp32 on the same images, with a 95% paired-bootstrap interval; "
+                  "n.s.: no significant accuracy difference (the interval contains 0, or an exact McNemar test "
+                  "on the images only one of the two gets right does not reject at 5%)."]
     lines += ["", recommendation_line(manifest)]
     lines += ["", "Notes:"] + [f"- {n}" for n in manifest["notes"]]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items()), ""]
