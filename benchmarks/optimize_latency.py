@@ -18,7 +18,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,22 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
 from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
-
-
-def time_ms(session, batch, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        session.run(batch)
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+from optiserve.runtime.timing import interleaved_times  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet18")
     p.add_argument("--batches", default="1,16")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median over rounds is quoted")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (every variant takes its turn in each); the median of all calls is quoted")
     p.add_argument("--runs", type=int, default=10, help="timed runs per variant, batch and round")
     p.add_argument("--no-int8", action="store_true", help="skip the INT8 variants")
     p.add_argument("--prune", type=float, default=None, help="also build the unstructured-pruned variant")
@@ -58,26 +49,22 @@ def main() -> None:
                              prune=args.prune, prune_channels=args.prune_channels or None,
                              out=str(out), latency_batch=sizes[-1], progress=True)
         manifest = run_optimize(cfg)
-        sessions = {v["name"]: load_session(out / v["file"], v, manifest, RuntimeOptions())
+        sessions = {v["name"]: load_session(out / v["file"], v, manifest, RuntimeOptions(extra={"spin": False}))
                     for v in manifest["variants"]}
         shape = manifest["input"]["shape"]
         rng = np.random.default_rng(0)
         inputs = {b: rng.standard_normal((b, *shape), dtype=np.float32) for b in sizes}
-        for s in sessions.values():  # warm-up at every batch size
-            for b in sizes:
-                for _ in range(3):
-                    s.run(inputs[b])
         samples = {(n, b): [] for n in sessions for b in sizes}
-        for r in range(args.rounds):
-            for n, s in sessions.items():
-                for b in sizes:
-                    samples[(n, b)].append(time_ms(s, inputs[b], args.runs))
-            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        for b in sizes:  # the runtime layer's loop: every variant takes its turn in each round
+            timed = interleaved_times(sessions, inputs[b], args.rounds, calls_per_round=args.runs, warmup=3)
+            for n, times in timed.items():
+                samples[(n, b)] = times
+            print(f"batch {b} done", file=sys.stderr, flush=True)
 
     med = {k: statistics.median(v) for k, v in samples.items()}
     print(f"\nmachine: {cpu_line()}")
     print(f"\n{args.model} {shape[1]}x{shape[2]}, random weights, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; median of {args.rounds} rounds x {args.runs} runs\n")
+          f"{torch.get_num_threads()} threads; median of {args.rounds} interleaved rounds x {args.runs} runs\n")
     head = "| variant | backend | precision | " + " | ".join(
         f"b{b} ms | b{b} speedup" for b in sizes) + " |"
     print(head)

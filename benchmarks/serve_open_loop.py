@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from optiserve.machine import cpu_line  # noqa: E402
-from optiserve.bench.engine import time_variant  # noqa: E402
+from optiserve.runtime.timing import timed_calls  # noqa: E402
 from optiserve.bench.loadgen import Load, generate_load  # noqa: E402
 from optiserve.bench.payloads import dataset_images  # noqa: E402
 from optiserve.artifacts import read_manifest  # noqa: E402
@@ -53,7 +53,7 @@ def batch_compute_ms(folder: Path, variant: str, batch: int, seconds: float, thr
     session = load_session(folder / entry["file"], entry, manifest,
                            RuntimeOptions(threads=threads, extra={"spin": False}))
     x = np.random.default_rng(0).standard_normal((batch, *manifest["input"]["shape"]), dtype=np.float32)
-    return statistics.median(time_variant(session, x, seconds))
+    return statistics.median(timed_calls(session, x, seconds=seconds, min_calls=5, warmup=3))
 
 
 def running_server(folder: Path, args, max_queue: int):

@@ -36,7 +36,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from optiserve.machine import cpu_line  # noqa: E402
-from optiserve.bench.engine import time_variant  # noqa: E402
+from optiserve.runtime.timing import timed_calls  # noqa: E402
 from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
 from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
@@ -48,7 +48,7 @@ def offline_ceiling(folder: Path, variant: str, batch: int, seconds: float) -> f
     entry = next(v for v in manifest["variants"] if v["name"] == variant)
     session = load_session(folder / entry["file"], entry, manifest, RuntimeOptions(extra={"spin": False}))
     x = np.random.default_rng(0).standard_normal((batch, *manifest["input"]["shape"]), dtype=np.float32)
-    return batch / (statistics.median(time_variant(session, x, seconds)) / 1000)
+    return batch / (statistics.median(timed_calls(session, x, seconds=seconds, min_calls=5, warmup=3)) / 1000)
 
 
 def png_images(n: int, size: int) -> list[bytes]:

@@ -61,3 +61,54 @@ def test_a_manifest_folder_is_checked(tmp_path):
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
         read_manifest(tmp_path)
+
+
+class _Recorder:
+    """A session that only records when it ran."""
+
+    backend, device = "fake", "cpu"
+
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def run(self, batch):
+        self.calls.append(self.name)
+        return np.zeros((len(batch), 10), np.float32)
+
+
+def test_sessions_timed_side_by_side_take_turns_in_every_round():
+    from optiserve.runtime.timing import interleaved_times, timed_calls
+
+    calls: list[str] = []
+    sessions = {n: _Recorder(n, calls) for n in ("a", "b", "c")}
+    times = interleaved_times(sessions, np.zeros((1, 1, 4, 4), np.float32), rounds=4, calls_per_round=2, warmup=1)
+    assert calls[:3] == ["a", "b", "c"]  # warm-up, once each
+    assert calls[3:] == ["a", "a", "b", "b", "c", "c"] * 4
+    assert {n: len(t) for n, t in times.items()} == {"a": 8, "b": 8, "c": 8}
+    assert len(timed_calls(sessions["a"], np.zeros((1,)), calls=3)) == 3
+    assert len(timed_calls(sessions["a"], np.zeros((1,)), seconds=0.0, min_calls=4)) == 4
+
+
+def test_the_optimizer_and_bench_engine_load_sessions_that_do_not_spin_when_idle(small_artifact, monkeypatch):
+    """An ONNX Runtime session spins its threads after each run by default: timed next to it, any
+    other session would be measured on cores that are not free."""
+    from optiserve.bench import engine
+    from optiserve.runtime import variants
+
+    seen = []
+    real = variants.load_session
+
+    def spy(path, entry, manifest, options=RuntimeOptions()):
+        seen.append(options.extra.get("spin", True))
+        return real(path, entry, manifest, options)
+
+    monkeypatch.setattr(variants, "load_session", spy)
+    engine.bench_engine(small_artifact, ["onnx-int8", "torch-int8"], [1], 0.05, progress=False)
+    assert seen == [False, False]
+    from optiserve.optimize import pipeline
+    seen.clear()
+    monkeypatch.setattr(pipeline, "load_session", spy)
+    pipeline.run_optimize(pipeline.OptimizeConfig("small_cnn", weights="random", dataset="synthetic",
+                                                  openvino=False, out=str(small_artifact.parent / "spin"),
+                                                  progress=False, latency_batch=2))
+    assert seen and not any(seen)

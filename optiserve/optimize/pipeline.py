@@ -30,7 +30,7 @@ from optiserve.optimize.validate import EvalSet, gate, materialize, predict, sco
 from optiserve.runtime import RuntimeOptions, load_session
 from optiserve.runtime.openvino_backend import bf16_unavailable, companion_bin
 from optiserve.runtime.openvino_backend import _unavailable as openvino_unavailable
-from optiserve.runtime.timing import median_latency_ms
+from optiserve.runtime.timing import interleaved_median_ms
 from optiserve.runtime.torch_backends import TorchSession, tensorrt_unavailable, torch_device
 from optiserve.train.finetune import fine_tune
 
@@ -314,13 +314,13 @@ def _pruning_note(name: str, s: dict) -> str:
 
 def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, why_not: str) -> list[dict]:
     base_manifest = {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict()}
-    options = RuntimeOptions(device=cfg.device)
+    options = RuntimeOptions(device=cfg.device, extra={"spin": False})  # an idle session must not slow the next
     batch1 = evalset.images[:1]
     batch_n = np.resize(evalset.images, (cfg.latency_batch, *evalset.images.shape[1:])).astype(np.float32)
     if BASELINE not in [v.name for v in variants]:
         raise RuntimeError(f"no {BASELINE} variant to validate the others against")
     # The baseline by name, validated first: every other variant is scored against it, whatever the order.
-    entries, reference, baseline_top1 = {}, None, None
+    entries, sessions, reference, baseline_top1 = {}, {}, None, None
     for v in sorted(variants, key=lambda v: v.name != BASELINE):
         entry = {"name": v.name, "file": v.file, "backend": v.backend, "precision": v.precision,
                  **artifacts.file_facts(stage / v.file),
@@ -340,11 +340,15 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
                                                                           logits.argmax(1) == evalset.labels)
         if v.name == BASELINE:
             baseline_top1 = entry["accuracy"]["top1"]
-        entry["latency_ms"] = {"1": median_latency_ms(session, batch1),
-                               str(cfg.latency_batch): median_latency_ms(session, batch_n)}
         entry["status"], entry["reason"] = gate(entry["accuracy"], baseline_top1, cfg.max_accuracy_drop,
                                                 not why_not, why_not)
         entries[v.name] = entry
+        sessions[v.name] = session
+    # Timed together, in interleaved rounds: a variant's figure must not depend on its neighbours.
+    medians = {b: interleaved_median_ms(sessions, x, rounds=15, warmup=3, max_seconds=10.0 * len(sessions))
+               for b, x in (("1", batch1), (str(cfg.latency_batch), batch_n))}
+    for name, entry in entries.items():
+        entry["latency_ms"] = {b: medians[b][name] for b in medians}
     return [entries[v.name] for v in variants]
 
 

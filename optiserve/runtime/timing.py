@@ -1,4 +1,11 @@
-"""Latency of a loaded session: warm-up first, then the median of repeated timed runs."""
+"""The one timing loop: wall times of a loaded session's `run`, alone or interleaved with others.
+
+Sessions that share a machine disturb each other: one that ran just before leaves caches cold and,
+with spinning thread pools, cores busy. So sessions timed side by side are timed in rounds, each
+getting its turn in every round, and their medians are compared; a session's figure then does not
+depend on which others were timed before or after it. The optimizer's latency columns, `bench
+engine`, the server's choice of a default variant and the benchmarks all time through here.
+"""
 
 from __future__ import annotations
 
@@ -10,33 +17,51 @@ import numpy as np
 from optiserve.runtime.registry import Session
 
 
-def median_latency_ms(session: Session, batch: np.ndarray, warmup: int = 3, repeats: int = 15,
-                      max_seconds: float = 10.0) -> float:
-    """Median wall time of `session.run(batch)` in ms; stops early after `max_seconds` of timed runs."""
+def timed_calls(session: Session, batch: np.ndarray, calls: int | None = None, seconds: float | None = None,
+                min_calls: int = 1, warmup: int = 0) -> list[float]:
+    """Wall times (ms) of back-to-back `session.run(batch)` calls, after `warmup` untimed ones:
+    `calls` of them, or as many as fit in `seconds` (at least `min_calls`). Sessions return host
+    arrays, so on a GPU the device has finished when a call returns."""
+    if (calls is None) == (seconds is None):
+        raise ValueError("give either calls or seconds")
     for _ in range(warmup):
         session.run(batch)
-    times, start = [], time.perf_counter()
-    while len(times) < repeats and (len(times) < 3 or time.perf_counter() - start < max_seconds):
+    times: list[float] = []
+    end = time.perf_counter() + (seconds or 0.0)
+    while (len(times) < calls) if calls is not None else (len(times) < min_calls or time.perf_counter() < end):
         t0 = time.perf_counter()
-        session.run(batch)  # sessions return host arrays, so the device has finished when this returns
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+        session.run(batch)
+        times.append(1000 * (time.perf_counter() - t0))
+    return times
 
 
-def interleaved_median_ms(sessions: dict[str, Session], batch: np.ndarray, rounds: int = 7, warmup: int = 2,
-                          max_seconds: float = 20.0) -> dict[str, float]:
-    """Median wall time of each session on `batch`, timed in interleaved rounds (one run of each
-    per round), so a noisy moment of the machine is shared by all instead of landing on one."""
+def interleaved_times(sessions: dict[str, Session], batch: np.ndarray, rounds: int, calls_per_round: int | None = 1,
+                      seconds_per_round: float | None = None, warmup: int = 2,
+                      max_seconds: float | None = None) -> dict[str, list[float]]:
+    """Every session's call times (ms) over `rounds` rounds in which each gets its turn (`calls_per_round`
+    calls or `seconds_per_round` seconds); stops early, after 3 rounds at least, past `max_seconds`."""
     for session in sessions.values():
         for _ in range(warmup):
             session.run(batch)
     times: dict[str, list[float]] = {name: [] for name in sessions}
     start = time.perf_counter()
+    per_turn = {"seconds": seconds_per_round} if seconds_per_round is not None else {"calls": calls_per_round}
     for i in range(rounds):
         for name, session in sessions.items():
-            t0 = time.perf_counter()
-            session.run(batch)
-            times[name].append(time.perf_counter() - t0)
-        if i >= 2 and time.perf_counter() - start > max_seconds:
+            times[name] += timed_calls(session, batch, **per_turn)
+        if max_seconds is not None and i >= 2 and time.perf_counter() - start > max_seconds:
             break
-    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def interleaved_median_ms(sessions: dict[str, Session], batch: np.ndarray, rounds: int = 7, warmup: int = 2,
+                          max_seconds: float = 20.0) -> dict[str, float]:
+    """Median wall time of each session on `batch`, one call per session per round."""
+    times = interleaved_times(sessions, batch, rounds, warmup=warmup, max_seconds=max_seconds)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def median_latency_ms(session: Session, batch: np.ndarray, warmup: int = 3, repeats: int = 15,
+                      max_seconds: float = 10.0) -> float:
+    """Median wall time of one session alone (the same loop, one session)."""
+    return interleaved_median_ms({"only": session}, batch, repeats, warmup, max_seconds)["only"]
