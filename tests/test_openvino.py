@@ -91,4 +91,25 @@ def test_no_openvino_skips_the_openvino_variants(small_cnn_checkpoint, tmp_path)
 
     manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), openvino=False,
                                            out=str(tmp_path / "a"), progress=False, latency_batch=2))
-    assert [v["name"] for v in manifest["variants"]] == ["fp32", "torchscript", "onnx-fp32"]
+    assert [v["name"] for v in manifest["variants"] if v["backend"] == "openvino"] == []
+    assert "onnx-fp32" in [v["name"] for v in manifest["variants"]]
+
+
+def test_torch_bf16_exists_exactly_where_the_cpu_computes_in_bf16_and_agrees_with_fp32(small_artifact, images):
+    import torch
+
+    from optiserve.runtime.torch_backends import bf16_unavailable as torch_bf16_unavailable
+
+    manifest = read_manifest(small_artifact)
+    names = [v["name"] for v in manifest["variants"]]
+    why = torch_bf16_unavailable(torch.device("cpu"))
+    if why is not None:
+        assert "torch-bf16" not in names and any("no torch-bf16" in n for n in manifest["notes"])
+        return
+    entry = _entry(small_artifact, "torch-bf16")
+    assert entry["precision"] == "bf16" and entry["settings"]["input_dtype"] == "bfloat16"
+    assert entry["size_bytes"] < 0.6 * _entry(small_artifact, "torchscript")["size_bytes"]  # bf16 weights
+    loaded = load_verified(small_artifact, entry, manifest, RuntimeOptions(device="cpu"))
+    assert loaded.session.dtype == torch.bfloat16
+    bf16, fp32 = loaded.session.run(images), offline_logits(small_artifact, "fp32", images)
+    assert bf16.dtype == np.float32 and (bf16.argmax(1) == fp32.argmax(1)).mean() >= 0.95

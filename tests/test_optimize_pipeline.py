@@ -14,6 +14,9 @@ from optiserve.optimize import pipeline
 from optiserve.artifacts import read_manifest
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 from optiserve.runtime.openvino_backend import bf16_unavailable
+from optiserve.runtime.torch_backends import bf16_unavailable as torch_bf16_unavailable
+
+TORCH_BF16 = ["torch-bf16"] if torch_bf16_unavailable(torch.device("cpu")) is None else []  # where the CPU has bf16
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def test_the_folder_holds_one_file_per_variant_a_manifest_and_a_report(artifact)
     assert read_manifest(out) == manifest
     names = [v["name"] for v in manifest["variants"]]
     bf16 = ["openvino-bf16"] if bf16_unavailable() is None else []
-    assert names == ["fp32", "torchscript", "onnx-fp32", "onnx-int8", "torch-int8", "openvino-fp32", *bf16,
+    assert names == ["fp32", "torchscript", *TORCH_BF16, "onnx-fp32", "onnx-int8", "torch-int8", "openvino-fp32", *bf16,
                      "openvino-int8", "sparse50", "pruned50", "pruned50-int8", "openvino-pruned50-int8"]
     files = set()
     for v in manifest["variants"]:
@@ -168,7 +171,7 @@ def test_without_a_checkpoint_it_trains_one_first_and_says_so(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no trained checkpoint at checkpoints/small_cnn-digits.pt: training small_cnn" in proc.stderr
     manifest = json.loads((tmp_path / "artifacts" / "small_cnn-digits" / "manifest.json").read_text())
-    assert [v["name"] for v in manifest["variants"]] == ["fp32", "torchscript"]
+    assert [v["name"] for v in manifest["variants"]] == ["fp32", "torchscript", *TORCH_BF16]
     assert manifest["variants"][0]["accuracy"]["top1"] > 0.9
     assert "fp32" in proc.stdout and "wrote artifacts/small_cnn-digits/" in proc.stdout
 

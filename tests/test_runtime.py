@@ -81,9 +81,11 @@ def test_sessions_timed_side_by_side_take_turns_in_every_round():
 
     calls: list[str] = []
     sessions = {n: _Recorder(n, calls) for n in ("a", "b", "c")}
-    times = interleaved_times(sessions, np.zeros((1, 1, 4, 4), np.float32), rounds=4, calls_per_round=2, warmup=1)
+    times = interleaved_times(sessions, np.zeros((1, 1, 4, 4), np.float32), rounds=4, calls_per_round=2, warmup=1,
+                              turn_warmup_s=0.0)
     assert calls[:3] == ["a", "b", "c"]  # warm-up, once each
-    assert calls[3:] == ["a", "a", "b", "b", "c", "c"] * 4
+    # each turn: one untimed call (turn_warmup_s=0), then the two timed ones
+    assert calls[3:] == (["a"] * 3 + ["b"] * 3 + ["c"] * 3) * 4
     assert {n: len(t) for n, t in times.items()} == {"a": 8, "b": 8, "c": 8}
     assert len(timed_calls(sessions["a"], np.zeros((1,)), calls=3)) == 3
     assert len(timed_calls(sessions["a"], np.zeros((1,)), seconds=0.0, min_calls=4)) == 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,8 @@ from optiserve.runtime import RuntimeOptions, load_session
 from optiserve.runtime.openvino_backend import bf16_unavailable, companion_bin
 from optiserve.runtime.openvino_backend import _unavailable as openvino_unavailable
 from optiserve.runtime.timing import interleaved_median_ms
-from optiserve.runtime.torch_backends import TorchSession, tensorrt_unavailable, torch_device
+from optiserve.runtime.torch_backends import TorchSession, bf16_unavailable as torch_bf16_unavailable
+from optiserve.runtime.torch_backends import tensorrt_unavailable, torch_device
 from optiserve.train.finetune import fine_tune
 
 BASELINE = "fp32"
@@ -150,7 +152,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     """Build, validate and publish every requested variant; returns the manifest."""
     cfg.validate()
     openvino = cfg.openvino and cfg.onnx
-    steps = (7 + cfg.onnx + (cfg.int8 and cfg.onnx) + cfg.int8 + (cfg.prune is not None)
+    steps = (8 + cfg.onnx + (cfg.int8 and cfg.onnx) + cfg.int8 + (cfg.prune is not None)
              + openvino * (1 + cfg.int8 + (cfg.int8 and cfg.prune_channels is not None))
              + (cfg.prune_channels is not None) * (1 + cfg.int8) + cfg.tensorrt * (1 + cfg.fp16))
     log = PassLog(steps, enabled=cfg.progress)
@@ -185,6 +187,17 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             save_torchscript(trace_torchscript(fused, example, (check,)), stage / "torchscript.pt")
             variants.append(Variant("torchscript", "torchscript.pt", "torchscript", "fp32",
                                     {"fused_conv_bn": True, "frozen": True, "optimize_for_inference": True}))
+        with log.step("TorchScript bf16 (where the device computes in bf16)"):
+            why = torch_bf16_unavailable(torch_device(cfg.device))
+            if why:
+                notes.append(f"no torch-bf16: {why}")
+            else:
+                bf16 = copy.deepcopy(fused).to(torch.bfloat16)
+                save_torchscript(trace_torchscript(bf16, example.to(torch.bfloat16), atol=float("inf")),
+                                 stage / "torch-bf16.pt")
+                variants.append(Variant("torch-bf16", "torch-bf16.pt", "torchscript", "bf16",
+                                        {"fused_conv_bn": True, "frozen": True, "input_dtype": "bfloat16",
+                                         "weights": "bfloat16"}))
         if cfg.onnx:
             with log.step(f"ONNX export (opset {OPSET}, dynamic batch)"):
                 export_diff = export_onnx(fused, example, stage / "model.onnx")

@@ -18,14 +18,17 @@ from optiserve.runtime.registry import Session
 
 
 def timed_calls(session: Session, batch: np.ndarray, calls: int | None = None, seconds: float | None = None,
-                min_calls: int = 1, warmup: int = 0) -> list[float]:
-    """Wall times (ms) of back-to-back `session.run(batch)` calls, after `warmup` untimed ones:
-    `calls` of them, or as many as fit in `seconds` (at least `min_calls`). Sessions return host
-    arrays, so on a GPU the device has finished when a call returns."""
+                min_calls: int = 1, warmup: int = 0, warmup_s: float = 0.0) -> list[float]:
+    """Wall times (ms) of back-to-back `session.run(batch)` calls, after untimed ones (`warmup` of
+    them, and for at least `warmup_s` seconds): `calls` of them, or as many as fit in `seconds` (at
+    least `min_calls`). Sessions return host arrays, so on a GPU the device has finished when a
+    call returns."""
     if (calls is None) == (seconds is None):
         raise ValueError("give either calls or seconds")
-    for _ in range(warmup):
+    warm_until, done = time.perf_counter() + warmup_s, 0
+    while done < warmup or time.perf_counter() < warm_until:
         session.run(batch)
+        done += 1
     times: list[float] = []
     end = time.perf_counter() + (seconds or 0.0)
     while (len(times) < calls) if calls is not None else (len(times) < min_calls or time.perf_counter() < end):
@@ -37,9 +40,15 @@ def timed_calls(session: Session, batch: np.ndarray, calls: int | None = None, s
 
 def interleaved_times(sessions: dict[str, Session], batch: np.ndarray, rounds: int, calls_per_round: int | None = 1,
                       seconds_per_round: float | None = None, warmup: int = 2,
-                      max_seconds: float | None = None) -> dict[str, list[float]]:
+                      max_seconds: float | None = None, turn_warmup_s: float = 0.02) -> dict[str, list[float]]:
     """Every session's call times (ms) over `rounds` rounds in which each gets its turn (`calls_per_round`
-    calls or `seconds_per_round` seconds); stops early, after 3 rounds at least, past `max_seconds`."""
+    calls or `seconds_per_round` seconds); stops early, after 3 rounds at least, past `max_seconds`.
+
+    Each turn begins with untimed calls for `turn_warmup_s` (at least one): the session before it
+    leaves the caches full of its own weights and its threads still awake for a few milliseconds,
+    and a small model's calls just after are slower (0.6 instead of 0.45 ms for a 16x16 ResNet-18
+    at batch 1 on a 2-core EPYC, whichever variant ran before; after 20 ms, within a few percent).
+    Timed after them, a variant's figure is its steady state, whichever variants ran before it."""
     for session in sessions.values():
         for _ in range(warmup):
             session.run(batch)
@@ -48,7 +57,7 @@ def interleaved_times(sessions: dict[str, Session], batch: np.ndarray, rounds: i
     per_turn = {"seconds": seconds_per_round} if seconds_per_round is not None else {"calls": calls_per_round}
     for i in range(rounds):
         for name, session in sessions.items():
-            times[name] += timed_calls(session, batch, **per_turn)
+            times[name] += timed_calls(session, batch, warmup=1, warmup_s=turn_warmup_s, **per_turn)
         if max_seconds is not None and i >= 2 and time.perf_counter() - start > max_seconds:
             break
     return times

@@ -34,17 +34,19 @@ def torch_device(requested: str) -> torch.device:
 
 
 class TorchSession:
-    """Runs an nn.Module or ScriptModule under inference_mode; the batch crosses to the device once."""
+    """Runs an nn.Module or ScriptModule under inference_mode; the batch crosses to the device once,
+    cast to the module's input dtype (float32, or bfloat16/float16 for reduced-precision variants)."""
 
-    def __init__(self, module: nn.Module, backend: str, device: torch.device, threads: int | None):
+    def __init__(self, module: nn.Module, backend: str, device: torch.device, threads: int | None,
+                 dtype: torch.dtype = torch.float32):
         if threads:
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         self.module, self.backend, self.device = module, backend, str(device)
-        self._device = device
+        self._device, self.dtype = device, dtype
 
     @torch.inference_mode()
     def run(self, batch: np.ndarray) -> np.ndarray:
-        x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self._device)
+        x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self._device, self.dtype)
         out = self.module(x)
         return out.float().cpu().numpy()
 
@@ -70,28 +72,31 @@ def _load_torchscript(path: Path, variant: dict, manifest: dict, options: Runtim
             # Saved frozen: a module after optimize_for_inference does not reload from disk (torch 2.14),
             # so the optimization is applied here, once, at load time.
             module = torch.jit.optimize_for_inference(module)
-    return TorchSession(module, "torchscript", device, options.threads)
+    dtype = getattr(torch, variant.get("settings", {}).get("input_dtype", "float32"))
+    if dtype == torch.bfloat16 and (why := bf16_unavailable(device)):
+        raise UserError(f"variant {variant['name']!r} runs in bf16, which cannot run here: {why}")
+    return TorchSession(module, "torchscript", device, options.threads, dtype)
 
 
-class TensorRTSession(TorchSession):
-    """A torch-tensorrt ExportedProgram on CUDA; inputs are cast to the engine's input dtype (fp16/fp32)."""
+def bf16_unavailable(device: torch.device) -> str | None:
+    """Why bf16 would not run fast here, or None: on the CPU it needs avx512_bf16 or AMX (elsewhere
+    PyTorch emulates it, slower than fp32); on CUDA, a GPU that supports it."""
+    if device.type == "cuda":
+        return None if torch.cuda.is_bf16_supported() else "this GPU does not support bf16"
+    from optiserve.machine import cpu_facts
 
-    def __init__(self, module, device, dtype):
-        super().__init__(module, "tensorrt", device, None)
-        self.dtype = dtype
-
-    @torch.inference_mode()
-    def run(self, batch: np.ndarray) -> np.ndarray:
-        x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self._device, self.dtype)
-        return self.module(x).float().cpu().numpy()
+    flags = cpu_facts()["flags"]
+    if not {"avx512_bf16", "amx_bf16"} & set(flags):
+        return f"this CPU has no bf16 instructions (avx512_bf16 or amx_bf16; it has {' '.join(flags) or 'none'})"
+    return None
 
 
-def _load_tensorrt(path: Path, variant: dict, manifest: dict, options: RuntimeOptions) -> TensorRTSession:
+def _load_tensorrt(path: Path, variant: dict, manifest: dict, options: RuntimeOptions) -> TorchSession:
     import torch_tensorrt  # noqa: F401  registers the TensorRT runtime ops the program calls
 
     dtype = getattr(torch, variant.get("settings", {}).get("input_dtype", "float32"))
     module = torch.export.load(str(path)).module()
-    return TensorRTSession(module, torch.device("cuda"), dtype)
+    return TorchSession(module, "tensorrt", torch.device("cuda"), None, dtype)
 
 
 def tensorrt_unavailable() -> str | None:
