@@ -48,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--openvino", action=argparse.BooleanOptionalAction, default=True,
                    help="build the OpenVINO variants from the ONNX files: openvino-fp32, openvino-bf16 where the "
                         "CPU has bf16, openvino-int8 with --int8 (default on; --no-openvino skips them)")
+    p.add_argument("--accuracy-aware", action=argparse.BooleanOptionalAction, default=True,
+                   help="an ONNX INT8 variant that misses the accuracy gate is quantized again with its most "
+                        "sensitive layers (measured on validation images) kept in float (default on)")
+    p.add_argument("--max-float-layers", type=int, default=DEFAULTS.max_float_layers, metavar="N",
+                   help=f"most layers accuracy-aware INT8 keeps in float before giving up (default "
+                        f"{DEFAULTS.max_float_layers})")
     p.add_argument("--calib-size", type=int, default=DEFAULTS.calib_size, metavar="N",
                    help=f"training images used to calibrate INT8 ranges (default {DEFAULTS.calib_size})")
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULTS.calib_method,
@@ -67,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = OptimizeConfig(
         model=args.model, weights=args.weights, dataset=args.dataset, int8=args.int8, onnx=args.onnx, openvino=args.openvino,
+        accuracy_aware=args.accuracy_aware, max_float_layers=args.max_float_layers,
         prune=args.prune, prune_channels=args.prune_channels, finetune_epochs=args.finetune_epochs,
         tensorrt=args.tensorrt, fp16=args.fp16,
         calib_size=args.calib_size, calib_method=args.calib_method, max_accuracy_drop=args.max_accuracy_drop,

@@ -16,6 +16,7 @@ from optiserve.errors import UserError
 from optiserve.intervals import paired_accuracy_difference
 from optiserve.machine import cpu_facts, cpu_line
 from optiserve.models import LoadedModel, get_model_entry, load_model
+from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, export_onnx
 from optiserve.optimize.export_openvino import export_openvino
@@ -55,6 +56,8 @@ class OptimizeConfig:
     calib_size: int = 256
     calib_method: str = "minmax"
     max_accuracy_drop: float = 1.0    # percentage points of top-1
+    accuracy_aware: bool = True       # an ONNX INT8 variant that misses the gate keeps its most sensitive layers in float
+    max_float_layers: int = 8
     latency_batch: int = 16
     out: str | None = None
     device: str = "auto"
@@ -82,6 +85,8 @@ class OptimizeConfig:
             raise UserError(f"--tensorrt cannot run here: {why}")
         if self.finetune_epochs < 0:
             raise UserError(f"--finetune-epochs must be >= 0, got {self.finetune_epochs}")
+        if self.max_float_layers < 1:
+            raise UserError(f"--max-float-layers must be at least 1, got {self.max_float_layers}")
         if self.latency_batch < 1:
             raise UserError(f"--latency-batch must be at least 1, got {self.latency_batch}")
 
@@ -206,11 +211,13 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                 notes.append(f"ONNX export parity with eager: max |Δ| {export_diff:.1e}")
         if cfg.int8:
             batches = calibration_batches(data.calibration_set(), cfg.calib_size)
+            accuracy_aware = _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log)
             if cfg.onnx:
                 with log.step(f"INT8 ONNX Runtime (static QDQ, {cfg.calib_method} calibration, "
                               f"{cfg.calib_size} train images)"):
                     settings = quantize_onnx_static(stage / "model.onnx", stage / "model.int8.onnx", batches,
                                                     cfg.calib_method)
+                    settings = accuracy_aware("model.onnx", "model.int8.onnx", settings)
                     variants.append(Variant("onnx-int8", "model.int8.onnx", "onnxruntime", "int8", settings))
             with log.step(f"INT8 PyTorch x86 (FX graph mode, {cfg.calib_size} train images)"):
                 scripted, settings = quantize_torch_fx(fused, batches)
@@ -239,6 +246,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                 with log.step(f"INT8 ONNX Runtime of {name} -> {name}-int8"):
                     q = quantize_onnx_static(stage / f"model.{name}.onnx", stage / f"model.{name}.int8.onnx",
                                              batches, cfg.calib_method)
+                    q = accuracy_aware(f"model.{name}.onnx", f"model.{name}.int8.onnx", q)
                     variants.append(Variant(f"{name}-int8", f"model.{name}.int8.onnx", "onnxruntime", "int8",
                                             {**q, "pruning": settings}))
                 if openvino:
@@ -268,6 +276,37 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             artifacts.write_manifest(stage, manifest)
             (stage / "report.md").write_text(render_report(manifest))
     return manifest
+
+
+def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: OptimizeConfig, why_not: str, log):
+    """fp32 file, int8 file, settings -> settings: re-quantizes an ONNX INT8 model that misses the
+    accuracy gate with its most sensitive layers (measured on validation images) kept in float."""
+    if not cfg.accuracy_aware or why_not or evalset.labels is None:
+        return lambda fp32, int8, settings: settings
+    base_manifest = {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict()}
+    options = RuntimeOptions(device="cpu", extra={"spin": False})
+    val = materialize(data.val, True)
+
+    def logits(path: Path, images: np.ndarray) -> np.ndarray:
+        return predict(load_session(path, {"name": path.name, "backend": "onnxruntime"}, base_manifest, options), images)
+
+    def run(fp32: str, int8: str, settings: dict) -> dict:
+        reference = logits(stage / fp32, evalset.images)
+        baseline = score(reference, reference, evalset.labels)["top1"]
+
+        def gate_on_test(path: Path):  # the same gate _validate applies, on the same test images
+            accuracy = score(logits(path, evalset.images), reference, evalset.labels)
+            return (*gate(accuracy, baseline, cfg.max_accuracy_drop, True), accuracy["top1"])
+
+        out = keep_sensitive_layers_in_float(stage / fp32, stage / int8, batches, cfg.calib_method, val.images,
+                                             logits, gate_on_test, settings, cfg.max_float_layers)
+        if "accuracy_aware" in out:
+            kept = out["accuracy_aware"]["float_layers"]
+            log.note(f"{int8}: plain INT8 missed the accuracy gate ({out['accuracy_aware']['plain_int8']['reason']}); "
+                     f"kept {len(kept)} most sensitive layer(s) in float: {', '.join(kept)}")
+        return out
+
+    return run
 
 
 def _openvino_variants(stage: Path, variants: list[Variant], notes: list[str], cfg: OptimizeConfig, log) -> None:

@@ -38,7 +38,8 @@ class _BatchReader:
 
 
 def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike, batches: list[np.ndarray],
-                         method: str = "minmax", per_channel: bool = True, reduce_range: bool = True) -> dict:
+                         method: str = "minmax", per_channel: bool = True, reduce_range: bool = True,
+                         nodes_to_exclude: list[str] | None = None) -> dict:
     """Pre-process (shape inference, graph optimization), calibrate on `batches`, write the QDQ INT8 model.
 
     Returns the settings used, for the manifest.
@@ -62,6 +63,7 @@ def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLi
                 per_channel=per_channel, reduce_range=reduce_range, activation_type=QuantType.QUInt8,
                 weight_type=QuantType.QInt8, calibrate_method=calib,
                 extra_options={"CalibTensorRangeSymmetric": False, "CalibMovingAverage": False},
+                nodes_to_exclude=nodes_to_exclude or [],
             )
         with atomic_write(out_path) as f:
             f.write(out_tmp.read_bytes())

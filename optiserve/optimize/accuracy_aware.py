@@ -1,0 +1,78 @@
+"""Accuracy-aware INT8: when the quantized model misses the accuracy gate, keep its most sensitive
+layers in floating point, one at a time, until it passes or a limit is reached.
+
+A layer's sensitivity is measured on validation images (never the test images the gate uses): the
+model is quantized with that one layer left in float, and the better its logits then match fp32's
+(mean squared difference), the more that layer's quantization cost. This takes one quantization
+per layer, so it runs only for a variant that failed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from optiserve.optimize.quantize_ort import quantize_onnx_static
+
+Gate = Callable[[Path], tuple[str, str | None, float | None]]  # int8 file -> (status, reason, top1)
+Logits = Callable[[Path, np.ndarray], np.ndarray]                # model file, images -> logits
+
+
+def quantized_nodes(int8_path: Path) -> list[str]:
+    """Names of the nodes ONNX Runtime quantized: those fed by a DequantizeLinear (in graph order)."""
+    graph = onnx.load(str(int8_path), load_external_data=False).graph
+    dequantized = {o for n in graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    return [n.name for n in graph.node
+            if n.op_type not in ("QuantizeLinear", "DequantizeLinear") and dequantized & set(n.input)]
+
+
+def layer_sensitivity(fp32_path: Path, int8_path: Path, batches: list[np.ndarray], method: str,
+                      val_images: np.ndarray, logits: Logits, work: Path) -> list[tuple[str, float]]:
+    """(node, error with that node in float) for every quantized node, most sensitive first; the
+    error is the mean squared logit difference from fp32 on `val_images`."""
+    reference = logits(fp32_path, val_images)
+    out = []
+    for node in quantized_nodes(int8_path):
+        trial = work / "sensitivity.onnx"
+        quantize_onnx_static(fp32_path, trial, batches, method, nodes_to_exclude=[node])
+        out.append((node, float(np.mean((logits(trial, val_images) - reference) ** 2))))
+    return sorted(out, key=lambda item: item[1])
+
+
+def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: list[np.ndarray], method: str,
+                                   val_images: np.ndarray, logits: Logits, gate: Gate, settings: dict,
+                                   max_float_layers: int) -> dict:
+    """If `int8_path` fails `gate`, re-quantize with the most sensitive layers in float (adding one
+    at a time, at most `max_float_layers`) until it passes; rewrites `int8_path` with the first that
+    passes, or with the last try. Returns `settings` with what was done (`float_layers` etc.)."""
+    status, reason, top1 = gate(int8_path)
+    if status != "rejected":
+        return settings
+    work = int8_path.parent / f".{int8_path.stem}.accuracy-aware"
+    work.mkdir(exist_ok=True)
+    try:
+        ranked = layer_sensitivity(fp32_path, int8_path, batches, method, val_images, logits, work)
+        kept: list[str] = []
+        tries = []
+        for node, _ in ranked[:max_float_layers]:
+            kept.append(node)
+            trial = work / "trial.onnx"
+            quantize_onnx_static(fp32_path, trial, batches, method, nodes_to_exclude=kept)
+            t_status, t_reason, t_top1 = gate(trial)
+            tries.append({"float_layers": len(kept), "top1": t_top1, "status": t_status})
+            trial.replace(int8_path)
+            if t_status != "rejected":
+                break
+    finally:
+        for leftover in work.iterdir():
+            leftover.unlink()
+        work.rmdir()
+    return {**settings, "accuracy_aware": {
+        "plain_int8": {"top1": top1, "reason": reason},
+        "float_layers": kept, "tries": tries, "max_float_layers": max_float_layers,
+        "sensitivity": {"images": "validation split", "metric": "mean squared logit difference from fp32 "
+                                                                  "with only that layer in float",
+                        "ranking": [{"node": n, "error": e} for n, e in ranked]}}}

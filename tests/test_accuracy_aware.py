@@ -1,0 +1,46 @@
+"""Accuracy-aware INT8: a quantized model that really misses the accuracy gate is quantized again
+with its most sensitive layers, measured on validation images, kept in float, until it passes."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+
+from optiserve.optimize.accuracy_aware import quantized_nodes
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+
+def _by_name(manifest):
+    return {v["name"]: v for v in manifest["variants"]}
+
+
+def test_an_int8_model_that_misses_the_gate_keeps_its_most_sensitive_layers_in_float(small_cnn_checkpoint, tmp_path):
+    common = dict(weights=str(small_cnn_checkpoint), int8=True, openvino=False, progress=False, latency_batch=2,
+                  max_accuracy_drop=0.0)
+    plain = run_optimize(OptimizeConfig("small_cnn", accuracy_aware=False, out=str(tmp_path / "plain"), **common))
+    fp32_top1 = _by_name(plain)["fp32"]["accuracy"]["top1"]
+    plain_int8 = _by_name(plain)["onnx-int8"]
+    if plain_int8["accuracy"]["top1"] >= fp32_top1:
+        pytest.skip("plain INT8 loses no test accuracy on this machine: there is no miss to recover from")
+    assert plain_int8["status"] == "rejected"  # a real miss of the (strict) gate
+
+    out = tmp_path / "aware"
+    manifest = run_optimize(OptimizeConfig("small_cnn", accuracy_aware=True, max_float_layers=20, out=str(out),
+                                           **common))
+    int8 = _by_name(manifest)["onnx-int8"]
+    aware = int8["settings"]["accuracy_aware"]
+    assert int8["status"] == "accepted" and int8["accuracy"]["top1"] >= fp32_top1
+    assert aware["plain_int8"]["top1"] == pytest.approx(plain_int8["accuracy"]["top1"])
+    assert "fell" in aware["plain_int8"]["reason"]
+    kept = aware["float_layers"]
+    assert 1 <= len(kept) <= 20 and aware["tries"][-1]["status"] == "accepted"
+    ranking = [r["node"] for r in aware["sensitivity"]["ranking"]]
+    assert kept == ranking[:len(kept)]  # most sensitive first
+    assert aware["sensitivity"]["images"] == "validation split"
+    assert set(ranking) == set(quantized_nodes(tmp_path / "plain" / "model.int8.onnx"))
+    # in the published file the kept conv/linear layers have float weights; the others stay INT8
+    graph = onnx.load(str(out / "model.int8.onnx")).graph
+    float_weights = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    weighted = {n.name: n.input[1] for n in graph.node if n.op_type in ("Conv", "Gemm")}
+    assert {n for n in kept if n in weighted} and all(weighted[n] in float_weights for n in kept if n in weighted)
+    assert any(weighted[n] not in float_weights for n in weighted if n not in kept)
