@@ -54,7 +54,7 @@ def test_the_inference_precision_is_the_variants_never_the_cpus_default(small_ar
         assert bf16.session.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.bf16
     else:
         assert "openvino-bf16" not in names
-        assert any("no openvino-bf16" in n for n in manifest["notes"]), cpu_capabilities()
+        assert any(x["name"] == "openvino-bf16" for x in manifest["skipped"]), cpu_capabilities()
 
 
 def test_an_altered_ir_weights_file_is_refused_before_loading(small_artifact, tmp_path):
@@ -104,7 +104,7 @@ def test_torch_bf16_exists_exactly_where_the_cpu_computes_in_bf16_and_agrees_wit
     names = [v["name"] for v in manifest["variants"]]
     why = torch_bf16_unavailable(torch.device("cpu"))
     if why is not None:
-        assert "torch-bf16" not in names and any("no torch-bf16" in n for n in manifest["notes"])
+        assert "torch-bf16" not in names and any(x["name"] == "torch-bf16" for x in manifest["skipped"])
         return
     entry = _entry(small_artifact, "torch-bf16")
     assert entry["precision"] == "bf16" and entry["settings"]["input_dtype"] == "bfloat16"
@@ -113,3 +113,20 @@ def test_torch_bf16_exists_exactly_where_the_cpu_computes_in_bf16_and_agrees_wit
     assert loaded.session.dtype == torch.bfloat16
     bf16, fp32 = loaded.session.run(images), offline_logits(small_artifact, "fp32", images)
     assert bf16.dtype == np.float32 and (bf16.argmax(1) == fp32.argmax(1)).mean() >= 0.95
+
+
+def test_on_a_machine_without_bf16_the_table_says_which_variants_were_not_built_and_why(small_cnn_checkpoint,
+                                                                                        tmp_path, monkeypatch):
+    from optiserve.optimize import pipeline
+
+    monkeypatch.setattr(pipeline, "bf16_unavailable", lambda: "this CPU has no bf16 support (test)")
+    monkeypatch.setattr(pipeline, "torch_bf16_unavailable", lambda device: "this CPU has no bf16 instructions (test)")
+    manifest = pipeline.run_optimize(pipeline.OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint),
+                                                             out=str(tmp_path / "a"), progress=False, latency_batch=2))
+    names = [v["name"] for v in manifest["variants"]]
+    assert "openvino-fp32" in names and not {"openvino-bf16", "torch-bf16"} & set(names)
+    assert {x["name"] for x in manifest["skipped"]} == {"openvino-bf16", "torch-bf16"}
+    rows = {r[0]: r for r in pipeline.summary_rows(manifest)}
+    assert rows["torch-bf16"][-1] == "not built: this CPU has no bf16 instructions (test)"
+    assert len(rows["openvino-bf16"]) == len(pipeline.summary_header(manifest))
+    assert "| openvino-bf16 |" in (tmp_path / "a" / "report.md").read_text()

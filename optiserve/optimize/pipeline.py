@@ -177,6 +177,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     with artifacts.staging_folder(out) as stage:
         variants: list[Variant] = []
         notes: list[str] = []
+        skipped: list[dict] = []  # variants this machine cannot run fast, with the reason: rows of their own
         with log.step("fp32 baseline (eager state dict)"):
             torch.save(loaded.model.state_dict(), stage / "fp32.pt")
             variants.append(Variant(BASELINE, "fp32.pt", "torch", "fp32"))
@@ -195,7 +196,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         with log.step("TorchScript bf16 (where the device computes in bf16)"):
             why = torch_bf16_unavailable(torch_device(cfg.device))
             if why:
-                notes.append(f"no torch-bf16: {why}")
+                skipped.append({"name": "torch-bf16", "reason": why})
             else:
                 bf16 = copy.deepcopy(fused).to(torch.bfloat16)
                 save_torchscript(trace_torchscript(bf16, example.to(torch.bfloat16), atol=float("inf")),
@@ -224,7 +225,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                 save_torchscript(scripted, stage / "torch-int8.pt")
                 variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8", settings))
         if openvino:
-            _openvino_variants(stage, variants, notes, cfg, log)
+            _openvino_variants(stage, variants, skipped, cfg, log)
         if cfg.prune is not None:
             name = f"sparse{round(100 * cfg.prune)}"
             with log.step(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)"):
@@ -273,6 +274,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             notes += _device_note(entries)
         with log.step(f"write {out}"):
             manifest = _manifest(loaded, data, entries, cfg, why_not, notes, len(evalset.images))
+            manifest["skipped"] = skipped
             artifacts.write_manifest(stage, manifest)
             (stage / "report.md").write_text(render_report(manifest))
     return manifest
@@ -309,7 +311,7 @@ def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: O
     return run
 
 
-def _openvino_variants(stage: Path, variants: list[Variant], notes: list[str], cfg: OptimizeConfig, log) -> None:
+def _openvino_variants(stage: Path, variants: list[Variant], skipped: list[dict], cfg: OptimizeConfig, log) -> None:
     """openvino-fp32 and, where the CPU has bf16, openvino-bf16 (one IR, the precision set at load);
     with --int8, openvino-int8: the ONNX Runtime QDQ file read by OpenVINO, which runs it in INT8."""
     with log.step("OpenVINO IR (fp32 weights; f32 and bf16 inference)"):
@@ -318,7 +320,7 @@ def _openvino_variants(stage: Path, variants: list[Variant], notes: list[str], c
         variants.append(Variant("openvino-fp32", "model.openvino.xml", "openvino", "fp32",
                                 {**ov, "inference_precision": "f32"}, [bin_name]))
         if why := bf16_unavailable():
-            notes.append(f"no openvino-bf16: {why}")
+            skipped.append({"name": "openvino-bf16", "reason": why})
         else:
             variants.append(Variant("openvino-bf16", "model.openvino.xml", "openvino", "bf16",
                                     {**ov, "inference_precision": "bf16"}, [bin_name]))
@@ -484,6 +486,8 @@ def summary_rows(manifest: dict) -> list[list[str]]:
                      _size(v["size_bytes"]), _size(v["size_compressed_bytes"]), f"{lat1:.2f}", f"{latn:.2f}",
                      f"{base['latency_ms']['1'] / lat1:.2f}× / {base['latency_ms'][n] / latn:.2f}×",
                      v["status"] + _marks(manifest, v["name"])])
+    for skip in manifest.get("skipped") or []:  # said in the table, not only in a note
+        rows.append([skip["name"], "—", "—", "—", "—", "—", "—", "—", "—", "—", "—", f"not built: {skip['reason']}"])
     return rows
 
 
