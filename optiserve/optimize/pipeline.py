@@ -443,11 +443,19 @@ def _manifest(loaded, data, entries, cfg, why_not, notes, n_eval) -> dict:
         "max_accuracy_drop": cfg.max_accuracy_drop,
         "latency_batch": cfg.latency_batch,
         "versions": artifacts.versions(),
-        "machine": cpu_facts(),
+        "machine": _machine(entries),
         "recommended": recommend(entries, cfg.latency_batch),
         "notes": notes,
         "variants": entries,
     }
+
+
+def _machine(entries: list[dict]) -> dict:
+    """The CPU, and the GPU too when variants were timed on it."""
+    facts = cpu_facts()
+    if any(e.get("device") == "cuda" for e in entries):
+        facts["gpu"] = torch.cuda.get_device_name()
+    return facts
 
 
 def recommend(entries: list[dict], n: int) -> dict | None:
@@ -499,7 +507,8 @@ def summary_header(manifest: dict) -> list[str]:
 
 def recommendation_line(manifest: dict) -> str:
     rec = manifest.get("recommended")
-    machine = cpu_line(manifest["machine"]) if manifest.get("machine") else "this machine"
+    facts = manifest.get("machine")
+    machine = (cpu_line(facts) + (f" with {facts['gpu']}" if facts.get("gpu") else "")) if facts else "this machine"
     if not rec:
         return f"No recommendation: no variant was accepted (measured on {machine})."
     gated = "" if rec["accuracy_gated"] else " (not accuracy-gated: the accuracy could not be measured)"
