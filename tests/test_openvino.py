@@ -38,8 +38,24 @@ def test_openvino_variants_answer_as_the_onnx_files_they_come_from(small_artifac
     int8, ort_int8 = offline_logits(small_artifact, "openvino-int8", images), offline_logits(small_artifact, "onnx-int8", images)
     assert (int8.argmax(1) == ort_int8.argmax(1)).mean() >= 0.95
     entry = _entry(small_artifact, "openvino-int8")
-    assert entry["precision"] == "int8" and entry["settings"]["ir_from"] == "model.int8.onnx"
-    assert entry["status"] == "accepted" and set(entry["companions"]) == {"model.int8.openvino.bin"}
+    assert entry["precision"] == "int8" and entry["status"] == "accepted"
+    assert set(entry["companions"]) == {entry["file"].removesuffix(".xml") + ".bin"}
+
+
+def test_openvino_int8_is_the_faster_of_the_qdq_and_nncf_flows_that_passes_the_gate(small_artifact):
+    manifest = read_manifest(small_artifact)
+    entry = _entry(small_artifact, "openvino-int8")
+    flows = entry["settings"]["flow_comparison"]
+    assert set(flows) == {"qdq", "nncf"}
+    n = str(manifest["latency_batch"])
+    passing = {f: c for f, c in flows.items() if c["status"] == "accepted"}
+    assert entry["settings"]["flow"] == min(passing, key=lambda f: passing[f]["latency_ms"][n])
+    assert entry["file"] == {"qdq": "model.int8.openvino.xml", "nncf": "model.int8.nncf.openvino.xml"}[entry["settings"]["flow"]]
+    other = {"qdq": "model.int8.openvino.xml", "nncf": "model.int8.nncf.openvino.xml"}[
+        "nncf" if entry["settings"]["flow"] == "qdq" else "qdq"]
+    assert not (small_artifact / other).exists()  # the other flow's files are not published
+    assert "openvino-int8-nncf" not in [v["name"] for v in manifest["variants"]]
+    assert any(n.startswith("openvino-int8: ") for n in manifest["notes"])
 
 
 def test_the_inference_precision_is_the_variants_never_the_cpus_default(small_artifact):

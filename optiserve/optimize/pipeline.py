@@ -19,7 +19,7 @@ from optiserve.models import LoadedModel, get_model_entry, load_model
 from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, export_onnx
-from optiserve.optimize.export_openvino import export_openvino
+from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.progress import PassLog
 from optiserve.optimize.prune import compressed_size, prune_unstructured
@@ -158,7 +158,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     cfg.validate()
     openvino = cfg.openvino and cfg.onnx
     steps = (8 + cfg.onnx + (cfg.int8 and cfg.onnx) + cfg.int8 + (cfg.prune is not None)
-             + openvino * (1 + cfg.int8 + (cfg.int8 and cfg.prune_channels is not None))
+             + openvino * (1 + 2 * cfg.int8 + (cfg.int8 and cfg.prune_channels is not None))
              + (cfg.prune_channels is not None) * (1 + cfg.int8) + cfg.tensorrt * (1 + cfg.fp16))
     log = PassLog(steps, enabled=cfg.progress)
     with log.step(f"load {cfg.model} ({cfg.weights or 'default weights'})"):
@@ -225,7 +225,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                 save_torchscript(scripted, stage / "torch-int8.pt")
                 variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8", settings))
         if openvino:
-            _openvino_variants(stage, variants, skipped, cfg, log)
+            _openvino_variants(stage, variants, skipped, cfg, log, batches if cfg.int8 else [])
         if cfg.prune is not None:
             name = f"sparse{round(100 * cfg.prune)}"
             with log.step(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)"):
@@ -270,6 +270,8 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
             entries = _validate(variants, stage, loaded, evalset, cfg, why_not)
+            entries, picked = _pick_openvino_int8(entries, stage, cfg.latency_batch)
+            notes += picked
             notes += _int8_comparison(entries, cfg.latency_batch)
             notes += _device_note(entries)
         with log.step(f"write {out}"):
@@ -311,9 +313,14 @@ def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: O
     return run
 
 
-def _openvino_variants(stage: Path, variants: list[Variant], skipped: list[dict], cfg: OptimizeConfig, log) -> None:
+OPENVINO_INT8_CANDIDATE = "openvino-int8-nncf"  # validated beside openvino-int8; the better one keeps the name
+
+
+def _openvino_variants(stage: Path, variants: list[Variant], skipped: list[dict], cfg: OptimizeConfig, log,
+                       batches: list) -> None:
     """openvino-fp32 and, where the CPU has bf16, openvino-bf16 (one IR, the precision set at load);
-    with --int8, openvino-int8: the ONNX Runtime QDQ file read by OpenVINO, which runs it in INT8."""
+    with --int8, two openvino-int8 candidates: the ONNX Runtime QDQ file read by OpenVINO, and NNCF's
+    own post-training quantization on the same calibration images (see `_pick_openvino_int8`)."""
     with log.step("OpenVINO IR (fp32 weights; f32 and bf16 inference)"):
         ov = export_openvino(stage / "model.onnx", stage / "model.openvino.xml")
         bin_name = companion_bin(Path("model.openvino.xml")).name
@@ -330,8 +337,37 @@ def _openvino_variants(stage: Path, variants: list[Variant], skipped: list[dict]
             ov = export_openvino(stage / "model.int8.onnx", stage / "model.int8.openvino.xml")
             variants.append(Variant("openvino-int8", "model.int8.openvino.xml", "openvino", "int8",
                                     {**q, **ov, "inference_precision": "f32",
-                                     "flow": "the ONNX Runtime QDQ file (same calibration) read by OpenVINO"},
+                                     "flow": "qdq", "flow_description": "the ONNX Runtime QDQ file (same "
+                                                                        "calibration) read by OpenVINO"},
                                     [companion_bin(Path("model.int8.openvino.xml")).name]))
+        with log.step("OpenVINO INT8 with NNCF post-training quantization (same calibration images)"):
+            settings = quantize_openvino_nncf(stage / "model.onnx", stage / "model.int8.nncf.openvino.xml", batches)
+            variants.append(Variant(OPENVINO_INT8_CANDIDATE, "model.int8.nncf.openvino.xml", "openvino", "int8",
+                                    {**settings, "inference_precision": "f32", "flow": "nncf"},
+                                    [companion_bin(Path("model.int8.nncf.openvino.xml")).name]))
+
+
+def _pick_openvino_int8(entries: list[dict], stage: Path, n: int) -> tuple[list[dict], list[str]]:
+    """Of the two openvino-int8 candidates keep the one that passes the gate and is faster at batch
+    n (the QDQ one when neither passes); it is published as openvino-int8 and the other is deleted."""
+    by_name = {e["name"]: e for e in entries}
+    if OPENVINO_INT8_CANDIDATE not in by_name or "openvino-int8" not in by_name:
+        return entries, []
+    qdq, nncf_ = by_name["openvino-int8"], by_name[OPENVINO_INT8_CANDIDATE]
+    passing = [e for e in (qdq, nncf_) if e["status"] == "accepted"]
+    winner = min(passing, key=lambda e: e["latency_ms"][str(n)]) if passing else qdq
+    loser = nncf_ if winner is qdq else qdq
+    comparison = {e["settings"]["flow"]: {"status": e["status"], "top1": e["accuracy"]["top1"],
+                                          "latency_ms": e["latency_ms"]} for e in (qdq, nncf_)}
+    winner["settings"] = {**winner["settings"], "flow_comparison": comparison}
+    for f in (loser["file"], *loser.get("companions", {})):
+        (stage / f).unlink(missing_ok=True)
+    winner["name"] = "openvino-int8"
+    kept = [winner if e is qdq else e for e in entries if e is not nncf_]
+    note = (f"openvino-int8: {winner['settings']['flow']} flow kept ({winner['status']}, "
+            f"{winner['latency_ms'][str(n)]:.2f} ms at batch {n}) over {loser['settings']['flow']} "
+            f"({loser['status']}, {loser['latency_ms'][str(n)]:.2f} ms)")
+    return kept, [note]
 
 
 def _prune_channels(loaded, data, evalset, example, cfg, why_not, log):
