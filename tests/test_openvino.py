@@ -146,3 +146,16 @@ def test_on_a_machine_without_bf16_the_table_says_which_variants_were_not_built_
     assert rows["torch-bf16"][-1] == "not built: this CPU has no bf16 instructions (test)"
     assert len(rows["openvino-bf16"]) == len(pipeline.summary_header(manifest))
     assert "| openvino-bf16 |" in (tmp_path / "a" / "report.md").read_text()
+
+
+def test_without_nncf_int8_with_openvino_stops_at_once_naming_the_fix(small_cnn_checkpoint, tmp_path, monkeypatch):
+    import importlib.util
+
+    from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nncf" else real(name, *a))
+    with pytest.raises(UserError, match="pip install nncf, or add --no-openvino"):
+        run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
+                                    out=str(tmp_path / "a"), progress=False))
+    assert not (tmp_path / "a").exists()

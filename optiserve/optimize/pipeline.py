@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,9 @@ class OptimizeConfig:
             raise UserError("pruned variants are built as ONNX Runtime models; drop --no-onnx")
         if self.openvino and self.onnx and (why := openvino_unavailable()):
             raise UserError(f"the OpenVINO variants cannot be built here: {why}; or add --no-openvino")
+        if self.openvino and self.onnx and self.int8 and importlib.util.find_spec("nncf") is None:
+            raise UserError("openvino-int8 compares NNCF's quantization with the QDQ file, and the nncf package is "
+                            "not installed: pip install nncf, or add --no-openvino")
         if self.fp16 and not self.tensorrt:
             raise UserError("--fp16 builds a TensorRT FP16 engine; add --tensorrt")
         torch_device(self.device)  # --device cuda without a GPU fails here, not after the build
