@@ -46,3 +46,14 @@ def test_an_invalid_choice_is_one_line_naming_the_fix():
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("optiserve train: error: argument --amp: invalid choice: 'fp8' "
                                    "(choose from 'auto', 'bf16', 'fp16', 'off') (see optiserve train --help)")
+
+
+def test_the_cli_parser_does_not_import_the_web_stack():
+    """`train` and `optimize` must work where FastAPI is not installed (seen on a GPU machine)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, optiserve.cli as cli; cli.build_parser(); "
+            "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from optiserve.errors import UserError
-from optiserve.serve.app import ServeConfig, config_to_environment, configure_logging, create_app
+from optiserve.serve.config import ServeConfig
 
 HELP = "serve an artifact folder or a repository of them: /predict, the Open Inference Protocol (v2), /stats"
 DESCRIPTION = """\
@@ -83,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+
+    from optiserve.serve.app import config_to_environment, configure_logging, create_app
 
     cfg = ServeConfig(artifact_dir=args.artifact_dir, variants=args.variants, ab=args.ab,
                       max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,

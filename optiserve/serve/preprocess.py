@@ -13,6 +13,7 @@ from PIL import Image
 
 from optiserve.data.image_input import channel_mode, image_to_input
 from optiserve.models import InputSpec
+from optiserve.serve.config import MAX_IMAGE_PIXELS
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class ImageLimits:
     100-megapixel upload; refusing it from the header keeps one request from holding a decode
     thread (and ~400 MB) for seconds. Pillow's own bomb limit is 179 M pixels."""
 
-    max_pixels: int = 4096 * 4096
+    max_pixels: int = MAX_IMAGE_PIXELS
 
 
 class BadInput(ValueError):

@@ -29,57 +29,11 @@ from optiserve.serve.batcher import BatchFailed, QueueFull, Reservation, Shuttin
 from optiserve.serve.metrics import ServerMetrics
 from optiserve.serve.model import BatchingConfig, ServedModel, ServedVariant
 from optiserve.serve.preprocess import ImageLimits
+from optiserve.serve.config import ServeConfig
 from optiserve.serve.priority import lower_thread_priority
 from optiserve.serve.traffic import ShadowStats, TrafficError, parse_traffic
 
 log = logging.getLogger("optiserve.serve")
-
-MODEL_CONTROL = ("none", "explicit", "poll")
-
-
-@dataclass
-class ServeConfig:
-    artifact_dir: str                 # an artifact folder, or a repository: a folder of artifact folders
-    variants: list[str] | None = None
-    ab: str | None = None
-    max_batch_size: int = 16
-    max_delay_ms: float = 5.0
-    max_queue: int = 256
-    timeout_ms: float = 30_000
-    threads: int | None = None        # intra-op threads per variant; None: the runtime's default (all cores)
-    inference_nice: int = 10          # CPU priority of inference threads below the event loop's (Linux); 0: same
-    device: str = "auto"
-    max_body_bytes: int = 16 << 20
-    top_k: int = 5
-    body_timeout_s: float = 10.0      # a request whose body has not arrived by then gets 408 and its queue place back
-    shutdown_timeout_s: float = 25.0  # under Kubernetes' default 30 s grace period
-    max_image_pixels: int = ImageLimits.max_pixels
-    decode_threads: int | None = None  # threads that parse bodies and decode images; None: min(4, cores)
-    manifest_sha256: str | None = None  # serve the folder only if manifest.json has this hash
-    model_control: str = "none"       # none: load all at start; explicit: --load-model then the API; poll
-    load_models: list[str] | None = None  # explicit mode: loaded at start-up ("*": all)
-    poll_seconds: float = 5.0
-    admin_token_file: str | None = None  # without it the repository and traffic endpoints answer 403
-
-    def validate(self) -> None:
-        for name, value in (("--max-batch-size", self.max_batch_size), ("--max-queue", self.max_queue),
-                            ("--max-image-pixels", self.max_image_pixels), ("--decode-threads", self.decode_threads)):
-            if value is not None and value < 1:
-                raise UserError(f"{name} must be at least 1, got {value}")
-        if self.max_delay_ms < 0 or self.timeout_ms <= 0:
-            raise UserError("--max-delay-ms must be >= 0 and --timeout-ms > 0")
-        if self.body_timeout_s <= 0 or self.shutdown_timeout_s < 0:
-            raise UserError("--body-timeout-s must be > 0 and --shutdown-timeout-s >= 0")
-        if self.model_control not in MODEL_CONTROL:
-            raise UserError(f"--model-control must be one of {', '.join(MODEL_CONTROL)}, got {self.model_control!r}")
-        if self.load_models and self.model_control != "explicit":
-            raise UserError("--load-model only applies with --model-control explicit (the other modes load "
-                            "every model)")
-        if self.poll_seconds <= 0:
-            raise UserError("--poll-seconds must be positive")
-        if self.manifest_sha256 and is_repository(self.artifact_dir):
-            raise UserError("--manifest-sha256 pins one artifact folder; it cannot apply to a repository")
-
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, headers: dict | None = None):
