@@ -30,7 +30,7 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from optiserve.artifacts import read_manifest, staging_folder, write_manifest  # noqa: E402
+from optiserve.artifacts import publish_copy, read_manifest  # noqa: E402
 from optiserve.bench.loadgen import Load, generate_load  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402
@@ -49,16 +49,6 @@ def artifact(path: str | None) -> Path:
         print(f"building {folder} with `optimize resnet18 --int8` (trains a checkpoint first if there is none)")
         run_optimize(OptimizeConfig("resnet18", int8=True, out=str(folder)))
     return folder
-
-
-def republish(target: Path, source: Path, change: str) -> None:
-    """A new version of the folder (its manifest notes `change`), published the way `optimize --out`
-    publishes: written beside the target and swapped in with renames."""
-    with staging_folder(target) as stage:
-        shutil.copytree(source, stage, dirs_exist_ok=True)
-        manifest = read_manifest(stage)
-        manifest["notes"] = [*manifest.get("notes", []), change]
-        write_manifest(stage, manifest)
 
 
 def pngs(shape: list[int], n: int = 64) -> list[bytes]:
@@ -84,7 +74,7 @@ async def window(base: str, images: list[bytes], args, reload_from: Path | None,
             gap = 0.8 * args.duration / args.reloads
             for i in range(args.reloads):
                 t0 = time.perf_counter()
-                await asyncio.to_thread(republish, target, reload_from, f"benchmark reload {time.time()}")
+                await asyncio.to_thread(publish_copy, reload_from, target, f"benchmark reload {time.time()}")
                 r = await client.post(f"{base}/v2/repository/models/{MODEL}/load",
                                       headers={"Authorization": f"Bearer {TOKEN}"})
                 if r.status_code != 200:

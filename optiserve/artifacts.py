@@ -86,6 +86,17 @@ def staging_folder(out: Path):
             shutil.rmtree(stage, ignore_errors=True)
 
 
+def publish_copy(source: str | os.PathLike, target: str | os.PathLike, note: str) -> None:
+    """Publish a copy of the artifact folder `source` at `target` as a new version (its manifest's
+    notes gain `note`, so its hash changes), swapped in the way `optimize --out` publishes: what a
+    server following the folder sees as a new version to reload."""
+    with staging_folder(Path(target)) as stage:
+        shutil.copytree(source, stage, dirs_exist_ok=True)
+        manifest = read_manifest(stage)
+        manifest["notes"] = [*manifest.get("notes", []), note]
+        write_manifest(stage, manifest)
+
+
 def write_manifest(folder: Path, manifest: dict) -> None:
     with atomic_write(folder / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=2)

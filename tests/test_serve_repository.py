@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from conftest import offline_logits
-from optiserve.artifacts import read_manifest, staging_folder, write_manifest
+from optiserve.artifacts import publish_copy, read_manifest
 from optiserve.bench.http import results_from_server
 from optiserve.bench.report import build_report, render_markdown, report_blocks
 from optiserve.data import load_dataset
@@ -63,16 +63,6 @@ def digits(small_artifact):
 
 def _admin(token=TOKEN) -> dict:
     return {"Authorization": f"Bearer {token}"}
-
-
-def _republish(target: Path, source: Path, change: str) -> None:
-    """A new version of the folder (its manifest notes `change`), published the way `optimize --out`
-    publishes: written beside the target and swapped in with renames."""
-    with staging_folder(target) as stage:
-        shutil.copytree(source, stage, dirs_exist_ok=True)
-        manifest = read_manifest(stage)
-        manifest["notes"] = [*manifest.get("notes", []), change]
-        write_manifest(stage, manifest)
 
 
 def test_tritonclient_drives_the_repository_api_load_unload_and_load_again(repository, token_file, digits,
@@ -182,12 +172,12 @@ def test_polling_loads_new_reloads_changed_keeps_the_old_on_a_bad_version_and_un
         _until(lambda: "digits-c" in server.models, 30)
         assert c.post("/predict?model=digits-c", json={"inputs": ZEROS}).status_code == 200
 
-        _republish(repository / "digits-a", small_artifact, "retrained")     # a new version of a model
+        publish_copy(small_artifact, repository / "digits-a", "retrained")     # a new version of a model
         _until(lambda: server.models["digits-a"].version != v1, 30)
         v2 = server.models["digits-a"].version
         assert c.post("/predict?model=digits-a", json={"inputs": ZEROS}).status_code == 200
 
-        _republish(repository / "digits-a", small_artifact, "broken")        # a version with an altered file
+        publish_copy(small_artifact, repository / "digits-a", "broken")        # a version with an altered file
         with open(repository / "digits-a" / "model.int8.onnx", "ab") as f:
             f.write(b"tampered")
         _until(lambda: "sha256" in server.status["digits-a"].reason, 30)
@@ -324,3 +314,15 @@ def test_load_unload_cycles_do_not_grow_resident_memory(repository, token_file):
             rss.append(_rss_kib(proc.pid))
         # the first cycle warms allocator pools and lazy imports; after it, no growth
         assert max(rss[1:]) <= 1.10 * rss[1], rss
+
+
+def test_a_repository_that_can_no_longer_be_read_is_a_503_with_the_reason_not_a_500(repository, token_file):
+    cfg = ServeConfig(str(repository), variants=["fp32"], model_control="explicit", load_models=["digits-a"],
+                      admin_token_file=token_file)
+    with TestClient(create_app(cfg), raise_server_exceptions=False) as c:
+        _until(lambda: _ready(c))
+        repository.rename(repository.with_name("moved"))
+        for path in ("/v2/repository/index", "/v2/repository/models/digits-b/load"):
+            r = c.post(path, headers=_admin())
+            assert r.status_code == 503 and "the model repository cannot be read" in r.json()["error"], path
+        assert c.post("/predict?model=digits-a", json={"inputs": ZEROS}).status_code == 200  # still serving

@@ -43,18 +43,19 @@ def layer_sensitivity(fp32_path: Path, int8_path: Path, batches: list[np.ndarray
 
 
 def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: list[np.ndarray], method: str,
-                                   val_images: np.ndarray, logits: Logits, gate: Gate, settings: dict,
-                                   max_float_layers: int) -> dict:
+                                   val_images: Callable[[], np.ndarray], logits: Logits, gate: Gate,
+                                   settings: dict, max_float_layers: int) -> dict:
     """If `int8_path` fails `gate`, re-quantize with the most sensitive layers in float (adding one
     at a time, at most `max_float_layers`) until it passes; rewrites `int8_path` with the first that
-    passes, or with the last try. Returns `settings` with what was done (`float_layers` etc.)."""
+    passes, or with the last try. Returns `settings` with what was done (`float_layers` etc.).
+    `val_images` is called only then: a variant that passes costs no validation images."""
     status, reason, top1 = gate(int8_path)
     if status != "rejected":
         return settings
     work = int8_path.parent / f".{int8_path.stem}.accuracy-aware"
     work.mkdir(exist_ok=True)
     try:
-        ranked = layer_sensitivity(fp32_path, int8_path, batches, method, val_images, logits, work)
+        ranked = layer_sensitivity(fp32_path, int8_path, batches, method, val_images(), logits, work)
         kept: list[str] = []
         tries = []
         for node, _ in ranked[:max_float_layers]:

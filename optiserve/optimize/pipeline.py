@@ -293,7 +293,6 @@ def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: O
         return lambda fp32, int8, settings: settings
     base_manifest = {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict()}
     options = RuntimeOptions(device="cpu", extra={"spin": False})
-    val = materialize(data.val, True)
 
     def logits(path: Path, images: np.ndarray) -> np.ndarray:
         return predict(load_session(path, {"name": path.name, "backend": "onnxruntime"}, base_manifest, options), images)
@@ -306,7 +305,8 @@ def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: O
             accuracy = score(logits(path, evalset.images), reference, evalset.labels)
             return (*gate(accuracy, baseline, cfg.max_accuracy_drop, True), accuracy["top1"])
 
-        out = keep_sensitive_layers_in_float(stage / fp32, stage / int8, batches, cfg.calib_method, val.images,
+        out = keep_sensitive_layers_in_float(stage / fp32, stage / int8, batches, cfg.calib_method,
+                                             lambda: materialize(data.val, True).images,
                                              logits, gate_on_test, settings, cfg.max_float_layers)
         if "accuracy_aware" in out:
             kept = out["accuracy_aware"]["float_layers"]

@@ -68,9 +68,3 @@ def interleaved_median_ms(sessions: dict[str, Session], batch: np.ndarray, round
     """Median wall time of each session on `batch`, one call per session per round."""
     times = interleaved_times(sessions, batch, rounds, warmup=warmup, max_seconds=max_seconds)
     return {name: statistics.median(t) for name, t in times.items()}
-
-
-def median_latency_ms(session: Session, batch: np.ndarray, warmup: int = 3, repeats: int = 15,
-                      max_seconds: float = 10.0) -> float:
-    """Median wall time of one session alone (the same loop, one session)."""
-    return interleaved_median_ms({"only": session}, batch, repeats, warmup, max_seconds)["only"]

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from optiserve.artifacts import read_manifest_versioned
-from optiserve.models import InputSpec
 import numpy as np
 
+from optiserve.artifacts import read_manifest_versioned
+from optiserve.models import InputSpec
 from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.timing import interleaved_median_ms
 from optiserve.runtime.variants import LoadedVariant, load_verified, select_variants, warm_up
@@ -154,10 +154,6 @@ class ServedModel:
         self._inflight -= 1
         if self._inflight == 0 and self._idle is not None:
             self._idle.set()
-
-    @property
-    def inflight(self) -> int:
-        return self._inflight
 
     async def retire(self, timeout: float) -> bool:
         """Wait (at most `timeout` s) for the requests this version admitted, then close its batchers

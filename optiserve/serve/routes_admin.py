@@ -6,7 +6,6 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from optiserve.artifacts import find_models
 from optiserve.serve.admin_auth import AdminAuth
 from optiserve.serve.envelope import parse_json
 from optiserve.serve.server import ApiError, Server
@@ -27,11 +26,12 @@ def add_admin_routes(app: FastAPI, server: Server, auth: AdminAuth) -> None:
                                 f"runs with --model-control {server.cfg.model_control}"
                                 f"{': it follows the repository folder' if server.cfg.model_control == 'poll' else ''})")
 
-    async def json_body(request: Request) -> dict:
+    async def json_body(request: Request, optional: bool = True) -> dict:
+        """The body as a JSON object (413 over the limit, 400 if not an object); {} when empty and optional."""
         body = await server.read_body(request)
         if len(body) > MAX_ADMIN_BODY:
             raise ApiError(413, f"the body is over {MAX_ADMIN_BODY:,} bytes")
-        return parse_json(body) if body.strip() else {}
+        return {} if optional and not body.strip() else parse_json(body)
 
     @app.post("/v2/repository/index")
     async def repository_index(request: Request):
@@ -39,7 +39,7 @@ def add_admin_routes(app: FastAPI, server: Server, auth: AdminAuth) -> None:
         prefix of its manifest.json) and the reason for the last failure."""
         authorize(request)
         ready_only = bool((await json_body(request)).get("ready"))
-        names = sorted({*find_models(server.root), *server.status})
+        names = sorted({*server.repository_models(), *server.status})
         index = []
         for name in names:
             status = server.status.get(name)
@@ -76,7 +76,4 @@ def add_admin_routes(app: FastAPI, server: Server, auth: AdminAuth) -> None:
     async def put_traffic(name: str, request: Request):
         """{"weights": {"onnx-int8": 0.9, "fp32": 0.1}} and/or {"shadow": {"variant": V, "fraction": F} | null}."""
         authorize(request)
-        body = await server.read_body(request)
-        if len(body) > MAX_ADMIN_BODY:
-            raise ApiError(413, f"the body is over {MAX_ADMIN_BODY:,} bytes")
-        return server.set_traffic(name, parse_json(body))
+        return server.set_traffic(name, await json_body(request, optional=False))

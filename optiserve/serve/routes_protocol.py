@@ -35,10 +35,14 @@ def add_protocol_routes(app: FastAPI, server: Server) -> None:
             return JSONResponse({"ready": False, "error": server.error}, status_code=503)
         return {"ready": True}
 
+    def check_version(model: ServedModel, version: str | None) -> None:
+        if version is not None and version not in model.entry_names:
+            raise ApiError(404, f"unknown version {version!r} of {model.name}; versions: "
+                                f"{', '.join(model.entry_names)}")
+
     def served(name: str, version: str | None = None) -> ServedModel:
         model = server.model(name)
-        if version is not None and version not in model.entry_names:
-            raise ApiError(404, f"unknown version {version!r} of {name}; versions: {', '.join(model.entry_names)}")
+        check_version(model, version)
         return model
 
     def metadata(model: ServedModel, version: str | None) -> dict:
@@ -63,8 +67,8 @@ def add_protocol_routes(app: FastAPI, server: Server) -> None:
             raise ApiError(404, f"unknown model {name!r}; served: {', '.join(sorted(server.models)) or 'none'}")
         model = server.models.get(name)
         ok = server.ready and model is not None and (version is None or version in model.variants)
-        if model is not None and version is not None and version not in model.entry_names:
-            raise ApiError(404, f"unknown version {version!r} of {name}; versions: {', '.join(model.entry_names)}")
+        if model is not None:
+            check_version(model, version)
         body = {"name": name, **({"version": version} if version else {}), "ready": ok}
         return JSONResponse(body, status_code=200 if ok else 503)
 

@@ -35,6 +35,7 @@ from optiserve.serve.traffic import ShadowStats, TrafficError, parse_traffic
 
 log = logging.getLogger("optiserve.serve")
 
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
@@ -202,6 +203,14 @@ class Server:
             self.metrics.forget_queue(model.name, variant)
         gc.collect()
 
+    def repository_models(self) -> dict[str, Path]:
+        """The models the folder holds now; 503 with the reason when it cannot be read (it vanished,
+        or a single artifact folder's manifest went bad)."""
+        try:
+            return find_models(self.root)
+        except UserError as e:
+            raise ApiError(503, f"the model repository cannot be read: {e}") from None
+
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
@@ -210,10 +219,11 @@ class Server:
         ApiError 400 with the reason when it cannot be loaded (a served version keeps serving)."""
         self._check_not_draining()
         async with self._lock(name):
-            folder = find_models(self.root).get(name)
+            found = self.repository_models()
+            folder = found.get(name)
             if folder is None:
                 raise ApiError(400, f"no model {name!r} in the repository {self.root} (models: "
-                                    f"{', '.join(find_models(self.root)) or 'none'})")
+                                    f"{', '.join(found) or 'none'})")
             try:
                 model = self._prepare(name, folder)
             except UserError as e:
@@ -230,7 +240,7 @@ class Server:
         async with self._lock(name):
             model = self.models.pop(name, None)
             if model is None:
-                if name not in self.status and name not in find_models(self.root):
+                if name not in self.status and name not in self.repository_models():
                     raise ApiError(400, f"no model {name!r} in the repository {self.root}")
                 return  # unloading what is not loaded succeeds, as in Triton
             self.status[name] = ModelStatus("UNAVAILABLE", reason="unloaded")
@@ -385,18 +395,11 @@ class Server:
         self._record(model, variant, "rejected")
         return ApiError(429, f"overloaded: {e}; retry later", {"Retry-After": "1", VARIANT_HEADER: variant.name})
 
-    def check_count(self, images: int) -> None:
-        """A request with more images than a queue holds can never be admitted: 413, not 'retry later'."""
-        if images > self.cfg.max_queue:
-            raise ApiError(413, f"the request has {images} images but a queue holds at most {self.cfg.max_queue} "
-                                f"(--max-queue): split it into smaller requests")
-
     async def infer(self, admission: Admission, images: np.ndarray) -> tuple[np.ndarray, dict]:
         """Run `images` through the admitted variant's batcher; maps every failure to the right status."""
         t0 = time.perf_counter()
         model, variant = admission.model, admission.variant
         served = {VARIANT_HEADER: variant.name}  # failures say which variant the A/B split chose
-        self.check_count(len(images))
         try:
             result = await variant.batcher.submit(images, self.cfg.timeout_ms / 1000, admission.reservation)
         except QueueFull as e:
