@@ -22,9 +22,9 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
                           timeout=timeout, env=full_env, cwd=cwd)
 
 
-def serving(folder: Path, *args: str, ready_within_s: float = 120):
+def serving(folder: Path, *args: str, ready_within_s: float = 120, drain_seconds: float = 0):
     """Run `optiserve serve FOLDER ARGS` as a real uvicorn process on loopback (see serve.launch)."""
-    return served(folder, *args, ready_within_s=ready_within_s)
+    return served(folder, *args, ready_within_s=ready_within_s, drain_seconds=drain_seconds)
 
 
 def offline_logits(folder: Path, variant: str, images):

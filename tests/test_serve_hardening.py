@@ -248,7 +248,7 @@ def test_shutdown_with_a_stuck_model_ends_within_its_timeout_and_answers_what_is
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, str(script), str(small_artifact), "--variants", "onnx-int8",
                              "--port", str(port), "--max-batch-size", "4", "--max-delay-ms", "0",
-                             "--shutdown-timeout-s", "2"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                             "--shutdown-timeout-s", "2", "--drain-seconds", "0"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         _until(lambda: _ready(base), seconds=120)

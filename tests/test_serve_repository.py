@@ -326,3 +326,21 @@ def test_a_repository_that_can_no_longer_be_read_is_a_503_with_the_reason_not_a_
             r = c.post(path, headers=_admin())
             assert r.status_code == 503 and "the model repository cannot be read" in r.json()["error"], path
         assert c.post("/predict?model=digits-a", json={"inputs": ZEROS}).status_code == 200  # still serving
+
+
+def test_a_port_from_the_environment_and_a_model_name_are_checked_before_anything_loads(small_artifact, repository,
+                                                                                       monkeypatch, capsys):
+    from optiserve.cli import main
+    from optiserve.serve.command import listening_port
+
+    monkeypatch.setenv("PORT", "9123")
+    assert listening_port(None) == 9123 and listening_port(8080) == 8080  # --port wins over $PORT
+    monkeypatch.setenv("PORT", "http")
+    assert main(["serve", str(small_artifact)]) == 2
+    assert "the PORT environment variable is 'http', not a port number" in capsys.readouterr().err
+    monkeypatch.delenv("PORT")
+    assert listening_port(None) == 8000
+    assert main(["serve", str(repository), "--model-name", "resnet18"]) == 2
+    assert "in a repository each model is named after its sub-folder" in capsys.readouterr().err
+    assert main(["serve", str(small_artifact), "--model-name", "a/b"]) == 2
+    assert "--model-name 'a/b'" in capsys.readouterr().err

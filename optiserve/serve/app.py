@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import optiserve
 from optiserve.serve import VARIANT_HEADER
 from optiserve.serve.admin_auth import AdminAuth
-from optiserve.serve.middleware import BodyLimit, InternalErrors
+from optiserve.serve.middleware import BodyLimit, CloseWhileTerminating, InternalErrors
 from optiserve.serve.preprocess import BadInput
 from optiserve.serve.routes_admin import add_admin_routes
 from optiserve.serve.routes_predict import add_predict_routes
@@ -50,7 +50,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="optiserve", version=optiserve.__version__, lifespan=lifespan)
     app.state.server = server
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
-    app.add_middleware(InternalErrors)  # added last: outermost of the two, so it also sees BodyLimit's errors
+    app.add_middleware(InternalErrors)  # outside BodyLimit, so it also sees BodyLimit's errors
+    app.add_middleware(CloseWhileTerminating, server=server)
 
     def variant_header(request: Request) -> dict:
         name = getattr(request.state, "variant", None)

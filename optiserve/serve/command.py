@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
+import time
 
 from optiserve.errors import UserError
 from optiserve.serve.config import ServeConfig
@@ -19,6 +23,7 @@ accepted variant, timed at start-up on this machine.
   optiserve serve models/ --model-control poll --admin-token-file token.txt"""
 
 DEFAULTS = ServeConfig(artifact_dir="")
+log = logging.getLogger("optiserve.serve")
 
 
 def _names(text: str) -> list[str]:
@@ -52,13 +57,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout-s", type=float, default=DEFAULTS.body_timeout_s, metavar="S",
                    help=f"a request body not received within S seconds gets 408 and gives its queue place back "
                         f"(default {DEFAULTS.body_timeout_s:g})")
+    p.add_argument("--drain-seconds", type=float, default=DEFAULTS.drain_seconds, metavar="S",
+                   help=f"on SIGTERM, report not ready (/v2/health/ready 503) for S seconds while still answering, "
+                        f"so load balancers stop sending first (default {DEFAULTS.drain_seconds:g}; SIGINT and a "
+                        f"second SIGTERM skip it)")
     p.add_argument("--shutdown-timeout-s", type=float, default=DEFAULTS.shutdown_timeout_s, metavar="S",
-                   help=f"on SIGTERM, how long queued requests may still be served; the rest get 503 "
+                   help=f"after the drain, how long queued requests may still be served; the rest get 503 "
                         f"(default {DEFAULTS.shutdown_timeout_s:g})")
     p.add_argument("--max-image-pixels", type=int, default=DEFAULTS.max_image_pixels, metavar="N",
                    help=f"larger uploads are refused from their header (default {DEFAULTS.max_image_pixels:,})")
     p.add_argument("--decode-threads", type=int, default=None, metavar="N",
                    help="threads that parse request bodies and decode images (default: min(4, cores))")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the name a single artifact folder's model is served under (default: the manifest's model; "
+                        "under KServe, the InferenceService's name)")
     p.add_argument("--manifest-sha256", default=None, metavar="HEX",
                    help="serve the folder only if its manifest.json has this sha256 (pins every variant file)")
     p.add_argument("--model-control", default=DEFAULTS.model_control, choices=["none", "explicit", "poll"],
@@ -75,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Bearer <the file's token>` (without it they answer 403)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto")
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--port", type=int, default=None,
+                   help="default: the PORT environment variable if set (as KServe and other platforms set it), else 8000")
     p.add_argument("--access-log", action="store_true", help="log every request (off: it costs CPU under load)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes, each with its own copy of every variant (default 1)")
@@ -90,37 +103,75 @@ def run(args: argparse.Namespace) -> int:
                       max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
                       max_queue=args.max_queue, timeout_ms=args.timeout_ms, threads=args.threads,
                       inference_nice=args.inference_nice, device=args.device, body_timeout_s=args.body_timeout_s,
-                      shutdown_timeout_s=args.shutdown_timeout_s, max_image_pixels=args.max_image_pixels,
+                      drain_seconds=args.drain_seconds, shutdown_timeout_s=args.shutdown_timeout_s, max_image_pixels=args.max_image_pixels,
                       decode_threads=args.decode_threads, manifest_sha256=args.manifest_sha256,
                       model_control=args.model_control, load_models=args.load_models,
-                      poll_seconds=args.poll_seconds, admin_token_file=args.admin_token_file)
+                      poll_seconds=args.poll_seconds, admin_token_file=args.admin_token_file,
+                      model_name=args.model_name)
     if args.workers > 1 and (cfg.model_control == "explicit" or cfg.admin_token_file):
         # each worker is a process with its own models: an API call would change one of them at random
         raise UserError("--workers N > 1 cannot be combined with --model-control explicit or --admin-token-file: "
                         "a load, unload or traffic call would reach only the worker that answered it. Use one "
                         "worker per process (and replicas for scale), or --model-control poll")
+    port = listening_port(args.port)
     configure_logging()
     app = create_app(cfg)  # checks the manifest and the variant choice before anything listens
     # uvicorn's own bound on waiting for open requests: ours plus a margin, so it only acts if ours failed
     graceful = cfg.shutdown_timeout_s + 5
     if args.workers > 1:
         config_to_environment(cfg)
-        uvicorn.run("optiserve.serve.app:app_from_environment", factory=True, host=args.host, port=args.port,
+        uvicorn.run("optiserve.serve.app:app_from_environment", factory=True, host=args.host, port=port,
                     workers=args.workers, access_log=args.access_log, timeout_graceful_shutdown=graceful)
         return 0
-    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=args.access_log,
+    config = uvicorn.Config(app, host=args.host, port=port, access_log=args.access_log,
                             timeout_graceful_shutdown=graceful)
     draining_server(config, app.state.server).run()  # a stuck model's daemon thread cannot hold the exit
     return 0
 
 
+def listening_port(port: int | None) -> int:
+    """--port, else $PORT (set by KServe, Cloud Run and the like), else 8000."""
+    if port is not None:
+        return port
+    text = os.environ.get("PORT", "").strip()
+    if not text:
+        return 8000
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise UserError(f"the PORT environment variable is {text!r}, not a port number: set it to one, or pass --port")
+    return int(text)
+
+
 def draining_server(config, server):
-    """uvicorn's Server, told to drain the batchers the moment shutdown begins: uvicorn first waits for
-    the open requests and only then runs the app's shutdown, so requests stuck behind a hung model
-    would otherwise hold the process until their own timeouts."""
+    """uvicorn's Server with the termination a rolling update needs. On SIGTERM it first reports not
+    ready for --drain-seconds while answering as before (load balancers and Kubernetes endpoints
+    stop sending meanwhile); then it stops accepting, and drains the batchers the moment shutdown
+    begins — uvicorn would first wait for the open requests, so requests stuck behind a hung model
+    would otherwise hold the process until their own timeouts. SIGINT or a second SIGTERM skip the
+    drain window."""
     import uvicorn
 
+    drain_s = server.cfg.drain_seconds
+
     class DrainingServer(uvicorn.Server):
+        drain_until: float | None = None
+
+        def handle_exit(self, sig, frame):
+            if sig == signal.SIGTERM and drain_s > 0 and self.drain_until is None and not self.should_exit:
+                self.drain_until = time.monotonic() + drain_s
+                server.terminating = True  # a flag only: this runs in a signal handler
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_until is not None and not self.should_exit:
+                if not getattr(self, "drain_logged", False):
+                    self.drain_logged = True
+                    log.info("SIGTERM: reporting not ready for %g s while still answering, then shutting down",
+                             drain_s)
+                if time.monotonic() >= self.drain_until:
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
         async def shutdown(self, sockets=None):
             server.begin_shutdown()
             await super().shutdown(sockets)

@@ -3,6 +3,7 @@ CLI parser (for any subcommand) does not import FastAPI."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from optiserve.artifacts import is_repository
@@ -12,6 +13,7 @@ MAX_IMAGE_PIXELS = 4096 * 4096  # larger uploads are refused from their header (
 
 
 MODEL_CONTROL = ("none", "explicit", "poll")
+MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 
 @dataclass
@@ -29,7 +31,8 @@ class ServeConfig:
     max_body_bytes: int = 16 << 20
     top_k: int = 5
     body_timeout_s: float = 10.0      # a request whose body has not arrived by then gets 408 and its queue place back
-    shutdown_timeout_s: float = 25.0  # under Kubernetes' default 30 s grace period
+    drain_seconds: float = 5.0        # on SIGTERM: not ready, still answering, so load balancers move away first
+    shutdown_timeout_s: float = 20.0  # then queued requests are served for this long: 5 + 20 < Kubernetes' 30 s grace
     max_image_pixels: int = MAX_IMAGE_PIXELS
     decode_threads: int | None = None  # threads that parse bodies and decode images; None: min(4, cores)
     manifest_sha256: str | None = None  # serve the folder only if manifest.json has this hash
@@ -37,6 +40,7 @@ class ServeConfig:
     load_models: list[str] | None = None  # explicit mode: loaded at start-up ("*": all)
     poll_seconds: float = 5.0
     admin_token_file: str | None = None  # without it the repository and traffic endpoints answer 403
+    model_name: str | None = None     # a single folder's model name (default: its manifest's model)
 
     def validate(self) -> None:
         for name, value in (("--max-batch-size", self.max_batch_size), ("--max-queue", self.max_queue),
@@ -45,8 +49,8 @@ class ServeConfig:
                 raise UserError(f"{name} must be at least 1, got {value}")
         if self.max_delay_ms < 0 or self.timeout_ms <= 0:
             raise UserError("--max-delay-ms must be >= 0 and --timeout-ms > 0")
-        if self.body_timeout_s <= 0 or self.shutdown_timeout_s < 0:
-            raise UserError("--body-timeout-s must be > 0 and --shutdown-timeout-s >= 0")
+        if self.body_timeout_s <= 0 or self.shutdown_timeout_s < 0 or self.drain_seconds < 0:
+            raise UserError("--body-timeout-s must be > 0, --shutdown-timeout-s and --drain-seconds >= 0")
         if self.model_control not in MODEL_CONTROL:
             raise UserError(f"--model-control must be one of {', '.join(MODEL_CONTROL)}, got {self.model_control!r}")
         if self.load_models and self.model_control != "explicit":
@@ -54,6 +58,13 @@ class ServeConfig:
                             "every model)")
         if self.poll_seconds <= 0:
             raise UserError("--poll-seconds must be positive")
+        if self.model_name is not None:
+            if not MODEL_NAME.fullmatch(self.model_name):
+                raise UserError(f"--model-name {self.model_name!r}: use letters, digits, '.', '_' and '-' only "
+                                f"(it is part of URLs such as /v2/models/NAME/infer)")
+            if is_repository(self.artifact_dir):
+                raise UserError("--model-name names the model of one artifact folder; in a repository each model "
+                                "is named after its sub-folder")
         if self.manifest_sha256 and is_repository(self.artifact_dir):
             raise UserError("--manifest-sha256 pins one artifact folder; it cannot apply to a repository")
 

@@ -22,15 +22,18 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def served(folder: str | Path, *args: str, port: int | None = None, ready_within_s: float = 300,
-           preexec_fn: Callable[[], None] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+           preexec_fn: Callable[[], None] | None = None,
+           drain_seconds: float = 0) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start `optiserve serve FOLDER ARGS` on loopback `port` (default: a free one); yield (base URL, process) once
-    /v2/health/ready answers 200; terminate it afterwards. The server's output goes to a file (a
+    /v2/health/ready answers 200; terminate it afterwards. There is no load balancer to drain from
+    here, so the SIGTERM drain window is 0 s unless `drain_seconds` (or ARGS) say otherwise. The server's output goes to a file (a
     pipe nobody reads could fill and block it) and is left on `process.output` at the end."""
     import httpx
 
     port = port or free_port()
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(folder), "--port", str(port), *args],
+        proc = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(folder), "--port", str(port),
+                                 "--drain-seconds", f"{drain_seconds:g}", *args],
                                 stdout=log, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
         base = f"http://127.0.0.1:{port}"
 

@@ -1,4 +1,5 @@
-"""ASGI middleware around every route: the body-size limit, and JSON 500s for the unexpected."""
+"""ASGI middleware around every route: the body-size limit, JSON 500s for the unexpected, and
+closing keep-alive connections while the server drains."""
 
 from __future__ import annotations
 
@@ -65,6 +66,26 @@ class InternalErrors:
             variant = (scope.get("state") or {}).get("variant")
             extra = [(VARIANT_HEADER.lower().encode(), variant.encode())] if variant else []
             await _send_json(send, 500, {"error": "internal server error (logged on the server)"}, extra)
+
+
+class CloseWhileTerminating:
+    """ASGI middleware: in the drain window after SIGTERM every answer carries `Connection: close`, so
+    keep-alive clients reconnect, through the load balancer, to a replica that is staying."""
+
+    def __init__(self, app, server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.server.terminating:
+            return await self.app(scope, receive, send)
+
+        async def closing_send(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        return await self.app(scope, receive, closing_send)
 
 
 async def _send_json(send, status: int, body: dict, headers: list | None = None) -> None:

@@ -31,8 +31,8 @@ def add_protocol_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/v2/health/ready")
     async def ready():
-        if not server.ready:
-            return JSONResponse({"ready": False, "error": server.error}, status_code=503)
+        if not server.reports_ready:
+            return JSONResponse({"ready": False, "error": server.not_ready_reason()}, status_code=503)
         return {"ready": True}
 
     def check_version(model: ServedModel, version: str | None) -> None:
@@ -66,7 +66,7 @@ def add_protocol_routes(app: FastAPI, server: Server) -> None:
         if name not in server.models and name not in server.status:
             raise ApiError(404, f"unknown model {name!r}; served: {', '.join(sorted(server.models)) or 'none'}")
         model = server.models.get(name)
-        ok = server.ready and model is not None and (version is None or version in model.variants)
+        ok = server.reports_ready and model is not None and (version is None or version in model.variants)
         if model is not None:
             check_version(model, version)
         body = {"name": name, **({"version": version} if version else {}), "ready": ok}

@@ -30,6 +30,7 @@ def add_stats_routes(app: FastAPI, server: Server) -> None:
         """Per model: latency per variant, the traffic split and why, shadow agreement. `?model=`
         one model only; `?samples=true` adds the recent raw latencies, for `optiserve compare`."""
         if model is not None:
-            return {"ready": server.ready, **model_stats(server.model(model), samples)}
-        return {"ready": server.ready, **({"error": server.error} if server.error else {}),
+            return {"ready": server.reports_ready, **model_stats(server.model(model), samples)}
+        reason = server.not_ready_reason()
+        return {"ready": server.reports_ready, **({"error": reason} if reason else {}),
                 "models": {name: model_stats(m, samples) for name, m in list(server.models.items())}}

@@ -70,7 +70,7 @@ class Server:
         self.root = Path(cfg.artifact_dir)
         self.repository = is_repository(self.root)
         torch_device(cfg.device)  # --device cuda without a GPU: a clear error now, not a server never ready
-        found = find_models(self.root)
+        found = self.find_models()
         if self.repository and not found:
             raise UserError(f"{self.root} is neither an artifact folder (no manifest.json) nor a repository "
                             f"of them (no sub-folder has one): write one with `optimize MODEL --out DIR`")
@@ -88,6 +88,7 @@ class Server:
         self.metrics = ServerMetrics()
         self.ready = False
         self.error: str | None = None
+        self.terminating = False  # SIGTERM seen: still answering, but reporting not ready (the drain window)
         self.image_limits = ImageLimits(cfg.max_image_pixels)
         # Parsing JSON, base64 and images costs milliseconds per request: off the event loop, so
         # health checks and 429s are answered at once whatever is being uploaded.
@@ -203,11 +204,19 @@ class Server:
             self.metrics.forget_queue(model.name, variant)
         gc.collect()
 
+    def find_models(self) -> dict[str, Path]:
+        """The models under the served folder, with a single folder's model named by --model-name
+        when given (KServe calls the model by its InferenceService's name)."""
+        found = find_models(self.root)
+        if self.cfg.model_name and not self.repository:
+            return {self.cfg.model_name: folder for folder in found.values()}
+        return found
+
     def repository_models(self) -> dict[str, Path]:
         """The models the folder holds now; 503 with the reason when it cannot be read (it vanished,
         or a single artifact folder's manifest went bad)."""
         try:
-            return find_models(self.root)
+            return self.find_models()
         except UserError as e:
             raise ApiError(503, f"the model repository cannot be read: {e}") from None
 
@@ -250,7 +259,7 @@ class Server:
     async def poll_once(self) -> None:
         """Bring the served models in line with the repository: load new ones, reload changed ones,
         unload removed ones (a folder must be missing from two polls in a row: a publish swaps it)."""
-        found = find_models(self.root)
+        found = self.find_models()
         for name, folder in found.items():
             self._missing.pop(name, None)
             version = manifest_version(folder)
@@ -299,6 +308,16 @@ class Server:
                         self.cfg.shutdown_timeout_s)
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
         self.loader.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def reports_ready(self) -> bool:
+        """What the readiness endpoints say: loaded and warm, and not in the drain window of a SIGTERM."""
+        return self.ready and not self.terminating
+
+    def not_ready_reason(self) -> str | None:
+        if self.terminating and self.ready:
+            return "shutting down: draining (requests are still answered; send new ones elsewhere)"
+        return self.error
 
     # ---- admission ---------------------------------------------------------------------------------
     def _check_not_draining(self) -> None:
