@@ -15,10 +15,15 @@ COPY pyproject.toml README.md ./
 COPY optiserve ./optiserve
 # ONNX Runtime here is the CPU build: the ONNX variants run on the CPU, the PyTorch and TensorRT
 # variants on the GPU (onnxruntime-gpu cannot be installed beside onnxruntime: same module).
-RUN pip install ".[tensorrt]"
+RUN pip install ".[tensorrt]" && useradd --uid 1000 --create-home optiserve
+USER 1000
+WORKDIR /home/optiserve
 
-# Serves the artifact folder mounted at /artifacts (written by `optimize`); any other subcommand
-# works too, e.g. `docker run --gpus all optiserve train resnet18 --dataset digits`.
+# Ready means loaded and warm, and not draining after a SIGTERM (Kubernetes uses its own probes).
+HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2)"]
 EXPOSE 8000
 ENTRYPOINT ["optiserve"]
+# Serves the artifact folder mounted at /artifacts (written by `optimize`); any other subcommand
+# works too, e.g. `docker run --gpus all optiserve train resnet18 --dataset digits`.
 CMD ["serve", "/artifacts", "--host", "0.0.0.0", "--port", "8000"]
