@@ -14,8 +14,10 @@ Train MODEL on a dataset and write a checkpoint that `optimize` takes.
 
 One process:      optiserve train resnet18 --dataset digits
 Several (DDP):    torchrun --nproc_per_node=2 -m optiserve train resnet18 --dataset digits
-Several nodes:    torchrun --nnodes=2 --node_rank=R --nproc_per_node=G \\
+Several nodes:    torchrun --nnodes=2 --nproc_per_node=G --max-restarts=3 \\
                     --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 -m optiserve train ...
+Elastic:          torchrun --nnodes=1:2 ... (the same; a restarted worker resumes from --out's
+                    checkpoint by itself, with the global batch kept if the world shrank)
 Processes use NCCL on CUDA and Gloo on the CPU; --batch-size is per process and the learning
 rate scales linearly with the global batch."""
 
@@ -49,15 +51,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="CKPT",
                    help="checkpoint path, rewritten atomically after every epoch "
                         "(default checkpoints/MODEL-DATASET.pt, or the --resume path)")
-    p.add_argument("--resume", default=None, metavar="CKPT",
-                   help="continue a stopped run from its checkpoint (same world size and settings)")
+    p.add_argument("--resume", default=None, metavar="CKPT|auto",
+                   help="continue a stopped run from its checkpoint (same settings; another world size keeps the "
+                        "global batch). auto: --out's checkpoint if it exists, else start; the default when "
+                        "torchrun restarts the workers (--max-restarts)")
+    p.add_argument("--collective-timeout-s", type=float, default=None, metavar="S",
+                   help=f"under torchrun, a collective stuck for S seconds (a peer died, a link went down) fails "
+                        f"the workers so torchrun can restart them (default {DEFAULTS.collective_timeout_s:g})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar, epoch lines only")
 
 
 def run(args: argparse.Namespace) -> int:
     explicit = {k for k, v in vars(args).items() if v is not None}
     kwargs = {f: getattr(args, f) for f in ("dataset", "epochs", "batch_size", "lr", "momentum",
-                                              "weight_decay", "warmup_epochs", "seed", "amp", "workers")
+                                              "weight_decay", "warmup_epochs", "seed", "amp", "workers",
+                                              "collective_timeout_s")
               if getattr(args, f) is not None}
     cfg = TrainConfig(model=args.model, sync_bn=args.sync_bn, device=args.device, out=args.out,
                       resume=args.resume, progress=not args.no_progress, **kwargs)

@@ -54,8 +54,10 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def setup_distributed(device: str = "auto") -> DistContext:
-    """Join the process group torchrun describes (or none), pinning each process to its device."""
+def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistContext:
+    """Join the process group torchrun describes (or none), pinning each process to its device. A
+    collective that takes longer than `timeout_s` (a peer died or its link went down) raises, so the
+    worker exits and torchrun can restart the group without that peer."""
     world = launched_world_size()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -64,7 +66,7 @@ def setup_distributed(device: str = "auto") -> DistContext:
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=10),
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
     return DistContext(rank, local_rank, world, dev)
 
@@ -98,6 +100,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_reduce_max(value: int, ctx: DistContext) -> int:
+    """The largest of every rank's `value`."""
+    if not ctx.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def all_gather_objects(obj, ctx: DistContext) -> list:
     """Every rank's `obj`, indexed by rank (one element when not distributed)."""
     if not ctx.distributed:
@@ -105,3 +116,12 @@ def all_gather_objects(obj, ctx: DistContext) -> list:
     out = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_object(obj, ctx: DistContext):
+    """Rank 0's `obj` on every rank (`obj` itself when not distributed)."""
+    if not ctx.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

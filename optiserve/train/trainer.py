@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -19,7 +20,8 @@ from optiserve.data import DatasetSplits, default_workers, load_dataset, make_lo
 from optiserve.errors import UserError
 from optiserve.models import create_model, get_model_entry
 from optiserve.train.distributed import (DistContext, all_gather_objects, all_reduce_sum, broadcast_buffers,
-                                         cleanup_distributed, launched_world_size, setup_distributed, wrap_ddp)
+                                         all_reduce_max, broadcast_object, cleanup_distributed, launched_world_size,
+                                         setup_distributed, wrap_ddp)
 from optiserve.train.schedule import scaled_lr, warmup_cosine
 
 # What a checkpoint needs beyond the weights to be resumed.
@@ -45,8 +47,9 @@ class TrainConfig:
     sync_bn: bool = False         # SyncBatchNorm across processes (CUDA only)
     device: str = "auto"
     out: str | None = None        # default checkpoints/MODEL-DATASET.pt
-    resume: str | None = None
+    resume: str | None = None     # a checkpoint, or "auto": --out's checkpoint if there (default on a torchrun restart)
     progress: bool = True
+    collective_timeout_s: float = 600.0  # a collective stuck this long (a peer died, a link went down) fails the workers
 
     def validate(self) -> None:
         get_model_entry(self.model)
@@ -57,16 +60,39 @@ class TrainConfig:
             raise UserError(f"--lr must be positive, got {self.lr}")
         if self.amp not in ("auto", "bf16", "fp16", "off"):
             raise UserError(f"unknown --amp {self.amp!r}; use auto, bf16, fp16 or off")
+        if self.collective_timeout_s <= 0:
+            raise UserError(f"--collective-timeout-s must be positive, got {self.collective_timeout_s}")
 
     @property
     def out_path(self) -> Path:
         default = Path("checkpoints") / f"{self.model}-{self.dataset.split(':')[0]}.pt"
-        return Path(self.out or self.resume or default)
+        return Path(self.out or (self.resume if self.resume != AUTO else None) or default)
 
 
-def resume_config(cfg: TrainConfig, explicit: set[str]) -> tuple[TrainConfig, dict]:
-    """Take the optimization settings from the checkpoint; an explicit different value is an error."""
-    ckpt = read_checkpoint(cfg.resume)
+AUTO = "auto"
+
+
+@dataclass
+class Resume:
+    """A run continued from its checkpoint: where, and what changed."""
+
+    checkpoint: dict
+    from_epoch: int
+    world_size_before: int
+    note: str | None = None  # said once by rank 0, e.g. how the per-process batch changed
+
+
+def elastic_restart() -> tuple[int, int]:
+    """(this attempt's restart number, the most torchrun allows): 0, 0 outside torchrun."""
+    return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")))
+
+
+def resume_config(cfg: TrainConfig, ckpt: dict, explicit: set[str]) -> tuple[TrainConfig, Resume]:
+    """Take the optimization settings from the checkpoint read from `cfg.resume`; an explicit
+    different value is an error. A different world size (an elastic restart with fewer or more
+    nodes) keeps the global batch, and so the learning rate and the schedule, by changing the images
+    per process."""
     if "optimizer" not in ckpt or "config" not in ckpt:
         raise UserError(f"{cfg.resume} is a final export without optimizer state; it cannot be resumed")
     missing = [k for k in RESUME_KEYS if k not in ckpt]
@@ -82,11 +108,18 @@ def resume_config(cfg: TrainConfig, explicit: set[str]) -> tuple[TrainConfig, di
             raise UserError(f"--resume: the checkpoint was trained with {key}={saved[key]!r}, not "
                             f"{getattr(cfg, key)!r}; drop the option to continue the same run")
         setattr(cfg, key, saved[key])
-    world = launched_world_size()
-    if ckpt["world_size"] != world:
-        raise UserError(f"world size mismatch: {cfg.resume} was written by {ckpt['world_size']} process(es), "
-                        f"this run has {world}; resume with the same torchrun --nproc_per_node/--nnodes")
-    return cfg, ckpt
+    world, before = launched_world_size(), ckpt["world_size"]
+    note = None
+    if before != world:
+        global_batch = saved["batch_size"] * before
+        if global_batch % world:
+            raise UserError(f"world size mismatch: {cfg.resume} was written by {before} process(es) with a global "
+                            f"batch of {global_batch}, which {world} processes cannot share evenly; resume with a "
+                            f"world size that divides {global_batch} (torchrun --nproc_per_node/--nnodes)")
+        cfg.batch_size = global_batch // world
+        note = (f"world size {before} -> {world}: {saved['batch_size']} -> {cfg.batch_size} images per process keeps "
+                f"the global batch of {global_batch}")
+    return cfg, Resume(ckpt, ckpt["epoch"], before, note)
 
 
 def amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:
@@ -162,21 +195,53 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 def train(cfg: TrainConfig, explicit: set[str] = frozenset()) -> dict | None:
     """Train `cfg.model` on `cfg.dataset`; returns the final checkpoint dict on rank 0 (None elsewhere)."""
     cfg.validate()
-    resumed = None
-    if cfg.resume:
-        cfg, resumed = resume_config(cfg, set(explicit))
-    entry = get_model_entry(cfg.model)
-    data = load_dataset(cfg.dataset, entry.input, entry.num_classes, seed=cfg.seed)
-    if not data.labelled:
-        raise UserError(f"dataset {cfg.dataset!r} has no labels to train on; use digits or imagefolder:PATH")
-    ctx = setup_distributed(cfg.device)
+    restart, max_restarts = elastic_restart()
+    if cfg.resume is None and max_restarts > 0:
+        cfg.resume = AUTO  # under torchrun --max-restarts: a restarted worker continues, not starts over
+    ctx = setup_distributed(cfg.device, cfg.collective_timeout_s)
     try:
+        resumed = None
+        if cfg.resume:
+            cfg.resume, ckpt = agreed_checkpoint(cfg, ctx)
+            if ckpt is not None:
+                cfg, resumed = resume_config(cfg, ckpt, set(explicit))
+                if ckpt.get("complete"):
+                    if ctx.is_main:
+                        tqdm.write(f"{cfg.resume} is a finished run ({resumed.from_epoch} epochs): nothing to do "
+                                   f"(delete it or choose another --out to train anew)")
+                    return ckpt if ctx.is_main else None
+        if restart and restart == max_restarts and ctx.local_rank == 0:  # said by the node on its last try
+            tqdm.write(f"last restart ({restart} of {max_restarts}): if this attempt fails too, torchrun stops; "
+                       f"resume later with: --resume {cfg.out_path}")
+        entry = get_model_entry(cfg.model)
+        data = load_dataset(cfg.dataset, entry.input, entry.num_classes, seed=cfg.seed)
+        if not data.labelled:
+            raise UserError(f"dataset {cfg.dataset!r} has no labels to train on; use digits or imagefolder:PATH")
         return _train(cfg, ctx, data, resumed)
     finally:
         cleanup_distributed()
 
 
-def _train(cfg: TrainConfig, ctx: DistContext, data: DatasetSplits, resumed: dict | None) -> dict | None:
+def agreed_checkpoint(cfg: TrainConfig, ctx: DistContext) -> tuple[str | None, dict | None]:
+    """(path, checkpoint) to resume from, as rank 0 reads it, on every rank; (None, None) when
+    --resume auto finds none. Rank 0 decides for all: when torchrun restarts the workers, one node's
+    agent may count a restart and another's not (it only saw a node waiting), and the old rank 0
+    may still write the next epoch after a new rank has read the file — ranks deciding alone would
+    pair mismatched collectives. (The pickled object comes from rank 0 of this job, not from a file.)"""
+    answer = None
+    if ctx.is_main:
+        try:
+            path = cfg.resume if cfg.resume != AUTO else (str(cfg.out_path) if cfg.out_path.exists() else None)
+            answer = ("ok", path, read_checkpoint(path) if path else None)
+        except UserError as e:
+            answer = ("error", str(e), None)
+    kind, text, ckpt = broadcast_object(answer, ctx)
+    if kind == "error":
+        raise UserError(text)
+    return text, ckpt
+
+
+def _train(cfg: TrainConfig, ctx: DistContext, data: DatasetSplits, resumed: Resume | None) -> dict | None:
     torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     dtype = amp_dtype(cfg.amp, ctx.device)
     workers = default_workers(data.in_memory) if cfg.workers is None else cfg.workers
@@ -201,20 +266,29 @@ def _train(cfg: TrainConfig, ctx: DistContext, data: DatasetSplits, resumed: dic
     optimizer, scheduler, lr = build_optimizer(model, cfg, ctx.world_size, len(loader))
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)
     start_epoch, history = 0, []
+    # the job's restart: each node's agent counts its own, and one that only saw another node
+    # waiting does not count it
+    restart = all_reduce_max(elastic_restart()[0], ctx)
     if resumed is not None:
-        model.load_state_dict(resumed["state_dict"])
-        optimizer.load_state_dict(resumed["optimizer"])
-        scheduler.load_state_dict(resumed["scheduler"])
-        if resumed.get("scaler"):
-            scaler.load_state_dict(resumed["scaler"])
-        start_epoch, history = resumed["epoch"], list(resumed["history"])
-        _set_rng_state(resumed["rng"][ctx.rank], ctx.device)
+        ckpt = resumed.checkpoint
+        model.load_state_dict(ckpt["state_dict"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        if ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        start_epoch, history = resumed.from_epoch, list(ckpt["history"])
+        if ctx.rank < len(ckpt["rng"]):  # a rank new to a grown world keeps its seeded state
+            _set_rng_state(ckpt["rng"][ctx.rank], ctx.device)
     ddp_model = wrap_ddp(model, ctx)
 
     global_batch = cfg.batch_size * ctx.world_size
     log = tqdm.write if ctx.is_main else (lambda *a, **k: None)
     if ctx.is_main:
         verb = f"resuming at epoch {start_epoch + 1}" if resumed else "training"
+        if restart:
+            verb = f"restart {restart}: {verb}"
+        if resumed is not None and resumed.note:
+            log(resumed.note)
         log(f"{verb} {cfg.model} on {data.name} ({len(data.train)} train / {len(data.val)} val / "
             f"{len(data.test)} test images, input {list(data.input.shape)}) on {ctx.world_size} x "
             f"{ctx.device.type}, global batch {global_batch}, lr {lr:.4g}, amp {dtype or 'off'}")
@@ -251,6 +325,9 @@ def _train(cfg: TrainConfig, ctx: DistContext, data: DatasetSplits, resumed: dic
         ips = len(loader) * global_batch / seconds
         history.append({"epoch": epoch + 1, "loss": mean_loss, "val_top1": val_top1,
                         "images_per_s": ips, "seconds": seconds})
+        if resumed is not None and epoch == start_epoch:  # the history says where a run was continued
+            history[-1]["resumed"] = {"from_epoch": start_epoch, "world_size": ctx.world_size,
+                                      "world_size_before": resumed.world_size_before, "restart": restart}
         log(f"epoch {epoch + 1}/{cfg.epochs}  loss {mean_loss:.4f}  val top-1 {val_top1:.2%}  "
             f"{ips:,.0f} img/s")
         ckpt = _checkpoint(cfg, ctx, data, model, optimizer, scheduler, scaler, epoch + 1, history,

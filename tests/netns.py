@@ -1,0 +1,73 @@
+"""Two test "nodes" on one machine: network namespaces joined by a veth pair, each with its own IP —
+real node boundaries for what crosses a network (torchrun's rendezvous, Gloo, Ray), and a link that
+can be cut. Needs root (`ip netns add`); `unavailable()` says why not where it is refused."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class Node:
+    namespace: str
+    ip: str
+    interface: str
+
+    def command(self, *argv: str) -> list[str]:
+        """`argv` run inside this node's network namespace."""
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def unavailable() -> str | None:
+    """None when namespaces can be made here, else the reason (for pytest.skip)."""
+    if not shutil.which("ip"):
+        return "iproute2's `ip` is not installed"
+    name = f"osprobe{os.getpid()}"
+    probe = _ip("netns", "add", name, check=False)
+    if probe.returncode != 0:
+        return f"network namespaces are refused here (`ip netns add`: {probe.stderr.strip()})"
+    _ip("netns", "del", name, check=False)
+    return None
+
+
+@contextlib.contextmanager
+def two_nodes(subnet: int = 77) -> Iterator[tuple[Node, Node]]:
+    """Namespaces a and b, 10.<subnet>.<n>.1 and .2 on a veth pair; every process left inside them is
+    killed and both are deleted afterwards."""
+    tag = f"{os.getpid() % 100000}"
+    n = os.getpid() % 250 + 1
+    a = Node(f"osa{tag}", f"10.{subnet}.{n}.1", f"vosa{tag}")
+    b = Node(f"osb{tag}", f"10.{subnet}.{n}.2", f"vosb{tag}")
+    try:
+        for node in (a, b):
+            _ip("netns", "add", node.namespace)
+        _ip("link", "add", a.interface, "netns", a.namespace, "type", "veth", "peer", "name", b.interface,
+            "netns", b.namespace)
+        for node in (a, b):
+            _ip("-n", node.namespace, "addr", "add", f"{node.ip}/24", "dev", node.interface)
+            _ip("-n", node.namespace, "link", "set", node.interface, "up")
+            _ip("-n", node.namespace, "link", "set", "lo", "up")
+        yield a, b
+    finally:
+        for node in (a, b):
+            pids = _ip("netns", "pids", node.namespace, check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _ip("netns", "del", node.namespace, check=False)
+
+
+def cut_link(node: Node) -> None:
+    """Take `node`'s side of the link down: its peer keeps its address but nothing crosses any more
+    (no FIN, no RST — what a pulled cable or a dead switch port looks like)."""
+    _ip("-n", node.namespace, "link", "set", node.interface, "down")
