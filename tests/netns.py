@@ -41,13 +41,16 @@ def unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def two_nodes(subnet: int = 77) -> Iterator[tuple[Node, Node]]:
+def two_nodes(subnet: int = 77, host_link: bool = False) -> Iterator[tuple[Node, Node]]:
     """Namespaces a and b, 10.<subnet>.<n>.1 and .2 on a veth pair; every process left inside them is
-    killed and both are deleted afterwards."""
+    killed and both are deleted afterwards. With `host_link`, this (the test's) namespace gets a
+    veth of its own to a, and a route to a's address, so the test can call what listens on node a
+    (nothing is forwarded to b)."""
     tag = f"{os.getpid() % 100000}"
     n = os.getpid() % 250 + 1
     a = Node(f"osa{tag}", f"10.{subnet}.{n}.1", f"vosa{tag}")
     b = Node(f"osb{tag}", f"10.{subnet}.{n}.2", f"vosb{tag}")
+    host = f"vosh{tag}"
     try:
         for node in (a, b):
             _ip("netns", "add", node.namespace)
@@ -57,14 +60,28 @@ def two_nodes(subnet: int = 77) -> Iterator[tuple[Node, Node]]:
             _ip("-n", node.namespace, "addr", "add", f"{node.ip}/24", "dev", node.interface)
             _ip("-n", node.namespace, "link", "set", node.interface, "up")
             _ip("-n", node.namespace, "link", "set", "lo", "up")
+        if host_link:
+            _ip("link", "add", host, "type", "veth", "peer", "name", f"vosx{tag}", "netns", a.namespace)
+            _ip("addr", "add", f"10.{subnet + 1}.{n}.254/24", "dev", host)
+            _ip("link", "set", host, "up")
+            _ip("-n", a.namespace, "addr", "add", f"10.{subnet + 1}.{n}.1/24", "dev", f"vosx{tag}")
+            _ip("-n", a.namespace, "link", "set", f"vosx{tag}", "up")
+            _ip("route", "add", f"{a.ip}/32", "via", f"10.{subnet + 1}.{n}.1")
         yield a, b
     finally:
         for node in (a, b):
-            pids = _ip("netns", "pids", node.namespace, check=False).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
+            kill_all(node)
             _ip("netns", "del", node.namespace, check=False)
+        if host_link:
+            _ip("link", "del", host, check=False)
+
+
+def kill_all(node: Node) -> None:
+    """SIGKILL every process in `node`'s namespace: the node dies. (Tools such as `ray stop` find
+    their processes by name on the whole machine, the other node's included.)"""
+    for pid in _ip("netns", "pids", node.namespace, check=False).stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def cut_link(node: Node) -> None:

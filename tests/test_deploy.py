@@ -23,7 +23,8 @@ CUSTOM = {"ServingRuntime": "servingruntime_serving_v1alpha1.json",
           "ScaledObject": "scaledobject_keda_v1alpha1.json",
           "TrainJob": "trainjob_trainer_v1alpha1.json"}
 BUILTIN = {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
-NOT_MANIFESTS = {DEPLOY / "k8s" / "hpa" / "prometheus-adapter-values.yaml"}  # Helm values, checked below
+# Helm values and a Ray Serve config file: not Kubernetes objects, checked below
+NOT_MANIFESTS = {DEPLOY / "k8s" / "hpa" / "prometheus-adapter-values.yaml", DEPLOY / "ray" / "serve_config.yaml"}
 
 
 def manifests() -> list[tuple[Path, dict]]:
@@ -165,3 +166,30 @@ def test_the_images_run_as_a_user_not_root():
     for dockerfile in ("Dockerfile", "Dockerfile.cpu"):
         lines = [line.strip() for line in (ROOT / dockerfile).read_text().splitlines()]
         assert "USER 1000" in lines, dockerfile
+
+
+def test_the_ray_serve_config_passes_rays_own_schema_and_its_args_the_real_parser():
+    pytest.importorskip("ray.serve", reason="ray[serve] is in the [dev] extra")
+    from ray.serve.schema import ServeDeploySchema
+
+    from optiserve.serve.command import config_from_args
+    from optiserve.serve.ray_deployment import _serve_args, deployment_options
+
+    config = yaml.safe_load((DEPLOY / "ray" / "serve_config.yaml").read_text())
+    ServeDeploySchema.model_validate(config)  # raises on a field Ray does not know
+    (app,) = config["applications"]
+    assert app["import_path"] == "optiserve.serve.ray_deployment:build"
+    cfg = config_from_args(_serve_args(app["args"]["serve"]))
+    options = deployment_options(app["args"], cfg.max_batch_size)
+    assert options["max_ongoing_requests"] >= cfg.max_batch_size
+    assert options["autoscaling_config"]["min_replicas"] <= options["autoscaling_config"]["max_replicas"]
+
+
+def test_ray_deployment_options_refuse_a_queue_smaller_than_a_batch():
+    from optiserve.errors import UserError
+    from optiserve.serve.ray_deployment import deployment_options
+
+    with pytest.raises(UserError, match="max_ongoing_requests 8 is below --max-batch-size 16"):
+        deployment_options({"serve": "x", "max_ongoing_requests": 8}, 16)
+    with pytest.raises(UserError, match="unknown Ray deployment args max_replica"):
+        deployment_options({"serve": "x", "max_replica": 2}, 16)

@@ -32,15 +32,21 @@ log = logging.getLogger("optiserve.serve")
 CONFIG_ENV = "OPTISERVE_SERVE_CONFIG"
 
 
-def create_app(cfg: ServeConfig) -> FastAPI:
+def create_app(cfg: ServeConfig, load_before_start: bool = False) -> FastAPI:
     """The app for `cfg`; manifests, variant choices and the admin token are checked now, loading
-    happens at start-up (readiness says when it is done)."""
+    happens at start-up: in the background, readiness saying when it is done — or, with
+    `load_before_start` (Ray Serve, which routes to a replica once its start-up is over), before
+    start-up ends."""
     auth = AdminAuth(cfg.admin_token_file)
     server = Server(cfg)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         loading = asyncio.create_task(server.start())
+        if load_before_start:
+            await asyncio.shield(loading)
+            if not server.ready:
+                raise RuntimeError(f"the models did not load: {server.error}")
         yield
         loading.cancel()
         with contextlib.suppress(asyncio.CancelledError):

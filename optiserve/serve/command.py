@@ -94,12 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="server processes, each with its own copy of every variant (default 1)")
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from optiserve.serve.app import config_to_environment, configure_logging, create_app
-
-    cfg = ServeConfig(artifact_dir=args.artifact_dir, variants=args.variants, ab=args.ab,
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig that `optiserve serve ARGS` runs with (also what the Ray deployment parses)."""
+    return ServeConfig(artifact_dir=args.artifact_dir, variants=args.variants, ab=args.ab,
                       max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
                       max_queue=args.max_queue, timeout_ms=args.timeout_ms, threads=args.threads,
                       inference_nice=args.inference_nice, device=args.device, body_timeout_s=args.body_timeout_s,
@@ -108,6 +105,14 @@ def run(args: argparse.Namespace) -> int:
                       model_control=args.model_control, load_models=args.load_models,
                       poll_seconds=args.poll_seconds, admin_token_file=args.admin_token_file,
                       model_name=args.model_name)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from optiserve.serve.app import config_to_environment, configure_logging, create_app
+
+    cfg = config_from_args(args)
     if args.workers > 1 and (cfg.model_control == "explicit" or cfg.admin_token_file):
         # each worker is a process with its own models: an API call would change one of them at random
         raise UserError("--workers N > 1 cannot be combined with --model-control explicit or --admin-token-file: "

@@ -1,0 +1,114 @@
+"""The server as a Ray Serve deployment: each replica runs the same app `optiserve serve` runs —
+its batchers, variants and metrics — and Ray's proxy spreads requests over the replicas, which
+Ray starts and stops on its nodes by the requests in flight.
+
+    serve run deploy/ray/serve_config.yaml          # the application file (edit the args in it)
+    serve run optiserve.serve.ray_deployment:build serve="artifacts/resnet18-digits --max-batch-size 16"
+
+`serve` holds `optiserve serve`'s own arguments, parsed by its parser (--host, --port, --workers and
+the drain are Ray's business there and are ignored). Needs `pip install "optiserve[ray]"`."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from optiserve.errors import UserError
+
+REPLICA_HEADER = "X-Optiserve-Replica"  # on every answer: which replica took it (Ray's proxy hides it otherwise)
+
+
+class ReplicaHeader:
+    """ASGI middleware: every answer names the replica that gave it."""
+
+    def __init__(self, app, value: str):
+        self.app, self.header = app, (REPLICA_HEADER.lower().encode(), value.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        return await self.app(scope, receive, tagged)
+
+
+def deployment_options(args: dict, max_batch_size: int) -> dict:
+    """Ray Serve options from the builder's args, checked: autoscaling on ongoing requests, and room
+    for at least a full batch per replica (Ray queues what is over max_ongoing_requests in its
+    proxy, and the batcher would never see a full batch)."""
+    known = {"serve", "min_replicas", "max_replicas", "target_ongoing_requests", "max_ongoing_requests",
+             "upscale_delay_s", "downscale_delay_s", "look_back_period_s", "num_cpus", "health_check_period_s"}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise UserError(f"unknown Ray deployment args {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    target = float(args.get("target_ongoing_requests", max_batch_size))
+    max_ongoing = int(args.get("max_ongoing_requests", 2 * max_batch_size))
+    if max_ongoing < max_batch_size:
+        raise UserError(f"max_ongoing_requests {max_ongoing} is below --max-batch-size {max_batch_size}: Ray would "
+                        f"hold requests back and no batch could fill; raise it to at least {max_batch_size}")
+    autoscaling = {"min_replicas": int(args.get("min_replicas", 1)), "max_replicas": int(args.get("max_replicas", 1)),
+                   "target_ongoing_requests": target,
+                   "upscale_delay_s": float(args.get("upscale_delay_s", 30)),
+                   "downscale_delay_s": float(args.get("downscale_delay_s", 600)),
+                   "look_back_period_s": float(args.get("look_back_period_s", 30))}
+    if not 1 <= autoscaling["min_replicas"] <= autoscaling["max_replicas"]:
+        raise UserError(f"need 1 <= min_replicas <= max_replicas, got {autoscaling['min_replicas']} and "
+                        f"{autoscaling['max_replicas']}")
+    return {"autoscaling_config": autoscaling, "max_ongoing_requests": max_ongoing,
+            "ray_actor_options": {"num_cpus": float(args.get("num_cpus", 1))},
+            "health_check_period_s": float(args.get("health_check_period_s", 5))}
+
+
+def _serve_args(text: str) -> argparse.Namespace:
+    from optiserve.serve.command import add_arguments
+
+    parser = argparse.ArgumentParser(prog="optiserve serve (Ray)")
+    add_arguments(parser)
+    try:
+        return parser.parse_args(shlex.split(text))
+    except SystemExit:
+        raise UserError(f"the Ray deployment's serve args {text!r} are not what `optiserve serve` takes") from None
+
+
+def build(args: dict):
+    """Ray Serve application builder (`serve run optiserve.serve.ray_deployment:build serve="PATH ..."`)."""
+    from ray import serve
+
+    from optiserve.serve.command import config_from_args
+
+    if "serve" not in args:
+        raise UserError('the Ray deployment needs serve="PATH [optiserve serve options]"')
+    cfg = config_from_args(_serve_args(args["serve"]))
+    cfg.validate()  # a bad folder or option fails the deploy here, not in every replica
+    options = deployment_options(args, cfg.max_batch_size)
+
+    @serve.deployment(name="optiserve", **options)
+    @serve.ingress()
+    class OptiserveReplica:
+        """One copy of the server. Ray routes to it once its start-up is over, which here means its
+        models are loaded and warm; `check_health` keeps reporting readiness afterwards."""
+
+        def __init__(self, config):
+            self.cfg = config
+            import ray
+
+            self.replica = f"{serve.get_replica_context().replica_tag}@{ray.util.get_node_ip_address()}"
+
+        def __serve_build_asgi_app__(self):
+            from optiserve.serve.app import configure_logging, create_app
+
+            configure_logging()
+            self.optiserve_app = create_app(self.cfg, load_before_start=True)
+            self.optiserve_app.add_middleware(ReplicaHeader, value=self.replica)
+            return self.optiserve_app
+
+        def check_health(self):
+            server = self.optiserve_app.state.server
+            if not server.reports_ready:
+                raise RuntimeError(f"optiserve replica not ready: {server.not_ready_reason()}")
+
+    return OptiserveReplica.bind(cfg)

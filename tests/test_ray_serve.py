@@ -1,0 +1,152 @@
+"""The server as a Ray Serve deployment on a cluster of two real nodes: two network namespaces
+joined by a veth pair, `ray start --head` in one and `ray start --address` in the other, each with
+its own IP. A burst scales the replicas 1 -> 2 with one on each node; Open Inference Protocol answers
+(binary extension included) equal the runtime's offline ones; stopping the second node keeps
+requests succeeding; idle scales back to 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+import netns
+from conftest import ROOT, offline_logits
+from optiserve.serve.ray_deployment import REPLICA_HEADER
+
+pytest.importorskip("ray.serve", reason="ray[serve] is in the [dev] extra")
+REASON = netns.unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+# Ray's autoscaler looks at averages over a window and waits before acting: short ones for a bounded test
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+           "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5", "OMP_NUM_THREADS": "1"}
+DEPLOY = """
+import sys, ray
+from ray import serve
+from optiserve.serve.ray_deployment import build
+ray.init(address=sys.argv[1], logging_level="ERROR")
+serve.start(http_options={"host": "0.0.0.0", "port": 8000})
+serve.run(build({"serve": sys.argv[2] + " --variants onnx-int8 --max-batch-size 4 --threads 1",
+                 "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "max_ongoing_requests": 8,
+                 "upscale_delay_s": 1, "downscale_delay_s": 4, "look_back_period_s": 2}),
+          name="optiserve", route_prefix="/", blocking=False)
+"""
+STATUS = """
+import json, sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="ERROR")
+d = serve.status().applications["optiserve"].deployments["optiserve"]
+print(json.dumps({"status": str(d.status), "replicas": {str(k): v for k, v in d.replica_states.items()}}))
+"""
+ZEROS = np.zeros((1, 1, 16, 16)).tolist()
+
+
+def _run(cmd: list[str], timeout: float = 180) -> str:
+    # the replicas import this checkout's optiserve, whatever is installed
+    env = {**os.environ, **RAY_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert proc.returncode == 0, f"{cmd}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _running_replicas(node: netns.Node) -> int:
+    out = _run(node.command(sys.executable, "-c", STATUS, f"{node.ip}:6379"), timeout=120)
+    return json.loads(out.strip().splitlines()[-1])["replicas"].get("RUNNING", 0)
+
+
+@pytest.fixture(scope="module")
+def cluster(small_artifact):
+    with netns.two_nodes(subnet=78, host_link=True) as (a, b):
+        common = ["--num-cpus=1", "--object-store-memory=100000000", "--disable-usage-stats"]
+        _run(a.command("ray", "start", "--head", f"--node-ip-address={a.ip}", "--port=6379",
+                       "--include-dashboard=false", *common))
+        _run(b.command("ray", "start", f"--address={a.ip}:6379", f"--node-ip-address={b.ip}", *common))
+        _run(a.command(sys.executable, "-c", DEPLOY, f"{a.ip}:6379", str(small_artifact)), timeout=300)
+        base = f"http://{a.ip}:8000"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the Ray deployment did not become ready"
+            time.sleep(0.5)
+        yield a, b, base
+
+
+def _infer(client: httpx.Client, base: str) -> tuple[int, str | None]:
+    r = client.post(f"{base}/v2/models/small_cnn/infer",
+                    json={"inputs": [{"name": "input", "shape": [1, 1, 16, 16], "datatype": "FP32", "data": ZEROS}]})
+    return r.status_code, r.headers.get(REPLICA_HEADER)
+
+
+def test_open_inference_protocol_answers_through_ray_equal_the_offline_runtime(cluster, small_artifact):
+    httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    a, _, base = cluster
+    images = np.random.default_rng(5).standard_normal((3, 1, 16, 16), dtype=np.float32)
+    want = offline_logits(small_artifact, "onnx-int8", images)
+    r = httpx.post(f"{base}/v2/models/small_cnn/infer", timeout=30, json={
+        "inputs": [{"name": "input", "shape": list(images.shape), "datatype": "FP32", "data": images.ravel().tolist()}],
+        "outputs": [{"name": "logits"}]})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.array(r.json()["outputs"][0]["data"]).reshape(3, 10), want, rtol=1e-4, atol=1e-4)
+    client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
+    tensor = httpclient.InferInput("input", list(images.shape), "FP32")
+    tensor.set_data_from_numpy(images)  # the binary tensor extension
+    result = client.infer("small_cnn", [tensor], outputs=[httpclient.InferRequestedOutput("logits")])
+    np.testing.assert_allclose(result.as_numpy("logits"), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_burst_scales_to_both_nodes_losing_one_keeps_answering_and_idle_scales_back(cluster):
+    a, b, base = cluster
+    assert _running_replicas(a) == 1
+    stop, log = threading.Event(), []  # (time, status, replica)
+
+    def client():
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                try:
+                    status, replica = _infer(c, base)
+                except httpx.TransportError as e:
+                    status, replica = type(e).__name__, None
+                log.append((time.monotonic(), status, replica))
+
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(8):
+            pool.submit(client)
+        deadline = time.monotonic() + 120
+        while _running_replicas(a) < 2:
+            assert time.monotonic() < deadline, f"no second replica within 120 s: {Counter(r for *_, r in log)}"
+            time.sleep(1)
+        scaled = time.monotonic()
+        time.sleep(3)  # traffic now reaches both
+        both = {r.rsplit("@", 1)[1] for t, s, r in log if t > scaled + 1 and r}
+        stopping = time.monotonic()
+        netns.kill_all(b)  # node b dies: its raylet, its replica, its proxy
+        stopped = time.monotonic()
+        time.sleep(6)
+        stop.set()
+    assert both == {a.ip, b.ip}, Counter((s, r) for _, s, r in log)
+    before = Counter(s for t, s, _ in log if t < stopping)
+    during = Counter(s for t, s, _ in log if stopping <= t < stopped + 2)
+    after = [(s, r) for t, s, r in log if t >= stopped + 2]
+    print(f"requests before stopping node b: {dict(before)}; while it stopped: {dict(during)}; "
+          f"after: {dict(Counter(s for s, _ in after))}")
+    assert set(before) == {200}, before
+    assert after and {s for s, _ in after} == {200} and {r.rsplit("@", 1)[1] for _, r in after} == {a.ip}
+    assert during[200] >= 0.95 * sum(during.values()), during
+    deadline = time.monotonic() + 90
+    while _running_replicas(a) > 1:
+        assert time.monotonic() < deadline, "idle did not scale back to one replica within 90 s"
+        time.sleep(2)
