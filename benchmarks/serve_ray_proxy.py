@@ -20,11 +20,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,7 +29,7 @@ from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.bench.loadgen import Load, generate_load  # noqa: E402
 from optiserve.bench.payloads import dataset_images  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
-from optiserve.serve.launch import served  # noqa: E402
+from optiserve.serve.launch import served, wait_until_ready  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from serve_reload import artifact  # noqa: E402
@@ -49,10 +46,8 @@ serve.run(build({"serve": sys.argv[1], "min_replicas": 1, "max_replicas": 1, "ma
 
 
 def window(base: str, images, args) -> dict:
-    run = asyncio.run(generate_load(base, images, Load("closed", args.concurrency, args.duration, warmup_s=1.0)))
-    lat = [x for x, ok in zip(run.records["latency_ms"], run.records["ok"]) if ok]
-    return {"rps": len(lat) / run.duration_s, "p50": float(np.percentile(lat, 50)),
-            "p99": float(np.percentile(lat, 99)), "failed": run.records["ok"].count(False)}
+    return asyncio.run(generate_load(base, images, Load("closed", args.concurrency, args.duration,
+                                                        warmup_s=1.0))).window_summary()
 
 
 def main() -> int:
@@ -78,16 +73,7 @@ def main() -> int:
     try:
         subprocess.run([sys.executable, "-c", DEPLOY, f"{folder} {' '.join(options)}"], check=True, env=env)
         ray_base = "http://127.0.0.1:8000"
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{ray_base}/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the Ray deployment did not become ready within 180 s")
-            time.sleep(0.5)
+        wait_until_ready(ray_base, 180)
         with served(folder, *options) as (plain_base, _):
             for r in range(args.rounds):
                 for name, base in (("plain", plain_base), ("ray", ray_base)):

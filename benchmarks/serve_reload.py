@@ -86,11 +86,8 @@ async def window(base: str, images: list[bytes], args, reload_from: Path | None,
 
     tasks = [generate_load(base, images, load)] + ([reloader()] if reload_from else [])
     run = (await asyncio.gather(*tasks))[0]
-    lat = [x for x, ok in zip(run.records["latency_ms"], run.records["ok"]) if ok]
     failed = [s for s, ok in zip(run.records["status"], run.records["ok"]) if not ok]
-    return {"requests": len(run.records["ok"]), "failed": len(failed), "statuses": sorted(set(map(str, failed))),
-            "p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)),
-            "rps": len(lat) / run.duration_s, "versions": versions}
+    return {**run.window_summary(), "statuses": sorted(set(map(str, failed))), "versions": versions}
 
 
 def main() -> int:

@@ -22,7 +22,6 @@ import tempfile
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -70,9 +69,7 @@ def main() -> int:
                     httpx.put(url, json={"shadow": shadow}, headers=AUTH).raise_for_status()
                     run = asyncio.run(generate_load(base, images, Load("closed", args.concurrency, args.duration,
                                                                        warmup_s=1.0, timeout_s=60)))
-                    lat = [x for x, ok in zip(run.records["latency_ms"], run.records["ok"]) if ok]
-                    row = {"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)),
-                           "rps": len(lat) / run.duration_s, "failed": run.records["ok"].count(False)}
+                    row = run.window_summary()
                     rows.append((shadowing, row))
                     print(f"round {r + 1} {'shadow   ' if shadowing else 'no shadow'}: {row['rps']:7.1f} req/s, "
                           f"p50 {row['p50']:6.2f} ms, p99 {row['p99']:6.2f} ms, {row['failed']} failed", flush=True)

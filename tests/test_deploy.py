@@ -193,3 +193,5 @@ def test_ray_deployment_options_refuse_a_queue_smaller_than_a_batch():
         deployment_options({"serve": "x", "max_ongoing_requests": 8}, 16)
     with pytest.raises(UserError, match="unknown Ray deployment args max_replica"):
         deployment_options({"serve": "x", "max_replica": 2}, 16)
+    with pytest.raises(UserError, match="the Ray deployment arg max_replicas must be an integer, got 'two'"):
+        deployment_options({"serve": "x", "max_replicas": "two"}, 16)

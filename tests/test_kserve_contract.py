@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, free_port, offline_logits
+from optiserve.serve.launch import wait_until_ready
 from optiserve.serve import VARIANT_HEADER
 
 RUNTIME = ROOT / "deploy" / "kserve" / "servingruntime.yaml"
@@ -71,17 +71,13 @@ def kserve_server(small_artifact):
                              str(small_artifact), sys.executable, "-m", "optiserve", *args],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
+
+    def output() -> str:
+        log.seek(0)
+        return log.read()
+
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            log.seek(0)
-            assert proc.poll() is None and time.monotonic() < deadline, log.read()[-3000:]
-            time.sleep(0.2)
+        wait_until_ready(base, 180, proc, output)
         yield name, base, port, proc, log
     finally:
         proc.terminate()

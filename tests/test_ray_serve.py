@@ -21,6 +21,7 @@ import pytest
 
 import netns
 from conftest import ROOT, offline_logits
+from optiserve.serve.launch import wait_until_ready
 from optiserve.serve.ray_deployment import REPLICA_HEADER
 
 pytest.importorskip("ray.serve", reason="ray[serve] is in the [dev] extra")
@@ -73,15 +74,7 @@ def cluster(small_artifact):
         _run(b.command("ray", "start", f"--address={a.ip}:6379", f"--node-ip-address={b.ip}", *common))
         _run(a.command(sys.executable, "-c", DEPLOY, f"{a.ip}:6379", str(small_artifact)), timeout=300)
         base = f"http://{a.ip}:8000"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the Ray deployment did not become ready"
-            time.sleep(0.5)
+        wait_until_ready(base, 120)
         yield a, b, base
 
 

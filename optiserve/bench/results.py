@@ -45,6 +45,13 @@ class Run:
     records: dict[str, list] = field(default_factory=dict)  # column -> one value per request
     batch_size_counts: dict[str, int] | None = None  # images by the size of the batch they ran in (server's count)
 
+    def window_summary(self) -> dict:
+        """requests, failed, and over the answered ones req/s, p50 and p99 (ms): one load window's line."""
+        ok = self.records["ok"]
+        lat = [x for x, good in zip(self.records["latency_ms"], ok) if good]
+        return {"requests": len(ok), "failed": ok.count(False), "rps": len(lat) / self.duration_s,
+                "p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99))}
+
     def label(self) -> str:
         if self.mode == "server":
             return "server A/B traffic"

@@ -159,6 +159,7 @@ def draining_server(config, server):
 
     class DrainingServer(uvicorn.Server):
         drain_until: float | None = None
+        drain_logged = False
 
         def handle_exit(self, sig, frame):
             if sig == signal.SIGTERM and drain_s > 0 and self.drain_until is None and not self.should_exit:
@@ -169,7 +170,7 @@ def draining_server(config, server):
 
         async def on_tick(self, counter: int) -> bool:
             if self.drain_until is not None and not self.should_exit:
-                if not getattr(self, "drain_logged", False):
+                if not self.drain_logged:
                     self.drain_logged = True
                     log.info("SIGTERM: reporting not ready for %g s while still answering, then shutting down",
                              drain_s)

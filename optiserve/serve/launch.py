@@ -20,6 +20,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_ready(base: str, within_s: float, proc: subprocess.Popen | None = None,
+                     output: Callable[[], str] = lambda: "") -> None:
+    """Return once `base`/v2/health/ready answers 200; RuntimeError (with the end of `output()`) if
+    `proc` exits first or `within_s` runs out."""
+    import httpx
+
+    deadline = time.monotonic() + within_s
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
+                return
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode}:\n{output()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{base} was not ready within {within_s:g} s:\n{output()[-3000:]}")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def served(folder: str | Path, *args: str, port: int | None = None, ready_within_s: float = 300,
            preexec_fn: Callable[[], None] | None = None,
@@ -28,8 +46,6 @@ def served(folder: str | Path, *args: str, port: int | None = None, ready_within
     /v2/health/ready answers 200; terminate it afterwards. There is no load balancer to drain from
     here, so the SIGTERM drain window is 0 s unless `drain_seconds` (or ARGS) say otherwise. The server's output goes to a file (a
     pipe nobody reads could fill and block it) and is left on `process.output` at the end."""
-    import httpx
-
     port = port or free_port()
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(folder), "--port", str(port),
@@ -42,16 +58,7 @@ def served(folder: str | Path, *args: str, port: int | None = None, ready_within
             return log.read()
 
         try:
-            deadline = time.monotonic() + ready_within_s
-            while True:
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
-                        break
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with status {proc.returncode}:\n{output()[-3000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server was not ready within {ready_within_s:g} s:\n{output()[-3000:]}")
-                time.sleep(0.1)
+            wait_until_ready(base, ready_within_s, proc, output)
             yield base, proc
         finally:
             if proc.poll() is None:

@@ -79,13 +79,30 @@ class CloseWhileTerminating:
         if scope["type"] != "http" or not self.server.terminating:
             return await self.app(scope, receive, send)
 
-        async def closing_send(message):
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
-                message = {**message, "headers": [*headers, (b"connection", b"close")]}
-            await send(message)
+        return await self.app(scope, receive, with_header(send, b"connection", b"close"))
 
-        return await self.app(scope, receive, closing_send)
+
+class ResponseHeader:
+    """ASGI middleware: every answer carries the header `name: value` (e.g. which replica gave it)."""
+
+    def __init__(self, app, name: str, value: str):
+        self.app, self.name, self.value = app, name.lower().encode(), value.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        return await self.app(scope, receive, with_header(send, self.name, self.value))
+
+
+def with_header(send, name: bytes, value: bytes):
+    """`send`, with the header `name: value` set (replacing one of that name) on the response start."""
+    async def send_with_header(message):
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != name]
+            message = {**message, "headers": [*headers, (name, value)]}
+        await send(message)
+
+    return send_with_header
 
 
 async def _send_json(send, status: int, body: dict, headers: list | None = None) -> None:

@@ -18,24 +18,6 @@ from optiserve.errors import UserError
 REPLICA_HEADER = "X-Optiserve-Replica"  # on every answer: which replica took it (Ray's proxy hides it otherwise)
 
 
-class ReplicaHeader:
-    """ASGI middleware: every answer names the replica that gave it."""
-
-    def __init__(self, app, value: str):
-        self.app, self.header = app, (REPLICA_HEADER.lower().encode(), value.encode())
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def tagged(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
-            await send(message)
-
-        return await self.app(scope, receive, tagged)
-
-
 def deployment_options(args: dict, max_batch_size: int) -> dict:
     """Ray Serve options from the builder's args, checked: autoscaling on ongoing requests, and room
     for at least a full batch per replica (Ray queues what is over max_ongoing_requests in its
@@ -45,22 +27,30 @@ def deployment_options(args: dict, max_batch_size: int) -> dict:
     unknown = sorted(set(args) - known)
     if unknown:
         raise UserError(f"unknown Ray deployment args {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    target = float(args.get("target_ongoing_requests", max_batch_size))
-    max_ongoing = int(args.get("max_ongoing_requests", 2 * max_batch_size))
+
+    def number(key: str, default, kind=float):
+        try:
+            return kind(args.get(key, default))
+        except (TypeError, ValueError):
+            raise UserError(f"the Ray deployment arg {key} must be a{'n integer' if kind is int else ' number'}, "
+                            f"got {args[key]!r}") from None
+
+    target = number("target_ongoing_requests", max_batch_size)
+    max_ongoing = number("max_ongoing_requests", 2 * max_batch_size, int)
     if max_ongoing < max_batch_size:
         raise UserError(f"max_ongoing_requests {max_ongoing} is below --max-batch-size {max_batch_size}: Ray would "
                         f"hold requests back and no batch could fill; raise it to at least {max_batch_size}")
-    autoscaling = {"min_replicas": int(args.get("min_replicas", 1)), "max_replicas": int(args.get("max_replicas", 1)),
+    autoscaling = {"min_replicas": number("min_replicas", 1, int), "max_replicas": number("max_replicas", 1, int),
                    "target_ongoing_requests": target,
-                   "upscale_delay_s": float(args.get("upscale_delay_s", 30)),
-                   "downscale_delay_s": float(args.get("downscale_delay_s", 600)),
-                   "look_back_period_s": float(args.get("look_back_period_s", 30))}
+                   "upscale_delay_s": number("upscale_delay_s", 30),
+                   "downscale_delay_s": number("downscale_delay_s", 600),
+                   "look_back_period_s": number("look_back_period_s", 30)}
     if not 1 <= autoscaling["min_replicas"] <= autoscaling["max_replicas"]:
         raise UserError(f"need 1 <= min_replicas <= max_replicas, got {autoscaling['min_replicas']} and "
                         f"{autoscaling['max_replicas']}")
     return {"autoscaling_config": autoscaling, "max_ongoing_requests": max_ongoing,
-            "ray_actor_options": {"num_cpus": float(args.get("num_cpus", 1))},
-            "health_check_period_s": float(args.get("health_check_period_s", 5))}
+            "ray_actor_options": {"num_cpus": number("num_cpus", 1)},
+            "health_check_period_s": number("health_check_period_s", 5)}
 
 
 def _serve_args(text: str) -> argparse.Namespace:
@@ -100,10 +90,11 @@ def build(args: dict):
 
         def __serve_build_asgi_app__(self):
             from optiserve.serve.app import configure_logging, create_app
+            from optiserve.serve.middleware import ResponseHeader
 
             configure_logging()
             self.optiserve_app = create_app(self.cfg, load_before_start=True)
-            self.optiserve_app.add_middleware(ReplicaHeader, value=self.replica)
+            self.optiserve_app.add_middleware(ResponseHeader, name=REPLICA_HEADER, value=self.replica)
             return self.optiserve_app
 
         def check_health(self):

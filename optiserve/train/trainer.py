@@ -77,9 +77,12 @@ class Resume:
     """A run continued from its checkpoint: where, and what changed."""
 
     checkpoint: dict
-    from_epoch: int
     world_size_before: int
     note: str | None = None  # said once by rank 0, e.g. how the per-process batch changed
+
+    @property
+    def from_epoch(self) -> int:
+        return self.checkpoint["epoch"]
 
 
 def elastic_restart() -> tuple[int, int]:
@@ -119,7 +122,7 @@ def resume_config(cfg: TrainConfig, ckpt: dict, explicit: set[str]) -> tuple[Tra
         cfg.batch_size = global_batch // world
         note = (f"world size {before} -> {world}: {saved['batch_size']} -> {cfg.batch_size} images per process keeps "
                 f"the global batch of {global_batch}")
-    return cfg, Resume(ckpt, ckpt["epoch"], before, note)
+    return cfg, Resume(ckpt, before, note)
 
 
 def amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:
