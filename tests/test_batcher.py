@@ -170,6 +170,33 @@ def test_timeouts_drop_work_that_has_not_started(session):
     assert ran == [1]  # the timed-out request never reached the model
 
 
+def test_a_request_that_gave_up_no_longer_holds_queue_room(session):
+    gate, slow = _held_until_set(session)
+
+    async def main():
+        b = DynamicBatcher(slow, max_batch_size=1, max_delay_ms=0, max_queue=1)
+        b.start()
+        running = asyncio.ensure_future(b.submit(_images(1)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(TimeoutError):
+            await b.submit(_images(1, 1), timeout=0.05)   # timed out in the queue
+        gone = asyncio.ensure_future(b.submit(_images(1, 2)))
+        await asyncio.sleep(0.05)
+        gone.cancel()                                      # its caller went away (a gRPC deadline, a reset)
+        await asyncio.sleep(0)
+        assert b.depth == 0 and b.has_room(1)              # both rows still sit in the queue, taking no room
+        queued = asyncio.ensure_future(b.submit(_images(1, 3)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFull):
+            b.check_room(1)                                # a live row does take the one place
+        gate.set()
+        await asyncio.gather(running, queued)
+        assert b.depth == 0 and b._abandoned == 0          # the loop dropped the dead rows as it met them
+        await b.close()
+
+    asyncio.run(main())
+
+
 def test_close_answers_everything_already_accepted_then_refuses(session):
     async def main():
         b = DynamicBatcher(session.run, max_batch_size=4, max_delay_ms=50)

@@ -7,6 +7,7 @@ import asyncio
 import csv
 import json
 
+import httpx
 import numpy as np
 import pytest
 
@@ -73,6 +74,32 @@ def test_bench_http_drives_a_real_server_closed_and_open_loop_and_compare_writes
     comparison = next(c for c in data["comparisons"] if c["candidate"] == "onnx-int8")
     assert set(comparison["speedup"]) == {"p50", "p99"} and len(comparison["speedup"]["p99"]["ci"]) == 2
     assert data["sources"][0]["environment"]["torch"] and data["sources"][0]["settings"]["rates"] == [40.0]
+
+
+def test_bench_http_sends_the_same_images_as_uploads_binary_tensors_or_grpc(small_artifact, tmp_path):
+    pytest.importorskip("grpc")
+    grpc_port = free_port()
+    results = {}
+    with serving(small_artifact, "--variants", "onnx-int8", "--grpc-port", str(grpc_port)) as (base, _):
+        for protocol in ("predict", "v2-binary", "grpc"):
+            out = tmp_path / f"{protocol}.json"
+            proc = run_cli("bench", "http", base, "--protocol", protocol, "--concurrency", "2", "--duration", "1",
+                           "--warmup", "0.3", "--out", str(out), "--quiet",
+                           *(["--grpc-target", f"127.0.0.1:{grpc_port}"] if protocol == "grpc" else []))
+            assert proc.returncode == 0, proc.stderr
+            results[protocol] = load_results(out)
+        stats = httpx.get(f"{base}/stats").json()["models"]["small_cnn"]["variants"]["onnx-int8"]
+        proc = run_cli("bench", "http", base, "--protocol", "grpc", "--grpc-target", f"127.0.0.1:{free_port()}",
+                       "--duration", "1")
+        assert proc.returncode == 2 and "no gRPC inference server answers" in proc.stderr
+    for protocol, result in results.items():
+        run, = result["runs"]
+        assert result["settings"]["protocol"] == protocol and len(run.records["ok"]) > 10 and all(run.records["ok"])
+        assert set(run.records["variant"]) == {"onnx-int8"}
+    assert set(results["grpc"]["runs"][0].records["status"]) == {"OK"}
+    assert all(b >= 1 for b in results["grpc"]["runs"][0].records["batch"])  # the server's timing, from the response
+    sent = sum(len(r["runs"][0].records["ok"]) for r in results.values())
+    assert stats["outcomes"]["ok"] >= sent  # every protocol's requests are counted by the same server (and warm-ups)
 
 
 def test_compare_reads_a_running_servers_own_ab_traffic(small_artifact, tmp_path):

@@ -19,6 +19,9 @@ FORBIDDEN = {
     "train": ("optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.cli"),
     "runtime": ("optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.train", "optiserve.cli"),
     "models": ("optiserve.runtime", "optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.train"),
+    # the gRPC messages are shared by the server and the load generator: below both
+    "grpc_protocol": ("optiserve.runtime", "optiserve.serve", "optiserve.bench", "optiserve.optimize",
+                      "optiserve.train", "optiserve.cli"),
     "data": ("optiserve.runtime", "optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.train"),
 }
 # the one name bench may take from serving: the response header that says which variant answered

@@ -11,7 +11,8 @@ Measure, and write every request's latency to a results file for `optiserve comp
 
   optiserve bench engine artifacts/resnet18-digits --batch-sizes 1,8,32
   optiserve bench http http://127.0.0.1:8000 --variants onnx-int8,fp32 --concurrency 1,8,32
-  optiserve bench http http://127.0.0.1:8000 --rate 50 --duration 30      (open loop, A/B split)"""
+  optiserve bench http http://127.0.0.1:8000 --rate 50 --duration 30      (open loop, A/B split)
+  optiserve bench http http://127.0.0.1:8000 --protocol grpc --grpc-target 127.0.0.1:8001"""
 
 
 def _names(text: str) -> list[str]:
@@ -49,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto")
     _common(e, "bench-engine.json")
 
-    h = sub.add_parser("http", help="load generator against a running `optiserve serve`")
+    h = sub.add_parser("http", help="load generator against a running `optiserve serve` (over HTTP or gRPC)")
     h.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8000")
     h.add_argument("--model", default=None, metavar="NAME",
                    help="the model to load (default: the server's only model)")
@@ -65,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--duration", type=float, default=20.0, metavar="S", help="measured seconds per run (default 20)")
     h.add_argument("--warmup", type=float, default=3.0, metavar="S",
                    help="seconds of load before measuring, not recorded (default 3)")
+    h.add_argument("--protocol", default="predict", choices=["predict", "v2-binary", "grpc"],
+                   help="predict: image uploads to /predict (default); v2-binary: each image's tensor over the Open "
+                        "Inference Protocol with binary tensors (as tritonclient.http sends); grpc: the same over gRPC "
+                        "ModelInfer with raw tensors (as tritonclient.grpc sends)")
+    h.add_argument("--grpc-target", default=None, metavar="HOST:PORT",
+                   help="with --protocol grpc: the server's gRPC address (default: URL's host, port 8001)")
     h.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="a request unanswered after S seconds counts as failed (default 60)")
     source = h.add_mutually_exclusive_group()
@@ -102,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         results = bench_http(args.url, images, args.variants, concurrency, args.rate, args.duration, args.warmup,
                              args.timeout, progress=not args.quiet,
                              settings={"images": args.images or f"{args.dataset} {args.image_size}px"},
-                             model=args.model)
+                             model=args.model, protocol=args.protocol, grpc_target=args.grpc_target)
     out = save_results(results, args.out)
     report = build_report([(out.name, results)], resamples=1000)
     csv_path = Path(out).with_suffix(".csv")

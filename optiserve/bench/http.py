@@ -1,15 +1,20 @@
-"""Talking to a running server: `bench http` (check it, then run every requested load setting in turn)
+"""Talking to a running server: `bench http` (check it, then run every requested load setting in turn,
+over HTTP or gRPC)
 and turning its /stats into results for `compare`."""
 
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import urlsplit
 
+from optiserve.artifacts import reported_facts
 from optiserve.bench.loadgen import Load, generate_load
+from optiserve.bench.payloads import image_tensors
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run, make_results
+from optiserve.bench.senders import PROTOCOLS, BinaryTensorSender, GrpcSender, PredictSender, Sender
 from optiserve.errors import UserError
-from optiserve.artifacts import reported_facts
+from optiserve.models import InputSpec
 
 
 def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0, model: str | None = None) -> dict:
@@ -43,13 +48,38 @@ def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0, 
     return models[model]
 
 
+def make_sender(protocol: str, base_url: str, images: list[bytes], facts: dict, variant: str | None,
+                grpc_target: str | None = None) -> Sender:
+    """The sender for `protocol` (predict, v2-binary or grpc) to one model of the server `facts` describe."""
+    model = facts.get("model")
+    if protocol == "predict":
+        return PredictSender(base_url, images, model, variant)
+    tensors = image_tensors(images, InputSpec.from_dict(facts["input"]))
+    if protocol == "v2-binary":
+        return BinaryTensorSender(base_url, tensors, model, variant)
+    if protocol == "grpc":
+        return GrpcSender(grpc_target or default_grpc_target(base_url), tensors, model, variant)
+    raise UserError(f"unknown protocol {protocol!r}; choose one of: {', '.join(PROTOCOLS)}")
+
+
+def default_grpc_target(base_url: str) -> str:
+    """The server's host at Triton's gRPC port, 8001."""
+    host = urlsplit(base_url).hostname or "127.0.0.1"
+    return f"[{host}]:8001" if ":" in host else f"{host}:8001"
+
+
 def bench_http(base_url: str, images: list[bytes], variants: list[str] | None, concurrency: list[int],
                rates: list[float], duration_s: float, warmup_s: float, timeout_s: float = 60.0,
-               progress: bool = True, settings: dict | None = None, model: str | None = None) -> dict:
-    """One closed-loop run per (variant, concurrency) and one open-loop run per (variant, rate).
+               progress: bool = True, settings: dict | None = None, model: str | None = None,
+               protocol: str = "predict", grpc_target: str | None = None) -> dict:
+    """One closed-loop run per (variant, concurrency) and one open-loop run per (variant, rate),
+    over `protocol`: /predict image uploads, or the images' tensors over the Open Inference
+    Protocol (HTTP binary tensors, or gRPC at `grpc_target`); facts and readiness come from `base_url`.
 
     Without `variants`, requests name no variant and the server's A/B split routes them; the
     records say which variant served each one."""
+    if grpc_target and protocol != "grpc":
+        raise UserError("--grpc-target applies only with --protocol grpc")
     facts = server_facts(base_url, model=model)
     model = facts.get("model")
     served = list(facts.get("variants", {}))
@@ -65,11 +95,33 @@ def bench_http(base_url: str, images: list[bytes], variants: list[str] | None, c
     loads += [Load("open", r, duration_s, warmup_s, v, timeout_s, model=model)
               for v in (variants or [None]) for r in rates]
     line = ProgressLine(progress)
-    runs = [asyncio.run(generate_load(base_url, images, load, line)) for load in loads]
-    settings = {"url": base_url, "variants": variants, "concurrency": concurrency, "rates": rates,
+    if protocol == "grpc":
+        check_grpc(grpc_target or default_grpc_target(base_url), timeout_s=10)
+    runs = [asyncio.run(generate_load(base_url, images, load, line,
+                                      make_sender(protocol, base_url, images, facts, load.variant, grpc_target)))
+            for load in loads]
+    settings = {"url": base_url, "protocol": protocol,
+                **({"grpc_target": grpc_target or default_grpc_target(base_url)} if protocol == "grpc" else {}),
+                "variants": variants, "concurrency": concurrency, "rates": rates,
                 "duration_s": duration_s, "warmup_s": warmup_s, "timeout_s": timeout_s, "ab": facts.get("ab"),
                 **(settings or {})}
     return make_results("http", runs, settings, **_model_and_variants(facts))
+
+
+def check_grpc(target: str, timeout_s: float) -> None:
+    """A clear error when nothing answers the Open Inference Protocol over gRPC at `target`."""
+    import grpc
+
+    from optiserve.grpc_protocol import pb, stub
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            ready = stub(channel).ServerReady(pb.ServerReadyRequest(), timeout=timeout_s).ready
+        except grpc.RpcError as e:
+            raise UserError(f"no gRPC inference server answers at {target} ({e.code().name}: {e.details()}); "
+                            f"start the server with --grpc-port, or name its port with --grpc-target HOST:PORT") from None
+    if not ready:
+        raise UserError(f"the gRPC server at {target} is not ready yet")
 
 
 def _model_and_variants(facts: dict) -> dict:

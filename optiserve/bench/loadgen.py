@@ -1,4 +1,5 @@
-"""HTTP load generator for `/predict`: closed loop (fixed concurrency) and open loop (Poisson arrivals).
+"""Load generator: closed loop (fixed concurrency) and open loop (Poisson arrivals), over any sender
+(`/predict` uploads, the Open Inference Protocol over HTTP or gRPC: see bench.senders).
 
 Closed loop: `concurrency` clients, each sending its next request when the last is answered —
 the number a capacity test wants, but a slow server slows the load down with it.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import time
 from dataclasses import dataclass
 
@@ -26,9 +26,7 @@ import numpy as np
 
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run
-from optiserve.serve import VARIANT_HEADER
-
-ERROR_TEXT = 200  # characters of an error body kept per failed request
+from optiserve.bench.senders import Outcome, PredictSender, Sender
 
 
 @dataclass(frozen=True)
@@ -56,37 +54,25 @@ class _Recorder:
         self.in_flight = 0
         self.last_done = t_measure
 
-    def add(self, t_intended: float, t_started: float, t_done: float, status: int | None, body: bytes | None,
-            error: str | None, variant: str | None) -> None:
+    def add(self, t_intended: float, t_started: float, t_done: float, outcome: Outcome) -> None:
         """One request: intended send time, when the generator got to it (its lag), when answered."""
         if t_intended < self.t_measure:
             return  # warm-up
         self.last_done = max(self.last_done, t_done)
-        ok = status == 200
-        info, served = {}, variant
-        if body is not None:
-            try:
-                parsed = json.loads(body)
-            except ValueError:
-                parsed = None
-            if ok and isinstance(parsed, dict):
-                info, served = parsed.get("latency_ms") or {}, parsed.get("variant", variant)
-            elif not ok:
-                detail = parsed.get("error") or parsed.get("detail") if isinstance(parsed, dict) else None
-                error = error or str(detail or body[:ERROR_TEXT].decode(errors="replace"))[:ERROR_TEXT]
+        info = outcome.info if outcome.ok else {}
         c = self.columns
         c["t_s"].append(t_intended - self.t_measure)
         c["latency_ms"].append(1000 * (t_done - t_intended))
         c["send_lag_ms"].append(1000 * (t_started - t_intended))
-        c["ok"].append(ok)
-        c["status"].append(status)
-        c["variant"].append(served)
+        c["ok"].append(outcome.ok)
+        c["status"].append(outcome.status)
+        c["variant"].append(outcome.variant)
         c["server_ms"].append(info.get("server_ms"))
         c["queue_ms"].append(info.get("queue_ms"))
         c["compute_ms"].append(info.get("compute_ms"))
         sizes = info.get("batch_sizes")
         c["batch"].append(sizes[0] if sizes else None)
-        c["error"].append(None if ok else error or f"HTTP {status}")
+        c["error"].append(None if outcome.ok else outcome.error or f"HTTP {outcome.status}")
 
     def summary(self, now: float) -> str:
         c = self.columns
@@ -101,93 +87,82 @@ class _Recorder:
         return text
 
 
-async def generate_load(base_url: str, images: list[bytes], load: Load, progress: ProgressLine | None = None) -> Run:
-    """Drive `base_url`/predict with `load`; returns the measured run with one record per request.
+async def generate_load(base_url: str, images: list[bytes], load: Load, progress: ProgressLine | None = None,
+                        sender: Sender | None = None) -> Run:
+    """Drive a server with `load`; returns the measured run with one record per request. By default
+    `images` are uploaded to `base_url`/predict; `sender` sends something else (see bench.senders).
 
     The caller's existing objects are frozen (`gc.freeze`) for the run: a full collection of a heap
     holding torch takes ~200 ms, and the generator must not stall like that while timing others."""
     gc.collect()
     gc.freeze()
     try:
-        return await _generate_load(base_url, images, load, progress)
+        sender = sender or PredictSender(base_url, images, load.model, load.variant)
+        return await _generate_load(sender, load, progress)
     finally:
         gc.unfreeze()
 
 
-async def _generate_load(base_url: str, images: list[bytes], load: Load, progress: ProgressLine | None) -> Run:
-    import aiohttp
-
+async def _generate_load(sender: Sender, load: Load, progress: ProgressLine | None) -> Run:
     if load.level <= 0:
         raise ValueError("the concurrency or rate must be positive")
-    url = base_url.rstrip("/") + "/predict"
-    params = {k: v for k, v in (("model", load.model), ("variant", load.variant)) if v} or None
     limit = int(load.level) if load.mode == "closed" else load.max_connections
-    connector = aiohttp.TCPConnector(limit=limit, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=load.timeout_s)
     loop_start = time.perf_counter()
     t_measure = loop_start + load.warmup_s
     t_end = t_measure + load.duration_s
     rec = _Recorder(t_measure)
     progress = progress or ProgressLine(False)
+    await sender.start(limit, load.timeout_s)
+    gate = asyncio.Semaphore(limit)  # open loop: requests beyond the connections wait here (and that counts)
 
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-
-        async def one(t_intended: float, image: bytes) -> None:
-            t_started = time.perf_counter()
+    async def one(t_intended: float, k: int) -> None:
+        t_started = time.perf_counter()
+        async with gate:
             rec.in_flight += 1
-            status = body = error = None
-            variant = load.variant
-            form = aiohttp.FormData()
-            form.add_field("file", image, filename="image.png", content_type="application/octet-stream")
             try:
-                async with session.post(url, data=form, params=params) as r:
-                    status, body = r.status, await r.read()
-                    variant = r.headers.get(VARIANT_HEADER, load.variant)
-            except asyncio.TimeoutError:
-                error = f"no answer within {load.timeout_s:g} s"
-            except aiohttp.ClientError as e:
-                error = f"{type(e).__name__}: {e}"[:ERROR_TEXT]
+                outcome = await sender.send(k)
             finally:
                 rec.in_flight -= 1
-            rec.add(t_intended, t_started, time.perf_counter(), status, body, error, variant)
+        rec.add(t_intended, t_started, time.perf_counter(), outcome)
 
-        async def closed_client(i: int) -> None:
-            k = i
-            while (t0 := time.perf_counter()) < t_end:
-                await one(t0, images[k % len(images)])
-                k += int(load.level)
+    async def closed_client(i: int) -> None:
+        k = i
+        while (t0 := time.perf_counter()) < t_end:
+            await one(t0, k)
+            k += int(load.level)
 
-        async def open_arrivals() -> None:
-            rng = np.random.default_rng(load.seed)
-            tasks, t, k = [], loop_start, 0
-            while True:
-                t += rng.exponential(1.0 / load.level)
-                if t >= t_end:
-                    break
-                delay = t - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(t, images[k % len(images)])))
-                k += 1
-            await asyncio.gather(*tasks)
+    async def open_arrivals() -> None:
+        rng = np.random.default_rng(load.seed)
+        tasks, t, k = [], loop_start, 0
+        while True:
+            t += rng.exponential(1.0 / load.level)
+            if t >= t_end:
+                break
+            delay = t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(t, k)))
+            k += 1
+        await asyncio.gather(*tasks)
 
-        async def report() -> None:
-            while True:
-                now = time.perf_counter()
-                phase = "warm-up" if now < t_measure else f"{min(now, t_end) - t_measure:.0f}/{load.duration_s:g} s"
-                progress.update(f"{load.describe()}: {phase}, {rec.summary(now)}")
-                await asyncio.sleep(0.5)
+    async def report() -> None:
+        while True:
+            now = time.perf_counter()
+            phase = "warm-up" if now < t_measure else f"{min(now, t_end) - t_measure:.0f}/{load.duration_s:g} s"
+            progress.update(f"{load.describe()}: {phase}, {rec.summary(now)}")
+            await asyncio.sleep(0.5)
 
-        reporter = asyncio.create_task(report())
-        try:
-            if load.mode == "closed":
-                await asyncio.gather(*(closed_client(i) for i in range(int(load.level))))
-            elif load.mode == "open":
-                await open_arrivals()
-            else:
-                raise ValueError(f"unknown load mode {load.mode!r}")
-        finally:
-            reporter.cancel()
+    reporter = asyncio.create_task(report())
+    try:
+        if load.mode == "closed":
+            await asyncio.gather(*(closed_client(i) for i in range(int(load.level))))
+        elif load.mode == "open":
+            await open_arrivals()
+        else:
+            raise ValueError(f"unknown load mode {load.mode!r}")
+    finally:
+        reporter.cancel()
+        await sender.stop()
     duration = max(t_end, rec.last_done) - t_measure
     progress.done(f"{load.describe()}: {rec.summary(t_measure + duration)}")
     return Run(load.mode, load.level, load.variant, duration, 1, rec.columns)

@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from optiserve.data.image_input import channel_mode, image_to_input
 from optiserve.errors import UserError
+from optiserve.models import InputSpec
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
 DATASETS = ("digits", "synthetic")
@@ -45,3 +47,13 @@ def dataset_images(name: str, size: int = 32, count: int = 256) -> list[bytes]:
         rng = np.random.default_rng(0)
         return [_png(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(min(count, 64))]
     raise UserError(f"unknown --dataset {name!r}; choose one of: {', '.join(DATASETS)} (or give --images DIR)")
+
+
+def image_tensors(images: list[bytes], spec: InputSpec) -> list[np.ndarray]:
+    """Each encoded image as the model's normalized input [C, H, W] — what a protocol client that
+    sends tensors (Open Inference Protocol over HTTP or gRPC) preprocesses before it sends."""
+    out = []
+    for data in images:
+        with Image.open(io.BytesIO(data)) as im:
+            out.append(image_to_input(im.convert(channel_mode(spec)), spec))
+    return out

@@ -42,6 +42,11 @@ def create_app(cfg: ServeConfig, load_before_start: bool = False) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        grpc_server = None
+        if cfg.grpc_port is not None:  # listening from the start: ServerReady says when loading is done
+            from optiserve.serve.grpc_service import start_grpc
+
+            grpc_server = await start_grpc(server, auth, cfg.host, cfg.grpc_port)
         loading = asyncio.create_task(server.start())
         if load_before_start:
             await asyncio.shield(loading)
@@ -51,6 +56,10 @@ def create_app(cfg: ServeConfig, load_before_start: bool = False) -> FastAPI:
         loading.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await loading
+        draining = server.begin_shutdown()  # new RPCs now get UNAVAILABLE; queued ones are answered
+        if grpc_server is not None:
+            await grpc_server.stop(cfg.shutdown_timeout_s)
+        await draining
         await server.stop()
 
     app = FastAPI(title="optiserve", version=optiserve.__version__, lifespan=lifespan)

@@ -95,6 +95,8 @@ class _Row:
     future: asyncio.Future
     enqueued: float
     deadline: float | None
+    taken: bool = False       # popped from the queue by the batch loop
+    abandoned: bool = False   # its caller gave up while it was still queued
 
 
 @dataclass
@@ -126,6 +128,7 @@ class DynamicBatcher:
         self.max_batch_size, self.max_delay = max_batch_size, max_delay_ms / 1000
         self.max_queue = max_queue
         self._reserved = 0  # images admitted at the door (being read and decoded), not yet queued
+        self._abandoned = 0  # queued rows whose caller gave up (timed out, went away): no longer taking room
         self.on_batch = on_batch or (lambda record: None)
         self._queue: asyncio.Queue[_Row] = asyncio.Queue()
         self._executor = DaemonExecutor(f"infer-{name}", thread_initializer)
@@ -135,16 +138,16 @@ class DynamicBatcher:
 
     @property
     def depth(self) -> int:
-        """Images waiting for a batch."""
-        return self._queue.qsize()
+        """Images waiting for a batch (not counting those whose caller has given up)."""
+        return self._queue.qsize() - self._abandoned
 
     def has_room(self, images: int = 1) -> bool:
-        return self._queue.qsize() + self._reserved + images <= self.max_queue
+        return self.depth + self._reserved + images <= self.max_queue
 
     def check_room(self, images: int = 1) -> None:
         """Raise QueueFull unless `images` more fit in the queue (room held by reservations counts as taken)."""
         if not self.has_room(images):
-            raise QueueFull(f"{self.name}: {self._queue.qsize()} images queued and {self._reserved} arriving "
+            raise QueueFull(f"{self.name}: {self.depth} images queued and {self._reserved} arriving "
                             f"(limit {self.max_queue})")
 
     def reserve(self, images: int = 1) -> Reservation:
@@ -177,13 +180,19 @@ class DynamicBatcher:
         rows = [_Row(img, loop.create_future(), now, deadline) for img in images]
         for row in rows:
             self._queue.put_nowait(row)
-        try:
-            done = await asyncio.wait_for(asyncio.gather(*(r.future for r in rows), return_exceptions=True), timeout)
-        except asyncio.TimeoutError:
+        futures = [r.future for r in rows]
+        try:  # cancelled, when the caller goes away (e.g. past a gRPC client's deadline): its rows are dropped
+            _, pending = await asyncio.wait(futures, timeout=timeout)
+        finally:
             for r in rows:  # rows still queued are skipped by the loop; running ones finish unobserved
                 if not r.future.done():
                     r.future.cancel()
-            raise TimeoutError(f"{self.name}: not served within {timeout * 1000:.0f} ms") from None
+                    if not r.taken:
+                        r.abandoned = True
+                        self._abandoned += 1
+        if pending:
+            raise TimeoutError(f"{self.name}: not served within {timeout * 1000:.0f} ms")
+        done = [f.exception() or f.result() for f in futures]
         errors = [d for d in done if isinstance(d, BaseException)]
         if errors:
             raise errors[0]
@@ -215,13 +224,19 @@ class DynamicBatcher:
         self._executor.shutdown(wait=drained)
         return drained
 
+    def _take(self, row: _Row) -> _Row:
+        row.taken = True
+        if row.abandoned:
+            self._abandoned -= 1
+        return row
+
     async def _next_batch(self) -> list[_Row]:
-        first = await self._queue.get()
+        first = self._take(await self._queue.get())
         batch = [first]
         cutoff = first.enqueued + self.max_delay
         while len(batch) < self.max_batch_size:
             try:
-                batch.append(self._queue.get_nowait())
+                batch.append(self._take(self._queue.get_nowait()))
                 continue
             except asyncio.QueueEmpty:
                 pass
@@ -229,7 +244,7 @@ class DynamicBatcher:
             if remaining <= 0:
                 break
             try:
-                batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+                batch.append(self._take(await asyncio.wait_for(self._queue.get(), remaining)))
             except asyncio.TimeoutError:
                 break
         return batch

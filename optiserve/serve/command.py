@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import time
 
 from optiserve.errors import UserError
@@ -89,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=None,
                    help="default: the PORT environment variable if set (as KServe and other platforms set it), else 8000")
+    p.add_argument("--grpc-port", type=int, default=None, metavar="N",
+                   help="also serve the Open Inference Protocol over gRPC (KServe v2 GRPCInferenceService, as "
+                        "tritonclient.grpc calls it) on this port, e.g. 8001 (default: HTTP only)")
     p.add_argument("--access-log", action="store_true", help="log every request (off: it costs CPU under load)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes, each with its own copy of every variant (default 1)")
@@ -104,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                       decode_threads=args.decode_threads, manifest_sha256=args.manifest_sha256,
                       model_control=args.model_control, load_models=args.load_models,
                       poll_seconds=args.poll_seconds, admin_token_file=args.admin_token_file,
-                      model_name=args.model_name)
+                      model_name=args.model_name, grpc_port=args.grpc_port, host=args.host)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,7 +122,15 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--workers N > 1 cannot be combined with --model-control explicit or --admin-token-file: "
                         "a load, unload or traffic call would reach only the worker that answered it. Use one "
                         "worker per process (and replicas for scale), or --model-control poll")
+    cfg.validate()  # option mistakes first, in one line, before any port is tried
+    if args.workers > 1 and cfg.grpc_port is not None:
+        raise UserError("--grpc-port serves from one process: it cannot be combined with --workers N > 1 (run "
+                        "one process per replica instead)")
     port = listening_port(args.port)
+    if cfg.grpc_port is not None:
+        if cfg.grpc_port == port:
+            raise UserError(f"--grpc-port {cfg.grpc_port} is the HTTP port too: give gRPC a port of its own (e.g. 8001)")
+        check_port_free(args.host, cfg.grpc_port, "--grpc-port")
     configure_logging()
     app = create_app(cfg)  # checks the manifest and the variant choice before anything listens
     # uvicorn's own bound on waiting for open requests: ours plus a margin, so it only acts if ours failed
@@ -144,6 +156,16 @@ def listening_port(port: int | None) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise UserError(f"the PORT environment variable is {text!r}, not a port number: set it to one, or pass --port")
     return int(text)
+
+
+def check_port_free(host: str, port: int, option: str) -> None:
+    """A clear error now, before models load, when something already listens on `port`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(f"{option} {port}: cannot listen on {host}:{port} ({e.strerror}); choose a free port") from None
 
 
 def draining_server(config, server):

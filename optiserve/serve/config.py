@@ -41,6 +41,8 @@ class ServeConfig:
     poll_seconds: float = 5.0
     admin_token_file: str | None = None  # without it the repository and traffic endpoints answer 403
     model_name: str | None = None     # a single folder's model name (default: its manifest's model)
+    grpc_port: int | None = None      # also serve the Open Inference Protocol over gRPC on this port
+    host: str = "127.0.0.1"           # where HTTP (uvicorn) and gRPC listen
 
     def validate(self) -> None:
         for name, value in (("--max-batch-size", self.max_batch_size), ("--max-queue", self.max_queue),
@@ -56,6 +58,8 @@ class ServeConfig:
         if self.load_models and self.model_control != "explicit":
             raise UserError("--load-model only applies with --model-control explicit (the other modes load "
                             "every model)")
+        if self.grpc_port is not None and not 0 < self.grpc_port < 65536:
+            raise UserError(f"--grpc-port must be a port number (1-65535), got {self.grpc_port}")
         if self.poll_seconds <= 0:
             raise UserError("--poll-seconds must be positive")
         if self.model_name is not None:

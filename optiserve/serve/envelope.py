@@ -125,6 +125,24 @@ class InferRequest:
     id: str | None
 
 
+def check_tensor(shape, datatype, spec: InputSpec, max_images: int) -> tuple[int, np.dtype]:
+    """An input tensor's declared shape and datatype, checked against the model before any data
+    is read: (its number of values, its little-endian dtype), or BadInput / TooManyImages."""
+    if not (isinstance(shape, list) and 1 <= len(shape) <= 8
+            and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+        raise BadInput("input shape must be a list of 1 to 8 positive integers")
+    count = math.prod(shape)  # Python integers: a huge shape cannot overflow into a small one
+    per_image = math.prod(spec.shape)
+    if count > max_images * per_image:
+        if len(shape) == 4 and shape[1:] == list(spec.shape):  # well-formed, just more than a queue holds
+            raise TooManyImages(shape[0], max_images)
+        raise BadInput(f"input shape {shape} holds {count:,} values; at most {max_images} images "
+                       f"({max_images * per_image:,} values) per request")
+    if not isinstance(datatype, str) or datatype not in DTYPES:
+        raise BadInput(f"input datatype {_show(datatype)} is not supported; send FP32 (or FP16/FP64)")
+    return count, np.dtype(DTYPES[datatype]).newbyteorder("<")
+
+
 def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_images: int) -> InferRequest:
     """The protocol's infer request: one FP32/FP16/FP64 input of shape [N, C, H, W] as JSON `data` or
     as binary tensor data; outputs among logits and probabilities (both when none are named)."""
@@ -140,20 +158,8 @@ def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_i
     tensor = inputs[0]
     _name(tensor.get("name"), "inputs[0].name", optional=False)
     shape = tensor.get("shape")
-    if not (isinstance(shape, list) and 1 <= len(shape) <= 8
-            and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
-        raise BadInput("input shape must be a list of 1 to 8 positive integers")
-    count = math.prod(shape)  # Python integers: a huge shape cannot overflow into a small one
-    per_image = math.prod(spec.shape)
-    if count > max_images * per_image:
-        if len(shape) == 4 and shape[1:] == list(spec.shape):  # well-formed, just more than a queue holds
-            raise TooManyImages(shape[0], max_images)
-        raise BadInput(f"input shape {shape} holds {count:,} values; at most {max_images} images "
-                       f"({max_images * per_image:,} values) per request")
     datatype = tensor.get("datatype")
-    if not isinstance(datatype, str) or datatype not in DTYPES:
-        raise BadInput(f"input datatype {_show(datatype)} is not supported; send FP32 (or FP16/FP64)")
-    dtype = np.dtype(DTYPES[datatype]).newbyteorder("<")
+    count, dtype = check_tensor(shape, datatype, spec, max_images)
     size = _dict(tensor.get("parameters"), "inputs[0].parameters").get("binary_data_size")
     if size is None:
         if tail:

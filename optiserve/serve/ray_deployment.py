@@ -6,7 +6,7 @@ Ray starts and stops on its nodes by the requests in flight.
     serve run optiserve.serve.ray_deployment:build serve="artifacts/resnet18-digits --max-batch-size 16"
 
 `serve` holds `optiserve serve`'s own arguments, parsed by its parser (--host, --port, --workers and
-the drain are Ray's business there and are ignored). Needs `pip install "optiserve[ray]"`."""
+the drain are Ray's business there and are ignored; --grpc-port is refused). Needs `pip install "optiserve[ray]"`."""
 
 from __future__ import annotations
 
@@ -74,6 +74,10 @@ def build(args: dict):
         raise UserError('the Ray deployment needs serve="PATH [optiserve serve options]"')
     cfg = config_from_args(_serve_args(args["serve"]))
     cfg.validate()  # a bad folder or option fails the deploy here, not in every replica
+    if cfg.grpc_port is not None:
+        raise UserError("--grpc-port does not apply under Ray Serve: replicas sharing a node would contend for the "
+                        "port, and Ray's proxy routes HTTP only; use Ray Serve's own gRPC proxy, or serve gRPC "
+                        "with `optiserve serve --grpc-port` replicas behind a load balancer (KServe, Kubernetes)")
     options = deployment_options(args, cfg.max_batch_size)
 
     @serve.deployment(name="optiserve", **options)

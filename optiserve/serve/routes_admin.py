@@ -20,12 +20,6 @@ def add_admin_routes(app: FastAPI, server: Server, auth: AdminAuth) -> None:
             status, message = refused
             raise ApiError(status, message, {"WWW-Authenticate": "Bearer"} if status == 401 else {})
 
-    def explicit_control() -> None:
-        if server.cfg.model_control != "explicit":
-            raise ApiError(400, f"models are loaded and unloaded only with --model-control explicit (this server "
-                                f"runs with --model-control {server.cfg.model_control}"
-                                f"{': it follows the repository folder' if server.cfg.model_control == 'poll' else ''})")
-
     async def json_body(request: Request, optional: bool = True) -> dict:
         """The body as a JSON object (413 over the limit, 400 if not an object); {} when empty and optional."""
         body = await server.read_body(request)
@@ -38,24 +32,13 @@ def add_admin_routes(app: FastAPI, server: Server, auth: AdminAuth) -> None:
         """Every model in the repository: READY, LOADING or UNAVAILABLE, with the version (the sha256
         prefix of its manifest.json) and the reason for the last failure."""
         authorize(request)
-        ready_only = bool((await json_body(request)).get("ready"))
-        names = sorted({*server.repository_models(), *server.status})
-        index = []
-        for name in names:
-            status = server.status.get(name)
-            state, reason = (status.state, status.reason) if status else ("UNAVAILABLE", "not loaded")
-            if ready_only and state != "READY":
-                continue
-            entry = {"name": name, "state": state, "reason": reason}
-            if status is not None and status.version:
-                entry["version"] = status.version[:12]
-            index.append(entry)
+        index = server.repository_index(bool((await json_body(request)).get("ready")))
         return JSONResponse(index)
 
     @app.post("/v2/repository/models/{name}/load")
     async def load(name: str, request: Request):
         authorize(request)
-        explicit_control()
+        server.check_explicit_control()
         await json_body(request)  # parameters (config overrides, files) are not supported: ignored if empty
         await server.load_model(name)
         return Response(status_code=200)
@@ -63,7 +46,7 @@ def add_admin_routes(app: FastAPI, server: Server, auth: AdminAuth) -> None:
     @app.post("/v2/repository/models/{name}/unload")
     async def unload(name: str, request: Request):
         authorize(request)
-        explicit_control()
+        server.check_explicit_control()
         await json_body(request)
         await server.unload_model(name)
         return Response(status_code=200)

@@ -8,16 +8,11 @@ from fastapi.responses import JSONResponse
 
 from optiserve.serve import VARIANT_HEADER
 from optiserve.serve.envelope import predict_request, top_k
+from optiserve.serve.oip import softmax
 from optiserve.serve.preprocess import decode_image
 from optiserve.serve.server import ApiError, Server
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/bmp")
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits - logits.max(1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(1, keepdims=True)
 
 
 def add_predict_routes(app: FastAPI, server: Server) -> None:

@@ -223,6 +223,28 @@ class Server:
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
+    def check_explicit_control(self) -> None:
+        """400 unless models may be loaded and unloaded on request (--model-control explicit)."""
+        if self.cfg.model_control != "explicit":
+            raise ApiError(400, f"models are loaded and unloaded only with --model-control explicit (this server "
+                                f"runs with --model-control {self.cfg.model_control}"
+                                f"{': it follows the repository folder' if self.cfg.model_control == 'poll' else ''})")
+
+    def repository_index(self, ready_only: bool = False) -> list[dict]:
+        """Every model in the repository: READY, LOADING or UNAVAILABLE, with the version (the sha256
+        prefix of its manifest.json) and the reason for the last failure (Triton's index)."""
+        index = []
+        for name in sorted({*self.repository_models(), *self.status}):
+            status = self.status.get(name)
+            state, reason = (status.state, status.reason) if status else ("UNAVAILABLE", "not loaded")
+            if ready_only and state != "READY":
+                continue
+            entry = {"name": name, "state": state, "reason": reason}
+            if status is not None and status.version:
+                entry["version"] = status.version[:12]
+            index.append(entry)
+        return index
+
     async def load_model(self, name: str) -> ModelStatus:
         """Load `name` from the repository, or reload it if it is served (zero downtime). Raises
         ApiError 400 with the reason when it cannot be loaded (a served version keeps serving)."""
@@ -356,16 +378,19 @@ class Server:
         return model.variants[name]
 
     @contextlib.contextmanager
-    def admitted(self, model_name: str | None, variant_name: str | None, request: Request) -> Iterator[Admission]:
+    def admitted(self, model_name: str | None, variant_name: str | None,
+                 request: Request | None = None) -> Iterator[Admission]:
         """Check readiness, the model and the variant, route the request, and hold one image's room
         in that variant's queue before its body is read — or answer 503, 404 or 429 at once. Under
         overload refusing must cost almost nothing, and only as many requests as there are free
-        places may go on to be decoded: both are CPU the accepted requests need."""
+        places may go on to be decoded: both are CPU the accepted requests need. An HTTP `request`
+        is told the variant, for the variant header of whatever answer it gets."""
         self._check_ready()
         model = self.model(model_name)
         variant = self._named(model, variant_name) if variant_name is not None else \
             model.variants[model.router.pick()]
-        request.state.variant = variant.name  # for the variant header, also on unexpected errors
+        if request is not None:
+            request.state.variant = variant.name  # for the variant header, also on unexpected errors
         try:
             reservation = variant.batcher.reserve()
         except QueueFull as e:
@@ -414,13 +439,16 @@ class Server:
         self._record(model, variant, "rejected")
         return ApiError(429, f"overloaded: {e}; retry later", {"Retry-After": "1", VARIANT_HEADER: variant.name})
 
-    async def infer(self, admission: Admission, images: np.ndarray) -> tuple[np.ndarray, dict]:
-        """Run `images` through the admitted variant's batcher; maps every failure to the right status."""
+    async def infer(self, admission: Admission, images: np.ndarray,
+                    deadline_s: float | None = None) -> tuple[np.ndarray, dict]:
+        """Run `images` through the admitted variant's batcher, within --timeout-ms or the caller's
+        own `deadline_s` if sooner; maps every failure to the right status."""
         t0 = time.perf_counter()
         model, variant = admission.model, admission.variant
         served = {VARIANT_HEADER: variant.name}  # failures say which variant the A/B split chose
+        timeout = self.cfg.timeout_ms / 1000 if deadline_s is None else min(self.cfg.timeout_ms / 1000, deadline_s)
         try:
-            result = await variant.batcher.submit(images, self.cfg.timeout_ms / 1000, admission.reservation)
+            result = await variant.batcher.submit(images, timeout, admission.reservation)
         except QueueFull as e:
             raise self._overloaded(model, variant, e) from None
         except TimeoutError as e:
@@ -449,18 +477,22 @@ class Server:
         log.info("model %s: traffic set to %s", name, model.traffic())
         return model.traffic()
 
-    def shadow_task(self, admission: Admission, images: np.ndarray, logits: np.ndarray) -> BackgroundTask | None:
-        """What to run once the answer is sent: this request on the model's shadow variant, if it
-        is one of the mirrored fraction (None otherwise)."""
+    def shadow_wanted(self, admission: Admission) -> bool:
+        """Whether this request is one of the fraction mirrored to the model's shadow variant."""
         model, shadow = admission.model, admission.model.shadow
         if shadow is None or shadow.variant == admission.variant.name or shadow.variant not in model.variants:
-            return None
-        if shadow.fraction < 1 and self._shadow_rng.random() >= shadow.fraction:
-            return None
-        return BackgroundTask(self._start_shadow, admission, images, logits)
+            return False
+        return shadow.fraction >= 1 or self._shadow_rng.random() < shadow.fraction
 
-    async def _start_shadow(self, admission: Admission, images: np.ndarray, logits: np.ndarray) -> None:
-        # a task of its own: the connection's next request must not wait for the shadow run
+    def shadow_task(self, admission: Admission, images: np.ndarray, logits: np.ndarray) -> BackgroundTask | None:
+        """What an HTTP answer runs once it is sent: the shadow run, if this request is mirrored."""
+        if not self.shadow_wanted(admission):
+            return None
+        return BackgroundTask(self.start_shadow, admission, images, logits)
+
+    async def start_shadow(self, admission: Admission, images: np.ndarray, logits: np.ndarray) -> None:
+        """Run this request on the shadow variant in a task of its own: neither this answer nor the
+        connection's next request waits for it."""
         task = asyncio.create_task(self._run_shadow(admission, images, logits))
         self._shadow_runs.add(task)
         task.add_done_callback(self._shadow_runs.discard)

@@ -1,0 +1,189 @@
+"""How the load generator sends one request, per protocol: `/predict` image uploads, the Open
+Inference Protocol over HTTP with binary tensors, or over gRPC with raw tensors. Each sender
+prepares its payloads once, before the clock starts, so the client spends as little CPU per
+request as it can on the cores it shares with the server, and answers every send with an Outcome
+(never an exception): the load generator records failures, it does not drop them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from optiserve.serve import VARIANT_HEADER
+
+ERROR_TEXT = 200  # characters of an error body kept per failed request
+PROTOCOLS = ("predict", "v2-binary", "grpc")
+
+
+@dataclass
+class Outcome:
+    """One answer: whether it succeeded, its status (HTTP code or gRPC code name), the server's
+    timing breakdown when it gave one, the variant that served it, and the error text if not ok."""
+
+    ok: bool
+    status: int | str | None
+    info: dict = field(default_factory=dict)   # server_ms, queue_ms, compute_ms, batch_sizes
+    variant: str | None = None
+    error: str | None = None
+
+
+class Sender(Protocol):
+    """What the load generator drives: open `connections` connections, send payload k, close."""
+
+    protocol: str
+
+    def __len__(self) -> int: ...
+    async def start(self, connections: int, timeout_s: float) -> None: ...
+    async def send(self, k: int) -> Outcome: ...
+    async def stop(self) -> None: ...
+
+
+def _params(model: str | None, variant: str | None) -> dict | None:
+    return {k: v for k, v in (("model", model), ("variant", variant)) if v} or None
+
+
+class PredictSender:
+    """Multipart PNG uploads to `/predict` (field `file`), as `curl -F file=@x.png` sends them."""
+
+    protocol = "predict"
+
+    def __init__(self, base_url: str, images: list[bytes], model: str | None = None, variant: str | None = None,
+                 path: str = "/predict"):
+        self.url, self.images = base_url.rstrip("/") + path, images
+        self.params, self.variant = _params(model, variant), variant
+        self.session = None
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    async def start(self, connections: int, timeout_s: float) -> None:
+        import aiohttp
+
+        self.aiohttp = aiohttp
+        self.timeout_s = timeout_s
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections, force_close=False),
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+    async def stop(self) -> None:
+        await self.session.close()
+
+    def _body(self, k: int):
+        form = self.aiohttp.FormData()
+        form.add_field("file", self.images[k % len(self.images)], filename="image.png",
+                       content_type="application/octet-stream")
+        return form, None
+
+    async def send(self, k: int) -> Outcome:
+        data, headers = self._body(k)
+        try:
+            async with self.session.post(self.url, data=data, params=self.params, headers=headers) as r:
+                body = await r.read()
+                return self._outcome(r.status, r.headers, body)
+        except asyncio.TimeoutError:
+            return Outcome(False, None, variant=self.variant, error=f"no answer within {self.timeout_s:g} s")
+        except self.aiohttp.ClientError as e:
+            return Outcome(False, None, variant=self.variant, error=f"{type(e).__name__}: {e}"[:ERROR_TEXT])
+
+    def _outcome(self, status: int, headers, body: bytes) -> Outcome:
+        variant = headers.get(VARIANT_HEADER, self.variant)
+        parsed = _json(body)
+        if status == 200:
+            info = parsed.get("latency_ms") or {} if isinstance(parsed, dict) else {}
+            return Outcome(True, status, info, parsed.get("variant", variant) if isinstance(parsed, dict) else variant)
+        detail = (parsed.get("error") or parsed.get("detail")) if isinstance(parsed, dict) else None
+        return Outcome(False, status, variant=variant,
+                       error=str(detail or body[:ERROR_TEXT].decode(errors="replace"))[:ERROR_TEXT])
+
+
+class BinaryTensorSender(PredictSender):
+    """The Open Inference Protocol over HTTP with the binary tensor data extension (what
+    `tritonclient.http` sends by default): one image's normalized tensor per request."""
+
+    protocol = "v2-binary"
+
+    def __init__(self, base_url: str, tensors: list[np.ndarray], model: str, variant: str | None = None):
+        path = f"/v2/models/{model}" + (f"/versions/{variant}" if variant else "") + "/infer"
+        super().__init__(base_url, [], None, variant, path)
+        self.bodies = []
+        for x in tensors:
+            head = json.dumps({"inputs": [{"name": "input", "shape": [1, *x.shape], "datatype": "FP32",
+                                           "parameters": {"binary_data_size": x.nbytes}}],
+                               "outputs": [{"name": "logits", "parameters": {"binary_data": True}}]}).encode()
+            self.bodies.append((head + x.astype("<f4").tobytes(), {"Inference-Header-Content-Length": str(len(head)),
+                                                                  "Content-Type": "application/octet-stream"}))
+
+    def __len__(self) -> int:
+        return len(self.bodies)
+
+    def _body(self, k: int):
+        return self.bodies[k % len(self.bodies)]
+
+    def _outcome(self, status: int, headers, body: bytes) -> Outcome:
+        variant = headers.get(VARIANT_HEADER, self.variant)
+        if status == 200:
+            return Outcome(True, status, {}, variant)
+        parsed = _json(body)
+        detail = parsed.get("error") if isinstance(parsed, dict) else None
+        return Outcome(False, status, variant=variant,
+                       error=str(detail or body[:ERROR_TEXT].decode(errors="replace"))[:ERROR_TEXT])
+
+
+class GrpcSender:
+    """`ModelInfer` over gRPC with the tensor in `raw_input_contents` (what `tritonclient.grpc`
+    sends), each request serialized once up front."""
+
+    protocol = "grpc"
+
+    def __init__(self, target: str, tensors: list[np.ndarray], model: str, variant: str | None = None):
+        from optiserve.grpc_protocol import pb
+
+        self.target, self.variant = target, variant
+        self.requests = []
+        for x in tensors:
+            request = pb.ModelInferRequest(model_name=model, model_version=variant or "")
+            request.inputs.add(name="input", datatype="FP32", shape=[1, *x.shape])
+            request.outputs.add(name="logits")
+            request.raw_input_contents.append(x.astype("<f4").tobytes())
+            self.requests.append(request.SerializeToString())
+        self.response = pb.ModelInferResponse
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    async def start(self, connections: int, timeout_s: float) -> None:
+        import grpc
+
+        from optiserve.grpc_protocol import method_path
+
+        self.grpc, self.timeout_s = grpc, timeout_s
+        # one HTTP/2 connection multiplexes every concurrent call, as tritonclient.grpc does
+        self.channel = grpc.aio.insecure_channel(self.target, options=[("grpc.max_receive_message_length", -1),
+                                                                       ("grpc.max_send_message_length", -1)])
+        self.call = self.channel.unary_unary(method_path("ModelInfer"), request_serializer=None,
+                                             response_deserializer=self.response.FromString)
+
+    async def stop(self) -> None:
+        await self.channel.close()
+
+    async def send(self, k: int) -> Outcome:
+        try:
+            call = self.call(self.requests[k % len(self.requests)], timeout=self.timeout_s)
+            response = await call
+        except self.grpc.aio.AioRpcError as e:
+            variant = dict(e.trailing_metadata() or ()).get(VARIANT_HEADER.lower(), self.variant)
+            return Outcome(False, e.code().name, variant=variant, error=f"{e.code().name}: {e.details()}"[:ERROR_TEXT])
+        p = {key: v.int64_param for key, v in response.parameters.items()}
+        info = {"server_ms": p.get("server_us", 0) / 1000, "queue_ms": p.get("queue_us", 0) / 1000,
+                "compute_ms": p.get("compute_us", 0) / 1000, "batch_sizes": [p["batch_size"]] if "batch_size" in p else []}
+        return Outcome(True, "OK", info, response.model_version or self.variant)
+
+
+def _json(body: bytes):
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None

@@ -1,0 +1,235 @@
+"""The Open Inference Protocol over gRPC (KServe v2 `inference.GRPCInferenceService`), served by
+`grpc.aio` in the same process and event loop as HTTP: the same Server admits and batches its
+requests, and its answers are counted in the same /stats and /metrics.
+
+Errors are gRPC status codes with the same messages HTTP gives: INVALID_ARGUMENT (a bad request),
+NOT_FOUND (unknown model or version), RESOURCE_EXHAUSTED (the queue is full: retry later; gRPC
+itself also answers it for a message over the size limit), DEADLINE_EXCEEDED (not served in time,
+the client's deadline or --timeout-ms), UNAVAILABLE (not ready, or shutting down), PERMISSION_DENIED
+/ UNAUTHENTICATED (the repository RPCs without the admin token). Each inference answer carries the
+variant that served it in its trailing metadata (`x-optiserve-variant`) and its timing in the
+response parameters (`server_us`, `queue_us`, `compute_us`, `batch_size`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+import numpy as np
+
+from optiserve.grpc_protocol import METHODS, SERVICE, pb
+from optiserve.serve import VARIANT_HEADER, oip
+from optiserve.serve.admin_auth import AdminAuth
+from optiserve.serve.envelope import MAX_NAME_CHARS, OUTPUTS, InferRequest, check_tensor
+from optiserve.serve.preprocess import BadInput, tensor_batch
+from optiserve.serve.server import ApiError, Server
+
+log = logging.getLogger("optiserve.serve")
+
+VARIANT_KEY = VARIANT_HEADER.lower()  # gRPC metadata keys are lower case
+STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+                408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.INVALID_ARGUMENT,
+                415: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE,
+                504: grpc.StatusCode.DEADLINE_EXCEEDED}
+TYPED_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}  # FP16 travels only as raw bytes
+
+
+def parse_infer(request, spec, max_images: int) -> InferRequest:
+    """A ModelInferRequest's one input, [N, C, H, W] as raw bytes (`raw_input_contents`, FP32/FP16/FP64)
+    or typed contents (`fp32_contents` / `fp64_contents`), checked as the HTTP protocol checks it."""
+    if len(request.inputs) != 1:
+        raise BadInput(f"expected exactly one input tensor (\"input\", [N, C, H, W]), got {len(request.inputs)}")
+    tensor = request.inputs[0]
+    if not tensor.name or len(tensor.name) > MAX_NAME_CHARS:
+        raise BadInput(f"the input tensor needs a name of 1 to {MAX_NAME_CHARS} characters")
+    shape = list(tensor.shape)
+    count, dtype = check_tensor(shape, tensor.datatype, spec, max_images)
+    raw = request.raw_input_contents
+    if raw:
+        if len(raw) != 1:
+            raise BadInput(f"raw_input_contents must hold one entry per input (1), got {len(raw)}")
+        if tensor.HasField("contents"):
+            raise BadInput("give the input either as raw_input_contents or as typed contents, not both")
+        if len(raw[0]) != count * dtype.itemsize:
+            raise BadInput(f"raw_input_contents holds {len(raw[0]):,} bytes but shape {shape} of {tensor.datatype} "
+                           f"needs {count:,} x {dtype.itemsize} = {count * dtype.itemsize:,}")
+        flat = np.frombuffer(raw[0], dtype=dtype)
+    else:
+        field = TYPED_CONTENTS.get(tensor.datatype)
+        if field is None:
+            raise BadInput(f"{tensor.datatype} tensors must be sent as raw_input_contents")
+        values = getattr(tensor.contents, field)
+        if len(values) != count:
+            raise BadInput(f"input contents.{field} has {len(values):,} values but shape {shape} needs {count:,}")
+        flat = np.asarray(values, dtype=dtype)
+    outputs = []
+    for out in request.outputs:
+        if out.name not in OUTPUTS:
+            raise BadInput(f"unknown output {out.name[:40]!r}; outputs: {', '.join(OUTPUTS)}")
+        outputs.append((out.name, bool(raw)))
+    return InferRequest(tensor_batch(flat.reshape(shape), spec), outputs or [(n, bool(raw)) for n in OUTPUTS],
+                        request.id or None)
+
+
+class InferenceService:
+    """The RPCs, each answering from the Server exactly as its HTTP twin does."""
+
+    def __init__(self, server: Server, auth: AdminAuth):
+        self.server, self.auth = server, auth
+
+    # ---- health and metadata ----------------------------------------------------------------------
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.server.reports_ready)
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(**oip.server_metadata())
+
+    async def ModelReady(self, request, context):
+        return pb.ModelReadyResponse(ready=oip.model_ready(self.server, _required(request.name, "name"),
+                                                           request.version or None))
+
+    async def ModelMetadata(self, request, context):
+        version = request.version or None
+        meta = oip.model_metadata(oip.served(self.server, _required(request.name, "name"), version), version)
+        meta.pop("version", None)
+        tensors = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+                                        inputs=[tensors(**t) for t in meta["inputs"]],
+                                        outputs=[tensors(**t) for t in meta["outputs"]])
+
+    # ---- inference --------------------------------------------------------------------------------
+    async def ModelInfer(self, request, context):
+        server = self.server
+        name, version = _required(request.model_name, "model_name"), request.model_version or None
+        if version is not None and server.ready:
+            oip.served(server, name, version)  # NOT_FOUND for an unknown version, before queueing
+        t0 = time.perf_counter()
+        with server.admitted(name, version) as admission:
+            context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
+            args = (request, admission.model.spec, server.cfg.max_queue)
+            # raw bytes are a view and a check: cheaper here than a hop to the decode threads; typed
+            # contents are a Python list to convert, which must not hold up the loop
+            parsed = parse_infer(*args) if request.raw_input_contents else await server.decode(parse_infer, *args)
+            logits, timing = await server.infer(admission, parsed.images, _deadline_s(context))
+        response = pb.ModelInferResponse(model_name=name, model_version=admission.variant.name, id=parsed.id or "")
+        for out_name, raw in parsed.outputs:
+            data = oip.output_tensor(out_name, logits)
+            out = response.outputs.add(name=out_name, datatype="FP32", shape=data.shape)
+            if raw:
+                response.raw_output_contents.append(data.astype("<f4", copy=False).tobytes())
+            else:
+                out.contents.fp32_contents.extend(data.reshape(-1).tolist())
+        params = response.parameters
+        params["server_us"].int64_param = int(1e6 * (time.perf_counter() - t0))
+        params["queue_us"].int64_param = int(1000 * timing["queue_ms"])
+        params["compute_us"].int64_param = int(1000 * timing["compute_ms"])
+        params["batch_size"].int64_param = timing["batch_sizes"][0]
+        if server.shadow_wanted(admission):
+            await server.start_shadow(admission, parsed.images, logits)
+        return response
+
+    # ---- the model repository ---------------------------------------------------------------------
+    def _authorize(self, context) -> None:
+        sent = dict(context.invocation_metadata() or ()).get("authorization")
+        refused = self.auth.check(sent)
+        if refused is not None:
+            raise ApiError(*refused)
+
+    async def RepositoryIndex(self, request, context):
+        self._authorize(context)
+        entry = pb.RepositoryIndexResponse.ModelIndex
+        return pb.RepositoryIndexResponse(models=[entry(**e) for e in self.server.repository_index(request.ready)])
+
+    async def RepositoryModelLoad(self, request, context):
+        self._authorize(context)
+        self.server.check_explicit_control()
+        await self.server.load_model(_model_name(request))
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        self._authorize(context)
+        self.server.check_explicit_control()
+        await self.server.unload_model(_model_name(request))
+        return pb.RepositoryModelUnloadResponse()
+
+    # ---- wiring -----------------------------------------------------------------------------------
+    def handler(self) -> grpc.GenericRpcHandler:
+        def wrapped(name: str):
+            method = getattr(self, name)
+
+            async def call(request, context):
+                try:
+                    return await method(request, context)
+                except ApiError as e:
+                    await context.abort(STATUS_CODES.get(e.status, grpc.StatusCode.UNKNOWN), e.message,
+                                        _trailing(context))
+                except BadInput as e:
+                    code = grpc.StatusCode.INVALID_ARGUMENT
+                    await context.abort(code, str(e), _trailing(context))
+                except Exception:  # noqa: BLE001  what no handler expected: logged here, never sent
+                    if context.done():
+                        raise
+                    log.exception("unexpected error answering gRPC %s", name)
+                    await context.abort(grpc.StatusCode.INTERNAL, "internal server error (logged on the server)",
+                                        _trailing(context))
+            return call
+
+        handlers = {name: grpc.unary_unary_rpc_method_handler(wrapped(name), request_deserializer=req.FromString,
+                                                               response_serializer=resp.SerializeToString)
+                    for name, (req, resp) in METHODS.items()}
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+def _required(value: str, field: str) -> str:
+    if not value:
+        raise BadInput(f"{field} is required")
+    if len(value) > MAX_NAME_CHARS:
+        raise BadInput(f"{field} is over {MAX_NAME_CHARS} characters")
+    return value
+
+
+def _model_name(request) -> str:
+    """Triton's load/unload requests name the model in field 2; KServe's in field 1 (read here as
+    repository_name): either works, as there is one repository."""
+    return _required(request.model_name or request.repository_name, "model_name")
+
+
+def _deadline_s(context) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else max(remaining, 1e-3)  # 0 would read as 'no limit'
+
+
+def _trailing(context) -> tuple:
+    return tuple(context.trailing_metadata() or ())
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """The server's channel options: message limits set explicitly (gRPC's default would be 4 MiB
+    received, unlimited sent), and no SO_REUSEPORT, so a second server on the port is an error
+    rather than a silent half of the traffic."""
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0)]
+
+
+async def start_grpc(server: Server, auth: AdminAuth, host: str, port: int) -> grpc.aio.Server:
+    """A started grpc.aio server on `host`:`port` in the running event loop (the HTTP server's)."""
+    grpc_server = grpc.aio.server(options=grpc_options(server.cfg.max_body_bytes))
+    grpc_server.add_generic_rpc_handlers((InferenceService(server, auth).handler(),))
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = grpc_server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise RuntimeError(f"gRPC cannot listen on {address}: {e} (is --grpc-port in use?)") from None
+    if not bound:
+        raise RuntimeError(f"gRPC cannot listen on {address} (is --grpc-port in use?)")
+    await grpc_server.start()
+    log.info("gRPC (Open Inference Protocol) listening on %s", address)
+    return grpc_server

@@ -1,0 +1,61 @@
+"""What the Open Inference Protocol (v2) answers, whichever transport carries it: server and model
+metadata, readiness, and the output tensors of an inference. HTTP (routes_protocol) and gRPC
+(grpc_service) both answer from here, so they cannot drift apart."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import optiserve
+from optiserve.serve.envelope import OUTPUTS
+from optiserve.serve.model import ServedModel
+from optiserve.serve.server import ApiError, Server
+
+EXTENSIONS = ["binary_tensor_data", "model_repository"]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(1, keepdims=True)
+
+
+def server_metadata() -> dict:
+    return {"name": "optiserve", "version": optiserve.__version__, "extensions": EXTENSIONS}
+
+
+def check_version(model: ServedModel, version: str | None) -> None:
+    """404 for a version (a variant) the model does not have."""
+    if version is not None and version not in model.entry_names:
+        raise ApiError(404, f"unknown version {version!r} of {model.name}; versions: "
+                            f"{', '.join(model.entry_names)}")
+
+
+def served(server: Server, name: str, version: str | None = None) -> ServedModel:
+    model = server.model(name)
+    check_version(model, version)
+    return model
+
+
+def model_metadata(model: ServedModel, version: str | None) -> dict:
+    c, h, w = model.spec.shape
+    classes = len(model.classes)
+    return {"name": model.name, "versions": model.entry_names, "platform": "optiserve",
+            **({"version": version} if version else {}),
+            "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, c, h, w]}],
+            "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, classes]} for name in OUTPUTS]}
+
+
+def model_ready(server: Server, name: str, version: str | None = None) -> bool:
+    """Whether `name` (and `version`, if given) can answer now; 404 for a model the server does not know."""
+    if name not in server.models and name not in server.status:
+        raise ApiError(404, f"unknown model {name!r}; served: {', '.join(sorted(server.models)) or 'none'}")
+    model = server.models.get(name)
+    if model is not None:
+        check_version(model, version)
+    return server.reports_ready and model is not None and (version is None or version in model.variants)
+
+
+def output_tensor(name: str, logits: np.ndarray) -> np.ndarray:
+    """The named output (logits or probabilities) of a batch's logits, float32 [N, classes]."""
+    return (logits if name == "logits" else softmax(logits)).astype(np.float32, copy=False)
