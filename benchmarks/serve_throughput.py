@@ -4,7 +4,8 @@ Builds torchvision ResNet-18 (224x224, random weights: timing only) with `optimi
 in one run prints: the ONNX Runtime INT8 engine's offline throughput at the server's max batch
 (the ceiling), and the server's throughput, p50 and p99 under a closed loop of concurrent clients
 uploading PNG images, with dynamic batching and with batching off (max batch 1). One load client
-process drives every configuration, so client overhead is the same in each.
+process drives every configuration, so client overhead is the same in each: the load generator
+every benchmark and `optiserve bench http` use (optiserve.bench.loadgen).
 
 On a shared machine one measurement moves by +-10%, so the script alternates: ceiling, batching
 on, batching off, ceiling, ... for `--repeats` rounds (default 3), divides each round's server
@@ -21,17 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
-from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -40,6 +37,8 @@ from optiserve.runtime.timing import timed_calls  # noqa: E402
 from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
 from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
+from optiserve.bench.loadgen import Load, generate_load  # noqa: E402
+from optiserve.bench.payloads import dataset_images  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402
 
 
@@ -51,78 +50,18 @@ def offline_ceiling(folder: Path, variant: str, batch: int, seconds: float) -> f
     return batch / (statistics.median(timed_calls(session, x, seconds=seconds, min_calls=5, warmup=3)) / 1000)
 
 
-def png_images(n: int, size: int) -> list[bytes]:
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(n):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, format="PNG")
-        out.append(buf.getvalue())
-    return out
-
-
-class HttpxPoster:
-    def __init__(self, concurrency: int):
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        self.client = httpx.AsyncClient(limits=limits, timeout=60)
-
-    async def post(self, url: str, png: bytes) -> tuple[int, dict | None]:
-        r = await self.client.post(url, files={"file": ("x.png", png, "image/png")})
-        return r.status_code, r.json() if r.status_code == 200 else None
-
-    async def close(self):
-        await self.client.aclose()
-
-
-class AiohttpPoster:
-    """aiohttp spends less CPU per request than httpx, leaving more of the shared cores to the server."""
-
-    def __init__(self, concurrency: int):
-        import aiohttp
-
-        self.aiohttp = aiohttp
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
-                                             timeout=aiohttp.ClientTimeout(total=60))
-
-    async def post(self, url: str, png: bytes) -> tuple[int, dict | None]:
-        form = self.aiohttp.FormData()
-        form.add_field("file", png, filename="x.png", content_type="image/png")
-        async with self.session.post(url, data=form) as r:
-            return r.status, (await r.json()) if r.status == 200 else None
-
-    async def close(self):
-        await self.session.close()
-
-
-async def closed_loop(url: str, images: list[bytes], concurrency: int, seconds: float, warmup: float,
-                      client: str = "aiohttp"):
-    """`concurrency` clients, each sending its next request as soon as the last is answered."""
-    latencies, statuses, batch_sizes = [], {}, []
-    poster = AiohttpPoster(concurrency) if client == "aiohttp" else HttpxPoster(concurrency)
-    try:
-        t_start = time.perf_counter()
-        t_measure, t_end = t_start + warmup, t_start + warmup + seconds
-
-        async def worker(i: int):
-            k = i
-            while time.perf_counter() < t_end:
-                t0 = time.perf_counter()
-                status, body = await poster.post(url, images[k % len(images)])
-                t1 = time.perf_counter()
-                k += concurrency
-                if t0 >= t_measure:
-                    latencies.append(t1 - t0)
-                    statuses[status] = statuses.get(status, 0) + 1
-                    if body is not None:
-                        batch_sizes.extend(body["latency_ms"]["batch_sizes"])
-
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    finally:
-        await poster.close()
-    ok = statuses.get(200, 0)
-    lat = np.asarray(latencies) * 1000
-    return {"throughput": ok / seconds, "p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)),
-            "statuses": statuses, "mean_batch": float(np.mean(batch_sizes)) if batch_sizes else 0.0}
+def closed_loop(base: str, images: list[bytes], variant: str, concurrency: int, seconds: float,
+                warmup: float) -> dict:
+    """`concurrency` clients uploading PNGs to /predict, each sending its next request as soon as the
+    last is answered: the shared load generator (optiserve.bench.loadgen), as every benchmark uses."""
+    run = asyncio.run(generate_load(base, images, Load("closed", concurrency, seconds, warmup, variant)))
+    summary = run.window_summary()
+    statuses: dict = {}
+    for status in run.records["status"]:
+        statuses[status] = statuses.get(status, 0) + 1
+    batches = [b for b, ok in zip(run.records["batch"], run.records["ok"]) if ok and b]
+    return {"throughput": summary["rps"], "p50": summary["p50"], "p99": summary["p99"], "statuses": statuses,
+            "mean_batch": float(np.mean(batches)) if batches else 0.0}
 
 
 def serve_and_measure(folder: Path, args, max_batch: int) -> dict:
@@ -131,9 +70,8 @@ def serve_and_measure(folder: Path, args, max_batch: int) -> dict:
     flags += ["--threads", str(args.threads)] if args.threads else []
     flags += ["--decode-threads", str(args.decode_threads)] if args.decode_threads else []
     with served(folder, *flags) as (base, _):
-        images = png_images(64, args.image_size)
-        return asyncio.run(closed_loop(f"{base}/predict?variant={args.variant}", images, args.concurrency,
-                                       args.duration, args.warmup, args.client))
+        images = dataset_images("synthetic", args.image_size, count=64)
+        return closed_loop(base, images, args.variant, args.concurrency, args.duration, args.warmup)
 
 
 def main() -> None:
@@ -143,8 +81,6 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-delay-ms", type=float, default=5.0)
-    p.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
-                   help="the load client library (default aiohttp, the lighter of the two)")
     p.add_argument("--threads", type=int, default=None, help="the server's intra-op threads per variant")
     p.add_argument("--decode-threads", type=int, default=None,
                    help="the server's --decode-threads (default: the server's, min(4, cores))")
@@ -176,7 +112,7 @@ def main() -> None:
     median = sorted(rounds, key=lambda r: r["share"])[(len(rounds) - 1) // 2]
 
     print(f"\nmachine: {cpu_line()}")
-    print(f"\n{args.model} {args.variant}, {args.concurrency} concurrent {args.client} clients (closed loop), PNG "
+    print(f"\n{args.model} {args.variant}, {args.concurrency} concurrent clients (closed loop), PNG "
           f"{args.image_size}x{args.image_size} uploads, {args.duration:g} s measured, {os.cpu_count()} cores, "
           f"{args.repeats} alternating rounds\n")
     print(f"The median round (by share of the ceiling), round {rounds.index(median) + 1}:\n")

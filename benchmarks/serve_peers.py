@@ -1,0 +1,252 @@
+"""optiserve beside its peers, on one model file and one load generator, in alternating rounds.
+
+Builds torchvision ResNet-18 at 224x224 (random weights: timing only) with `optimize --int8` and
+serves its `onnx-int8` file by:
+
+  - optiserve over HTTP: PNG uploads to /predict (dynamic batching);
+  - optiserve over HTTP with the Open Inference Protocol's binary tensors (what tritonclient.http
+    sends), and over gRPC with raw tensors (tritonclient.grpc) — the same server process;
+  - a plain FastAPI + ONNX Runtime server, batch 1 (benchmarks/peers/fastapi_ort.py);
+  - LitServe with its batching, same batch size and delay (benchmarks/peers/litserve_ort.py).
+
+Every server runs for the whole benchmark; each round gives each configuration one window of the
+same closed loop (`optiserve.bench.loadgen`: the same client, the same 64 images). Per window:
+images/s, p50/p99, and the server's CPU per request read from /proc (utime + stime of the server
+process and its children, over the measured window). The offline ceiling is the same file through
+the runtime layer at batch 16, and "beyond inference" is a server's CPU per request minus the
+model's own CPU per image measured offline at the batch size that server formed (the mean batch,
+as the answers report it, rounded down to the nearest measured size).
+
+    python benchmarks/serve_peers.py
+    python benchmarks/serve_peers.py --concurrency 32 --duration 20 --rounds 3 --artifacts /tmp/r18
+
+Needs litserve (pip install litserve); the other peers need only the package's own dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from optiserve.artifacts import read_manifest  # noqa: E402
+from optiserve.bench.loadgen import Load, generate_load  # noqa: E402
+from optiserve.bench.payloads import dataset_images, image_tensors  # noqa: E402
+from optiserve.bench.senders import BinaryTensorSender, GrpcSender, PredictSender  # noqa: E402
+from optiserve.machine import cpu_line  # noqa: E402
+from optiserve.models import InputSpec  # noqa: E402
+from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
+from optiserve.runtime.timing import timed_calls  # noqa: E402
+from optiserve.serve.launch import free_port, served  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+OFFLINE_BATCHES = (1, 2, 4, 8, 16)
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by `pid` and every live descendant."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / TICK
+    total = 0.0
+    for p in times:
+        q = p
+        while q and q != pid:
+            q = parents.get(q, 0)
+        if q == pid:
+            total += times[p]
+    return total
+
+
+def offline(folder: Path, variant: str, spec: InputSpec, seconds: float) -> dict:
+    """Images/s at batch 16 (the ceiling) and the model's CPU ms per image at each batch size."""
+    manifest = read_manifest(folder)
+    entry = next(v for v in manifest["variants"] if v["name"] == variant)
+    session = load_session(folder / entry["file"], entry, manifest, RuntimeOptions(extra={"spin": False}))
+    rng = np.random.default_rng(0)
+    out = {"cpu_ms_per_image": {}}
+    for batch in OFFLINE_BATCHES:
+        x = rng.standard_normal((batch, *spec.shape), dtype=np.float32)
+        timed_calls(session, x, calls=3)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        times = timed_calls(session, x, seconds=seconds / len(OFFLINE_BATCHES), min_calls=5)
+        out["cpu_ms_per_image"][batch] = 1000 * (time.process_time() - cpu0) / (len(times) * batch)
+        if batch == 16:
+            out["ceiling"] = batch / (statistics.median(times) / 1000)
+        del wall0
+    return out
+
+
+@contextlib.contextmanager
+def peer(script: str, model_file: Path, *extra: str):
+    """Run a peer server script on a free port until it answers /health."""
+    port = free_port()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "peers" / script), str(model_file),
+                                 "--port", str(port), *extra], stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            import httpx
+
+            deadline = time.monotonic() + 120
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                        break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"{script} did not start:\n{log.read()[-3000:]}")
+                time.sleep(0.2)
+            yield base, proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def window(sender, pid: int, args) -> dict:
+    load = Load("closed", args.concurrency, args.duration, warmup_s=args.warmup, timeout_s=60)
+    box = {}
+
+    async def measure():
+        # the CPU window opens when the measured part of the load does
+        async def mark():
+            await asyncio.sleep(args.warmup)
+            box["cpu0"] = tree_cpu_s(pid)
+        marker = asyncio.create_task(mark())
+        run = await generate_load("", [], load, sender=sender)
+        await marker
+        box["cpu1"] = tree_cpu_s(pid)
+        return run
+
+    run = asyncio.run(measure())
+    summary = run.window_summary()
+    ok = [b for b, good in zip(run.records["batch"], run.records["ok"]) if good and b]
+    summary["mean_batch"] = float(np.mean(ok)) if ok else float("nan")
+    answered = sum(run.records["ok"])
+    summary["cpu_ms_per_request"] = 1000 * (box["cpu1"] - box["cpu0"]) / max(1, answered)
+    summary["images_per_s"] = summary["rps"]
+    return summary
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", default="onnx-int8")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--duration", type=float, default=15.0, help="measured seconds per window")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds of load before each window is measured")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (every configuration once per round)")
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-delay-ms", type=float, default=5.0)
+    p.add_argument("--offline-seconds", type=float, default=10.0)
+    p.add_argument("--only", default=None, help="comma-separated configurations to run (default all)")
+    p.add_argument("--serve-args", default="", help="extra `optiserve serve` options, e.g. '--decode-threads 2'")
+    p.add_argument("--artifacts", default=None, help="artifact folder to reuse (built there if missing)")
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.artifacts) if args.artifacts else Path(tmp) / "art"
+        if not (folder / "manifest.json").is_file():
+            from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+            run_optimize(OptimizeConfig("resnet18", weights="random", dataset="synthetic", int8=True,
+                                        out=str(folder), progress=True))
+        manifest = read_manifest(folder)
+        model = manifest["model"]
+        spec = InputSpec.from_dict(manifest["input"])
+        model_file = folder / next(v for v in manifest["variants"] if v["name"] == args.variant)["file"]
+        images = dataset_images("synthetic", spec.shape[1], count=64)
+        tensors = image_tensors(images, spec)
+        before = offline(folder, args.variant, spec, args.offline_seconds)
+        grpc_port = free_port()
+        batching = ["--max-batch-size", str(args.max_batch_size), "--max-delay-ms", str(args.max_delay_ms)]
+        with contextlib.ExitStack() as stack:
+            base, proc = stack.enter_context(served(folder, "--variants", args.variant, "--grpc-port", str(grpc_port),
+                                                    "--max-queue", "1024", *batching, *args.serve_args.split()))
+            configs = {
+                "optiserve HTTP /predict (PNG)": (lambda: PredictSender(base, images), proc.pid),
+                "optiserve HTTP v2 binary tensors": (lambda: BinaryTensorSender(base, tensors, model), proc.pid),
+                "optiserve gRPC raw tensors": (lambda: GrpcSender(f"127.0.0.1:{grpc_port}", tensors, model), proc.pid),
+            }
+            fastapi_base, fastapi_proc = stack.enter_context(peer("fastapi_ort.py", model_file,
+                                                                  "--size", str(spec.shape[1])))
+            configs["FastAPI + ORT, batch 1 (PNG)"] = (lambda: PredictSender(fastapi_base, images), fastapi_proc.pid)
+            try:
+                lit_base, lit_proc = stack.enter_context(peer(
+                    "litserve_ort.py", model_file, "--size", str(spec.shape[1]), "--max-batch-size",
+                    str(args.max_batch_size), "--batch-timeout-ms", str(args.max_delay_ms)))
+                configs["LitServe, batching (PNG)"] = (lambda: PredictSender(lit_base, images), lit_proc.pid)
+            except (RuntimeError, FileNotFoundError) as e:
+                print(f"LitServe left out: {str(e).splitlines()[0]} (pip install litserve)", file=sys.stderr)
+            if args.only:
+                wanted = [w.strip() for w in args.only.split(",")]
+                configs = {k: v for k, v in configs.items() if any(w in k for w in wanted)}
+            rounds: dict[str, list[dict]] = {name: [] for name in configs}
+            for r in range(args.rounds):
+                for name, (make, pid) in configs.items():
+                    rounds[name].append(window(make(), pid, args))
+                    s = rounds[name][-1]
+                    print(f"round {r + 1} {name}: {s['images_per_s']:.1f} img/s, p50 {s['p50']:.1f} ms, "
+                          f"p99 {s['p99']:.1f} ms, {s['cpu_ms_per_request']:.2f} core-ms/request, "
+                          f"mean batch {s['mean_batch']:.1f}, failed {s['failed']}", file=sys.stderr, flush=True)
+        after = offline(folder, args.variant, spec, args.offline_seconds)
+
+    cpu_model = {b: (before["cpu_ms_per_image"][b] + after["cpu_ms_per_image"][b]) / 2 for b in OFFLINE_BATCHES}
+    ceiling = (before["ceiling"] + after["ceiling"]) / 2
+    print(f"\nmachine: {cpu_line()}")
+    print(f"\nresnet18 224x224 {args.variant}, {args.concurrency} closed-loop clients, {args.duration:g} s windows, "
+          f"{args.rounds} alternating rounds, medians over rounds; batching max {args.max_batch_size}, "
+          f"{args.max_delay_ms:g} ms\n")
+    print(f"offline ceiling (batch 16, mean of before/after): {ceiling:.1f} images/s; the model's CPU per image: "
+          + ", ".join(f"batch {b} {cpu_model[b]:.2f} ms" for b in OFFLINE_BATCHES) + "\n")
+    print("| server | images/s | of ceiling | p50 ms | p99 ms | mean batch | CPU core-ms / request | "
+          "beyond inference | failed |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    medians = {}
+    for name, windows in rounds.items():
+        med = {k: statistics.median(w[k] for w in windows) for k in
+               ("images_per_s", "p50", "p99", "mean_batch", "cpu_ms_per_request")}
+        batch = max([b for b in OFFLINE_BATCHES if b <= max(1.0, med["mean_batch"])])
+        med["beyond"] = med["cpu_ms_per_request"] - cpu_model[batch]
+        med["failed"] = sum(w["failed"] for w in windows)
+        medians[name] = med
+        print(f"| {name} | {med['images_per_s']:.1f} | {med['images_per_s'] / ceiling:.0%} | {med['p50']:.1f} | "
+              f"{med['p99']:.1f} | {med['mean_batch']:.1f} | {med['cpu_ms_per_request']:.2f} | "
+              f"{med['beyond']:.2f} | {med['failed']} |")
+    peers = {k: v for k, v in medians.items() if not k.startswith("optiserve")}
+    http = medians.get("optiserve HTTP /predict (PNG)")
+    if peers and http:
+        best_name, best = max(peers.items(), key=lambda kv: kv[1]["images_per_s"])
+        print(f"\noptiserve HTTP / best peer ({best_name}): {http['images_per_s'] / best['images_per_s']:.2f}x "
+              f"images/s (target >= 1.25x), p99 {http['p99']:.1f} vs {best['p99']:.1f} ms (target: no higher); "
+              f"CPU beyond inference {http['beyond']:.2f} core-ms/request (target <= 1.2)")
+    g, b = medians.get("optiserve gRPC raw tensors"), medians.get("optiserve HTTP v2 binary tensors")
+    if g and b:
+        print(f"gRPC raw / HTTP binary tensors: {g['images_per_s'] / b['images_per_s']:.2f}x images/s (target >= 1)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
