@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -106,6 +108,16 @@ def test_images_and_bodies_are_decoded_on_the_decode_threads_not_the_event_loop(
     assert client.post("/predict", files={"file": ("d.png", buf.getvalue(), "image/png")}).status_code == 200
     assert client.post("/predict", json={"inputs": ZEROS}).status_code == 200
     assert len(threads) == 2 and all(name.startswith("decode") for name in threads), threads
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="native thread names are set on Linux")
+def test_the_os_sees_inference_and_decode_threads_by_name(client):
+    from optiserve.serve.priority import DECODE_THREAD, INFERENCE_THREAD
+
+    assert client.post("/predict", json={"inputs": ZEROS, "variant": "onnx-int8"}).status_code == 200
+    names = [Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task")]
+    # two variants' batch threads, the loader, and ONNX Runtime's workers, which inherit the name
+    assert names.count(INFERENCE_THREAD) >= 3 and DECODE_THREAD in names, names
 
 
 def test_an_unexpected_error_is_a_json_500_with_the_variant_and_one_logged_traceback(client, monkeypatch, caplog):

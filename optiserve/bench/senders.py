@@ -125,7 +125,10 @@ class BinaryTensorSender(PredictSender):
     def _outcome(self, status: int, headers, body: bytes) -> Outcome:
         variant = headers.get(VARIANT_HEADER, self.variant)
         if status == 200:
-            return Outcome(True, status, {}, variant)
+            length = headers.get("Inference-Header-Content-Length")
+            head = _json(body[:int(length)] if length and length.isdigit() else body)
+            params = (head.get("parameters") or {}) if isinstance(head, dict) else {}
+            return Outcome(True, status, timing_info(params), variant)
         parsed = _json(body)
         detail = parsed.get("error") if isinstance(parsed, dict) else None
         return Outcome(False, status, variant=variant,
@@ -176,10 +179,17 @@ class GrpcSender:
         except self.grpc.aio.AioRpcError as e:
             variant = dict(e.trailing_metadata() or ()).get(VARIANT_HEADER.lower(), self.variant)
             return Outcome(False, e.code().name, variant=variant, error=f"{e.code().name}: {e.details()}"[:ERROR_TEXT])
-        p = {key: v.int64_param for key, v in response.parameters.items()}
-        info = {"server_ms": p.get("server_us", 0) / 1000, "queue_ms": p.get("queue_us", 0) / 1000,
-                "compute_ms": p.get("compute_us", 0) / 1000, "batch_sizes": [p["batch_size"]] if "batch_size" in p else []}
-        return Outcome(True, "OK", info, response.model_version or self.variant)
+        params = {key: v.int64_param for key, v in response.parameters.items()}
+        return Outcome(True, "OK", timing_info(params), response.model_version or self.variant)
+
+
+def timing_info(params: dict) -> dict:
+    """The server's timing from an Open Inference Protocol answer's parameters (optiserve's
+    server_us, queue_us, compute_us, batch_size), as /predict reports it; {} from other servers."""
+    if not isinstance(params.get("batch_size"), int):
+        return {}
+    return {"server_ms": params.get("server_us", 0) / 1000, "queue_ms": params.get("queue_us", 0) / 1000,
+            "compute_ms": params.get("compute_us", 0) / 1000, "batch_sizes": [params["batch_size"]]}
 
 
 def _json(body: bytes):

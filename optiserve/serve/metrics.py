@@ -31,6 +31,7 @@ class ServerMetrics:
                                     buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = QueueDepths()
         r.register(self.queue_depth)
+        self._cache: dict[tuple[str, str], dict] = {}
 
         self.shadow_agreement = Counter("optiserve_shadow_agreement", "Images run on a shadow variant, by whether "
                                         "its top-1 class agreed with the variant that answered",
@@ -46,20 +47,34 @@ class ServerMetrics:
     def forget_queue(self, model: str, variant: str) -> None:
         """Drop an unloaded variant's queue gauge (its function holds the batcher)."""
         self.queue_depth.depths.pop((model, variant), None)
+        self._cache.pop((model, variant), None)
+
+    def _children(self, model: str, variant: str) -> dict:
+        """A variant's labelled series, looked up once: `labels()` costs a lock and a tuple per call."""
+        key = (model, variant)
+        children = self._cache.get(key)
+        if children is None:
+            children = self._cache[key] = {
+                "latency": self.latency.labels(model, variant), "images": self.images.labels(model, variant),
+                "batch_size": self.batch_size.labels(model, variant), "compute": self.compute.labels(model, variant),
+                "queue": self.queue.labels(model, variant), "ok": self.requests.labels(model, variant, "ok")}
+        return children
 
     def record_request(self, model: str, variant: str, outcome: str, seconds: float | None = None,
                        images: int = 0) -> None:
-        self.requests.labels(model, variant, outcome).inc()
+        children = self._children(model, variant)
+        (children["ok"] if outcome == "ok" else self.requests.labels(model, variant, outcome)).inc()
         if seconds is not None:
-            self.latency.labels(model, variant).observe(seconds)
+            children["latency"].observe(seconds)
         if images:
-            self.images.labels(model, variant).inc(images)
+            children["images"].inc(images)
 
     def record_batch(self, model: str, variant: str, size: int, queue_seconds: list[float],
                      compute_seconds: float) -> None:
-        self.batch_size.labels(model, variant).observe(size)
-        self.compute.labels(model, variant).observe(compute_seconds)
-        queue = self.queue.labels(model, variant)
+        children = self._children(model, variant)
+        children["batch_size"].observe(size)
+        children["compute"].observe(compute_seconds)
+        queue = children["queue"]
         for q in queue_seconds:
             queue.observe(q)
 

@@ -59,3 +59,10 @@ def model_ready(server: Server, name: str, version: str | None = None) -> bool:
 def output_tensor(name: str, logits: np.ndarray) -> np.ndarray:
     """The named output (logits or probabilities) of a batch's logits, float32 [N, classes]."""
     return (logits if name == "logits" else softmax(logits)).astype(np.float32, copy=False)
+
+
+def timing_parameters(timing: dict) -> dict[str, int]:
+    """An inference's server-side timing as response parameters (integers, which every client of the
+    protocol reads): microseconds in the server, queued and computing, and the batch it ran in."""
+    return {"server_us": round(1000 * timing["server_ms"]), "queue_us": round(1000 * timing["queue_ms"]),
+            "compute_us": round(1000 * timing["compute_ms"]), "batch_size": int(timing["batch_sizes"][0])}

@@ -40,7 +40,12 @@ def decode_image(data: bytes, spec: InputSpec, limits: ImageLimits = ImageLimits
             if im.width * im.height > limits.max_pixels:
                 raise BadInput(f"the image is {im.width}x{im.height}, over the server's limit of "
                                f"{limits.max_pixels:,} pixels")
-            image = im.convert(channel_mode(spec))  # decodes; the copy outlives the file
+            mode = channel_mode(spec)
+            if im.mode == mode:
+                im.load()  # decodes; the pixels outlive the file
+                image = im
+            else:
+                image = im.convert(mode)  # decodes; the copy outlives the file
     except BadInput:
         raise
     except Exception as e:  # Pillow's decoders raise many kinds (OSError, SyntaxError, struct.error, ...) on bad bytes

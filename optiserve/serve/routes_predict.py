@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from optiserve.serve import VARIANT_HEADER
-from optiserve.serve.envelope import predict_request, top_k
+from optiserve.serve.envelope import MAX_NAME_CHARS, predict_request, top_k
+from optiserve.serve.multipart import Part, boundary_of, parse_form
+from optiserve.serve.responses import FastJSONResponse
 from optiserve.serve.oip import softmax
 from optiserve.serve.preprocess import decode_image
 from optiserve.serve.server import ApiError, Server
@@ -18,7 +19,8 @@ IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/bmp")
 def add_predict_routes(app: FastAPI, server: Server) -> None:
     cfg = server.cfg
 
-    @app.post("/predict")
+    # a plain Starlette route: FastAPI's per-request dependency solving and validation cost CPU the
+    # model needs, and /predict reads its query and body itself
     async def predict(request: Request):
         """A multipart upload (field `file`), a raw image body (content-type image/png, ...), or JSON
         {"inputs": tensors or base64 images}; `?model=` picks the model, `?variant=` the variant."""
@@ -32,16 +34,16 @@ def add_predict_routes(app: FastAPI, server: Server) -> None:
             model = admission.model
             k = top_k(query.get("top_k"), len(model.classes))
             if ctype == "multipart/form-data":
-                form = await server.read_form(request)
+                boundary = boundary_of(request.headers["content-type"])
+                form = parse_form(await server.read_body(request), boundary)
                 upload, named = form.get("file"), form.get("variant")
-                if upload is None or isinstance(upload, str):
+                if upload is None or upload.filename is None:
                     raise ApiError(400, "multipart requests need the image in a file field named `file`")
-                if named is not None and not isinstance(named, str):
+                if named is not None and named.filename is not None:
                     raise ApiError(400, "the form field `variant` must be text")
                 if "variant" not in query:
-                    server.reroute(admission, named or None, request)
-                data = await upload.read()
-                images = (await server.decode(decode_image, data, model.spec, server.image_limits))[None]
+                    server.reroute(admission, _variant_field(named), request)
+                images = (await server.decode(decode_image, upload.data, model.spec, server.image_limits))[None]
             elif raw_image:
                 data = await server.read_body(request)
                 images = (await server.decode(decode_image, data, model.spec, server.image_limits))[None]
@@ -59,6 +61,21 @@ def add_predict_routes(app: FastAPI, server: Server) -> None:
         predictions = [[{"class": model.classes[i], "index": int(i), "probability": float(p[i])} for i in row]
                        for row, p in zip(order, probs)]
         variant = admission.variant.name
-        return JSONResponse({"model": model.name, "variant": variant, "predictions": predictions,
-                             "latency_ms": timing}, headers={VARIANT_HEADER: variant},
-                            background=server.shadow_task(admission, images, logits))
+        return FastJSONResponse({"model": model.name, "variant": variant, "predictions": predictions,
+                                 "latency_ms": timing}, headers={VARIANT_HEADER: variant},
+                                background=server.shadow_task(admission, images, logits))
+
+    app.add_route("/predict", predict, methods=["POST"])
+
+
+def _variant_field(part: Part | None) -> str | None:
+    """The form field `variant`, as text (None when absent or empty)."""
+    if part is None or not part.data:
+        return None
+    try:
+        name = part.data.decode()
+    except UnicodeDecodeError:
+        raise ApiError(400, "the form field `variant` must be UTF-8 text") from None
+    if len(name) > MAX_NAME_CHARS:
+        raise ApiError(400, f"the form field `variant` is over {MAX_NAME_CHARS} characters")
+    return name

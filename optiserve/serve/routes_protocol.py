@@ -60,7 +60,7 @@ def add_protocol_routes(app: FastAPI, server: Server) -> None:
             body = await server.read_body(request)
             parsed = await server.decode(infer_request, body, request.headers.get(BINARY_HEADER), model.spec,
                                          cfg.max_queue)
-            logits, _ = await server.infer(admission, parsed.images)
+            logits, timing = await server.infer(admission, parsed.images)
         variant = admission.variant.name
         outputs, binary = [], []
         for out_name, as_binary in parsed.outputs:
@@ -71,7 +71,8 @@ def add_protocol_routes(app: FastAPI, server: Server) -> None:
             else:
                 entry["data"] = data.reshape(-1).tolist()
             outputs.append(entry)
-        response = {"model_name": name, "model_version": variant, "outputs": outputs}
+        response = {"model_name": name, "model_version": variant, "outputs": outputs,
+                    "parameters": oip.timing_parameters(timing)}
         if parsed.id is not None:
             response["id"] = parsed.id
         content, header_length = encode_response(response, binary)
@@ -82,10 +83,14 @@ def add_protocol_routes(app: FastAPI, server: Server) -> None:
         return Response(content, media_type="application/octet-stream",
                         headers={**headers, BINARY_HEADER: str(header_length)}, background=background)
 
-    @app.post("/v2/models/{name}/infer")
-    async def infer(name: str, request: Request):
-        return await oip_infer(request, name, None)
+    # The inference routes are plain Starlette routes: FastAPI's per-request dependency solving
+    # and validation cost CPU the model needs, and these take nothing but the path and the body.
+    async def infer(request: Request):
+        return await oip_infer(request, request.path_params["name"], None)
 
-    @app.post("/v2/models/{name}/versions/{version}/infer")
-    async def infer_version(name: str, version: str, request: Request):
-        return await oip_infer(request, name, version)
+    async def infer_version(request: Request):
+        params = request.path_params
+        return await oip_infer(request, params["name"], params["version"])
+
+    app.add_route("/v2/models/{name}/infer", infer, methods=["POST"])
+    app.add_route("/v2/models/{name}/versions/{version}/infer", infer_version, methods=["POST"])

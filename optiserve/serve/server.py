@@ -30,7 +30,7 @@ from optiserve.serve.metrics import ServerMetrics
 from optiserve.serve.model import BatchingConfig, ServedModel, ServedVariant
 from optiserve.serve.preprocess import ImageLimits
 from optiserve.serve.config import ServeConfig
-from optiserve.serve.priority import lower_thread_priority
+from optiserve.serve.priority import DECODE_THREAD, inference_thread, name_native_thread
 from optiserve.serve.traffic import ShadowStats, TrafficError, parse_traffic
 
 log = logging.getLogger("optiserve.serve")
@@ -93,8 +93,9 @@ class Server:
         # Parsing JSON, base64 and images costs milliseconds per request: off the event loop, so
         # health checks and 429s are answered at once whatever is being uploaded.
         self.decode_pool = ThreadPoolExecutor(max_workers=cfg.decode_threads or min(4, os.cpu_count() or 1),
-                                              thread_name_prefix="decode")
-        niced = functools.partial(lower_thread_priority, cfg.inference_nice)
+                                              thread_name_prefix="decode", initializer=name_native_thread,
+                                              initargs=(DECODE_THREAD,))
+        niced = functools.partial(inference_thread, cfg.inference_nice)
         self.batching = BatchingConfig(cfg.max_batch_size, cfg.max_delay_ms, cfg.max_queue, niced)
         self.options = RuntimeOptions(device=cfg.device, threads=cfg.threads, extra={"spin": False})
         # sessions are created on a lowered-priority thread, so their runtimes' worker threads inherit it
@@ -418,9 +419,6 @@ class Server:
 
     async def read_body(self, request: Request) -> bytes:
         return await self._within_body_timeout(request.body())
-
-    async def read_form(self, request: Request):
-        return await self._within_body_timeout(request.form())
 
     async def _within_body_timeout(self, reading):
         """The body, or 408 once `body_timeout_s` has passed: an idle upload must not keep its queue place."""

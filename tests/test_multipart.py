@@ -1,0 +1,67 @@
+"""/predict's multipart parser: what real clients send comes back byte for byte, and every way a body
+can be malformed is a BadInput saying what is wrong (the fuzz test sends generated ones to a server)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from optiserve.serve.multipart import MAX_PARTS, boundary_of, parse_form
+from optiserve.serve.preprocess import BadInput
+
+PNG = bytes(range(256)) * 40 + b"\r\n--not-the-boundary\r\n"  # binary, with CRLFs and dashes inside
+
+
+def _encoded(files: dict, data: dict | None = None) -> tuple[bytes, str]:
+    """The body and Content-Type an unmodified httpx client sends for this form."""
+    request = httpx.Request("POST", "http://x/predict", files=files, data=data)
+    return request.read(), request.headers["content-type"]
+
+
+def test_what_a_real_client_sends_is_read_back_exactly():
+    body, ctype = _encoded({"file": ("digit 7; final.png", PNG, "image/png")}, {"variant": "onnx-int8"})
+    form = parse_form(body, boundary_of(ctype))
+    assert form["file"].data == PNG and form["file"].filename == "digit 7; final.png"
+    assert form["variant"].data == b"onnx-int8" and form["variant"].filename is None
+
+
+def test_aiohttps_encoding_the_load_generators_reads_back_too():
+    aiohttp = pytest.importorskip("aiohttp")
+    form = aiohttp.FormData()
+    form.add_field("file", PNG, filename="image.png", content_type="application/octet-stream")
+    writer = form()
+
+    class Sink:
+        def __init__(self):
+            self.chunks = []
+
+        async def write(self, chunk):
+            self.chunks.append(bytes(chunk))
+
+    import asyncio
+
+    sink = Sink()
+    asyncio.run(writer.write(sink))
+    parsed = parse_form(b"".join(sink.chunks), boundary_of(writer.content_type))
+    assert parsed["file"].data == PNG
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"no boundary anywhere", "never occurs"),
+    (b"--B\r\nContent-Disposition: form-data; name=\"file\"", "headers do not end"),
+    (b"--B\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nunterminated", "not closed by the boundary"),
+    (b"--B\r\nContent-Type: image/png\r\n\r\nx\r\n--B--", "Content-Disposition: form-data; name="),
+    (b"--B\r\nContent-Disposition: attachment; name=\"file\"\r\n\r\nx\r\n--B--", "Content-Disposition: form-data"),
+    ((b"--B\r\nContent-Disposition: form-data; name=\"f\"\r\n\r\nx\r\n") * (MAX_PARTS + 1) + b"--B--", "at most"),
+])
+def test_malformed_bodies_are_bad_input_naming_the_problem(body, message):
+    with pytest.raises(BadInput, match=message):
+        parse_form(body, b"B")
+
+
+def test_a_content_type_without_a_usable_boundary_is_refused():
+    with pytest.raises(BadInput, match="needs a boundary"):
+        boundary_of("multipart/form-data")
+    with pytest.raises(BadInput, match="over 200"):
+        boundary_of("multipart/form-data; boundary=" + "x" * 201)
+    assert boundary_of('multipart/form-data; boundary="a b"') == b"a b"
