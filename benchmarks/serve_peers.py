@@ -23,7 +23,8 @@ as the answers report it, rounded down to the nearest measured size).
     python benchmarks/serve_peers.py
     python benchmarks/serve_peers.py --concurrency 32 --duration 20 --rounds 3 --artifacts /tmp/r18
 
-Needs litserve (pip install litserve); the other peers need only the package's own dependencies.
+Needs litserve for the LitServe peer (pip install "optiserve[peers]"; left out with a note without it);
+the other peers need only the package's own dependencies.
 """
 
 from __future__ import annotations
