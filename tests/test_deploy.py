@@ -114,6 +114,11 @@ def test_container_args_are_accepted_by_the_real_parser_and_fit_the_probes(path)
     else:
         pod = doc["spec"]["template"]["spec"]
         grace = pod["terminationGracePeriodSeconds"] - container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["grpc"] == parsed.grpc_port != parsed.port  # gRPC on a port of its own, named for the Service
+        service = {p["name"]: p["targetPort"] for p in yaml.safe_load((DEPLOY / "k8s" / "service.yaml").read_text())[
+            "spec"]["ports"]}
+        assert service == {"http": "http", "grpc": "grpc"}
     # the pod is killed only after the drain and the queued requests' time are over
     assert grace > parsed.drain_seconds + parsed.shutdown_timeout_s
 
