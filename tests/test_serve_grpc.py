@@ -138,6 +138,11 @@ def test_grpc_requests_are_counted_with_the_http_ones_and_name_their_variant(ser
     (lambda r: (r.inputs[0].ClearField("shape"), r.inputs[0].shape.extend([-3, 1, 16, 16])), "positive integers"),
     (lambda r: r.outputs.add(name="features"), "unknown output 'features'"),
     (lambda r: r.raw_input_contents.__setitem__(0, np.full(768, np.nan, np.float32).tobytes()), "NaN or Inf"),
+    (lambda r: (r.ClearField("raw_input_contents"), r.inputs[0].contents.fp32_contents.extend([0.0] * 5)),
+     "contents.fp32_contents has 5 values but shape [3, 1, 16, 16] needs 768"),
+    (lambda r: (r.ClearField("raw_input_contents"), r.inputs[0].__setattr__("datatype", "FP16")),
+     "FP16 tensors must be sent as raw_input_contents"),
+    (lambda r: r.inputs[0].contents.fp32_contents.append(1.0), "either as raw_input_contents or as typed contents"),
 ])
 def test_a_malformed_request_is_invalid_argument_with_the_reason(served, mutate, message):
     _, _, rpc = served
@@ -274,3 +279,19 @@ def test_grpc_port_mistakes_are_one_line_errors_before_anything_loads(small_arti
     assert r.returncode == 2 and "cannot be combined with --workers" in r.stderr
     with pytest.raises(UserError, match="--grpc-port must be a port number"):
         ServeConfig(str(small_artifact), grpc_port=70000).validate()
+
+
+def test_an_unexpected_error_is_internal_with_the_traceback_only_in_the_log(served, monkeypatch, caplog):
+    from optiserve.serve import oip
+
+    _, _, rpc = served
+
+    def broken(name, logits):
+        raise RuntimeError("a bug in the response code")
+
+    monkeypatch.setattr(oip, "output_tensor", broken)
+    code, details = _code(lambda: rpc.ModelInfer(_request(model_version="fp32"), timeout=30))
+    assert (code, details) == (grpc.StatusCode.INTERNAL, "internal server error (logged on the server)")
+    assert any("a bug in the response code" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+    monkeypatch.undo()
+    assert rpc.ModelInfer(_request(model_version="fp32"), timeout=30).model_version == "fp32"  # still serving
