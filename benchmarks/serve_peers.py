@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -54,34 +55,36 @@ from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.models import InputSpec  # noqa: E402
 from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
 from optiserve.runtime.timing import timed_calls  # noqa: E402
-from optiserve.serve.launch import free_port, served  # noqa: E402
+from optiserve.bench.results import Run  # noqa: E402
+from optiserve.serve.launch import free_port, served, wait_until_ready  # noqa: E402
 from optiserve.serve.priority import INFERENCE_THREAD  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 OFFLINE_BATCHES = (1, 2, 4, 8, 16)
 
 
+def stat_cpu(path: str) -> tuple[str, int, float] | None:
+    """(name, parent pid, CPU seconds of user + system) from a /proc `stat` file; None once it is gone."""
+    try:
+        with open(path) as f:
+            raw = f.read()
+    except OSError:
+        return None
+    head, _, rest = raw.rpartition(")")
+    fields = rest.split()
+    return head[head.index("(") + 1:], int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+
+
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) used so far by `pid` and every live descendant."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry)] = int(fields[1])
-        times[int(entry)] = (int(fields[11]) + int(fields[12])) / TICK
+    stats = {int(e): stat for e in os.listdir("/proc") if e.isdigit() and (stat := stat_cpu(f"/proc/{e}/stat"))}
     total = 0.0
-    for p in times:
+    for p, (_, _, cpu) in stats.items():
         q = p
         while q and q != pid:
-            q = parents.get(q, 0)
+            q = stats[q][1] if q in stats else 0
         if q == pid:
-            total += times[p]
+            total += cpu
     return total
 
 
@@ -90,15 +93,29 @@ def inference_cpu_s(pid: int) -> float:
     runtimes' worker threads inherit the name): the rest of the process is the request path."""
     total = 0.0
     for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        if raw[raw.index("(") + 1:raw.rindex(")")].startswith(INFERENCE_THREAD):
-            fields = raw.rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / TICK
+        stat = stat_cpu(f"/proc/{pid}/task/{tid}/stat")
+        if stat is not None and stat[0].startswith(INFERENCE_THREAD):
+            total += stat[2]
     return total
+
+
+def measured_load(load: Load, sender, probe: Callable[[], tuple]) -> tuple[Run, tuple, tuple]:
+    """Run `load` through `sender`, reading `probe()` when its measured part starts (after the
+    warm-up) and when it ends: the CPU counters of a window."""
+    marks = {}
+
+    async def measure():
+        async def mark():
+            await asyncio.sleep(load.warmup_s)
+            marks["start"] = probe()
+        marker = asyncio.create_task(mark())
+        run = await generate_load("", [], load, sender=sender)
+        await marker
+        marks["end"] = probe()
+        return run
+
+    run = asyncio.run(measure())
+    return run, marks["start"], marks["end"]
 
 
 def offline(folder: Path, variant: str, spec: InputSpec, seconds: float) -> dict:
@@ -111,12 +128,11 @@ def offline(folder: Path, variant: str, spec: InputSpec, seconds: float) -> dict
     for batch in OFFLINE_BATCHES:
         x = rng.standard_normal((batch, *spec.shape), dtype=np.float32)
         timed_calls(session, x, calls=3)
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+        cpu0 = time.process_time()
         times = timed_calls(session, x, seconds=seconds / len(OFFLINE_BATCHES), min_calls=5)
         out["cpu_ms_per_image"][batch] = 1000 * (time.process_time() - cpu0) / (len(times) * batch)
         if batch == 16:
             out["ceiling"] = batch / (statistics.median(times) / 1000)
-        del wall0
     return out
 
 
@@ -130,18 +146,13 @@ def peer(script: str, model_file: Path, *extra: str):
                                  "--port", str(port), *extra], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         base = f"http://127.0.0.1:{port}"
-        try:
-            import httpx
 
-            deadline = time.monotonic() + 120
-            while True:
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                        break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"{script} did not start:\n{log.read()[-3000:]}")
-                time.sleep(0.2)
+        def output() -> str:
+            log.seek(0)
+            return log.read()
+
+        try:
+            wait_until_ready(base, 120, proc, output, path="/health")
             yield base, proc
         finally:
             with contextlib.suppress(ProcessLookupError):
@@ -157,29 +168,13 @@ def peer(script: str, model_file: Path, *extra: str):
 
 def window(sender, pid: int, args) -> dict:
     load = Load("closed", args.concurrency, args.duration, warmup_s=args.warmup, timeout_s=60)
-    box = {}
-
-    async def measure():
-        # the CPU window opens when the measured part of the load does
-        async def mark():
-            await asyncio.sleep(args.warmup)
-            box["cpu0"], box["client0"], box["infer0"] = tree_cpu_s(pid), time.process_time(), inference_cpu_s(pid)
-        marker = asyncio.create_task(mark())
-        run = await generate_load("", [], load, sender=sender)
-        await marker
-        box["cpu1"], box["client1"], box["infer1"] = tree_cpu_s(pid), time.process_time(), inference_cpu_s(pid)
-        return run
-
-    run = asyncio.run(measure())
+    run, start, end = measured_load(load, sender, lambda: (tree_cpu_s(pid), time.process_time(), inference_cpu_s(pid)))
+    server, client, inference = (1000 * (e - s) / max(1, sum(run.records["ok"])) for s, e in zip(start, end))
     summary = run.window_summary()
     ok = [b for b, good in zip(run.records["batch"], run.records["ok"]) if good and b]
     summary["mean_batch"] = float(np.mean(ok)) if ok else float("nan")
-    answered = sum(run.records["ok"])
-    summary["cpu_ms_per_request"] = 1000 * (box["cpu1"] - box["cpu0"]) / max(1, answered)
-    summary["client_ms_per_request"] = 1000 * (box["client1"] - box["client0"]) / max(1, answered)
-    inference = 1000 * (box["infer1"] - box["infer0"]) / max(1, answered)
-    summary["request_path_ms"] = summary["cpu_ms_per_request"] - inference if inference > 0 else float("nan")
-    summary["images_per_s"] = summary["rps"]
+    summary["cpu_ms_per_request"], summary["client_ms_per_request"] = server, client
+    summary["request_path_ms"] = server - inference if inference > 0 else float("nan")
     return summary
 
 
@@ -208,6 +203,9 @@ def main() -> int:
         manifest = read_manifest(folder)
         model = manifest["model"]
         spec = InputSpec.from_dict(manifest["input"])
+        if spec.shape[0] != 3:  # the peer scripts preprocess as ImageNet RGB classifiers do
+            p.error(f"{folder} takes {spec.shape[0]}-channel input; the peers are written for RGB models "
+                    f"(e.g. the default: resnet18 at 224x224, built when --artifacts is not given)")
         model_file = folder / next(v for v in manifest["variants"] if v["name"] == args.variant)["file"]
         images = dataset_images("synthetic", spec.shape[1], count=64)
         tensors = image_tensors(images, spec)
@@ -252,7 +250,7 @@ def main() -> int:
                             continue
                         s = window(make(), pid, args)
                         rounds.setdefault(name, []).append(s)
-                        print(f"round {r + 1} {name}: {s['images_per_s']:.1f} img/s, p50 {s['p50']:.1f} ms, "
+                        print(f"round {r + 1} {name}: {s['rps']:.1f} img/s, p50 {s['p50']:.1f} ms, "
                               f"p99 {s['p99']:.1f} ms, {s['cpu_ms_per_request']:.2f} core-ms/request, "
                               f"mean batch {s['mean_batch']:.1f}, failed {s['failed']}", file=sys.stderr, flush=True)
         after = offline(folder, args.variant, spec, args.offline_seconds)
@@ -272,27 +270,27 @@ def main() -> int:
     medians = {}
     for name, windows in rounds.items():
         med = {k: statistics.median(w[k] for w in windows) for k in
-               ("images_per_s", "p50", "p99", "mean_batch", "cpu_ms_per_request", "client_ms_per_request",
+               ("rps", "p50", "p99", "mean_batch", "cpu_ms_per_request", "client_ms_per_request",
                 "request_path_ms")}
         batch = max([b for b in OFFLINE_BATCHES if b <= max(1.0, med["mean_batch"])])
         med["beyond"] = med["cpu_ms_per_request"] - cpu_model[batch]
         med["failed"] = sum(w["failed"] for w in windows)
         medians[name] = med
-        print(f"| {name} | {med['images_per_s']:.1f} | {med['images_per_s'] / ceiling:.0%} | {med['p50']:.1f} | "
+        print(f"| {name} | {med['rps']:.1f} | {med['rps'] / ceiling:.0%} | {med['p50']:.1f} | "
               f"{med['p99']:.1f} | {med['mean_batch']:.1f} | {med['cpu_ms_per_request']:.2f} | "
               f"{med['beyond']:.2f} | {_ms(med['request_path_ms'])} | {med['client_ms_per_request']:.2f} | "
               f"{med['failed']} |")
     peers = {k: v for k, v in medians.items() if not k.startswith("optiserve")}
     http = medians.get("optiserve HTTP /predict (PNG)")
     if peers and http:
-        best_name, best = max(peers.items(), key=lambda kv: kv[1]["images_per_s"])
-        print(f"\noptiserve HTTP / best peer ({best_name}): {http['images_per_s'] / best['images_per_s']:.2f}x "
+        best_name, best = max(peers.items(), key=lambda kv: kv[1]["rps"])
+        print(f"\noptiserve HTTP / best peer ({best_name}): {http['rps'] / best['rps']:.2f}x "
               f"images/s (target >= 1.25x), p99 {http['p99']:.1f} vs {best['p99']:.1f} ms (target: no higher); "
               f"CPU beyond inference {http['beyond']:.2f} core-ms/request by the offline model, "
               f"{http['request_path_ms']:.2f} outside the inference threads (target <= 1.2)")
     g, b = medians.get("optiserve gRPC raw tensors"), medians.get("optiserve HTTP v2 binary tensors")
     if g and b:
-        print(f"gRPC raw / HTTP binary tensors: {g['images_per_s'] / b['images_per_s']:.2f}x images/s (target >= 1)")
+        print(f"gRPC raw / HTTP binary tensors: {g['rps'] / b['rps']:.2f}x images/s (target >= 1)")
     return 0
 
 

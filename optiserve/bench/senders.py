@@ -94,9 +94,7 @@ class PredictSender:
         if status == 200:
             info = parsed.get("latency_ms") or {} if isinstance(parsed, dict) else {}
             return Outcome(True, status, info, parsed.get("variant", variant) if isinstance(parsed, dict) else variant)
-        detail = (parsed.get("error") or parsed.get("detail")) if isinstance(parsed, dict) else None
-        return Outcome(False, status, variant=variant,
-                       error=str(detail or body[:ERROR_TEXT].decode(errors="replace"))[:ERROR_TEXT])
+        return _failure(status, variant, parsed, body)
 
 
 class BinaryTensorSender(PredictSender):
@@ -129,10 +127,7 @@ class BinaryTensorSender(PredictSender):
             head = _json(body[:int(length)] if length and length.isdigit() else body)
             params = (head.get("parameters") or {}) if isinstance(head, dict) else {}
             return Outcome(True, status, timing_info(params), variant)
-        parsed = _json(body)
-        detail = parsed.get("error") if isinstance(parsed, dict) else None
-        return Outcome(False, status, variant=variant,
-                       error=str(detail or body[:ERROR_TEXT].decode(errors="replace"))[:ERROR_TEXT])
+        return _failure(status, variant, _json(body), body)
 
 
 class GrpcSender:
@@ -190,6 +185,13 @@ def timing_info(params: dict) -> dict:
         return {}
     return {"server_ms": params.get("server_us", 0) / 1000, "queue_ms": params.get("queue_us", 0) / 1000,
             "compute_ms": params.get("compute_us", 0) / 1000, "batch_sizes": [params["batch_size"]]}
+
+
+def _failure(status: int, variant: str | None, parsed, body: bytes) -> Outcome:
+    """A failed HTTP answer: its error message (optiserve's `error`, FastAPI's `detail`) or the body's start."""
+    detail = (parsed.get("error") or parsed.get("detail")) if isinstance(parsed, dict) else None
+    return Outcome(False, status, variant=variant,
+                   error=str(detail or body[:ERROR_TEXT].decode(errors="replace"))[:ERROR_TEXT])
 
 
 def _json(body: bytes):

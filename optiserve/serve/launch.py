@@ -21,15 +21,15 @@ def free_port() -> int:
 
 
 def wait_until_ready(base: str, within_s: float, proc: subprocess.Popen | None = None,
-                     output: Callable[[], str] = lambda: "") -> None:
-    """Return once `base`/v2/health/ready answers 200; RuntimeError (with the end of `output()`) if
-    `proc` exits first or `within_s` runs out."""
+                     output: Callable[[], str] = lambda: "", path: str = "/v2/health/ready") -> None:
+    """Return once `base``path` (by default the readiness endpoint) answers 200; RuntimeError (with
+    the end of `output()`) if `proc` exits first or `within_s` runs out."""
     import httpx
 
     deadline = time.monotonic() + within_s
     while True:
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
+            if httpx.get(f"{base}{path}", timeout=1).status_code == 200:
                 return
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the server exited with status {proc.returncode}:\n{output()[-3000:]}")
@@ -40,17 +40,20 @@ def wait_until_ready(base: str, within_s: float, proc: subprocess.Popen | None =
 
 @contextlib.contextmanager
 def served(folder: str | Path, *args: str, port: int | None = None, ready_within_s: float = 300,
-           preexec_fn: Callable[[], None] | None = None,
-           drain_seconds: float = 0) -> Iterator[tuple[str, subprocess.Popen]]:
+           preexec_fn: Callable[[], None] | None = None, drain_seconds: float = 0,
+           env: dict | None = None, cwd: str | Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start `optiserve serve FOLDER ARGS` on loopback `port` (default: a free one); yield (base URL, process) once
     /v2/health/ready answers 200; terminate it afterwards. There is no load balancer to drain from
-    here, so the SIGTERM drain window is 0 s unless `drain_seconds` (or ARGS) say otherwise. The server's output goes to a file (a
-    pipe nobody reads could fill and block it) and is left on `process.output` at the end."""
+    here, so the SIGTERM drain window is 0 s unless `drain_seconds` (or ARGS) say otherwise. `env` and
+    `cwd` go to the process (another checkout's package comes first from its own folder). The server's
+    output goes to a file (a pipe nobody reads could fill and block it) and is left on `process.output`
+    at the end."""
     port = port or free_port()
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([sys.executable, "-m", "optiserve", "serve", str(folder), "--port", str(port),
                                  "--drain-seconds", f"{drain_seconds:g}", *args],
-                                stdout=log, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
+                                stdout=log, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn,
+                                env=env, cwd=cwd)
         base = f"http://127.0.0.1:{port}"
 
         def output() -> str:
