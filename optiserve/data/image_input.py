@@ -37,13 +37,18 @@ def image_to_input(image: Image.Image, spec: InputSpec) -> np.ndarray:
                                  Image.BILINEAR)
             left, top = (image.width - w) // 2, (image.height - h) // 2
             image = image.crop((left, top, left + w, top + h))
-    # (pixel / 255 - mean) / std as one in-place multiply-add per channel plane: the uint8 pixels are
-    # moved to C x H x W first, because arithmetic broadcast over a strided or 3-wide last axis costs
-    # numpy as much as decoding the PNG
+    return pixels_to_input(np.asarray(image), spec)
+
+
+def pixels_to_input(pixels: np.ndarray, spec: InputSpec) -> np.ndarray:
+    """uint8 pixels already of the model's size, [H, W] or [H, W, C] -> float32 [C, H, W],
+    (pixel / 255 - mean) / std."""
+    # one in-place multiply-add per channel plane: the uint8 pixels are moved to C x H x W first,
+    # because arithmetic broadcast over a strided or 3-wide last axis costs numpy as much as
+    # decoding the PNG
     std = np.asarray(spec.std, dtype=np.float32)
     scale = (1.0 / (255.0 * std))[:, None, None]
     shift = (-np.asarray(spec.mean, dtype=np.float32) / std)[:, None, None]
-    pixels = np.asarray(image)
     chw = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
     x = np.ascontiguousarray(chw).astype(np.float32)
     x *= scale

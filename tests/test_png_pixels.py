@@ -1,0 +1,95 @@
+"""The libspng fast path for PNG uploads: the very pixels Pillow gives, or no answer at all."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+from sklearn.datasets import load_digits
+
+from optiserve.data import png_pixels
+from optiserve.data.png_pixels import decode_png_pixels, png_header
+from optiserve.models.registry import InputSpec
+from optiserve.serve.preprocess import BadInput, ImageLimits, decode_image
+
+RGB_224 = InputSpec((3, 224, 224), (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+GRAY_16 = InputSpec((1, 16, 16), (0.5,), (0.25,))
+
+
+def png(array: np.ndarray, convert: str | None = None, **save) -> bytes:
+    image = Image.fromarray(array)
+    buf = io.BytesIO()
+    (image.convert(convert) if convert else image).save(buf, format="PNG", **save)
+    return buf.getvalue()
+
+
+def pillow_pixels(data: bytes, mode: str) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as im:
+        return np.asarray(im.convert(mode))
+
+
+def noise(shape, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def digit_pngs(count=8):
+    return [png((im * 255 / 16).astype(np.uint8)) for im in load_digits().images[:count]]
+
+
+@pytest.mark.parametrize("data, mode", [
+    *[(png(noise((224, 224, 3), s), compress_level=c), "RGB") for s, c in ((0, 6), (1, 0), (2, 9))],
+    (png(noise((31, 57, 3))), "RGB"),                  # odd sizes: rows that are not a multiple of anything
+    *[(d, "L") for d in digit_pngs()],                 # real grayscale images
+    (png(noise((40, 24))), "L"),
+])
+def test_a_png_already_in_the_models_colors_decodes_to_exactly_pillows_pixels(data, mode):
+    fast = decode_png_pixels(data, mode, 1 << 20)
+    assert fast is not None and fast.dtype == np.uint8
+    np.testing.assert_array_equal(fast, pillow_pixels(data, mode))
+
+
+@pytest.mark.parametrize("data, mode, why", [
+    (png(noise((16, 16, 3))), "L", "RGB to grayscale needs Pillow's color math"),
+    (png(noise((16, 16))), "RGB", "grayscale to RGB is a conversion"),
+    (png(noise((16, 16, 4))), "RGB", "alpha is dropped by a conversion"),
+    (png(noise((16, 16), 1).astype(np.uint16) * 200), "L", "16-bit samples"),
+    (png(noise((16, 16, 3)), convert="P"), "RGB", "a palette"),
+])
+def test_any_png_that_needs_a_conversion_is_left_to_pillow(data, mode, why):
+    assert decode_png_pixels(data, mode, 1 << 20) is None, why
+
+
+def test_a_png_larger_than_asked_for_is_left_to_pillow_which_decodes_without_holding_the_gil():
+    data = png(noise((64, 64, 3)))
+    assert decode_png_pixels(data, "RGB", 64 * 64) is not None
+    assert decode_png_pixels(data, "RGB", 64 * 64 - 1) is None
+
+
+def test_what_is_not_a_whole_png_gets_no_answer_so_pillow_can_word_the_error():
+    data = png(noise((64, 64, 3)))
+    jpeg = io.BytesIO()
+    Image.fromarray(noise((64, 64, 3))).save(jpeg, format="JPEG")
+    for bad in (data[:len(data) // 2], data[:20], b"", b"not an image", jpeg.getvalue()):
+        assert decode_png_pixels(bad, "RGB", 1 << 20) is None
+    with pytest.raises(BadInput, match="not a readable image"):
+        decode_image(data[:len(data) // 2], InputSpec((3, 64, 64), (0.5,) * 3, (0.25,) * 3))
+
+
+def test_the_header_gives_the_size_before_any_pixel_is_decoded():
+    assert png_header(png(noise((30, 70, 3)))) == (70, 30, 8, 2)
+    assert png_header(png(noise((5, 6)))) == (6, 5, 8, 0)
+    assert png_header(b"GIF89a" + bytes(40)) is None
+    with pytest.raises(BadInput, match="over the server's limit of 1,000 pixels"):
+        decode_image(png(noise((30, 70, 3))), RGB_224, ImageLimits(max_pixels=1000))
+
+
+@pytest.mark.parametrize("spec, images", [
+    (RGB_224, [png(noise((224, 224, 3), s)) for s in range(3)]
+     + [png(noise((180, 200, 3))), png(noise((300, 260, 3)))]),  # smaller, larger: resized, cropped
+    (GRAY_16, digit_pngs(4)),
+])
+def test_the_served_input_is_the_same_with_or_without_libspng(spec, images, monkeypatch):
+    with_spng = [decode_image(d, spec) for d in images]
+    monkeypatch.setattr(png_pixels, "pyspng", None)
+    for d, fast in zip(images, with_spng):
+        np.testing.assert_array_equal(fast, decode_image(d, spec))
