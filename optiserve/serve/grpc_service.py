@@ -53,10 +53,11 @@ def parse_infer(request, spec, max_images: int) -> InferRequest:
             raise BadInput(f"raw_input_contents must hold one entry per input (1), got {len(raw)}")
         if tensor.HasField("contents"):
             raise BadInput("give the input either as raw_input_contents or as typed contents, not both")
-        if len(raw[0]) != count * dtype.itemsize:
-            raise BadInput(f"raw_input_contents holds {len(raw[0]):,} bytes but shape {shape} of {tensor.datatype} "
+        data = raw[0]  # each index into the repeated field copies the bytes out of the message: once
+        if len(data) != count * dtype.itemsize:
+            raise BadInput(f"raw_input_contents holds {len(data):,} bytes but shape {shape} of {tensor.datatype} "
                            f"needs {count:,} x {dtype.itemsize} = {count * dtype.itemsize:,}")
-        flat = np.frombuffer(raw[0], dtype=dtype)
+        flat = np.frombuffer(data, dtype=dtype)
     else:
         field = TYPED_CONTENTS.get(tensor.datatype)
         if field is None:
