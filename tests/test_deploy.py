@@ -105,7 +105,7 @@ def test_container_args_are_accepted_by_the_real_parser_and_fit_the_probes(path)
     assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     if doc["kind"] == "ServingRuntime":
         assert container["name"] == "kserve-container" and port == 8080 and args[1] == "/mnt/models"
-        assert doc["spec"]["protocolVersions"] == ["v2"]
+        assert doc["spec"]["protocolVersions"] == ["v2", "grpc-v2"]
         assert {"name": "optiserve", "version": "1", "autoSelect": True} in doc["spec"]["supportedModelFormats"]
         assert doc["spec"]["annotations"] == {"prometheus.kserve.io/port": str(port),
                                               "prometheus.kserve.io/path": "/metrics"}
@@ -121,6 +121,24 @@ def test_container_args_are_accepted_by_the_real_parser_and_fit_the_probes(path)
         assert service == {"http": "http", "grpc": "grpc"}
     # the pod is killed only after the drain and the queued requests' time are over
     assert grace > parsed.drain_seconds + parsed.shutdown_timeout_s
+
+
+def test_the_grpc_inference_service_opens_the_port_it_routes_to_beside_the_probed_http_port():
+    from optiserve.cli import build_parser
+
+    isvc = yaml.safe_load((DEPLOY / "kserve" / "inferenceservice-grpc.yaml").read_text())
+    runtime = yaml.safe_load((DEPLOY / "kserve" / "servingruntime.yaml").read_text())
+    model = isvc["spec"]["predictor"]["model"]
+    assert model["runtime"] == runtime["metadata"]["name"] and model["protocolVersion"] == "grpc-v2"
+    assert model["protocolVersion"] in runtime["spec"]["protocolVersions"]
+    (container,) = runtime["spec"]["containers"]
+    # KServe appends the InferenceService's args to the runtime's
+    args = [a.replace("{{.Name}}", "resnet18-grpc") for a in container["args"] + model["args"]]
+    parsed = build_parser().parse_args(args)
+    (port,) = model["ports"]
+    assert port["name"] == "h2c" and port["containerPort"] == parsed.grpc_port  # cleartext HTTP/2, routed by KServe
+    assert parsed.port == container["readinessProbe"]["httpGet"]["port"] != parsed.grpc_port
+    assert isvc["spec"]["predictor"]["terminationGracePeriodSeconds"] > parsed.drain_seconds + parsed.shutdown_timeout_s
 
 
 def test_the_inference_service_uses_the_runtime_and_scales_on_queue_depth_through_keda():
