@@ -15,10 +15,11 @@ server up at a time, since an idle server is not always idle (LitServe's workers
 about a quarter of a core here, and would tax whichever server is being measured). Per window:
 images/s, p50/p99, and the server's CPU per request read from /proc (utime + stime of the server
 process and its children, over the measured window; the load client's own, beside it, since both
-share the machine's cores). The offline ceiling is the same file through
-the runtime layer at batch 16, and "beyond inference" is a server's CPU per request minus the
-model's own CPU per image measured offline at the batch size that server formed (the mean batch,
-as the answers report it, rounded down to the nearest measured size).
+share the machine's cores). The offline ceiling is the same file through the runtime layer at
+batch 16, measured in each round beside the servers (median over rounds), and "beyond inference"
+is a server's CPU per request minus the model's own CPU per image measured offline at the batch
+size that server formed (the mean batch, as the answers report it, rounded down to the nearest
+measured size).
 
     python benchmarks/serve_peers.py
     python benchmarks/serve_peers.py --concurrency 32 --duration 20 --rounds 3 --artifacts /tmp/r18
@@ -209,7 +210,7 @@ def main() -> int:
         model_file = folder / next(v for v in manifest["variants"] if v["name"] == args.variant)["file"]
         images = dataset_images("synthetic", spec.shape[1], count=64)
         tensors = image_tensors(images, spec)
-        before = offline(folder, args.variant, spec, args.offline_seconds)
+        offline_rounds = []
         batching = ["--max-batch-size", str(args.max_batch_size), "--max-delay-ms", str(args.max_delay_ms)]
 
         @contextlib.contextmanager
@@ -242,6 +243,9 @@ def main() -> int:
             servers = {k: v for k, v in servers.items() if any(w.startswith(v) or v in w for w in wanted)}
         rounds: dict[str, list[dict]] = {}
         for r in range(args.rounds):
+            # the model alone through the runtime layer, once a round like the servers: a noisy
+            # moment then taxes one round of each, and the median over rounds sheds it
+            offline_rounds.append(offline(folder, args.variant, spec, args.offline_seconds))
             # one server up at a time: an idle server still costs CPU (LitServe's workers poll their queues)
             for server in servers:
                 with server() as (pid, configs):
@@ -253,15 +257,14 @@ def main() -> int:
                         print(f"round {r + 1} {name}: {s['rps']:.1f} img/s, p50 {s['p50']:.1f} ms, "
                               f"p99 {s['p99']:.1f} ms, {s['cpu_ms_per_request']:.2f} core-ms/request, "
                               f"mean batch {s['mean_batch']:.1f}, failed {s['failed']}", file=sys.stderr, flush=True)
-        after = offline(folder, args.variant, spec, args.offline_seconds)
 
-    cpu_model = {b: (before["cpu_ms_per_image"][b] + after["cpu_ms_per_image"][b]) / 2 for b in OFFLINE_BATCHES}
-    ceiling = (before["ceiling"] + after["ceiling"]) / 2
+    cpu_model = {b: statistics.median(o["cpu_ms_per_image"][b] for o in offline_rounds) for b in OFFLINE_BATCHES}
+    ceiling = statistics.median(o["ceiling"] for o in offline_rounds)
     print(f"\nmachine: {cpu_line()}")
     print(f"\nresnet18 224x224 {args.variant}, {args.concurrency} closed-loop clients, {args.duration:g} s windows, "
           f"{args.rounds} alternating rounds, medians over rounds; batching max {args.max_batch_size}, "
           f"{args.max_delay_ms:g} ms\n")
-    print(f"offline ceiling (batch 16, mean of before/after): {ceiling:.1f} images/s; the model's CPU per image: "
+    print(f"offline ceiling (batch 16, median of one window a round): {ceiling:.1f} images/s; the model's CPU per image: "
           + ", ".join(f"batch {b} {cpu_model[b]:.2f} ms" for b in OFFLINE_BATCHES) + "\n")
     print("| server | images/s | of ceiling | p50 ms | p99 ms | mean batch | server core-ms / request | "
           "beyond inference (offline model CPU subtracted) | outside inference threads (measured) | "
