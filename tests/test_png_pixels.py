@@ -4,6 +4,8 @@ import io
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from sklearn.datasets import load_digits
 
@@ -93,3 +95,25 @@ def test_the_served_input_is_the_same_with_or_without_libspng(spec, images, monk
     monkeypatch.setattr(png_pixels, "pyspng", None)
     for d, fast in zip(images, with_spng):
         np.testing.assert_array_equal(fast, decode_image(d, spec))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_damaged_png_is_a_bad_input_or_an_image_never_a_crash(data):
+    mode = data.draw(st.sampled_from(["RGB", "L"]))
+    side = data.draw(st.integers(1, 24))
+    pixels = noise((side, side, 3) if mode == "RGB" else (side, side), data.draw(st.integers(0, 1000)))
+    raw = bytearray(png(pixels))
+    how = data.draw(st.sampled_from(["truncated", "flipped"]))
+    if how == "truncated":
+        raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+    else:
+        for _ in range(data.draw(st.integers(1, 6))):
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    spec = InputSpec((3 if mode == "RGB" else 1, 24, 24), (0.5,) * (3 if mode == "RGB" else 1),
+                     (0.25,) * (3 if mode == "RGB" else 1))
+    try:
+        x = decode_image(bytes(raw), spec, ImageLimits(max_pixels=1 << 16))
+    except BadInput:
+        return
+    assert x.shape == spec.shape and x.dtype == np.float32
