@@ -36,11 +36,12 @@ def png_header(data: bytes) -> tuple[int, int, int, int] | None:
     return width, height, depth, color
 
 
-def decode_png_pixels(data: bytes, mode: str, max_pixels: int) -> np.ndarray | None:
+def decode_png_pixels(data: bytes, mode: str, max_pixels: int,
+                      header: tuple[int, int, int, int] | None = None) -> np.ndarray | None:
     """uint8 [H, W, 3] ("RGB") or [H, W] ("L") pixels of an 8-bit PNG of at most `max_pixels`
     already in `mode`'s colors, exactly as Pillow's decoder gives them; None when this path does
-    not apply or libspng fails."""
-    header = png_header(data)
+    not apply or libspng fails. `header`: `png_header(data)`, when the caller has read it already."""
+    header = header or png_header(data)
     if pyspng is None or header is None:
         return None
     width, height, depth, color = header

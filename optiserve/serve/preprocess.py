@@ -40,7 +40,7 @@ def decode_image(data: bytes, spec: InputSpec, limits: ImageLimits = ImageLimits
     header = png_header(data)
     if header is not None:
         _check_pixels(header[0], header[1], limits)
-        pixels = decode_png_pixels(data, channel_mode(spec), spec.size[0] * spec.size[1])
+        pixels = decode_png_pixels(data, channel_mode(spec), spec.size[0] * spec.size[1], header)
         if pixels is not None:
             if pixels.shape[:2] == spec.size:
                 return pixels_to_input(pixels, spec)
