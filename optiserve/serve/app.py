@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import optiserve
 from optiserve.serve import VARIANT_HEADER
 from optiserve.serve.admin_auth import AdminAuth
+from optiserve.serve.fast_routes import ServingApp
 from optiserve.serve.middleware import BodyLimit, CloseWhileTerminating, InternalErrors
 from optiserve.serve.preprocess import BadInput
 from optiserve.serve.routes_admin import add_admin_routes
@@ -32,7 +33,7 @@ log = logging.getLogger("optiserve.serve")
 CONFIG_ENV = "OPTISERVE_SERVE_CONFIG"
 
 
-def create_app(cfg: ServeConfig, load_before_start: bool = False) -> FastAPI:
+def create_app(cfg: ServeConfig, load_before_start: bool = False) -> ServingApp:
     """The app for `cfg`; manifests, variant choices and the admin token are checked now, loading
     happens at start-up: in the background, readiness saying when it is done — or, with
     `load_before_start` (Ray Serve, which routes to a replica once its start-up is over), before
@@ -62,7 +63,7 @@ def create_app(cfg: ServeConfig, load_before_start: bool = False) -> FastAPI:
         await draining
         await server.stop()
 
-    app = FastAPI(title="optiserve", version=optiserve.__version__, lifespan=lifespan)
+    app = ServingApp(title="optiserve", version=optiserve.__version__, lifespan=lifespan)
     app.state.server = server
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
     app.add_middleware(InternalErrors)  # outside BodyLimit, so it also sees BodyLimit's errors

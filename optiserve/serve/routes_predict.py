@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import Request
 
 from optiserve.serve import VARIANT_HEADER
 from optiserve.serve.envelope import MAX_NAME_CHARS, predict_request, top_k
+from optiserve.serve.fast_routes import ServingApp
 from optiserve.serve.multipart import Part, boundary_of, parse_form
 from optiserve.serve.responses import FastJSONResponse
 from optiserve.serve.oip import softmax
@@ -16,11 +17,11 @@ from optiserve.serve.server import ApiError, Server
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/bmp")
 
 
-def add_predict_routes(app: FastAPI, server: Server) -> None:
+def add_predict_routes(app: ServingApp, server: Server) -> None:
     cfg = server.cfg
 
-    # a plain Starlette route: FastAPI's per-request dependency solving and validation cost CPU the
-    # model needs, and /predict reads its query and body itself
+    # a fast route (fast_routes.py), not a FastAPI endpoint: FastAPI's layers, dependency solving
+    # and validation cost CPU the model needs, and /predict reads its query and body itself
     async def predict(request: Request):
         """A multipart upload (field `file`), a raw image body (content-type image/png, ...), or JSON
         {"inputs": tensors or base64 images}; `?model=` picks the model, `?variant=` the variant."""
@@ -65,7 +66,7 @@ def add_predict_routes(app: FastAPI, server: Server) -> None:
                                  "latency_ms": timing}, headers={VARIANT_HEADER: variant},
                                 background=server.shadow_task(admission, images, logits))
 
-    app.add_route("/predict", predict, methods=["POST"])
+    app.add_fast_route("/predict", predict)
 
 
 def _variant_field(part: Part | None) -> str | None:

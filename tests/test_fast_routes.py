@@ -1,0 +1,95 @@
+"""The inference routes' short way through the app (ServingApp.add_fast_route): it skips FastAPI's
+generic layers but keeps everything an answer is owed — the app's middleware, including any a
+deployment adds after the app is built, and the app's exception handlers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi.responses import JSONResponse
+from fastapi.testclient import TestClient
+
+from optiserve.serve import VARIANT_HEADER
+from optiserve.serve.app import ServeConfig, create_app
+from optiserve.serve.fast_routes import ServingApp
+from optiserve.serve.middleware import BodyLimit, InternalErrors, ResponseHeader
+from optiserve.serve.preprocess import BadInput
+from optiserve.serve.server import ApiError
+
+
+class TooDark(BadInput):
+    """A subclass with no handler of its own: answered by its base class's handler."""
+
+
+def _app() -> ServingApp:
+    app = ServingApp()
+    app.add_middleware(BodyLimit, limit=1000)
+    app.add_middleware(InternalErrors)
+
+    @app.exception_handler(BadInput)
+    async def bad_input(request, exc):
+        return JSONResponse({"error": str(exc)}, status_code=exc.status)
+
+    async def echo(request):
+        body = await request.body()
+        if body == b"dark":
+            raise TooDark("the image is too dark")
+        if body == b"bug":
+            raise RuntimeError("a bug")
+        return JSONResponse({"bytes": len(body), "query": request.query_params.get("q")})
+
+    app.add_fast_route("/echo", echo)
+    return app
+
+
+def test_a_fast_route_answers_posts_and_other_methods_get_the_usual_405():
+    with TestClient(_app(), raise_server_exceptions=False) as c:
+        assert c.post("/echo?q=x", content=b"12345").json() == {"bytes": 5, "query": "x"}
+        assert c.get("/echo").status_code == 405
+        assert c.post("/echo/nothing").status_code == 404
+        assert "/echo" in {route.path for route in c.app.routes}
+
+
+def test_errors_on_a_fast_route_go_through_the_apps_handlers_and_middleware():
+    with TestClient(_app(), raise_server_exceptions=False) as c:
+        r = c.post("/echo", content=b"dark")
+        assert (r.status_code, r.json()) == (400, {"error": "the image is too dark"})
+        r = c.post("/echo", content=b"bug")
+        assert (r.status_code, r.json()) == (500, {"error": "internal server error (logged on the server)"})
+        r = c.post("/echo", content=b"x" * 1001)
+        assert r.status_code == 413 and "1,000-byte limit" in r.json()["error"]
+
+
+def test_a_middleware_added_after_the_app_is_built_also_wraps_predict(small_artifact):
+    # as the Ray Serve deployment adds its replica header to whatever create_app returned
+    app = create_app(ServeConfig(str(small_artifact), variants=["onnx-int8"], max_batch_size=2, max_delay_ms=1))
+    app.add_middleware(ResponseHeader, name="x-replica", value="r1")
+    with TestClient(app) as c:
+        deadline = time.monotonic() + 60
+        while c.get("/v2/health/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ok = c.post("/predict", json={"inputs": [[[[0.0] * 16] * 16]]})
+        unknown = c.post("/predict?model=nope", json={"inputs": [[[[0.0] * 16] * 16]]})
+        bad = c.post("/predict", content=b"not an image", headers={"content-type": "image/png"})
+    assert ok.status_code == 200 and ok.headers["x-replica"] == "r1" and ok.headers[VARIANT_HEADER] == "onnx-int8"
+    assert unknown.status_code == 404 and unknown.headers["x-replica"] == "r1" and "nope" in unknown.json()["error"]
+    assert bad.status_code == 400 and bad.headers["x-replica"] == "r1" and "not a readable image" in bad.json()["error"]
+    assert bad.headers[VARIANT_HEADER] == "onnx-int8"
+
+
+@pytest.mark.parametrize("exc", [ApiError(404, "x"), TooDark("y")])
+def test_the_handler_is_looked_up_by_the_exceptions_class_and_its_bases(exc):
+    app = ServingApp()
+
+    @app.exception_handler(ApiError)
+    async def api(request, e):
+        return None
+
+    @app.exception_handler(BadInput)
+    async def bad(request, e):
+        return None
+
+    assert app._handler_for(exc) is (api if isinstance(exc, ApiError) else bad)
+    assert app._handler_for(KeyError("z")) is None
