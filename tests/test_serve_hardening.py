@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from conftest import ROOT, free_port, serving
+from optiserve.data import png_pixels
 from optiserve.serve import VARIANT_HEADER
 from optiserve.serve.app import ServeConfig, create_app
 
@@ -94,20 +95,39 @@ def test_an_image_over_the_pixel_limit_is_refused_from_its_header(client):
     assert r.status_code == 400 and "over the server's limit of 4,000 pixels" in r.json()["error"]
 
 
-def test_images_and_bodies_are_decoded_on_the_decode_threads_not_the_event_loop(client, monkeypatch):
-    from optiserve.serve import routes_predict as app_module
+def test_images_pillow_decodes_and_json_bodies_are_decoded_on_the_decode_threads(client, monkeypatch):
+    from optiserve.serve import routes_predict, server
 
     threads = []
-    real_decode, real_parse = app_module.decode_image, app_module.predict_request
-    monkeypatch.setattr(app_module, "decode_image", lambda *a: (threads.append(threading.current_thread().name),
-                                                                real_decode(*a))[1])
-    monkeypatch.setattr(app_module, "predict_request", lambda *a: (threads.append(threading.current_thread().name),
-                                                                   real_parse(*a))[1])
-    buf = io.BytesIO()
-    Image.new("L", (16, 16)).save(buf, format="PNG")
-    assert client.post("/predict", files={"file": ("d.png", buf.getvalue(), "image/png")}).status_code == 200
+    real_decode, real_parse = server.decode_image, routes_predict.predict_request
+    monkeypatch.setattr(server, "decode_image", lambda *a: (threads.append(threading.current_thread().name),
+                                                            real_decode(*a))[1])
+    monkeypatch.setattr(routes_predict, "predict_request", lambda *a: (threads.append(threading.current_thread().name),
+                                                                      real_parse(*a))[1])
+    jpeg, rgb_png = io.BytesIO(), io.BytesIO()
+    Image.new("L", (16, 16)).save(jpeg, format="JPEG")
+    Image.new("RGB", (16, 16)).save(rgb_png, format="PNG")  # the model is grayscale: Pillow converts it
+    assert client.post("/predict", files={"file": ("d.jpg", jpeg.getvalue(), "image/jpeg")}).status_code == 200
+    assert client.post("/predict", content=rgb_png.getvalue(), headers={"content-type": "image/png"}).status_code == 200
     assert client.post("/predict", json={"inputs": ZEROS}).status_code == 200
-    assert len(threads) == 2 and all(name.startswith("decode") for name in threads), threads
+    assert len(threads) == 3 and all(name.startswith("decode") for name in threads), threads
+
+
+@pytest.mark.skipif(png_pixels.pyspng is None, reason="pyspng is not installed: Pillow decodes every PNG")
+def test_a_small_png_in_the_models_colors_is_decoded_on_the_event_loop_where_libspng_holds_the_gil_anyway(
+        client, monkeypatch):
+    from optiserve.serve import server
+
+    threads = []
+    real_decode = server.decode_image
+    monkeypatch.setattr(server, "decode_image", lambda *a: (threads.append(threading.current_thread().name),
+                                                            real_decode(*a))[1])
+    small, large = io.BytesIO(), io.BytesIO()
+    Image.new("L", (16, 16)).save(small, format="PNG")
+    Image.new("L", (48, 48)).save(large, format="PNG")  # over the model's 16x16 input: Pillow resizes it
+    for png in (small, large):
+        assert client.post("/predict", files={"file": ("d.png", png.getvalue(), "image/png")}).status_code == 200
+    assert not threads[0].startswith("decode") and threads[1].startswith("decode"), threads
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="native thread names are set on Linux")

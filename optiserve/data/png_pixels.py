@@ -36,16 +36,20 @@ def png_header(data: bytes) -> tuple[int, int, int, int] | None:
     return width, height, depth, color
 
 
+def libspng_decodes(header: tuple[int, int, int, int], mode: str, max_pixels: int) -> bool:
+    """Whether `decode_png_pixels` takes the libspng path for a PNG with this `png_header`."""
+    width, height, depth, color = header
+    return (pyspng is not None and depth == 8 and color == _COLOR_TYPE_FOR_MODE.get(mode)
+            and width * height <= max_pixels)
+
+
 def decode_png_pixels(data: bytes, mode: str, max_pixels: int,
                       header: tuple[int, int, int, int] | None = None) -> np.ndarray | None:
     """uint8 [H, W, 3] ("RGB") or [H, W] ("L") pixels of an 8-bit PNG of at most `max_pixels`
     already in `mode`'s colors, exactly as Pillow's decoder gives them; None when this path does
     not apply or libspng fails. `header`: `png_header(data)`, when the caller has read it already."""
     header = header or png_header(data)
-    if pyspng is None or header is None:
-        return None
-    width, height, depth, color = header
-    if depth != 8 or color != _COLOR_TYPE_FOR_MODE.get(mode) or width * height > max_pixels:
+    if header is None or not libspng_decodes(header, mode, max_pixels):
         return None
     try:
         return pyspng.load(data, mode)

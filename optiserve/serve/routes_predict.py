@@ -11,7 +11,6 @@ from optiserve.serve.fast_routes import ServingApp
 from optiserve.serve.multipart import Part, boundary_of, parse_form
 from optiserve.serve.responses import FastJSONResponse
 from optiserve.serve.oip import softmax
-from optiserve.serve.preprocess import decode_image
 from optiserve.serve.server import ApiError, Server
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/bmp")
@@ -44,10 +43,10 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                     raise ApiError(400, "the form field `variant` must be text")
                 if "variant" not in query:
                     server.reroute(admission, _variant_field(named), request)
-                images = (await server.decode(decode_image, upload.data, model.spec, server.image_limits))[None]
+                images = (await server.decode_upload(upload.data, model.spec))[None]
             elif raw_image:
                 data = await server.read_body(request)
-                images = (await server.decode(decode_image, data, model.spec, server.image_limits))[None]
+                images = (await server.decode_upload(data, model.spec))[None]
             else:
                 body = await server.read_body(request)
                 parsed = await server.decode(predict_request, body, model.spec, len(model.classes),
