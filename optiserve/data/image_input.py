@@ -22,8 +22,8 @@ def channel_mode(spec: InputSpec) -> str:
     return "L" if spec.channels == 1 else "RGB"
 
 
-def image_to_input(image: Image.Image, spec: InputSpec) -> np.ndarray:
-    """A PIL image -> float32 [C, H, W], normalized per `spec`."""
+def image_to_input(image: Image.Image, spec: InputSpec, out: np.ndarray | None = None) -> np.ndarray:
+    """A PIL image -> float32 [C, H, W], normalized per `spec` (written into `out` if given)."""
     if image.mode != channel_mode(spec):
         image = image.convert(channel_mode(spec))
     h, w = spec.size
@@ -37,12 +37,13 @@ def image_to_input(image: Image.Image, spec: InputSpec) -> np.ndarray:
                                  Image.BILINEAR)
             left, top = (image.width - w) // 2, (image.height - h) // 2
             image = image.crop((left, top, left + w, top + h))
-    return pixels_to_input(np.asarray(image), spec)
+    return pixels_to_input(np.asarray(image), spec, out)
 
 
-def pixels_to_input(pixels: np.ndarray, spec: InputSpec) -> np.ndarray:
+def pixels_to_input(pixels: np.ndarray, spec: InputSpec, out: np.ndarray | None = None) -> np.ndarray:
     """uint8 pixels already of the model's size, [H, W] or [H, W, C] -> float32 [C, H, W],
-    (pixel / 255 - mean) / std."""
+    (pixel / 255 - mean) / std; written into `out` (float32 [C, H, W]) if given, e.g. a row of
+    the batch the image will be run in."""
     # one in-place multiply-add per channel plane: the uint8 pixels are moved to C x H x W first,
     # because arithmetic broadcast over a strided or 3-wide last axis costs numpy as much as
     # decoding the PNG
@@ -50,7 +51,12 @@ def pixels_to_input(pixels: np.ndarray, spec: InputSpec) -> np.ndarray:
     scale = (1.0 / (255.0 * std))[:, None, None]
     shift = (-np.asarray(spec.mean, dtype=np.float32) / std)[:, None, None]
     chw = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
-    x = np.ascontiguousarray(chw).astype(np.float32)
+    chw = np.ascontiguousarray(chw)
+    if out is None:
+        x = chw.astype(np.float32)
+    else:
+        x = out
+        x[...] = chw  # uint8 -> float32, exact
     x *= scale
     x += shift
     return x

@@ -18,6 +18,8 @@ from typing import Callable
 
 import numpy as np
 
+from optiserve.serve.staging import StagingRows, stack_rows
+
 
 class QueueFull(Exception):
     """The queue already holds max_queue images: answer 429 now rather than wait without bound."""
@@ -121,7 +123,7 @@ class DynamicBatcher:
     def __init__(self, run_batch: Callable[[np.ndarray], np.ndarray], max_batch_size: int = 16,
                  max_delay_ms: float = 5.0, max_queue: int = 256, name: str = "",
                  on_batch: Callable[[BatchRecord], None] | None = None,
-                 thread_initializer: Callable[[], None] | None = None):
+                 thread_initializer: Callable[[], None] | None = None, row_shape: tuple[int, ...] | None = None):
         if max_batch_size < 1 or max_queue < 1 or max_delay_ms < 0:
             raise ValueError("max_batch_size and max_queue must be >= 1 and max_delay_ms >= 0")
         self.run_batch, self.name = run_batch, name
@@ -135,6 +137,8 @@ class DynamicBatcher:
         self._running: list[_Row] = []
         self._task: asyncio.Task | None = None
         self._closing = False
+        # rows to decode images into, so that a batch of them runs as a view (staging.py)
+        self.staging = StagingRows(row_shape, max_batch_size) if row_shape is not None else None
 
     @property
     def depth(self) -> int:
@@ -247,6 +251,8 @@ class DynamicBatcher:
                 batch.append(self._take(await asyncio.wait_for(self._queue.get(), remaining)))
             except asyncio.TimeoutError:
                 break
+        if self.staging is not None and self._queue.empty():
+            self.staging.start_block()  # nothing waiting behind this batch: the next rows line up anew
         return batch
 
     async def _loop(self) -> None:
@@ -264,7 +270,7 @@ class DynamicBatcher:
                     self._queue.task_done()
 
     def _stack_and_run(self, images: list[np.ndarray]) -> np.ndarray:
-        return self.run_batch(np.stack(images))
+        return self.run_batch(stack_rows(images))
 
     async def _run(self, batch: list[_Row]) -> None:
         """Drop rows whose caller gave up or whose deadline passed, run the rest, hand out the rows."""

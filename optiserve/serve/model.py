@@ -94,7 +94,8 @@ class ServedModel:
 
                 batcher = DynamicBatcher(loaded.session.run, batching.max_batch_size, batching.max_delay_ms,
                                          batching.max_queue, name=f"{self.name}/{loaded.name}", on_batch=on_batch,
-                                         thread_initializer=batching.thread_initializer)
+                                         thread_initializer=batching.thread_initializer,
+                                         row_shape=tuple(self.spec.shape))
                 batcher.start()
                 self.variants[loaded.name] = ServedVariant(loaded, batcher, stats)
                 log.info("model %s: variant %s (%s, %s) loaded and warmed up", self.name, loaded.name,

@@ -32,9 +32,11 @@ class BadInput(ValueError):
     status = 400
 
 
-def decode_image(data: bytes, spec: InputSpec, limits: ImageLimits = ImageLimits()) -> np.ndarray:
-    """Image bytes -> float32 [C, H, W], normalized per `spec`. A PNG in the model's colors and no
-    larger than its input is decoded by libspng (the same pixels, faster); every other image by Pillow."""
+def decode_image(data: bytes, spec: InputSpec, limits: ImageLimits = ImageLimits(),
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """Image bytes -> float32 [C, H, W], normalized per `spec` (written into `out` if given). A PNG
+    in the model's colors and no larger than its input is decoded by libspng (the same pixels,
+    faster); every other image by Pillow."""
     if not data:
         raise BadInput("the image is empty")
     header = png_header(data)
@@ -43,8 +45,8 @@ def decode_image(data: bytes, spec: InputSpec, limits: ImageLimits = ImageLimits
         pixels = decode_png_pixels(data, channel_mode(spec), spec.size[0] * spec.size[1], header)
         if pixels is not None:
             if pixels.shape[:2] == spec.size:
-                return pixels_to_input(pixels, spec)
-            return image_to_input(Image.fromarray(pixels), spec)
+                return pixels_to_input(pixels, spec, out)
+            return image_to_input(Image.fromarray(pixels), spec, out)
     try:
         with Image.open(io.BytesIO(data)) as im:
             _check_pixels(im.width, im.height, limits)
@@ -58,7 +60,7 @@ def decode_image(data: bytes, spec: InputSpec, limits: ImageLimits = ImageLimits
         raise
     except Exception as e:  # Pillow's decoders raise many kinds (OSError, SyntaxError, struct.error, ...) on bad bytes
         raise BadInput(f"not a readable image (PNG, JPEG, ...): {type(e).__name__}: {e}"[:300]) from None
-    return image_to_input(image, spec)
+    return image_to_input(image, spec, out)
 
 
 def decoded_by_libspng(data: bytes, spec: InputSpec) -> bool:

@@ -43,10 +43,10 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                     raise ApiError(400, "the form field `variant` must be text")
                 if "variant" not in query:
                     server.reroute(admission, _variant_field(named), request)
-                images = (await server.decode_upload(upload.data, model.spec))[None]
+                images = (await server.decode_upload(admission, upload.data))[None]
             elif raw_image:
                 data = await server.read_body(request)
-                images = (await server.decode_upload(data, model.spec))[None]
+                images = (await server.decode_upload(admission, data))[None]
             else:
                 body = await server.read_body(request)
                 parsed = await server.decode(predict_request, body, model.spec, len(model.classes),

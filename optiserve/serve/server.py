@@ -22,7 +22,6 @@ from starlette.requests import Request
 
 from optiserve.artifacts import find_models, is_repository, manifest_version
 from optiserve.errors import UserError
-from optiserve.models import InputSpec
 from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.torch_backends import torch_device
 from optiserve.serve import VARIANT_HEADER
@@ -433,15 +432,24 @@ class Server:
         """Run a parser or decoder on the decode threads."""
         return await asyncio.get_running_loop().run_in_executor(self.decode_pool, fn, *args)
 
-    async def decode_upload(self, data: bytes, spec: InputSpec) -> np.ndarray:
-        """An uploaded image -> the model's input [C, H, W]. Pillow releases the GIL while it
-        decodes, so its images go to the decode threads; a PNG that libspng decodes (small, in the
-        model's colors) is decoded here on the event loop: libspng holds the GIL throughout, so on
-        a decode thread it would stop the loop all the same, and the two thread hand-offs cost
-        more than they spare (benchmarks/serve_request_path.py: +6% images/s, -0.05 core-ms)."""
-        if decoded_by_libspng(data, spec):
-            return decode_image(data, spec, self.image_limits)
-        return await self.decode(decode_image, data, spec, self.image_limits)
+    async def decode_upload(self, admission: Admission, data: bytes) -> np.ndarray:
+        """An uploaded image -> the admitted model's input [C, H, W]. Pillow releases the GIL while
+        it decodes, so its images go to the decode threads; a PNG that libspng decodes (small, in
+        the model's colors) is decoded here on the event loop: libspng holds the GIL throughout, so
+        on a decode thread it would stop the loop all the same, and the two thread hand-offs cost
+        more than they spare (benchmarks/serve_request_path.py: +6% images/s, -0.05 core-ms). It is
+        written straight into a row of the variant's next batch (serve/staging.py)."""
+        spec = admission.model.spec
+        if not decoded_by_libspng(data, spec):
+            return await self.decode(decode_image, data, spec, self.image_limits)
+        staging = admission.variant.batcher.staging
+        row = staging.take() if staging is not None else None
+        try:
+            return decode_image(data, spec, self.image_limits, row)
+        except BaseException:
+            if row is not None:
+                staging.give_back(row)
+            raise
 
     def _overloaded(self, model: ServedModel, variant: ServedVariant, e: QueueFull) -> ApiError:
         """The 429 for a full queue, counted as rejected: the same whether refused early or at submit."""
