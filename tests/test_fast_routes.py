@@ -39,7 +39,11 @@ def _app() -> ServingApp:
             raise RuntimeError("a bug")
         return JSONResponse({"bytes": len(body), "query": request.query_params.get("q")})
 
+    async def named(request):
+        return JSONResponse({"params": request.path_params})
+
     app.add_fast_route("/echo", echo)
+    app.add_fast_route("/things/{name}/versions/{version:int}/do", named)
     return app
 
 
@@ -49,6 +53,14 @@ def test_a_fast_route_answers_posts_and_other_methods_get_the_usual_405():
         assert c.get("/echo").status_code == 405
         assert c.post("/echo/nothing").status_code == 404
         assert "/echo" in {route.path for route in c.app.routes}
+
+
+def test_a_fast_route_with_path_parameters_gets_them_converted_as_starlette_would():
+    with TestClient(_app()) as c:
+        assert c.post("/things/a b/versions/7/do").json() == {"params": {"name": "a b", "version": 7}}
+        assert c.post("/things/a/versions/x/do").status_code == 404  # not an int: no route matches
+        assert c.post("/things/a/b/versions/7/do").status_code == 404
+        assert c.get("/things/a/versions/7/do").status_code == 405
 
 
 def test_errors_on_a_fast_route_go_through_the_apps_handlers_and_middleware():

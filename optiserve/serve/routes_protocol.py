@@ -3,17 +3,18 @@ every served model. A model's variants are its versions."""
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from optiserve.serve import VARIANT_HEADER, oip
 from optiserve.serve.binary import HEADER as BINARY_HEADER
 from optiserve.serve.binary import encode_response
 from optiserve.serve.envelope import infer_request
+from optiserve.serve.fast_routes import ServingApp
 from optiserve.serve.server import Server
 
 
-def add_protocol_routes(app: FastAPI, server: Server) -> None:
+def add_protocol_routes(app: ServingApp, server: Server) -> None:
     cfg = server.cfg
 
     @app.get("/v2")
@@ -83,7 +84,7 @@ def add_protocol_routes(app: FastAPI, server: Server) -> None:
         return Response(content, media_type="application/octet-stream",
                         headers={**headers, BINARY_HEADER: str(header_length)}, background=background)
 
-    # The inference routes are plain Starlette routes: FastAPI's per-request dependency solving
+    # Fast routes (fast_routes.py), not FastAPI endpoints: FastAPI's layers, dependency solving
     # and validation cost CPU the model needs, and these take nothing but the path and the body.
     async def infer(request: Request):
         return await oip_infer(request, request.path_params["name"], None)
@@ -92,5 +93,5 @@ def add_protocol_routes(app: FastAPI, server: Server) -> None:
         params = request.path_params
         return await oip_infer(request, params["name"], params["version"])
 
-    app.add_route("/v2/models/{name}/infer", infer, methods=["POST"])
-    app.add_route("/v2/models/{name}/versions/{version}/infer", infer_version, methods=["POST"])
+    app.add_fast_route("/v2/models/{name}/infer", infer)
+    app.add_fast_route("/v2/models/{name}/versions/{version}/infer", infer_version)
