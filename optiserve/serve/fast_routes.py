@@ -5,11 +5,10 @@ middleware, FastAPI's telemetry and body-limit layers, the app's own middleware,
 middleware, an exit stack, the router's match against every route, and the endpoint wrapper. For an
 admin route that is nothing; for /predict, answered hundreds of times a second beside a model that
 needs the same CPU, it was 0.06-0.08 core-ms a request of the event loop (README, request path).
-`ServingApp` sends the hot routes past all
-of it but what they need: the app's own middleware (body limit, JSON 500s, closing connections while
-draining, any header a deployment adds) and the app's exception handlers, looked up as Starlette's
-exception middleware does. Every other request takes the ordinary way. /predict and the
-protocol's infer routes are fast routes.
+`ServingApp` sends the hot routes past all of it but what they need: the app's own middleware
+(body limit, JSON 500s, closing connections while draining, any header a deployment adds) and the
+app's exception handlers, looked up as Starlette's exception middleware does. Every other request
+takes the ordinary way. /predict and the protocol's infer routes are fast routes.
 """
 
 from __future__ import annotations

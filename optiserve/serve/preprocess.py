@@ -42,7 +42,7 @@ def decode_image(data: bytes, spec: InputSpec, limits: ImageLimits = ImageLimits
     header = png_header(data)
     if header is not None:
         _check_pixels(header[0], header[1], limits)
-        pixels = decode_png_pixels(data, channel_mode(spec), spec.size[0] * spec.size[1], header)
+        pixels = decode_png_pixels(data, *_libspng_target(spec), header)
         if pixels is not None:
             if pixels.shape[:2] == spec.size:
                 return pixels_to_input(pixels, spec, out)
@@ -67,7 +67,12 @@ def decoded_by_libspng(data: bytes, spec: InputSpec) -> bool:
     """Whether `decode_image` gives `data` to libspng: a PNG in the model's colors and no larger than
     its input, a fraction of a millisecond of decoding with the GIL held throughout."""
     header = png_header(data)
-    return header is not None and libspng_decodes(header, channel_mode(spec), spec.size[0] * spec.size[1])
+    return header is not None and libspng_decodes(header, *_libspng_target(spec))
+
+
+def _libspng_target(spec: InputSpec) -> tuple[str, int]:
+    """What libspng may decode for this model: PNGs already in its mode, of at most its input's pixels."""
+    return channel_mode(spec), spec.size[0] * spec.size[1]
 
 
 def _check_pixels(width: int, height: int, limits: ImageLimits) -> None:

@@ -17,7 +17,8 @@ import numpy as np
 
 class StagingRows:
     """Hands out consecutive rows [*shape] of float32 blocks [rows, *shape], a new block when the
-    last one is used up or when the batcher has just cut a batch short (`start_block`)."""
+    last one is used up or when the batcher has cut a batch with nothing queued behind it
+    (`start_block`)."""
 
     def __init__(self, shape: tuple[int, ...], rows: int):
         self.shape, self.rows = tuple(shape), rows
