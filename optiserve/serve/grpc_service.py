@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 from optiserve.grpc_protocol import METHODS, SERVICE, pb
+from optiserve.grpc_protocol.infer_wire import InferMessage, read_infer_request
 from optiserve.serve import VARIANT_HEADER, oip
 from optiserve.serve.admin_auth import AdminAuth
 from optiserve.serve.envelope import MAX_NAME_CHARS, OUTPUTS, InferRequest, check_tensor
@@ -37,9 +38,10 @@ STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAU
 TYPED_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}  # FP16 travels only as raw bytes
 
 
-def parse_infer(request, spec, max_images: int) -> InferRequest:
+def parse_infer(message: InferMessage, spec, max_images: int) -> InferRequest:
     """A ModelInferRequest's one input, [N, C, H, W] as raw bytes (`raw_input_contents`, FP32/FP16/FP64)
     or typed contents (`fp32_contents` / `fp64_contents`), checked as the HTTP protocol checks it."""
+    request, raw = message.request, message.raw
     if len(request.inputs) != 1:
         raise BadInput(f"expected exactly one input tensor (\"input\", [N, C, H, W]), got {len(request.inputs)}")
     tensor = request.inputs[0]
@@ -47,13 +49,12 @@ def parse_infer(request, spec, max_images: int) -> InferRequest:
         raise BadInput(f"the input tensor needs a name of 1 to {MAX_NAME_CHARS} characters")
     shape = list(tensor.shape)
     count, dtype = check_tensor(shape, tensor.datatype, spec, max_images)
-    raw = request.raw_input_contents
     if raw:
         if len(raw) != 1:
             raise BadInput(f"raw_input_contents must hold one entry per input (1), got {len(raw)}")
         if tensor.HasField("contents"):
             raise BadInput("give the input either as raw_input_contents or as typed contents, not both")
-        data = raw[0]  # each index into the repeated field copies the bytes out of the message: once
+        data = raw[0]  # a view of the received bytes, no copy
         if len(data) != count * dtype.itemsize:
             raise BadInput(f"raw_input_contents holds {len(data):,} bytes but shape {shape} of {tensor.datatype} "
                            f"needs {count:,} x {dtype.itemsize} = {count * dtype.itemsize:,}")
@@ -105,18 +106,18 @@ class InferenceService:
                                         outputs=[tensors(**t) for t in meta["outputs"]])
 
     # ---- inference --------------------------------------------------------------------------------
-    async def ModelInfer(self, request, context):
-        server = self.server
+    async def ModelInfer(self, message: InferMessage, context):
+        server, request = self.server, message.request
         name, version = _required(request.model_name, "model_name"), request.model_version or None
         if version is not None and server.ready:
             oip.served(server, name, version)  # NOT_FOUND for an unknown version, before queueing
         with server.admitted(name, version) as admission:
             context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
-            args = (request, admission.model.spec, server.cfg.max_queue)
+            args = (message, admission.model.spec, server.cfg.max_queue)
             # raw bytes are a view and a check, cheaper here than a hop to the decode threads (measured:
             # ~0.2 core-ms a request less outside the inference threads); typed contents are a Python
             # list to convert, which must not hold up the loop
-            parsed = parse_infer(*args) if request.raw_input_contents else await server.decode(parse_infer, *args)
+            parsed = parse_infer(*args) if message.raw else await server.decode(parse_infer, *args)
             logits, timing = await server.infer(admission, parsed.images, _deadline_s(context))
         response = pb.ModelInferResponse(model_name=name, model_version=admission.variant.name, id=parsed.id or "")
         for out_name, raw in parsed.outputs:
@@ -178,7 +179,9 @@ class InferenceService:
                                         _trailing(context))
             return call
 
-        handlers = {name: grpc.unary_unary_rpc_method_handler(wrapped(name), request_deserializer=req.FromString,
+        readers = {"ModelInfer": read_infer_request}  # its tensors stay where they were received
+        handlers = {name: grpc.unary_unary_rpc_method_handler(wrapped(name),
+                                                               request_deserializer=readers.get(name, req.FromString),
                                                                response_serializer=resp.SerializeToString)
                     for name, (req, resp) in METHODS.items()}
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
