@@ -32,9 +32,10 @@ def _wait_ready(client, seconds=60):
 
 
 @contextlib.contextmanager
-def grpc_server(folder, **options):
-    """The app in-process (HTTP through TestClient) with gRPC on a free port; yields (http, triton, rpc)."""
-    port = free_port()
+def grpc_server(folder, port=None, **options):
+    """The app in-process (HTTP through TestClient) with gRPC on `port` (a free one by default);
+    yields (http, triton, rpc)."""
+    port = port or free_port()
     cfg = ServeConfig(str(folder), grpc_port=port, **options)
     with TestClient(create_app(cfg)) as http, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         client = triton.InferenceServerClient(f"127.0.0.1:{port}")
@@ -295,3 +296,21 @@ def test_an_unexpected_error_is_internal_with_the_traceback_only_in_the_log(serv
     assert any("a bug in the response code" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
     monkeypatch.undo()
     assert rpc.ModelInfer(_request(model_version="fp32"), timeout=30).model_version == "fp32"  # still serving
+
+
+@pytest.fixture(scope="module")
+def send_bytes(small_artifact):
+    """Sends raw bytes as an RPC's request, as a client with no protobuf could."""
+    from optiserve.grpc_protocol import method_path
+
+    port = free_port()
+    with grpc_server(small_artifact, port, variants=["fp32"]), grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield lambda method, payload: channel.unary_unary(method_path(method))(payload, timeout=30)
+
+
+@pytest.mark.parametrize("method", ["ModelInfer", "ModelMetadata", "ModelReady"])
+@pytest.mark.parametrize("payload", [b"\xff\xff\xff", b"\x0a\x05ab", b"\x3a\xff\xff\xff\xff\x0f"])
+def test_bytes_that_are_no_message_are_invalid_argument_not_an_unknown_error(send_bytes, method, payload):
+    code, details = _code(lambda: send_bytes(method, payload))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert details == f"the request is not a valid inference.{method}Request message", details

@@ -14,9 +14,12 @@ response parameters (`server_us`, `queue_us`, `compute_us`, `batch_size`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from optiserve.grpc_protocol import METHODS, SERVICE, pb
 from optiserve.grpc_protocol.infer_wire import InferMessage, read_infer_request
@@ -164,6 +167,8 @@ class InferenceService:
 
             async def call(request, context):
                 try:
+                    if isinstance(request, Undecodable):
+                        raise BadInput(request.reason)
                     return await method(request, context)
                 except ApiError as e:
                     await context.abort(STATUS_CODES.get(e.status, grpc.StatusCode.UNKNOWN), e.message,
@@ -180,11 +185,29 @@ class InferenceService:
             return call
 
         readers = {"ModelInfer": read_infer_request}  # its tensors stay where they were received
-        handlers = {name: grpc.unary_unary_rpc_method_handler(wrapped(name),
-                                                               request_deserializer=readers.get(name, req.FromString),
-                                                               response_serializer=resp.SerializeToString)
+        handlers = {name: grpc.unary_unary_rpc_method_handler(
+                        wrapped(name), request_deserializer=_or_undecodable(readers.get(name, req.FromString), req),
+                        response_serializer=resp.SerializeToString)
                     for name, (req, resp) in METHODS.items()}
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes protobuf cannot parse, handed to the RPC's handler to answer
+    INVALID_ARGUMENT: a deserializer that raised would have gRPC answer UNKNOWN, naming the
+    exception's class."""
+
+    reason: str
+
+
+def _or_undecodable(read: Callable[[bytes], object], message_class) -> Callable[[bytes], object]:
+    def read_or_undecodable(data: bytes):
+        try:
+            return read(data)
+        except DecodeError:
+            return Undecodable(f"the request is not a valid {message_class.DESCRIPTOR.full_name} message")
+    return read_or_undecodable
 
 
 def _required(value: str, field: str) -> str:
