@@ -5,8 +5,8 @@ import zlib
 from unittest import mock
 
 import numpy as np
-import pytest
 import pyspng
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
