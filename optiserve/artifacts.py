@@ -12,12 +12,14 @@ import json
 import os
 import platform
 import shutil
+import stat
 import tempfile
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 from optiserve.errors import UserError
-from optiserve.files import atomic_write, read_json_bytes, sha256_file
+from optiserve.files import atomic_write, current_umask, read_json_bytes, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = "optiserve.manifest/1"
@@ -49,28 +51,43 @@ def _previous_versions(out: Path) -> list[Path]:
     return sorted(out.parent.glob(f".{out.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True)
 
 
-def recover_interrupted_publish(out: str | os.PathLike) -> None:
-    """A publish swaps two folders with two renames; a crash between them leaves no `out` and the
-    previous version under its hidden name. Put that version back (one atomic rename), so whoever
-    comes next — the next `optimize`, or a server — finds a complete folder."""
+def interrupted_publish(out: str | os.PathLike) -> Path | None:
+    """The previous version a publish moved aside when it was interrupted between its two renames
+    (no `out`, a complete `.out.old-PID` beside it); None when there is nothing to repair."""
     out = Path(out).absolute()
-    if not out.exists():
+    if os.path.lexists(out):
+        return None
+    with contextlib.suppress(OSError):
         for old in _previous_versions(out):
             if (old / MANIFEST).is_file():
-                os.replace(old, out)
-                break
+                return old
+    return None
+
+
+def repair_interrupted_publish(out: str | os.PathLike) -> Path | None:
+    """Put back the previous version an interrupted publish left under its hidden name (one atomic
+    rename), so the folder is complete again. The writer's job (`optimize --out`, `optiserve repair`),
+    never a reader's: readers may be on a read-only mount, and a rename could race a publisher.
+    Returns the folder it put back, or None."""
+    old = interrupted_publish(out)
+    if old is not None:
+        os.replace(old, Path(out).absolute())
+    return old
 
 
 @contextlib.contextmanager
 def staging_folder(out: Path):
     """Yield an empty folder beside `out`; on success it replaces `out`, on failure it is removed.
     An interruption at any point leaves a complete folder at `out` (the old or the new one) or,
-    between the two renames, one that `recover_interrupted_publish` puts back."""
+    between the two renames, one that `repair_interrupted_publish` puts back."""
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    recover_interrupted_publish(out)
+    repair_interrupted_publish(out)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".staging", dir=out.parent))
     try:
+        # mkdtemp makes 0700: the published folder should read like any new folder (a server may
+        # run as another uid, as a Kubernetes pod's runAsUser does)
+        os.chmod(stage, 0o777 & ~current_umask())
         yield stage
         old = None
         if out.exists():
@@ -111,12 +128,15 @@ def read_manifest(folder: str | os.PathLike, expected_sha256: str | None = None)
 
 def read_manifest_versioned(folder: str | os.PathLike, expected_sha256: str | None = None) -> tuple[dict, str]:
     """The manifest and the sha256 of manifest.json's bytes: the artifact's version, since the
-    manifest pins every variant file's hash (a server reloads a model when it changes)."""
-    recover_interrupted_publish(folder)
+    manifest pins every variant file's hash (a server reloads a model when it changes). Only reads:
+    a folder left half-published is an error naming the repair, never repaired here."""
     path = Path(folder) / MANIFEST
-    if not path.is_file():
-        raise UserError(f"{folder} is not an artifact folder: no {MANIFEST} (write one with `optimize MODEL`)")
-    data = path.read_bytes()  # hashed and parsed from the same bytes
+    try:
+        data = path.read_bytes()  # hashed and parsed from the same bytes
+    except (FileNotFoundError, NotADirectoryError):
+        raise UserError(_not_an_artifact_folder(folder)) from None
+    except OSError as e:
+        raise UserError(f"{path} cannot be read: {e.strerror or e}{_as_whom()}") from None
     actual = hashlib.sha256(data).hexdigest()
     if expected_sha256 is not None and actual != expected_sha256.strip().lower():
         raise UserError(f"{path} has sha256 {actual}, not the pinned {expected_sha256}: refusing to load it")
@@ -127,6 +147,19 @@ def read_manifest_versioned(folder: str | os.PathLike, expected_sha256: str | No
     return manifest, actual
 
 
+def _not_an_artifact_folder(folder: str | os.PathLike) -> str:
+    old = interrupted_publish(folder)
+    if old is not None:
+        return (f"{folder} is missing: a publish was interrupted and left the previous version at {old.name}; "
+                f"`optiserve repair {folder}` puts it back (or publish again)")
+    return f"{folder} is not an artifact folder: no {MANIFEST} (write one with `optimize MODEL`)"
+
+
+def _as_whom() -> str:
+    """Who this process reads as, for a permission error (a container's uid is often not the files' owner)."""
+    return f" (reading as uid {os.getuid()})" if hasattr(os, "getuid") else ""
+
+
 def manifest_version(folder: str | os.PathLike) -> str | None:
     """sha256 of the folder's manifest.json, or None when it has none (cheap: what a poll compares)."""
     with contextlib.suppress(OSError):
@@ -135,24 +168,116 @@ def manifest_version(folder: str | os.PathLike) -> str | None:
 
 
 def is_artifact_folder(folder: str | os.PathLike) -> bool:
-    return (Path(folder) / MANIFEST).is_file()
+    """True when `folder` holds a manifest.json file; False for anything that cannot be checked."""
+    return _manifest_problem(Path(folder)) is None
+
+
+def _manifest_problem(folder: Path) -> str | None:
+    """Why `folder` is not a readable artifact folder ("" when it simply has no manifest), or None
+    when its manifest.json is a file. Never raises: a repository on a volume holds entries the
+    server cannot read (an ext4 root's lost+found is root's, mode 700)."""
+    try:
+        st = os.stat(folder / MANIFEST)
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+    except PermissionError:
+        return f"cannot be read: permission denied{_as_whom()}"
+    except OSError as e:
+        return f"cannot be read: {e.strerror or e}"
+    return None if stat.S_ISREG(st.st_mode) else f"its {MANIFEST} is not a file"
+
+
+@dataclass(frozen=True)
+class SkippedEntry:
+    """An entry of a repository that is not served, and why; `looks_like_model` when the index should
+    list it (a folder or link that could be one), not only the log."""
+
+    name: str
+    reason: str
+    looks_like_model: bool
+
+
+@dataclass
+class RepositoryScan:
+    models: dict[str, Path] = field(default_factory=dict)
+    skipped: list[SkippedEntry] = field(default_factory=list)
+
+
+def scan_models(path: str | os.PathLike) -> RepositoryScan:
+    """The models under `path`, and every entry that is not one with the reason. An artifact folder
+    is one model, named by its manifest; a repository is a folder of artifact folders, each a model
+    named after its sub-folder. Hidden entries (a publish's staging folder and previous version) are
+    not models; an entry that cannot be read is skipped, never an error. Only reads."""
+    root = Path(path)
+    if not os.path.isdir(root):
+        old = interrupted_publish(root)
+        if old is not None:
+            raise UserError(_not_an_artifact_folder(root))
+        raise UserError(f"{root} is not a folder: give an artifact folder written by `optimize` or a "
+                        f"repository of them")
+    problem = _manifest_problem(root)
+    if problem is None:
+        return RepositoryScan({str(read_manifest(root).get("model") or root.name): root})
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError as e:
+        raise UserError(f"{root} cannot be read: {e.strerror or e}{_as_whom()}") from None
+    scan, names = RepositoryScan(), {e.name for e in entries}
+    for entry in entries:
+        if entry.name.startswith("."):
+            _note_interrupted_publish(root, entry.name, names, scan)
+            continue
+        skipped = _entry_problem(root, entry)
+        if skipped is None:
+            scan.models[entry.name] = root / entry.name
+        elif skipped.reason:
+            scan.skipped.append(skipped)
+    return scan
+
+
+def _entry_problem(root: Path, entry: os.DirEntry) -> SkippedEntry | None:
+    """None for a model folder; else why not (a SkippedEntry with reason "" for an ordinary folder
+    without a manifest, which is not worth a word)."""
+    name = entry.name
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return SkippedEntry(name.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
+                            "its name is not UTF-8 (a model's name is part of URLs)", False)
+    try:
+        is_link, is_dir = entry.is_symlink(), entry.is_dir()
+    except OSError as e:
+        return SkippedEntry(name, f"cannot be read: {e.strerror or e}", True)
+    if is_link and not os.path.exists(root / name):
+        with contextlib.suppress(OSError):
+            return SkippedEntry(name, f"a symbolic link to {os.readlink(root / name)}, which does not exist", True)
+        return SkippedEntry(name, "a symbolic link to something that does not exist", True)
+    if not is_dir:
+        return SkippedEntry(name, "a file, not a folder", False)
+    problem = _manifest_problem(root / name)
+    if problem is None:
+        return None
+    # an ext4 volume's lost+found (root's, mode 700) is no model: logged, not listed in the index
+    return SkippedEntry(name, problem, bool(problem) and name != "lost+found")
+
+
+def _note_interrupted_publish(root: Path, hidden: str, names: set[str], scan: RepositoryScan) -> None:
+    """A `.NAME.old-PID` whose NAME is missing: a publish stopped between its renames. NAME is not a
+    model yet; the index says how to repair it."""
+    if ".old-" not in hidden:
+        return
+    name = hidden[1:].rsplit(".old-", 1)[0]
+    if name and name not in names and interrupted_publish(root / name) is not None and \
+            not any(s.name == name for s in scan.skipped):
+        scan.skipped.append(SkippedEntry(name, f"a publish was interrupted: the previous version is at {hidden}; "
+                                               f"`optiserve repair {root / name}` puts it back", True))
 
 
 def find_models(path: str | os.PathLike) -> dict[str, Path]:
-    """The models under `path`: an artifact folder is one model, named by its manifest; a repository
-    is a folder of artifact folders, each a model named after its sub-folder. Hidden sub-folders
-    (a publish's staging and previous versions) are not models."""
-    root = Path(path)
-    if not root.is_dir():
-        raise UserError(f"{root} is not a folder: give an artifact folder written by `optimize` or a "
-                        f"repository of them")
-    recover_interrupted_publish(root)
-    if is_artifact_folder(root):
-        return {str(read_manifest(root).get("model") or root.name): root}
-    return {sub.name: sub for sub in sorted(root.iterdir())
-            if sub.is_dir() and not sub.name.startswith(".") and is_artifact_folder(sub)}
+    """The models under `path` (see scan_models), by name."""
+    return scan_models(path).models
 
 
 def is_repository(path: str | os.PathLike) -> bool:
     """True for a folder of artifact folders, False for one artifact folder."""
-    return Path(path).is_dir() and not is_artifact_folder(path)
+    return os.path.isdir(path) and not is_artifact_folder(path)

@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": "optiserve.serve.command",
     "bench": "optiserve.bench.command",
     "compare": "optiserve.bench.compare_command",
+    "repair": "optiserve.repair_command",
 }
 
 

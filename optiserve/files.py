@@ -22,7 +22,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb"):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the result should read like any new file
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; the result should read like any new file
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
@@ -34,7 +34,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb"):
         raise
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set straight back)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -12,6 +12,7 @@ from conftest import cache_imagenet_weights, run_cli
 from optiserve.files import sha256_file
 from optiserve.optimize import pipeline
 from optiserve.artifacts import read_manifest
+from optiserve.errors import UserError
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 from optiserve.runtime.openvino_backend import bf16_unavailable
 from optiserve.runtime.torch_backends import bf16_unavailable as torch_bf16_unavailable
@@ -139,7 +140,7 @@ def test_an_interrupted_run_leaves_the_previous_folder_untouched(artifact, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no staging folder left behind
 
 
-def test_a_crash_between_the_two_renames_of_a_publish_leaves_a_folder_the_next_reader_finds_complete(
+def test_a_crash_between_the_two_renames_of_a_publish_is_repaired_by_the_next_publish(
         artifact, tmp_path, monkeypatch):
     from optiserve import artifacts
 
@@ -159,9 +160,11 @@ def test_a_crash_between_the_two_renames_of_a_publish_leaves_a_folder_the_next_r
         with artifacts.staging_folder(out) as stage:
             (stage / "manifest.json").write_text("{}")
     monkeypatch.setattr(artifacts.os, "replace", real_replace)
-    assert not out.exists()  # the window the recovery is for
-    assert read_manifest(out) == before  # the previous version is put back and read
-    with artifacts.staging_folder(out) as stage:  # and the next publish works and leaves nothing hidden
+    assert not out.exists()  # the window the repair is for
+    with pytest.raises(UserError, match="optiserve repair"):
+        read_manifest(out)  # a reader only reads, and names the repair
+    with artifacts.staging_folder(out) as stage:  # the next publish puts the previous version back first
+        assert read_manifest(out) == before
         shutil.copytree(out, stage, dirs_exist_ok=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 

@@ -59,6 +59,9 @@ class OpenVinoSession:
             raise UserError(f"variant {variant['name']!r} runs in bf16, which cannot run here: {why}")
         if not companion_bin(path).is_file():
             raise UserError(f"variant {variant['name']!r}: {companion_bin(path)} (the IR's weights) is missing")
+        if companion_bin(path).resolve().parent != path.resolve().parent:
+            raise UserError(f"variant {variant['name']!r}: {companion_bin(path)} (the IR's weights) is a link "
+                            f"to {companion_bin(path).resolve()}, outside the model folder")
         config = {"INFERENCE_PRECISION_HINT": PRECISIONS[precision], "PERFORMANCE_HINT": "LATENCY",
                   "NUM_STREAMS": 1}
         if options.threads:

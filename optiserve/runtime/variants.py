@@ -51,9 +51,10 @@ class LoadedVariant:
 
 def load_verified(folder: Path, entry: dict, manifest: dict, options: RuntimeOptions) -> LoadedVariant:
     """Check the file (and its companions, e.g. an OpenVINO IR's .bin) against the manifest's sha256,
-    then load it through the runtime layer."""
-    path = folder / entry["file"]
-    files = [(path, entry["sha256"])] + [(folder / name, facts["sha256"])
+    then load it through the runtime layer. Every file must lie inside the folder: a manifest is
+    data, and must not make the server read another model's files (or anything else)."""
+    path = inside_folder(folder, entry["file"], entry["name"])
+    files = [(path, entry["sha256"])] + [(inside_folder(folder, name, entry["name"]), facts["sha256"])
                                          for name, facts in (entry.get("companions") or {}).items()]
     for file, expected in files:
         if not file.is_file():
@@ -62,6 +63,20 @@ def load_verified(folder: Path, entry: dict, manifest: dict, options: RuntimeOpt
             raise UserError(f"variant {entry['name']!r}: {file} does not match the manifest's sha256 "
                             f"(changed since optimize wrote it); re-run optimize")
     return LoadedVariant(entry["name"], entry, load_session(path, entry, manifest, options))
+
+
+def inside_folder(folder: Path, name, variant: str) -> Path:
+    """`folder / name`, refused unless it is a relative path that stays in the folder once every
+    symbolic link is followed (no `..`, no absolute path, no link leading out)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise UserError(f"variant {variant!r}: the manifest names the file {name!r}, which is outside the model "
+                        f"folder: a variant's files must be relative paths inside {folder}")
+    base = Path(folder).resolve()
+    path = (base / name).resolve()
+    if path != base and base not in path.parents:
+        raise UserError(f"variant {variant!r}: the manifest names the file {name!r}, which is outside the model "
+                        f"folder {folder} (it leads to {path}): a variant's files must lie inside its folder")
+    return Path(folder) / name
 
 
 def warm_up(variant: LoadedVariant, shape: list[int], batch_sizes: list[int], runs: int = 3) -> None:
