@@ -30,7 +30,7 @@ def test_every_option_of_every_subcommand_is_in_the_readme():
 
 
 def test_help_lists_the_documented_subcommands_and_each_has_working_help():
-    documented = {"train", "optimize", "serve", "bench", "compare"}  # the README's CLI reference
+    documented = {"train", "optimize", "serve", "bench", "compare", "repair"}  # the README's CLI reference
     proc = run_cli("--help")
     assert proc.returncode == 0
     section = proc.stdout.split("positional arguments:", 1)[1].split("options:", 1)[0]

@@ -24,9 +24,12 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 IMAGES = np.random.default_rng(0).standard_normal((3, 1, 16, 16), dtype=np.float32)
 
 
-def _wait_ready(client, seconds=60):
+def _wait_ready(client, http, seconds=60):
+    """Until the server is ready or, with nothing to load (explicit mode, no --load-model), started:
+    such a server is not ready until a model is loaded."""
     deadline = time.monotonic() + seconds
-    while not client.is_server_ready():
+    server = http.app.state.server
+    while not (client.is_server_ready() or (server.started and not server.repository.required)):
         assert time.monotonic() < deadline, "the server did not become ready"
         time.sleep(0.05)
 
@@ -39,7 +42,7 @@ def grpc_server(folder, port=None, **options):
     cfg = ServeConfig(str(folder), grpc_port=port, **options)
     with TestClient(create_app(cfg)) as http, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         client = triton.InferenceServerClient(f"127.0.0.1:{port}")
-        _wait_ready(client)
+        _wait_ready(client, http)
         yield http, client, stub(channel)
         client.close()
 
@@ -216,11 +219,12 @@ def test_repository_rpcs_need_the_admin_token_and_load_and_unload_models(small_a
             client.get_model_repository_index()
         with pytest.raises(InferenceServerException, match="PERMISSION_DENIED.*wrong admin token"):
             client.get_model_repository_index(headers={"authorization": "Bearer wrong-token-0123456789"})
+        assert not client.is_server_ready()  # nothing loaded: not ready (strict readiness)
         index = client.get_model_repository_index(headers=bearer)
         assert [(m.name, m.state) for m in index.models] == [("digits", "UNAVAILABLE")]
         assert _code(lambda: rpc.ModelInfer(_named(_request(), "digits"), timeout=30))[0] == grpc.StatusCode.UNAVAILABLE
         client.load_model("digits", headers=bearer)
-        assert client.is_model_ready("digits")
+        assert client.is_model_ready("digits") and client.is_server_ready()
         assert rpc.ModelInfer(_named(_request(), "digits"), timeout=30).model_version == "fp32"
         rpc.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(repository_name="digits"),  # KServe's layout
                                   metadata=tuple(bearer.items()), timeout=60)

@@ -180,9 +180,9 @@ def test_polling_loads_new_reloads_changed_keeps_the_old_on_a_bad_version_and_un
         publish_copy(small_artifact, repository / "digits-a", "broken")        # a version with an altered file
         with open(repository / "digits-a" / "model.int8.onnx", "ab") as f:
             f.write(b"tampered")
-        _until(lambda: "sha256" in server.status["digits-a"].reason, 30)
-        assert server.status["digits-a"].state == "READY" and server.models["digits-a"].version == v2
-        assert "still serves" in server.status["digits-a"].reason
+        _until(lambda: "sha256" in server.repository.status["digits-a"].reason, 30)
+        assert server.repository.status["digits-a"].state == "READY" and server.models["digits-a"].version == v2
+        assert "still serves" in server.repository.status["digits-a"].reason
         assert c.post("/predict?model=digits-a", json={"inputs": ZEROS}).status_code == 200
 
         shutil.rmtree(repository / "digits-b")                              # a model removed

@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import optiserve
@@ -25,7 +25,7 @@ from optiserve.serve.routes_admin import add_admin_routes
 from optiserve.serve.routes_predict import add_predict_routes
 from optiserve.serve.routes_protocol import add_protocol_routes
 from optiserve.serve.routes_stats import add_stats_routes
-from optiserve.serve.server import ApiError, ServeConfig, Server
+from optiserve.serve.server import ApiError, ClientGone, ServeConfig, Server
 
 __all__ = ["ServeConfig", "create_app", "configure_logging", "app_from_environment", "config_to_environment"]
 
@@ -51,8 +51,8 @@ def create_app(cfg: ServeConfig, load_before_start: bool = False) -> ServingApp:
         loading = asyncio.create_task(server.start())
         if load_before_start:
             await asyncio.shield(loading)
-            if not server.ready:
-                raise RuntimeError(f"the models did not load: {server.error}")
+            if not server.reports_ready:
+                raise RuntimeError(f"the models did not load: {server.not_ready_reason()}")
         yield
         loading.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -77,6 +77,11 @@ def create_app(cfg: ServeConfig, load_before_start: bool = False) -> ServingApp:
     async def api_error(request: Request, exc: ApiError):
         return JSONResponse({"error": exc.message}, status_code=exc.status,
                             headers={**variant_header(request), **exc.headers})
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        # nginx's 499 "client closed request", for the access log: nobody is left to read it
+        return Response(status_code=499)
 
     @app.exception_handler(BadInput)
     async def bad_input(request: Request, exc: BadInput):

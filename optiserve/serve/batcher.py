@@ -9,6 +9,7 @@ The event loop only queues and answers; inference runs on one dedicated thread p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -81,6 +82,10 @@ class DaemonExecutor(Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self._shutdown = True
+        if cancel_futures:  # calls not started yet never start
+            with contextlib.suppress(queue.Empty):
+                while (item := self._work.get_nowait()) is not None:
+                    item[0].cancel()
         self._work.put(None)
         if wait:
             self._thread.join()

@@ -83,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--poll-seconds", type=float, default=DEFAULTS.poll_seconds, metavar="S",
                    help=f"with --model-control poll: how often the repository is re-read (default "
                         f"{DEFAULTS.poll_seconds:g})")
+    p.add_argument("--strict-readiness", type=_true_or_false, default=DEFAULTS.strict_readiness, metavar="true|false",
+                   help="true (default): ready once at least one model is loaded and every model named at start-up "
+                        "(--load-model, or all in none/poll mode) is; false: a start-up model that failed to load "
+                        "does not hold readiness back (its reason is in the repository index)")
     p.add_argument("--admin-token-file", default=None, metavar="FILE",
                    help="enables the repository and traffic endpoints, for requests with `Authorization: "
                         "Bearer <the file's token>` (without it they answer 403)")
@@ -98,6 +102,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="server processes, each with its own copy of every variant (default 1)")
 
 
+def _true_or_false(text: str) -> bool:
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig that `optiserve serve ARGS` runs with (also what the Ray deployment parses)."""
     return ServeConfig(artifact_dir=args.artifact_dir, variants=args.variants, ab=args.ab,
@@ -107,7 +118,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                       drain_seconds=args.drain_seconds, shutdown_timeout_s=args.shutdown_timeout_s, max_image_pixels=args.max_image_pixels,
                       decode_threads=args.decode_threads, manifest_sha256=args.manifest_sha256,
                       model_control=args.model_control, load_models=args.load_models,
-                      poll_seconds=args.poll_seconds, admin_token_file=args.admin_token_file,
+                      poll_seconds=args.poll_seconds, strict_readiness=args.strict_readiness,
+                      admin_token_file=args.admin_token_file,
                       model_name=args.model_name, grpc_port=args.grpc_port, host=args.host)
 
 

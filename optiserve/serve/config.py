@@ -39,6 +39,7 @@ class ServeConfig:
     model_control: str = "none"       # none: load all at start; explicit: --load-model then the API; poll
     load_models: list[str] | None = None  # explicit mode: loaded at start-up ("*": all)
     poll_seconds: float = 5.0
+    strict_readiness: bool = True     # ready only when every start-up model is; false: failed ones may be missing
     admin_token_file: str | None = None  # without it the repository and traffic endpoints answer 403
     model_name: str | None = None     # a single folder's model name (default: its manifest's model)
     grpc_port: int | None = None      # also serve the Open Inference Protocol over gRPC on this port

@@ -112,7 +112,7 @@ class InferenceService:
     async def ModelInfer(self, message: InferMessage, context):
         server, request = self.server, message.request
         name, version = _required(request.model_name, "model_name"), request.model_version or None
-        if version is not None and server.ready:
+        if version is not None and server.started:
             oip.served(server, name, version)  # NOT_FOUND for an unknown version, before queueing
         with server.admitted(name, version) as admission:
             context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
@@ -132,8 +132,8 @@ class InferenceService:
                 out.contents.fp32_contents.extend(data.reshape(-1).tolist())
         for key, value in oip.timing_parameters(timing).items():
             response.parameters[key].int64_param = value
-        if server.shadow_wanted(admission):
-            await server.start_shadow(admission, parsed.images, logits)
+        if server.shadow.wanted(admission):
+            await server.shadow.start(admission, parsed.images, logits)
         return response
 
     # ---- the model repository ---------------------------------------------------------------------
@@ -146,18 +146,18 @@ class InferenceService:
     async def RepositoryIndex(self, request, context):
         self._authorize(context)
         entry = pb.RepositoryIndexResponse.ModelIndex
-        return pb.RepositoryIndexResponse(models=[entry(**e) for e in self.server.repository_index(request.ready)])
+        return pb.RepositoryIndexResponse(models=[entry(**e) for e in self.server.repository.index(request.ready)])
 
     async def RepositoryModelLoad(self, request, context):
         self._authorize(context)
-        self.server.check_explicit_control()
-        await self.server.load_model(_model_name(request))
+        self.server.repository.check_explicit_control()
+        await self.server.repository.load_model(_model_name(request))
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
         self._authorize(context)
-        self.server.check_explicit_control()
-        await self.server.unload_model(_model_name(request))
+        self.server.repository.check_explicit_control()
+        await self.server.repository.unload_model(_model_name(request))
         return pb.RepositoryModelUnloadResponse()
 
     # ---- wiring -----------------------------------------------------------------------------------

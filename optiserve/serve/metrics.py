@@ -29,6 +29,9 @@ class ServerMetrics:
                                  ["model", "variant"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("optiserve_batch_size", "Images per executed batch", ["model", "variant"],
                                     buckets=BATCH_BUCKETS, registry=r)
+        self.cancelled = Counter("optiserve_requests_cancelled", "Requests whose client hung up before the "
+                                 "answer (while uploading, queued, or in a batch still forming)",
+                                 ["model", "variant"], registry=r)
         self.queue_depth = QueueDepths()
         r.register(self.queue_depth)
         self._cache: dict[tuple[str, str], dict] = {}

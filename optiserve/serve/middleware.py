@@ -7,7 +7,7 @@ import json
 import logging
 
 from optiserve.serve import VARIANT_HEADER
-from optiserve.serve.server import ApiError
+from optiserve.serve.api_error import ApiError
 
 log = logging.getLogger("optiserve.serve")
 

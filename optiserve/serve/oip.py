@@ -48,12 +48,12 @@ def model_metadata(model: ServedModel, version: str | None) -> dict:
 
 def model_ready(server: Server, name: str, version: str | None = None) -> bool:
     """Whether `name` (and `version`, if given) can answer now; 404 for a model the server does not know."""
-    if name not in server.models and name not in server.status:
+    if name not in server.models and name not in server.repository.status:
         raise ApiError(404, f"unknown model {name!r}; served: {', '.join(sorted(server.models)) or 'none'}")
     model = server.models.get(name)
     if model is not None:
         check_version(model, version)
-    return server.reports_ready and model is not None and (version is None or version in model.variants)
+    return server.model_reports_ready and model is not None and (version is None or version in model.variants)
 
 
 def output_tensor(name: str, logits: np.ndarray) -> np.ndarray:

@@ -32,23 +32,26 @@ def add_admin_routes(app: FastAPI, server: Server, auth: AdminAuth) -> None:
         """Every model in the repository: READY, LOADING or UNAVAILABLE, with the version (the sha256
         prefix of its manifest.json) and the reason for the last failure."""
         authorize(request)
-        index = server.repository_index(bool((await json_body(request)).get("ready")))
+        ready = (await json_body(request)).get("ready", False)
+        if not isinstance(ready, bool):
+            raise ApiError(400, f'"ready" must be true or false, got {ready!r}'[:200])
+        index = server.repository.index(ready)
         return JSONResponse(index)
 
     @app.post("/v2/repository/models/{name}/load")
     async def load(name: str, request: Request):
         authorize(request)
-        server.check_explicit_control()
+        server.repository.check_explicit_control()
         await json_body(request)  # parameters (config overrides, files) are not supported: ignored if empty
-        await server.load_model(name)
+        await server.repository.load_model(name)
         return Response(status_code=200)
 
     @app.post("/v2/repository/models/{name}/unload")
     async def unload(name: str, request: Request):
         authorize(request)
-        server.check_explicit_control()
+        server.repository.check_explicit_control()
         await json_body(request)
-        await server.unload_model(name)
+        await server.repository.unload_model(name)
         return Response(status_code=200)
 
     @app.get("/v2/models/{name}/traffic")
@@ -59,4 +62,4 @@ def add_admin_routes(app: FastAPI, server: Server, auth: AdminAuth) -> None:
     async def put_traffic(name: str, request: Request):
         """{"weights": {"onnx-int8": 0.9, "fp32": 0.1}} and/or {"shadow": {"variant": V, "fraction": F} | null}."""
         authorize(request)
-        return server.set_traffic(name, await json_body(request, optional=False))
+        return server.repository.set_traffic(name, await json_body(request, optional=False))

@@ -35,7 +35,7 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
             k = top_k(query.get("top_k"), len(model.classes))
             if ctype == "multipart/form-data":
                 boundary = boundary_of(request.headers["content-type"])
-                form = parse_form(await server.read_body(request), boundary)
+                form = parse_form(await server.read_body(request, admission), boundary)
                 upload, named = form.get("file"), form.get("variant")
                 if upload is None or upload.filename is None:
                     raise ApiError(400, "multipart requests need the image in a file field named `file`")
@@ -45,16 +45,16 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                     server.reroute(admission, _variant_field(named), request)
                 images = (await server.decode_upload(admission, upload.data))[None]
             elif raw_image:
-                data = await server.read_body(request)
+                data = await server.read_body(request, admission)
                 images = (await server.decode_upload(admission, data))[None]
             else:
-                body = await server.read_body(request)
+                body = await server.read_body(request, admission)
                 parsed = await server.decode(predict_request, body, model.spec, len(model.classes),
                                              cfg.max_queue, server.image_limits)
                 if "variant" not in query:
                     server.reroute(admission, parsed.variant, request)
                 images, k = parsed.images, k or parsed.top_k
-            logits, timing = await server.infer(admission, images)
+            logits, timing = await server.infer(admission, images, request=request)
         k = k or min(cfg.top_k, len(model.classes))
         probs = softmax(logits)
         order = np.argsort(-probs, axis=1)[:, :k]
@@ -63,7 +63,7 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
         variant = admission.variant.name
         return FastJSONResponse({"model": model.name, "variant": variant, "predictions": predictions,
                                  "latency_ms": timing}, headers={VARIANT_HEADER: variant},
-                                background=server.shadow_task(admission, images, logits))
+                                background=server.shadow.task(admission, images, logits))
 
     app.add_fast_route("/predict", predict)
 

@@ -54,14 +54,14 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
 
     async def oip_infer(request: Request, name: str, version: str | None):
         """JSON tensors, or the binary tensor data extension (tritonclient's default)."""
-        if version is not None and server.ready:
+        if version is not None and server.started:
             oip.served(server, name, version)  # 404 in the protocol's words: an unknown version
         with server.admitted(name, version, request) as admission:
             model = admission.model
-            body = await server.read_body(request)
+            body = await server.read_body(request, admission)
             parsed = await server.decode(infer_request, body, request.headers.get(BINARY_HEADER), model.spec,
                                          cfg.max_queue)
-            logits, timing = await server.infer(admission, parsed.images)
+            logits, timing = await server.infer(admission, parsed.images, request=request)
         variant = admission.variant.name
         outputs, binary = [], []
         for out_name, as_binary in parsed.outputs:
@@ -78,7 +78,7 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
             response["id"] = parsed.id
         content, header_length = encode_response(response, binary)
         headers = {VARIANT_HEADER: variant}
-        background = server.shadow_task(admission, parsed.images, logits)
+        background = server.shadow.task(admission, parsed.images, logits)
         if header_length is None:
             return Response(content, media_type="application/json", headers=headers, background=background)
         return Response(content, media_type="application/octet-stream",

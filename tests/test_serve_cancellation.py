@@ -1,0 +1,96 @@
+"""Requests whose HTTP client has hung up are not run: their rows leave the queue (or a batch still
+forming), they are counted, and a client gone mid-upload is an INFO line, not an error. Driven with
+real sockets against a real uvicorn server."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from conftest import free_port
+from optiserve.serve.app import ServeConfig, create_app
+
+SECONDS_PER_BATCH = 0.05  # the model runs one image at a time, this slowly: 40 queued = 2 s of work
+
+
+@pytest.fixture
+def slow_server(small_artifact, caplog):
+    """`optiserve serve` in a thread on a real socket, onnx-int8 at batch size 1, each batch made to
+    take SECONDS_PER_BATCH (so that a queue forms), counting the images the model really ran."""
+    app = create_app(ServeConfig(str(small_artifact), variants=["onnx-int8"], max_batch_size=1, max_delay_ms=0,
+                                 max_queue=64))
+    ran = []
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not (server.started and app.state.server.models):
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    variant = app.state.server.models["small_cnn"].variants["onnx-int8"]
+    real_run = variant.batcher.run_batch
+
+    def slow_run(batch):
+        time.sleep(SECONDS_PER_BATCH)
+        ran.append(len(batch))
+        return real_run(batch)
+
+    variant.batcher.run_batch = slow_run
+    caplog.set_level(logging.INFO, logger="optiserve.serve")
+    yield port, app, ran
+    server.should_exit = True
+    thread.join(timeout=60)
+
+
+def _request(body: bytes, content_length: int | None = None) -> bytes:
+    length = len(body) if content_length is None else content_length
+    return (f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode() + body
+
+
+BODY = json.dumps({"inputs": [[[[0.0] * 16] * 16]]}).encode()
+
+
+def test_forty_clients_that_hang_up_after_0_4_s_are_mostly_never_run(slow_server):
+    port, app, ran = slow_server
+    clients = []
+    for _ in range(40):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(_request(BODY))
+        clients.append(s)
+    time.sleep(0.4)
+    for s in clients:
+        s.close()
+    time.sleep(40 * SECONDS_PER_BATCH + 0.5)  # what the queue would have taken to run in full
+    assert len(ran) <= 20, f"{len(ran)} of 40 abandoned requests were still run"
+    metrics = app.state.server.metrics.render().decode()
+    cancelled = next(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                     if line.startswith('optiserve_requests_cancelled_total{model="small_cnn",variant="onnx-int8"}'))
+    assert cancelled >= 40 - len(ran) - 2  # every request not run was counted (two may be mid-flight)
+    # and a client that stays gets its answer as before
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(_request(BODY))
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_a_client_gone_mid_upload_is_an_info_line_and_a_count_not_an_error(slow_server, caplog):
+    port, app, ran = slow_server
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(_request(BODY[:20], content_length=len(BODY)))  # half a body, then gone
+    time.sleep(0.2)
+    s.close()
+    deadline = time.monotonic() + 10
+    while "hung up while uploading" not in caplog.text:
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.05)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "Traceback" not in caplog.text
+    assert 'outcome="cancelled"' in app.state.server.metrics.render().decode()
+    assert ran == []
