@@ -72,6 +72,9 @@ class DaemonExecutor(Executor):
                     future.set_result(fn(*args, **kwargs))
                 except BaseException as e:  # handed to the caller, like ThreadPoolExecutor does
                     future.set_exception(e)
+            # held until the next call otherwise: a finished call must not keep its arguments (a
+            # loader's last call is a model's, which would then outlive its unloading)
+            del item, future, fn, args, kwargs
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         if self._shutdown:
