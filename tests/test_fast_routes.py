@@ -105,3 +105,19 @@ def test_the_handler_is_looked_up_by_the_exceptions_class_and_its_bases(exc):
 
     assert app._handler_for(exc) is (api if isinstance(exc, ApiError) else bad)
     assert app._handler_for(KeyError("z")) is None
+
+
+def test_openapi_documents_predict_and_the_protocols_infer_routes(small_artifact):
+    with TestClient(create_app(ServeConfig(str(small_artifact), variants=["onnx-int8"]))) as c:
+        spec = c.get("/openapi.json").json()
+    predict = spec["paths"]["/predict"]["post"]
+    assert {"multipart/form-data", "image/png", "application/json"} <= set(predict["requestBody"]["content"])
+    assert [p["name"] for p in predict["parameters"]] == ["model", "variant", "top_k"]
+    assert {"200", "400", "413", "429", "503"} <= set(predict["responses"])
+    for path, params in (("/v2/models/{name}/infer", ["name"]),
+                         ("/v2/models/{name}/versions/{version}/infer", ["name", "version"])):
+        infer = spec["paths"][path]["post"]
+        assert [p["name"] for p in infer["parameters"]] == params
+        assert {"application/json", "application/octet-stream"} == set(infer["requestBody"]["content"])
+    operation_ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
+    assert len(operation_ids) == len(set(operation_ids))  # each operation named once

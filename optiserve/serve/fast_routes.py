@@ -33,17 +33,28 @@ class ServingApp(FastAPI):
         self.fast_routes: dict[str, Endpoint] = {}  # plain paths
         self._fast_templates: list[tuple[re.Pattern, dict[str, Convertor], Endpoint]] = []  # paths with {params}
         self._fast_stack: ASGIApp | None = None
+        self._fast_docs: dict[str, dict] = {}  # path -> its OpenAPI operation
 
-    def add_fast_route(self, path: str, endpoint: Endpoint) -> None:
+    def add_fast_route(self, path: str, endpoint: Endpoint, operation: dict | None = None) -> None:
         """POST `path` (which may hold `{params}`, as Starlette's routes do) is answered by
         `endpoint(request)` behind only the app's own middleware. It is also an ordinary route, so
-        it is listed like one and other methods get their usual 405."""
+        other methods get their usual 405; `operation` is what /openapi.json says of it (FastAPI
+        documents only its own endpoints, which read their parameters through dependencies)."""
         self.add_route(path, endpoint, methods=["POST"])
+        if operation is not None:
+            self._fast_docs[path] = operation
         regex, _, convertors = compile_path(path)
         if convertors:
             self._fast_templates.append((regex, convertors, endpoint))
         else:
             self.fast_routes[path] = endpoint
+
+    def openapi(self) -> dict:
+        if self.openapi_schema is None:
+            schema = super().openapi()
+            for path, operation in self._fast_docs.items():
+                schema["paths"].setdefault(path, {})["post"] = operation
+        return self.openapi_schema
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and self._match_fast(scope):

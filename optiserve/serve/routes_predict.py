@@ -65,7 +65,49 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                                  "latency_ms": timing}, headers={VARIANT_HEADER: variant},
                                 background=server.shadow.task(admission, images, logits))
 
-    app.add_fast_route("/predict", predict)
+    app.add_fast_route("/predict", predict, PREDICT_OPERATION)
+
+
+def _query(name: str, description: str, schema: dict) -> dict:
+    return {"name": name, "in": "query", "required": False, "description": description, "schema": schema}
+
+
+def error_responses(*statuses: int) -> dict:
+    """OpenAPI responses for the inference routes' errors: a JSON {"error": reason}."""
+    error = {"application/json": {"schema": {"type": "object", "properties": {"error": {"type": "string"}}}}}
+    reasons = {400: "bad input (the reason says which)", 404: "unknown model or variant",
+               408: "the body did not arrive in time", 413: "the body, or its images, can never fit",
+               415: "unsupported content type", 429: "the variant's queue is full (Retry-After)",
+               499: "the client hung up (nothing is sent)", 500: "the batch failed",
+               503: "not ready, unavailable or shutting down", 504: "not answered within --timeout-ms"}
+    return {str(s): {"description": reasons[s], **({"content": error} if s != 499 else {})} for s in statuses}
+
+
+PREDICT_OPERATION = {
+    "summary": "Predict",
+    "description": "An image upload (multipart field `file`), a raw image body, or JSON "
+                   '{"inputs": tensors or base64 images}; answered with the top classes of each image.',
+    "operationId": "predict",
+    "parameters": [_query("model", "the model (needed when several are served)", {"type": "string"}),
+                   _query("variant", "the variant (default: the traffic split)", {"type": "string"}),
+                   _query("top_k", "classes per image", {"type": "integer", "minimum": 1})],
+    "requestBody": {"required": True, "content": {
+        "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
+            "file": {"type": "string", "format": "binary"}, "variant": {"type": "string"}}}},
+        **{t: {"schema": {"type": "string", "format": "binary"}} for t in IMAGE_TYPES},
+        "application/json": {"schema": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": {"description": "nested lists [N, C, H, W] (normalized) or base64 image strings"},
+            "variant": {"type": "string"}, "top_k": {"type": "integer"}}}}}},
+    "responses": {"200": {"description": "the top classes of every image, the variant that answered, timings",
+                          "content": {"application/json": {"schema": {"type": "object", "properties": {
+                              "model": {"type": "string"}, "variant": {"type": "string"},
+                              "predictions": {"type": "array", "items": {"type": "array", "items": {
+                                  "type": "object", "properties": {"class": {"type": "string"},
+                                                                   "index": {"type": "integer"},
+                                                                   "probability": {"type": "number"}}}}},
+                              "latency_ms": {"type": "object"}}}}}},
+                  **error_responses(400, 404, 408, 413, 415, 429, 499, 500, 503, 504)},
+}
 
 
 def _variant_field(part: Part | None) -> str | None:

@@ -11,6 +11,7 @@ from optiserve.serve.binary import HEADER as BINARY_HEADER
 from optiserve.serve.binary import encode_response
 from optiserve.serve.envelope import infer_request
 from optiserve.serve.fast_routes import ServingApp
+from optiserve.serve.routes_predict import error_responses
 from optiserve.serve.server import Server
 
 
@@ -93,5 +94,34 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
         params = request.path_params
         return await oip_infer(request, params["name"], params["version"])
 
-    app.add_fast_route("/v2/models/{name}/infer", infer)
-    app.add_fast_route("/v2/models/{name}/versions/{version}/infer", infer_version)
+    app.add_fast_route("/v2/models/{name}/infer", infer, _infer_operation(False))
+    app.add_fast_route("/v2/models/{name}/versions/{version}/infer", infer_version, _infer_operation(True))
+
+
+def _infer_operation(versioned: bool) -> dict:
+    """/openapi.json's description of the protocol's infer route (the Open Inference Protocol's schema)."""
+    params = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
+    if versioned:
+        params.append({"name": "version", "in": "path", "required": True, "description": "a variant",
+                       "schema": {"type": "string"}})
+    tensor = {"type": "object", "required": ["name", "shape", "datatype"], "properties": {
+        "name": {"type": "string"}, "shape": {"type": "array", "items": {"type": "integer"}},
+        "datatype": {"type": "string"}, "data": {"type": "array"}, "parameters": {"type": "object"}}}
+    return {
+        "summary": "Model infer" + (" (one variant)" if versioned else ""),
+        "description": "The Open Inference Protocol's infer: JSON tensors, or the binary tensor data extension "
+                       "(`Inference-Header-Content-Length`), as tritonclient and KServe's clients send them.",
+        "operationId": "model_infer_version" if versioned else "model_infer",
+        "parameters": params,
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"type": "object", "required": ["inputs"], "properties": {
+                "id": {"type": "string"}, "inputs": {"type": "array", "items": tensor},
+                "outputs": {"type": "array", "items": {"type": "object"}}, "parameters": {"type": "object"}}}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+        "responses": {"200": {"description": "the output tensors (logits, probabilities) and timing parameters",
+                              "content": {"application/json": {"schema": {"type": "object", "properties": {
+                                  "model_name": {"type": "string"}, "model_version": {"type": "string"},
+                                  "id": {"type": "string"}, "outputs": {"type": "array", "items": tensor},
+                                  "parameters": {"type": "object"}}}}}},
+                      **error_responses(400, 404, 408, 413, 429, 499, 500, 503, 504)},
+    }
