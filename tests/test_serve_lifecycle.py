@@ -81,11 +81,13 @@ def test_entries_that_are_no_model_are_skipped_with_a_reason_and_never_stop_the_
     assert "not a file" in skipped["bad-manifest"].reason and skipped["bad-manifest"].looks_like_model
     assert "empty" not in skipped
 
-    cfg = ServeConfig(str(repo), variants=["onnx-int8"], admin_token_file=None)
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    cfg = ServeConfig(str(repo), variants=["onnx-int8"], admin_token_file=str(token))
     with TestClient(create_app(cfg)) as c:
         _until(lambda: c.get("/v2/health/ready").status_code == 200)
         assert c.post("/predict?model=digits", json={"inputs": ZEROS}).status_code == 200
-        index = {e["name"]: e for e in c.app.state.server.repository.index()}
+        index = {e["name"]: e for e in c.post("/v2/repository/index", json={}, headers=_admin()).json()}
         assert set(index) == {"digits", "gone", "bad-manifest"}  # what looks like a model is listed
         assert index["gone"]["state"] == "UNAVAILABLE" and "does not exist" in index["gone"]["reason"]
 
@@ -133,6 +135,33 @@ def test_a_published_folder_reads_like_any_new_folder_for_other_users(small_arti
     finally:
         os.umask(old)
     assert out.stat().st_mode & 0o777 == 0o755  # not mkdtemp's 0700: a pod's runAsUser must read it
+
+
+def test_the_repository_is_read_off_the_event_loop_when_polled_and_indexed(small_artifact, tmp_path, token_file,
+                                                                          monkeypatch):
+    from optiserve.serve import repository as repository_module
+
+    repo = tmp_path / "repo"
+    shutil.copytree(small_artifact, repo / "digits")
+    on_loop = []
+    real = repository_module.scan_models
+
+    def watched(path):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return real(path)
+
+    monkeypatch.setattr(repository_module, "scan_models", watched)
+    cfg = ServeConfig(str(repo), variants=["onnx-int8"], model_control="poll", poll_seconds=0.05,
+                      admin_token_file=token_file)
+    with TestClient(create_app(cfg)) as c:
+        _until(lambda: c.get("/v2/health/ready").status_code == 200)
+        _until(lambda: len(on_loop) >= 5)
+        assert c.post("/v2/repository/index", json={}, headers=_admin()).json()[0]["state"] == "READY"
+    assert on_loop and not any(on_loop)
 
 
 # ---- a manifest names files inside its folder only ------------------------------------------------------

@@ -146,7 +146,7 @@ class InferenceService:
     async def RepositoryIndex(self, request, context):
         self._authorize(context)
         entry = pb.RepositoryIndexResponse.ModelIndex
-        return pb.RepositoryIndexResponse(models=[entry(**e) for e in self.server.repository.index(request.ready)])
+        return pb.RepositoryIndexResponse(models=[entry(**e) for e in await self.server.repository.index(request.ready)])
 
     async def RepositoryModelLoad(self, request, context):
         self._authorize(context)

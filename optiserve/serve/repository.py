@@ -103,11 +103,12 @@ class ModelRepository:
             return {self.cfg.model_name: folder for folder in scan.models.values()}
         return scan.models
 
-    def repository_models(self) -> dict[str, Path]:
-        """The models the folder holds now; 503 with the reason when it cannot be read (it vanished,
-        or a single artifact folder's manifest went bad)."""
+    async def repository_models(self) -> dict[str, Path]:
+        """The models the folder holds now (read off the event loop: a slow or network volume must not
+        stall requests); 503 with the reason when it cannot be read (it vanished, or a single artifact
+        folder's manifest went bad)."""
         try:
-            return self.find_models()
+            return await _off_loop(self.find_models)
         except UserError as e:
             raise ApiError(503, f"the model repository cannot be read: {e}") from None
 
@@ -212,11 +213,11 @@ class ModelRepository:
                                 f"runs with --model-control {self.cfg.model_control}"
                                 f"{': it follows the repository folder' if self.cfg.model_control == 'poll' else ''})")
 
-    def index(self, ready_only: bool = False) -> list[dict]:
+    async def index(self, ready_only: bool = False) -> list[dict]:
         """Every model in the repository: READY, LOADING or UNAVAILABLE, with the version (the sha256
         prefix of its manifest.json) and the reason for the last failure (Triton's index)."""
         entries = []
-        found = self.repository_models()
+        found = await self.repository_models()
         unreadable = {e.name: e.reason for e in self._skipped.values() if e.looks_like_model}
         for name in sorted({*found, *self.status, *unreadable}):
             status = self.status.get(name)
@@ -235,16 +236,16 @@ class ModelRepository:
         ApiError 400 with the reason when it cannot be loaded (a served version keeps serving)."""
         self._check_not_stopping()
         async with self._exclusive(name):
-            found = self.repository_models()
+            found = await self.repository_models()
             folder = found.get(name)
             if folder is None:
                 raise ApiError(400, f"no model {name!r} in the repository {self.root} (models: "
                                     f"{', '.join(found) or 'none'})")
             try:
-                model = self._prepare(name, folder)
+                model = await _off_loop(self._prepare, name, folder)
             except UserError as e:
                 self._failed(name, f"{'reload' if name in self.models else 'load'} failed: {e}",
-                             manifest_version(folder))
+                             await _off_loop(manifest_version, folder))
                 raise ApiError(400, self.status[name].reason) from None
             if not await self._activate(name, model):
                 raise ApiError(400, self.status[name].reason)
@@ -256,7 +257,7 @@ class ModelRepository:
         async with self._exclusive(name):
             model = self.models.pop(name, None)
             if model is None:
-                if name not in self.status and name not in self.repository_models():
+                if name not in self.status and name not in await self.repository_models():
                     raise ApiError(400, f"no model {name!r} in the repository {self.root}")
                 return  # unloading what is not loaded succeeds, as in Triton
             self.status[name] = ModelStatus("UNAVAILABLE", reason="unloaded")
@@ -267,10 +268,10 @@ class ModelRepository:
     async def poll_once(self) -> None:
         """Bring the served models in line with the repository: load new ones, reload changed ones,
         unload removed ones (a folder must be missing from two polls in a row: a publish swaps it)."""
-        found = self.find_models()
+        found, versions = await _off_loop(self._scan_with_versions)
         for name, folder in found.items():
             self._missing.pop(name, None)
-            version = manifest_version(folder)
+            version = versions[name]
             served = self.models.get(name)
             status = self.status.get(name)
             if version is None or (served is not None and served.version == version):
@@ -287,6 +288,11 @@ class ModelRepository:
                 self.status.pop(name, None)
         for name in self.required - set(found) - set(self.models):
             self.required.discard(name)  # a start-up model that failed and was then removed from the folder
+
+    def _scan_with_versions(self) -> tuple[dict[str, Path], dict[str, str | None]]:
+        """The models and the sha256 of each manifest.json: what a poll compares (blocking: file reads)."""
+        found = self.find_models()
+        return found, {name: manifest_version(folder) for name, folder in found.items()}
 
     async def _poll_forever(self) -> None:
         while True:
@@ -354,6 +360,11 @@ class ModelRepository:
         model.set_traffic(shares, shadow, shadow_given)
         log.info("model %s: traffic set to %s", name, model.traffic())
         return model.traffic()
+
+
+async def _off_loop(fn, *args):
+    """Run a blocking file read on the default executor, off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 def check_shadow(shares: dict[str, float], shadow: Shadow | None) -> None:

@@ -35,7 +35,7 @@ def add_admin_routes(app: FastAPI, server: Server, auth: AdminAuth) -> None:
         ready = (await json_body(request)).get("ready", False)
         if not isinstance(ready, bool):
             raise ApiError(400, f'"ready" must be true or false, got {ready!r}'[:200])
-        index = server.repository.index(ready)
+        index = await server.repository.index(ready)
         return JSONResponse(index)
 
     @app.post("/v2/repository/models/{name}/load")
