@@ -30,3 +30,19 @@ def cpu_line(facts: dict | None = None) -> str:
     """E.g. 'AMD EPYC 7B13 (2 cores; avx2 fma)'."""
     facts = facts or cpu_facts()
     return f"{facts['model']} ({facts['cores']} cores; {' '.join(facts['flags']) or 'no AVX2'})"
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use: its cgroup's limit (a container's, as Kubernetes sets it)
+    when there is one, else the machine's total memory."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # cgroup v1 writes a huge number for "no limit"
+            return int(text)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30

@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"longest the oldest queued image waits for a fuller batch (default {DEFAULTS.max_delay_ms:g})")
     p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue, metavar="N",
                    help=f"queued images per variant beyond which requests get 429 (default {DEFAULTS.max_queue})")
+    p.add_argument("--max-queue-bytes", type=int, default=None, metavar="N",
+                   help="bytes that requests may hold in memory at once (bodies being read, JSON being parsed, "
+                        "decoded images); past it requests are answered 429, and one that could never fit 413 "
+                        "(default: a quarter of the memory limit: the container's, else the machine's)")
     p.add_argument("--timeout-ms", type=float, default=DEFAULTS.timeout_ms, metavar="T",
                    help=f"per-request limit; past it the answer is 504 (default {DEFAULTS.timeout_ms:g})")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -113,7 +117,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig that `optiserve serve ARGS` runs with (also what the Ray deployment parses)."""
     return ServeConfig(artifact_dir=args.artifact_dir, variants=args.variants, ab=args.ab,
                       max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
-                      max_queue=args.max_queue, timeout_ms=args.timeout_ms, threads=args.threads,
+                      max_queue=args.max_queue, max_queue_bytes=args.max_queue_bytes, timeout_ms=args.timeout_ms, threads=args.threads,
                       inference_nice=args.inference_nice, device=args.device, body_timeout_s=args.body_timeout_s,
                       drain_seconds=args.drain_seconds, shutdown_timeout_s=args.shutdown_timeout_s, max_image_pixels=args.max_image_pixels,
                       decode_threads=args.decode_threads, manifest_sha256=args.manifest_sha256,

@@ -29,6 +29,7 @@ class ServeConfig:
     inference_nice: int = 10          # CPU priority of inference threads below the event loop's (Linux); 0: same
     device: str = "auto"
     max_body_bytes: int = 16 << 20
+    max_queue_bytes: int | None = None  # bodies and decoded tensors held at once; None: a quarter of the memory limit
     top_k: int = 5
     body_timeout_s: float = 10.0      # a request whose body has not arrived by then gets 408 and its queue place back
     drain_seconds: float = 5.0        # on SIGTERM: not ready, still answering, so load balancers move away first
@@ -45,11 +46,22 @@ class ServeConfig:
     grpc_port: int | None = None      # also serve the Open Inference Protocol over gRPC on this port
     host: str = "127.0.0.1"           # where HTTP (uvicorn) and gRPC listen
 
+    def queue_bytes(self) -> int:
+        """--max-queue-bytes, or by default a quarter of the memory this process may use (its
+        container's limit where it has one): room for the models and everything else besides."""
+        if self.max_queue_bytes is not None:
+            return self.max_queue_bytes
+        from optiserve.machine import memory_limit_bytes
+
+        return max(64 << 20, memory_limit_bytes() // 4)
+
     def validate(self) -> None:
         for name, value in (("--max-batch-size", self.max_batch_size), ("--max-queue", self.max_queue),
                             ("--max-image-pixels", self.max_image_pixels), ("--decode-threads", self.decode_threads)):
             if value is not None and value < 1:
                 raise UserError(f"{name} must be at least 1, got {value}")
+        if self.max_queue_bytes is not None and self.max_queue_bytes < 1 << 20:
+            raise UserError(f"--max-queue-bytes must be at least 1 MiB (1048576), got {self.max_queue_bytes}")
         if self.max_delay_ms < 0 or self.timeout_ms <= 0:
             raise UserError("--max-delay-ms must be >= 0 and --timeout-ms > 0")
         if self.body_timeout_s <= 0 or self.shutdown_timeout_s < 0 or self.drain_seconds < 0:

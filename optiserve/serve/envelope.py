@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -22,6 +23,14 @@ from optiserve.serve.preprocess import BadInput, ImageLimits, decode_base64_imag
 MAX_NUMBER_CHARS = 64      # longer than any float32 written out; Python would parse 4,300-digit integers
 MAX_NAME_CHARS = 256       # variant names, output names, ids
 OUTPUTS = ("logits", "probabilities")
+OTHER_FIELDS_COMMAS = 1024  # commas a request may spend outside its tensor (ids, parameters, outputs)
+PYTHON_NUMBER_BYTES = 40    # what json builds for each number at its peak (measured 36.5: float, list slot, growth)
+
+
+class TooManyValues(BadInput):
+    """A JSON body with more numbers than any request may carry: 413, refused before parsing."""
+
+    status = 413
 
 
 class TooManyImages(BadInput):
@@ -98,8 +107,36 @@ class PredictRequest:
     top_k: int | None
 
 
-def predict_request(data: bytes, spec: InputSpec, classes: int, max_images: int, limits: ImageLimits) -> PredictRequest:
-    """/predict's JSON: {"inputs": base64 images or nested lists [N, C, H, W], "variant"?, "top_k"?}."""
+def max_commas(spec: InputSpec, max_images: int) -> int:
+    """The most commas a JSON body may hold: one fewer than the values of `max_images` images, plus
+    room for its other fields."""
+    return max_images * math.prod(spec.shape) + OTHER_FIELDS_COMMAS
+
+
+def json_numbers_at_most(data: bytes, spec: InputSpec, max_images: int) -> int:
+    """An upper bound on the numbers in a JSON body, checked before it is parsed: a nested list of n
+    numbers has exactly n - 1 commas, so a body with more commas than `max_images` images of the
+    model's input hold (plus room for the other fields) has more numbers than any request may send,
+    and is refused (413) before json builds a Python object for each of them."""
+    commas = data.count(b",")
+    if commas > max_commas(spec, max_images):
+        raise too_many_values(commas, spec, max_images)
+    return commas + 1
+
+
+def too_many_values(commas: int, spec: InputSpec, max_images: int) -> TooManyValues:
+    most = max_images * math.prod(spec.shape)
+    return TooManyValues(f"the JSON holds {commas + 1:,} values or more, but a request may carry at most {max_images} "
+                         f"images of {'x'.join(map(str, spec.shape))} ({most:,} values)")
+
+
+def predict_request(data: bytes, spec: InputSpec, classes: int, max_images: int, limits: ImageLimits,
+                    hold: Callable[[int], None] | None = None) -> PredictRequest:
+    """/predict's JSON: {"inputs": base64 images or nested lists [N, C, H, W], "variant"?, "top_k"?}.
+    `hold` is told the bytes the parse may build before it starts (the server's byte budget)."""
+    numbers = json_numbers_at_most(data, spec, max_images)
+    if hold is not None:
+        hold(PYTHON_NUMBER_BYTES * numbers)
     body = parse_json(data)
     if "inputs" not in body:
         raise BadInput('JSON requests need "inputs": nested lists [N, C, H, W] or base64 images')
@@ -143,13 +180,18 @@ def check_tensor(shape, datatype, spec: InputSpec, max_images: int) -> tuple[int
     return count, np.dtype(DTYPES[datatype]).newbyteorder("<")
 
 
-def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_images: int) -> InferRequest:
+def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_images: int,
+                  hold: Callable[[int], None] | None = None) -> InferRequest:
     """The protocol's infer request: one FP32/FP16/FP64 input of shape [N, C, H, W] as JSON `data` or
-    as binary tensor data; outputs among logits and probabilities (both when none are named)."""
+    as binary tensor data; outputs among logits and probabilities (both when none are named).
+    `hold` is told the bytes the JSON parse may build before it starts."""
     try:
         head, tail = split_body(data, header_length)
     except BinaryFormatError as e:
         raise BadInput(str(e)) from None
+    numbers = json_numbers_at_most(head, spec, max_images)
+    if hold is not None:
+        hold(PYTHON_NUMBER_BYTES * numbers)
     body = parse_json(head)
     params = _dict(body.get("parameters"), "parameters")
     inputs = body.get("inputs")

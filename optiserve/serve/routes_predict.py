@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from fastapi import Request
 
@@ -48,9 +50,10 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                 data = await server.read_body(request, admission)
                 images = (await server.decode_upload(admission, data))[None]
             else:
-                body = await server.read_body(request, admission)
+                body = await server.read_body(request, admission, json_values=True)
                 parsed = await server.decode(predict_request, body, model.spec, len(model.classes),
-                                             cfg.max_queue, server.image_limits)
+                                             cfg.max_queue, server.image_limits,
+                                             functools.partial(admission.held.grow, what="parsing its JSON"))
                 if "variant" not in query:
                     server.reroute(admission, parsed.variant, request)
                 images, k = parsed.images, k or parsed.top_k

@@ -3,6 +3,8 @@ every served model. A model's variants are its versions."""
 
 from __future__ import annotations
 
+import functools
+
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -59,9 +61,10 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
             oip.served(server, name, version)  # 404 in the protocol's words: an unknown version
         with server.admitted(name, version, request) as admission:
             model = admission.model
-            body = await server.read_body(request, admission)
-            parsed = await server.decode(infer_request, body, request.headers.get(BINARY_HEADER), model.spec,
-                                         cfg.max_queue)
+            binary_header = request.headers.get(BINARY_HEADER)  # binary tensor bytes may hold any byte, commas too
+            body = await server.read_body(request, admission, json_values=binary_header is None)
+            parsed = await server.decode(infer_request, body, binary_header, model.spec,
+                                         cfg.max_queue, functools.partial(admission.held.grow, what="parsing its JSON"))
             logits, timing = await server.infer(admission, parsed.images, request=request)
         variant = admission.variant.name
         outputs, binary = [], []

@@ -23,6 +23,8 @@ from optiserve.serve import VARIANT_HEADER
 from optiserve.serve.api_error import ApiError, ClientGone
 from optiserve.serve.batcher import BatchFailed, DaemonExecutor, QueueFull, Reservation, ShuttingDown
 from optiserve.serve.config import ServeConfig
+from optiserve.serve.envelope import max_commas, too_many_values
+from optiserve.serve.memory_budget import ByteBudget, HeldBytes
 from optiserve.serve.metrics import ServerMetrics
 from optiserve.serve.model import BatchingConfig, ServedModel, ServedVariant
 from optiserve.serve.preprocess import ImageLimits, decode_image, decoded_by_libspng
@@ -42,6 +44,7 @@ class Admission:
     model: ServedModel
     variant: ServedVariant
     reservation: Reservation
+    held: HeldBytes  # its share of --max-queue-bytes: the body it buffers, what decoding it builds
 
 
 class Server:
@@ -64,6 +67,7 @@ class Server:
         self.error: str | None = None
         self.terminating = False  # SIGTERM seen: still answering, but reporting not ready (the drain window)
         self.image_limits = ImageLimits(cfg.max_image_pixels)
+        self.memory = ByteBudget(cfg.queue_bytes())
         # Parsing JSON, base64 and images costs milliseconds per request: off the event loop, so
         # health checks and 429s are answered at once whatever is being uploaded.
         self.decode_pool = ThreadPoolExecutor(max_workers=cfg.decode_threads or min(4, os.cpu_count() or 1),
@@ -164,12 +168,13 @@ class Server:
             reservation = variant.batcher.reserve()
         except QueueFull as e:
             raise self._overloaded(model, variant, e) from None
-        admission = Admission(model, variant, reservation)
+        admission = Admission(model, variant, reservation, self.memory.hold())
         model.enter()  # the version stays loaded until this request is answered, even if replaced
         try:
             yield admission
         finally:
             admission.reservation.release()
+            admission.held.release()
             model.leave()
 
     def reroute(self, admission: Admission, name: str | None, request: Request) -> None:
@@ -185,12 +190,42 @@ class Server:
         admission.reservation.release()
         admission.variant, admission.reservation = variant, reservation
 
-    async def read_body(self, request: Request, admission: Admission | None = None) -> bytes:
-        """The request's body; a client that hangs up mid-upload is counted and answered nothing."""
+    async def read_body(self, request: Request, admission: Admission | None = None, json_values: bool = False) -> bytes:
+        """The request's body; a client that hangs up mid-upload is counted and answered nothing.
+        With `json_values` (a JSON tensor body), one with more values than a request may carry
+        (see envelope.json_numbers_at_most) is refused (413) as soon as they have arrived, not once
+        all of it has."""
         try:
-            return await self._within_body_timeout(request.body())
+            if admission is None:
+                return await self._within_body_timeout(request.body())
+            limit = max_commas(admission.model.spec, self.cfg.max_queue) if json_values else None
+            return await self._within_body_timeout(self._read_held(request, admission, limit))
         except ClientDisconnect:
             raise self._client_gone(admission, "while uploading its body") from None
+
+    async def _read_held(self, request: Request, admission: Admission, comma_limit: int | None) -> bytes:
+        """The body, held against the byte budget before it is buffered — twice over while it arrives,
+        since its chunks and the bytes they are joined into live together for a moment: all of it
+        at once when its length is declared, chunk by chunk when it is sent chunked."""
+        held = admission.held
+        length = request.headers.get("content-length", "")
+        declared = length.isdigit()
+        if declared:
+            held.grow(2 * int(length), "the request body")
+        chunks, commas, size = [], 0, 0
+        async for chunk in request.stream():
+            if not declared:
+                held.grow(2 * len(chunk), "the request body")
+            if comma_limit is not None:
+                commas += chunk.count(b",")
+                if commas > comma_limit:
+                    raise too_many_values(commas, admission.model.spec, self.cfg.max_queue)
+            chunks.append(chunk)
+            size += len(chunk)
+        body = b"".join(chunks)
+        del chunks
+        held.shrink(held.bytes - size if declared else size)
+        return body
 
     async def _within_body_timeout(self, reading):
         """The body, or 408 once `body_timeout_s` has passed: an idle upload must not keep its queue place."""
@@ -267,6 +302,7 @@ class Server:
         served = {VARIANT_HEADER: variant.name}  # failures say which variant the A/B split chose
         timeout = self.cfg.timeout_ms / 1000 if deadline_s is None else min(self.cfg.timeout_ms / 1000, deadline_s)
         try:
+            admission.held.grow(images.nbytes, "its decoded images")
             submitted = variant.batcher.submit(images, timeout, admission.reservation)
             result = await (submitted if request is None else self._unless_client_leaves(submitted, request, admission))
         except QueueFull as e:
