@@ -64,6 +64,17 @@ def interrupted_publish(out: str | os.PathLike) -> Path | None:
     return None
 
 
+def interrupted_publishes(root: str | os.PathLike, listing: list[str] | None = None) -> dict[str, Path]:
+    """The models of the repository `root` whose publish was interrupted (a `.NAME.old-PID` beside
+    no NAME), by name, each with the previous version that would be put back. `listing`: the
+    folder's entry names, when the caller has just listed it."""
+    root = Path(root)
+    names = {hidden[1:].rsplit(".old-", 1)[0] for hidden in (os.listdir(root) if listing is None else listing)
+             if hidden.startswith(".") and ".old-" in hidden}
+    found = {name: interrupted_publish(root / name) for name in sorted(names) if name}
+    return {name: old for name, old in found.items() if old is not None}
+
+
 def repair_interrupted_publish(out: str | os.PathLike) -> Path | None:
     """Put back the previous version an interrupted publish left under its hidden name (one atomic
     rename), so the folder is complete again. The writer's job (`optimize --out`, `optiserve repair`),
@@ -222,16 +233,19 @@ def scan_models(path: str | os.PathLike) -> RepositoryScan:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except OSError as e:
         raise UserError(f"{root} cannot be read: {e.strerror or e}{_as_whom()}") from None
-    scan, names = RepositoryScan(), {e.name for e in entries}
+    scan = RepositoryScan()
     for entry in entries:
-        if entry.name.startswith("."):
-            _note_interrupted_publish(root, entry.name, names, scan)
+        if entry.name.startswith("."):  # a publish's staging folder or previous version
             continue
         skipped = _entry_problem(root, entry)
         if skipped is None:
             scan.models[entry.name] = root / entry.name
         elif skipped.reason:
             scan.skipped.append(skipped)
+    # a model whose publish stopped between its renames is not a model yet: the index says how to repair it
+    scan.skipped += [SkippedEntry(name, f"a publish was interrupted: the previous version is at {old.name}; "
+                                        f"`optiserve repair {root / name}` puts it back", True)
+                     for name, old in interrupted_publishes(root, [e.name for e in entries]).items()]
     return scan
 
 
@@ -258,19 +272,7 @@ def _entry_problem(root: Path, entry: os.DirEntry) -> SkippedEntry | None:
     if problem is None:
         return None
     # an ext4 volume's lost+found (root's, mode 700) is no model: logged, not listed in the index
-    return SkippedEntry(name, problem, bool(problem) and name != "lost+found")
-
-
-def _note_interrupted_publish(root: Path, hidden: str, names: set[str], scan: RepositoryScan) -> None:
-    """A `.NAME.old-PID` whose NAME is missing: a publish stopped between its renames. NAME is not a
-    model yet; the index says how to repair it."""
-    if ".old-" not in hidden:
-        return
-    name = hidden[1:].rsplit(".old-", 1)[0]
-    if name and name not in names and interrupted_publish(root / name) is not None and \
-            not any(s.name == name for s in scan.skipped):
-        scan.skipped.append(SkippedEntry(name, f"a publish was interrupted: the previous version is at {hidden}; "
-                                               f"`optiserve repair {root / name}` puts it back", True))
+    return SkippedEntry(name, problem, name != "lost+found")
 
 
 def find_models(path: str | os.PathLike) -> dict[str, Path]:

@@ -5,10 +5,9 @@ waits for a writer: the next `optimize --out` to the same folder, or this comman
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-from optiserve.artifacts import repair_interrupted_publish
+from optiserve.artifacts import interrupted_publishes, repair_interrupted_publish
 from optiserve.errors import UserError
 
 HELP = "put back the previous version of an artifact folder whose publish was interrupted"
@@ -19,22 +18,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", metavar="PATH", help="an artifact folder, or a repository (a folder of them)")
 
 
-def candidates(path: Path) -> list[Path]:
-    """The folder itself and, for a repository, every model whose hidden previous version lies beside it."""
-    found = [path]
-    if path.is_dir():
-        names = {entry.name[1:].rsplit(".old-", 1)[0] for entry in os.scandir(path)
-                 if entry.name.startswith(".") and ".old-" in entry.name}
-        found += [path / name for name in sorted(names) if name]
-    return found
-
-
 def run(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if not path.is_dir() and not path.parent.is_dir():
         raise UserError(f"{path} is not a folder, and neither is {path.parent}")
     try:
-        repaired = [(folder, old) for folder in candidates(path) if (old := repair_interrupted_publish(folder))]
+        folders = [path, *(path / name for name in interrupted_publishes(path))] if path.is_dir() else [path]
+        repaired = [(folder, old) for folder in folders if (old := repair_interrupted_publish(folder))]
     except PermissionError as e:
         raise UserError(f"cannot repair {path}: {e.strerror} ({e.filename}); run as the folder's owner") from None
     for folder, old in repaired:
