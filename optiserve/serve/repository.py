@@ -53,8 +53,9 @@ class ModelRepository:
                                                for name in found}
         self.pending: dict[str, ServedModel] = {}     # read and checked at construction, loaded by start()
         # the models readiness waits for: those named at start-up, until one is unloaded or removed on purpose
-        self.required: set[str] = set(self._startup_models(found))
-        for name in self._startup_models(found):
+        startup = self._startup_models(found)
+        self.required: set[str] = set(startup)
+        for name in startup:
             try:
                 self.pending[name] = self._prepare(name, found[name])
             except UserError as e:
@@ -137,13 +138,11 @@ class ModelRepository:
             await model.close(0)
             raise
         except Exception as e:
-            if self.stopping:  # the loader was shut down under it
-                self._failed(name, "not loaded: the server is shutting down", None)
+            if not self.stopping:  # else the loader was shut down under it: said below
+                why = f"{type(e).__name__}: {e}" if not isinstance(e, UserError) else str(e)
+                self._failed(name, f"{'reload' if old else 'load'} failed: {why}" +
+                             (f"; version {old.version[:12]} still serves" if old else ""), model.version)
                 return False
-            why = f"{type(e).__name__}: {e}" if not isinstance(e, UserError) else str(e)
-            self._failed(name, f"{'reload' if old else 'load'} failed: {why}" +
-                         (f"; version {old.version[:12]} still serves" if old else ""), model.version)
-            return False
         if self.stopping:  # shutdown began while it loaded: close it rather than start serving it
             await model.close(0)
             self._failed(name, "not loaded: the server is shutting down", None)
