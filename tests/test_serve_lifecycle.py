@@ -463,3 +463,26 @@ def test_shutdown_does_not_wait_for_a_load_under_way_and_a_load_finishing_after_
     assert stopped_in < 1.5, f"stop waited {stopped_in:.1f} s for a load"
     assert models == {} and batchers == []  # closed, not leaked
     assert status.state == "UNAVAILABLE" and "shutting down" in status.reason
+
+
+def test_a_load_that_fails_after_its_sessions_started_closes_them(small_artifact, tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    shutil.copytree(small_artifact, repo / "digits")
+
+    def broken_timing(self, *args, **kwargs):
+        raise RuntimeError("timing failed")
+
+    monkeypatch.setattr(ServedModel, "choose_fastest", broken_timing)
+
+    async def scenario():
+        server = Server(ServeConfig(str(repo), variants=["fp32", "onnx-int8"], model_control="explicit"))
+        await server.start()
+        with pytest.raises(Exception, match="timing failed"):
+            await server.repository.load_model("digits")
+        await asyncio.sleep(0.1)
+        batchers = [t for t in asyncio.all_tasks() if t.get_name().startswith("batcher-") and not t.done()]
+        await server.stop()
+        return batchers, server.repository.status["digits"]
+
+    batchers, status = asyncio.run(scenario())
+    assert batchers == [] and status.state == "UNAVAILABLE" and "timing failed" in status.reason

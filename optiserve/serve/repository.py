@@ -139,6 +139,7 @@ class ModelRepository:
             raise
         except Exception as e:
             if not self.stopping:  # else the loader was shut down under it: said below
+                await model.close(0)  # loaded but not measured: its batchers must not run on unseen
                 why = f"{type(e).__name__}: {e}" if not isinstance(e, UserError) else str(e)
                 self._failed(name, f"{'reload' if old else 'load'} failed: {why}" +
                              (f"; version {old.version[:12]} still serves" if old else ""), model.version)
