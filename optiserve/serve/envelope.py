@@ -113,15 +113,16 @@ def max_commas(spec: InputSpec, max_images: int) -> int:
     return max_images * math.prod(spec.shape) + OTHER_FIELDS_COMMAS
 
 
-def json_numbers_at_most(data: bytes, spec: InputSpec, max_images: int) -> int:
-    """An upper bound on the numbers in a JSON body, checked before it is parsed: a nested list of n
-    numbers has exactly n - 1 commas, so a body with more commas than `max_images` images of the
-    model's input hold (plus room for the other fields) has more numbers than any request may send,
-    and is refused (413) before json builds a Python object for each of them."""
+def before_parsing(data: bytes, spec: InputSpec, max_images: int, hold: Callable[[int], None] | None) -> None:
+    """Bound a JSON body's numbers before it is parsed, and tell `hold` what the parse may build: a
+    nested list of n numbers has exactly n - 1 commas, so a body with more commas than `max_images`
+    images of the model's input hold (plus room for the other fields) has more numbers than any
+    request may send, and is refused (413) before json builds a Python object for each of them."""
     commas = data.count(b",")
     if commas > max_commas(spec, max_images):
         raise too_many_values(commas, spec, max_images)
-    return commas + 1
+    if hold is not None:
+        hold(PYTHON_NUMBER_BYTES * (commas + 1))
 
 
 def too_many_values(commas: int, spec: InputSpec, max_images: int) -> TooManyValues:
@@ -134,9 +135,7 @@ def predict_request(data: bytes, spec: InputSpec, classes: int, max_images: int,
                     hold: Callable[[int], None] | None = None) -> PredictRequest:
     """/predict's JSON: {"inputs": base64 images or nested lists [N, C, H, W], "variant"?, "top_k"?}.
     `hold` is told the bytes the parse may build before it starts (the server's byte budget)."""
-    numbers = json_numbers_at_most(data, spec, max_images)
-    if hold is not None:
-        hold(PYTHON_NUMBER_BYTES * numbers)
+    before_parsing(data, spec, max_images, hold)
     body = parse_json(data)
     if "inputs" not in body:
         raise BadInput('JSON requests need "inputs": nested lists [N, C, H, W] or base64 images')
@@ -189,9 +188,7 @@ def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_i
         head, tail = split_body(data, header_length)
     except BinaryFormatError as e:
         raise BadInput(str(e)) from None
-    numbers = json_numbers_at_most(head, spec, max_images)
-    if hold is not None:
-        hold(PYTHON_NUMBER_BYTES * numbers)
+    before_parsing(head, spec, max_images, hold)
     body = parse_json(head)
     params = _dict(body.get("parameters"), "parameters")
     inputs = body.get("inputs")

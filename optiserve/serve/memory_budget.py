@@ -56,6 +56,4 @@ class HeldBytes:
             self.bytes -= n
 
     def release(self) -> None:
-        if self.bytes:
-            self.budget._give_back(self.bytes)
-            self.bytes = 0
+        self.shrink(self.bytes)

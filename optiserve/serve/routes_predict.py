@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from fastapi import Request
 
@@ -53,7 +51,7 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                 body = await server.read_body(request, admission, json_values=True)
                 parsed = await server.decode(predict_request, body, model.spec, len(model.classes),
                                              cfg.max_queue, server.image_limits,
-                                             functools.partial(admission.held.grow, what="parsing its JSON"))
+                                             admission.hold_json)
                 if "variant" not in query:
                     server.reroute(admission, parsed.variant, request)
                 images, k = parsed.images, k or parsed.top_k

@@ -3,8 +3,6 @@ every served model. A model's variants are its versions."""
 
 from __future__ import annotations
 
-import functools
-
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -64,7 +62,7 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
             binary_header = request.headers.get(BINARY_HEADER)  # binary tensor bytes may hold any byte, commas too
             body = await server.read_body(request, admission, json_values=binary_header is None)
             parsed = await server.decode(infer_request, body, binary_header, model.spec,
-                                         cfg.max_queue, functools.partial(admission.held.grow, what="parsing its JSON"))
+                                         cfg.max_queue, admission.hold_json)
             logits, timing = await server.infer(admission, parsed.images, request=request)
         variant = admission.variant.name
         outputs, binary = [], []

@@ -46,6 +46,10 @@ class Admission:
     reservation: Reservation
     held: HeldBytes  # its share of --max-queue-bytes: the body it buffers, what decoding it builds
 
+    def hold_json(self, n: int) -> None:
+        """Hold what parsing its JSON builds (told by envelope before the parse starts)."""
+        self.held.grow(n, "parsing its JSON")
+
 
 class Server:
     """The served models (a ModelRepository) behind the door: readiness, admission, decoding,
@@ -193,7 +197,7 @@ class Server:
     async def read_body(self, request: Request, admission: Admission | None = None, json_values: bool = False) -> bytes:
         """The request's body; a client that hangs up mid-upload is counted and answered nothing.
         With `json_values` (a JSON tensor body), one with more values than a request may carry
-        (see envelope.json_numbers_at_most) is refused (413) as soon as they have arrived, not once
+        (see envelope.before_parsing) is refused (413) as soon as they have arrived, not once
         all of it has."""
         try:
             if admission is None:
@@ -224,7 +228,7 @@ class Server:
             size += len(chunk)
         body = b"".join(chunks)
         del chunks
-        held.shrink(held.bytes - size if declared else size)
+        held.shrink(size)  # the chunks are gone: the body is held once
         return body
 
     async def _within_body_timeout(self, reading):
