@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,36 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
 def serving(folder: Path, *args: str, ready_within_s: float = 120, drain_seconds: float = 0):
     """Run `optiserve serve FOLDER ARGS` as a real uvicorn process on loopback (see serve.launch)."""
     return served(folder, *args, ready_within_s=ready_within_s, drain_seconds=drain_seconds)
+
+
+def until(condition, seconds: float = 60.0, step: float = 0.05) -> None:
+    """Wait for `condition()` to hold, failing the test after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(step)
+
+
+@contextlib.contextmanager
+def crash_between_publish_renames(monkeypatch):
+    """Within it, a publish (artifacts.staging_folder) is interrupted between its two renames: the old
+    folder moved aside, the new one not yet in place — the window `optiserve repair` is for."""
+    from optiserve import artifacts
+
+    real_replace, calls = artifacts.os.replace, []
+
+    def crash_on_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(artifacts.os, "replace", crash_on_second)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        monkeypatch.setattr(artifacts.os, "replace", real_replace)
 
 
 def offline_logits(folder: Path, variant: str, images):

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import cache_imagenet_weights, run_cli
+from conftest import cache_imagenet_weights, crash_between_publish_renames, run_cli
 from optiserve.files import sha256_file
 from optiserve.optimize import pipeline
 from optiserve.artifacts import read_manifest
@@ -147,19 +147,9 @@ def test_a_crash_between_the_two_renames_of_a_publish_is_repaired_by_the_next_pu
     out = tmp_path / "art"
     shutil.copytree(artifact[0], out)
     before = read_manifest(out)
-    real_replace, calls = artifacts.os.replace, []
-
-    def crash_on_second(src, dst):
-        calls.append(dst)
-        if len(calls) == 2:  # out was moved aside; the new folder is not in place yet
-            raise KeyboardInterrupt
-        real_replace(src, dst)
-
-    monkeypatch.setattr(artifacts.os, "replace", crash_on_second)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_between_publish_renames(monkeypatch):
         with artifacts.staging_folder(out) as stage:
             (stage / "manifest.json").write_text("{}")
-    monkeypatch.setattr(artifacts.os, "replace", real_replace)
     assert not out.exists()  # the window the repair is for
     with pytest.raises(UserError, match="optiserve repair"):
         read_manifest(out)  # a reader only reads, and names the repair

@@ -6,7 +6,6 @@ strict readiness, and traffic settings that survive reloads."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 import nonroot
-from conftest import ROOT, free_port, run_cli
+from conftest import ROOT, crash_between_publish_renames, free_port, run_cli, until
 from optiserve.artifacts import read_manifest, scan_models, staging_folder, write_manifest
 from optiserve.errors import UserError
 from optiserve.runtime import RuntimeOptions
@@ -35,13 +34,6 @@ ZEROS = np.zeros((1, 1, 16, 16)).tolist()
 TOKEN = "lifecycle-admin-token-0123456789"
 
 
-def _until(condition, seconds=60.0, step=0.05):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(step)
-
-
 def _with_variants(source: Path, target: Path, names: list[str]) -> Path:
     """A copy of the artifact folder `source` whose manifest keeps only the variants `names`."""
     shutil.copytree(source, target)
@@ -49,6 +41,13 @@ def _with_variants(source: Path, target: Path, names: list[str]) -> Path:
     manifest["variants"] = [v for v in manifest["variants"] if v["name"] in names]
     write_manifest(target, manifest)
     return target
+
+
+@pytest.fixture
+def repo(small_artifact, tmp_path) -> Path:
+    """A repository holding one model, `digits` (the small_cnn artifact)."""
+    shutil.copytree(small_artifact, tmp_path / "repo" / "digits")
+    return tmp_path / "repo"
 
 
 @pytest.fixture
@@ -85,7 +84,7 @@ def test_entries_that_are_no_model_are_skipped_with_a_reason_and_never_stop_the_
     token.write_text(TOKEN)
     cfg = ServeConfig(str(repo), variants=["onnx-int8"], admin_token_file=str(token))
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: c.get("/v2/health/ready").status_code == 200)
+        until(lambda: c.get("/v2/health/ready").status_code == 200)
         assert c.post("/predict?model=digits", json={"inputs": ZEROS}).status_code == 200
         index = {e["name"]: e for e in c.post("/v2/repository/index", json={}, headers=_admin()).json()}
         assert set(index) == {"digits", "gone", "bad-manifest"}  # what looks like a model is listed
@@ -94,24 +93,12 @@ def test_entries_that_are_no_model_are_skipped_with_a_reason_and_never_stop_the_
 
 def test_a_folder_left_half_published_is_not_a_model_until_repaired_and_readers_never_repair_it(
         small_artifact, tmp_path, monkeypatch):
-    from optiserve import artifacts
-
     out = tmp_path / "digits"
     shutil.copytree(small_artifact, out)
     before = read_manifest(out)
-    real_replace, calls = artifacts.os.replace, []
-
-    def crash_on_second(src, dst):
-        calls.append(dst)
-        if len(calls) == 2:  # out was moved aside; the new folder is not in place yet
-            raise KeyboardInterrupt
-        real_replace(src, dst)
-
-    monkeypatch.setattr(artifacts.os, "replace", crash_on_second)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_between_publish_renames(monkeypatch):
         with staging_folder(out) as stage:
             (stage / "manifest.json").write_text("{}")
-    monkeypatch.setattr(artifacts.os, "replace", real_replace)
     listing = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(UserError, match=r"a publish was interrupted.*optiserve repair"):
         read_manifest(out)
@@ -137,12 +124,10 @@ def test_a_published_folder_reads_like_any_new_folder_for_other_users(small_arti
     assert out.stat().st_mode & 0o777 == 0o755  # not mkdtemp's 0700: a pod's runAsUser must read it
 
 
-def test_the_repository_is_read_off_the_event_loop_when_polled_and_indexed(small_artifact, tmp_path, token_file,
+def test_the_repository_is_read_off_the_event_loop_when_polled_and_indexed(repo, token_file,
                                                                           monkeypatch):
     from optiserve.serve import repository as repository_module
 
-    repo = tmp_path / "repo"
-    shutil.copytree(small_artifact, repo / "digits")
     on_loop = []
     real = repository_module.scan_models
 
@@ -158,8 +143,8 @@ def test_the_repository_is_read_off_the_event_loop_when_polled_and_indexed(small
     cfg = ServeConfig(str(repo), variants=["onnx-int8"], model_control="poll", poll_seconds=0.05,
                       admin_token_file=token_file)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: c.get("/v2/health/ready").status_code == 200)
-        _until(lambda: len(on_loop) >= 5)
+        until(lambda: c.get("/v2/health/ready").status_code == 200)
+        until(lambda: len(on_loop) >= 5)
         assert c.post("/v2/repository/index", json={}, headers=_admin()).json()[0]["state"] == "READY"
     assert on_loop and not any(on_loop)
 
@@ -189,18 +174,16 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_refused_at_load(small_ar
     with pytest.raises(UserError, match="outside the model folder"):
         load_verified(folder, entry, manifest, RuntimeOptions())
     with TestClient(create_app(ServeConfig(str(folder), variants=[name]))) as c:
-        _until(lambda: c.app.state.server.error is not None)
+        until(lambda: c.app.state.server.error is not None)
         r = c.get("/v2/health/ready")
         assert r.status_code == 503 and "outside the model folder" in r.json()["error"]
 
 
 # ---- readiness -------------------------------------------------------------------------------------------
-def test_explicit_mode_with_nothing_loaded_is_not_ready_until_a_model_is(small_artifact, tmp_path, token_file):
-    repo = tmp_path / "repo"
-    shutil.copytree(small_artifact, repo / "digits")
+def test_explicit_mode_with_nothing_loaded_is_not_ready_until_a_model_is(repo, token_file):
     cfg = ServeConfig(str(repo), variants=["onnx-int8"], model_control="explicit", admin_token_file=token_file)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: c.app.state.server.started)
+        until(lambda: c.app.state.server.started)
         r = c.get("/v2/health/ready")
         assert r.status_code == 503 and "no model is loaded" in r.json()["error"]
         assert c.post("/predict", json={"inputs": ZEROS}).status_code == 503
@@ -221,7 +204,7 @@ def test_a_start_up_model_that_failed_holds_readiness_back_unless_readiness_is_n
         f.write(b"tampered")
     cfg = ServeConfig(str(repo), variants=["onnx-int8"], strict_readiness=strict)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: c.app.state.server.started and c.app.state.server.repository.status["broken"].state
+        until(lambda: c.app.state.server.started and c.app.state.server.repository.status["broken"].state
                != "LOADING" and "good" in c.app.state.server.models)
         r = c.get("/v2/health/ready")
         if strict:
@@ -236,13 +219,11 @@ def test_a_start_up_model_that_failed_holds_readiness_back_unless_readiness_is_n
 
 # ---- traffic across reloads --------------------------------------------------------------------------------
 def test_a_shadow_set_through_the_api_survives_a_reload_and_one_the_new_version_lacks_is_dropped_with_why(
-        small_artifact, tmp_path, token_file):
-    repo = tmp_path / "repo"
-    shutil.copytree(small_artifact, repo / "digits")
+        repo, small_artifact, token_file):
     cfg = ServeConfig(str(repo), variants=["fp32", "onnx-int8"], model_control="explicit", load_models=["digits"],
                       admin_token_file=token_file, max_batch_size=4)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: c.get("/v2/health/ready").status_code == 200)
+        until(lambda: c.get("/v2/health/ready").status_code == 200)
         url = "/v2/models/digits/traffic"
         answering = c.get(url).json()
         assert answering["set_by"] == "fastest"
@@ -268,9 +249,7 @@ def test_a_shadow_set_through_the_api_survives_a_reload_and_one_the_new_version_
 
 
 def test_a_traffic_setting_made_while_a_reload_measures_its_default_reaches_the_new_version(
-        small_artifact, tmp_path, monkeypatch):
-    repo = tmp_path / "repo"
-    shutil.copytree(small_artifact, repo / "digits")
+        repo, monkeypatch):
     measuring, release = threading.Event(), threading.Event()
     real = ServedModel.choose_fastest
 
@@ -304,12 +283,10 @@ def test_a_traffic_setting_made_while_a_reload_measures_its_default_reaches_the_
                        "shadow": {"variant": "fp32", "fraction": 1.0}}
 
 
-def test_the_index_takes_ready_as_a_boolean_and_load_locks_do_not_pile_up(small_artifact, tmp_path, token_file):
-    repo = tmp_path / "repo"
-    shutil.copytree(small_artifact, repo / "digits")
+def test_the_index_takes_ready_as_a_boolean_and_load_locks_do_not_pile_up(repo, token_file):
     cfg = ServeConfig(str(repo), variants=["onnx-int8"], model_control="explicit", admin_token_file=token_file)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: c.app.state.server.started)
+        until(lambda: c.app.state.server.started)
         r = c.post("/v2/repository/index", json={"ready": "false"}, headers=_admin())
         assert r.status_code == 400 and "true or false" in r.json()["error"]
         assert c.post("/v2/repository/index", json={"ready": True}, headers=_admin()).json() == []
@@ -403,7 +380,7 @@ def test_a_server_on_a_read_only_repository_never_writes_and_a_half_published_mo
         repo.chmod(0o755)
         proc_repair = run_cli("repair", str(repo))  # the writer's step (the host's view is writable)
         assert proc_repair.returncode == 0 and "repaired" in proc_repair.stdout
-        _until(lambda: httpx.post(f"{base}/predict?model=digits-b", json={"inputs": ZEROS},
+        until(lambda: httpx.post(f"{base}/predict?model=digits-b", json={"inputs": ZEROS},
                                   timeout=30).status_code == 200, 60, 0.3)
     finally:
         proc.terminate()
@@ -436,10 +413,8 @@ def gated_loads(monkeypatch):
 
 
 def test_shutdown_does_not_wait_for_a_load_under_way_and_a_load_finishing_after_it_is_closed(
-        small_artifact, tmp_path, gated_loads):
+        repo, gated_loads):
     entered, release = gated_loads
-    repo = tmp_path / "repo"
-    shutil.copytree(small_artifact, repo / "digits")
 
     async def scenario():
         server = Server(ServeConfig(str(repo), variants=["onnx-int8"], model_control="explicit",
@@ -465,9 +440,7 @@ def test_shutdown_does_not_wait_for_a_load_under_way_and_a_load_finishing_after_
     assert status.state == "UNAVAILABLE" and "shutting down" in status.reason
 
 
-def test_a_load_that_fails_after_its_sessions_started_closes_them(small_artifact, tmp_path, monkeypatch):
-    repo = tmp_path / "repo"
-    shutil.copytree(small_artifact, repo / "digits")
+def test_a_load_that_fails_after_its_sessions_started_closes_them(repo, monkeypatch):
 
     def broken_timing(self, *args, **kwargs):
         raise RuntimeError("timing failed")

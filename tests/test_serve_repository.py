@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from conftest import offline_logits
+from conftest import offline_logits, until
 from optiserve.artifacts import publish_copy, read_manifest
 from optiserve.bench.http import results_from_server
 from optiserve.bench.report import build_report, render_markdown, report_blocks
@@ -26,13 +25,6 @@ from optiserve.serve.launch import served
 
 ZEROS = np.zeros((1, 1, 16, 16)).tolist()
 TOKEN = "s3cret-admin-token-0123456789"
-
-
-def _until(condition, seconds=60.0, step=0.05):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(step)
 
 
 def _ready(client) -> bool:
@@ -99,7 +91,7 @@ def test_tritonclient_drives_the_repository_api_load_unload_and_load_again(repos
 def test_several_models_need_a_model_name_and_every_route_covers_each(repository):
     cfg = ServeConfig(str(repository), variants=["fp32"], max_batch_size=4, max_delay_ms=1)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: _ready(c))
+        until(lambda: _ready(c))
         r = c.post("/predict", json={"inputs": ZEROS})
         assert r.status_code == 404 and "?model=" in r.json()["error"] and "digits-a, digits-b" in r.json()["error"]
         for name in ("digits-a", "digits-b"):
@@ -120,7 +112,7 @@ def test_admin_endpoints_are_off_without_a_token_file_and_need_the_right_token(r
         cfg = ServeConfig(str(repository), variants=["fp32"], model_control="explicit", load_models=["digits-a"],
                           admin_token_file=token)
         with TestClient(create_app(cfg)) as c:
-            _until(lambda: _ready(c))
+            until(lambda: _ready(c))
             for method, path, body in calls:
                 if token is None:
                     r = getattr(c, method)(path, json=body, headers=_admin())
@@ -154,7 +146,7 @@ def test_worker_processes_refuse_the_admin_api_that_would_reach_only_one_of_them
 def test_model_control_none_refuses_load_and_unload_with_the_mode_to_use(repository, token_file):
     cfg = ServeConfig(str(repository), variants=["fp32"], admin_token_file=token_file)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: _ready(c))
+        until(lambda: _ready(c))
         r = c.post("/v2/repository/models/digits-a/unload", headers=_admin())
         assert r.status_code == 400 and "--model-control explicit" in r.json()["error"]
         assert c.post("/predict?model=digits-a", json={"inputs": ZEROS}).status_code == 200
@@ -165,28 +157,28 @@ def test_polling_loads_new_reloads_changed_keeps_the_old_on_a_bad_version_and_un
     cfg = ServeConfig(str(repository), variants=["onnx-int8"], model_control="poll", poll_seconds=0.2,
                       max_batch_size=4, max_delay_ms=1)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: _ready(c))
+        until(lambda: _ready(c))
         server = c.app.state.server
         v1 = server.models["digits-a"].version
         shutil.copytree(small_artifact, repository / "digits-c")            # a new model appears
-        _until(lambda: "digits-c" in server.models, 30)
+        until(lambda: "digits-c" in server.models, 30)
         assert c.post("/predict?model=digits-c", json={"inputs": ZEROS}).status_code == 200
 
         publish_copy(small_artifact, repository / "digits-a", "retrained")     # a new version of a model
-        _until(lambda: server.models["digits-a"].version != v1, 30)
+        until(lambda: server.models["digits-a"].version != v1, 30)
         v2 = server.models["digits-a"].version
         assert c.post("/predict?model=digits-a", json={"inputs": ZEROS}).status_code == 200
 
         publish_copy(small_artifact, repository / "digits-a", "broken")        # a version with an altered file
         with open(repository / "digits-a" / "model.int8.onnx", "ab") as f:
             f.write(b"tampered")
-        _until(lambda: "sha256" in server.repository.status["digits-a"].reason, 30)
+        until(lambda: "sha256" in server.repository.status["digits-a"].reason, 30)
         assert server.repository.status["digits-a"].state == "READY" and server.models["digits-a"].version == v2
         assert "still serves" in server.repository.status["digits-a"].reason
         assert c.post("/predict?model=digits-a", json={"inputs": ZEROS}).status_code == 200
 
         shutil.rmtree(repository / "digits-b")                              # a model removed
-        _until(lambda: "digits-b" not in server.models, 30)
+        until(lambda: "digits-b" not in server.models, 30)
         r = c.post("/predict?model=digits-b", json={"inputs": ZEROS})
         assert r.status_code in (404, 503) and "digits-b" in r.json()["error"]
 
@@ -195,7 +187,7 @@ def test_traffic_is_set_at_runtime_and_bad_settings_change_nothing(small_artifac
     cfg = ServeConfig(str(small_artifact), variants=["fp32", "onnx-int8"], ab="fp32=1", admin_token_file=token_file,
                       max_batch_size=4, max_delay_ms=1)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: _ready(c))
+        until(lambda: _ready(c))
         url = "/v2/models/small_cnn/traffic"
         before = c.get(url).json()
         assert before == {"weights": {"fp32": 1.0}, "set_by": "--ab", "shadow": None}
@@ -222,7 +214,7 @@ def test_shadow_traffic_agrees_online_as_the_manifest_says_offline_and_never_cha
     images = np.stack([x.numpy() for x, _ in digits.test])
     expected = offline_logits(small_artifact, "fp32", images).argmax(1)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: _ready(c))
+        until(lambda: _ready(c))
         r = c.put("/v2/models/small_cnn/traffic", json={"shadow": {"variant": "onnx-int8", "fraction": 1.0}},
                   headers=_admin())
         assert r.status_code == 200 and r.json()["shadow"] == {"variant": "onnx-int8", "fraction": 1.0}
@@ -233,7 +225,7 @@ def test_shadow_traffic_agrees_online_as_the_manifest_says_offline_and_never_cha
             answers += [p[0]["index"] for p in r.json()["predictions"]]
         assert answers == expected.tolist()  # the caller's answer is the answering variant's
         shadow = lambda: c.get("/stats").json()["models"]["small_cnn"]["shadow"]["onnx-int8"]  # noqa: E731
-        _until(lambda: shadow()["images"] + shadow()["dropped"] * 8 >= len(images), 30)
+        until(lambda: shadow()["images"] + shadow()["dropped"] * 8 >= len(images), 30)
         s = shadow()
         assert s["images"] == len(images) and s["failed"] == 0
         assert abs(s["agreement"] - offline) <= 0.01, (s["agreement"], offline)
@@ -252,7 +244,7 @@ def test_shadow_traffic_agrees_online_as_the_manifest_says_offline_and_never_cha
 def test_without_ab_a_model_is_served_by_its_fastest_accepted_variant_measured_at_start_up(small_artifact):
     cfg = ServeConfig(str(small_artifact), max_batch_size=8, max_delay_ms=1)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: _ready(c))
+        until(lambda: _ready(c))
         stats = c.get("/stats").json()["models"]["small_cnn"]
         choice = stats["default_choice"]
         speeds = choice["images_per_s"]
@@ -265,7 +257,7 @@ def test_without_ab_a_model_is_served_by_its_fastest_accepted_variant_measured_a
 def test_a_request_with_more_images_than_a_queue_holds_is_413_and_raw_image_bodies_are_accepted(small_artifact):
     cfg = ServeConfig(str(small_artifact), variants=["fp32"], max_queue=4, max_batch_size=4)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: _ready(c))
+        until(lambda: _ready(c))
         r = c.post("/predict", json={"inputs": np.zeros((5, 1, 16, 16)).tolist()})
         assert r.status_code == 413 and "--max-queue" in r.json()["error"]
         buf = io.BytesIO()
@@ -282,7 +274,7 @@ def test_an_unloaded_model_frees_its_sessions_and_batchers(repository, token_fil
 
     cfg = ServeConfig(str(repository), model_control="explicit", load_models=["digits-a"], admin_token_file=token_file)
     with TestClient(create_app(cfg)) as c:
-        _until(lambda: _ready(c))
+        until(lambda: _ready(c))
         server = c.app.state.server
         assert c.post("/v2/repository/models/digits-b/load", headers=_admin()).status_code == 200
         model = server.models["digits-b"]
@@ -320,7 +312,7 @@ def test_a_repository_that_can_no_longer_be_read_is_a_503_with_the_reason_not_a_
     cfg = ServeConfig(str(repository), variants=["fp32"], model_control="explicit", load_models=["digits-a"],
                       admin_token_file=token_file)
     with TestClient(create_app(cfg), raise_server_exceptions=False) as c:
-        _until(lambda: _ready(c))
+        until(lambda: _ready(c))
         repository.rename(repository.with_name("moved"))
         for path in ("/v2/repository/index", "/v2/repository/models/digits-b/load"):
             r = c.post(path, headers=_admin())
