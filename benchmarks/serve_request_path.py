@@ -7,7 +7,7 @@ request from /proc — all of it, its event-loop thread's, and its threads outsi
 A small model (digits small_cnn, 16x16) makes the request path most of the cost; ResNet-18 at
 224x224 shows what is left of it beside real inference.
 
-    git worktree add /tmp/base 67d2e1b                 # the code before issue 14
+    git worktree add /tmp/base 67d2e1b                 # the code before the request-path rework
     python benchmarks/serve_request_path.py ARTIFACT_DIR --baseline /tmp/base
     python benchmarks/serve_request_path.py ARTIFACT_DIR --baseline /tmp/base --rounds 3 --duration 10
 """
