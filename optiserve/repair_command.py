@@ -27,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
         repaired = [(folder, old) for folder in folders if (old := repair_interrupted_publish(folder))]
     except PermissionError as e:
         raise UserError(f"cannot repair {path}: {e.strerror} ({e.filename}); run as the folder's owner") from None
+    except OSError as e:
+        raise UserError(f"cannot repair {path}: {e.strerror or e} ({e.filename})") from None
     for folder, old in repaired:
         print(f"repaired {folder}: put back the previous version from {old.name}")
     if not repaired:
