@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +31,11 @@ from optiserve.optimize.quantize_torch import quantize_torch_fx
 from optiserve.optimize.tensorrt import build_tensorrt_engine
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, gate, materialize, predict, score
-from optiserve.runtime import RuntimeOptions, load_session
+from optiserve.runtime import RuntimeOptions, Session, load_session
 from optiserve.runtime.openvino_backend import bf16_unavailable, companion_bin
 from optiserve.runtime.openvino_backend import _unavailable as openvino_unavailable
-from optiserve.runtime.timing import interleaved_median_ms
+from optiserve.runtime.fastest import choose_fastest, describe as describe_choice
+from optiserve.runtime.timing import interleaved_times
 from optiserve.runtime.torch_backends import TorchSession, bf16_unavailable as torch_bf16_unavailable
 from optiserve.runtime.torch_backends import tensorrt_unavailable, torch_device
 from optiserve.train.finetune import fine_tune
@@ -273,13 +275,15 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                              "ONNX Runtime and PyTorch")
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
-            entries = _validate(variants, stage, loaded, evalset, cfg, why_not)
-            entries, picked = _pick_openvino_int8(entries, stage, cfg.latency_batch)
+            entries, timed = _validate(variants, stage, loaded, evalset, cfg, why_not)
+            entries, picked = _pick_openvino_int8(entries, stage, cfg.latency_batch, timed)
             notes += picked
+            recommended = _recommend(entries, timed, cfg.latency_batch)
+            del timed  # the sessions close once nothing holds them
             notes += _int8_comparison(entries, cfg.latency_batch)
             notes += _device_note(entries)
         with log.step(f"write {out}"):
-            manifest = _manifest(loaded, data, entries, cfg, why_not, notes, len(evalset.images))
+            manifest = _manifest(loaded, data, entries, recommended, cfg, why_not, notes, len(evalset.images))
             manifest["skipped"] = skipped
             artifacts.write_manifest(stage, manifest)
             (stage / "report.md").write_text(render_report(manifest))
@@ -351,7 +355,7 @@ def _openvino_variants(stage: Path, variants: list[Variant], skipped: list[dict]
                                     [companion_bin(Path("model.int8.nncf.openvino.xml")).name]))
 
 
-def _pick_openvino_int8(entries: list[dict], stage: Path, n: int) -> tuple[list[dict], list[str]]:
+def _pick_openvino_int8(entries: list[dict], stage: Path, n: int, timed: Timed) -> tuple[list[dict], list[str]]:
     """Of the two openvino-int8 candidates keep the one that passes the gate and is faster at batch
     n (the QDQ one when neither passes); it is published as openvino-int8 and the other is deleted."""
     by_name = {e["name"]: e for e in entries}
@@ -366,6 +370,9 @@ def _pick_openvino_int8(entries: list[dict], stage: Path, n: int) -> tuple[list[
     winner["settings"] = {**winner["settings"], "flow_comparison": comparison}
     for f in (loser["file"], *loser.get("companions", {})):
         (stage / f).unlink(missing_ok=True)
+    timed.drop(loser["name"])
+    if winner is nncf_:
+        timed.rename(OPENVINO_INT8_CANDIDATE, "openvino-int8")
     winner["name"] = "openvino-int8"
     kept = [winner if e is qdq else e for e in entries if e is not nncf_]
     note = (f"openvino-int8: {winner['settings']['flow']} flow kept ({winner['status']}, "
@@ -406,7 +413,28 @@ def _pruning_note(name: str, s: dict) -> str:
     return text
 
 
-def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, why_not: str) -> list[dict]:
+@dataclass
+class Timed:
+    """The validated variants' open sessions, the batches they were timed on, and their call times
+    (ms) per batch size, taken in interleaved rounds: what the recommendation decides on."""
+
+    sessions: dict[str, Session]
+    batches: dict[str, np.ndarray]
+    times: dict[str, dict[str, list[float]]]
+
+    def rename(self, old: str, new: str) -> None:
+        self.sessions[new] = self.sessions.pop(old)
+        for by_name in self.times.values():
+            by_name[new] = by_name.pop(old)
+
+    def drop(self, name: str) -> None:
+        self.sessions.pop(name, None)
+        for by_name in self.times.values():
+            by_name.pop(name, None)
+
+
+def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig,
+              why_not: str) -> tuple[list[dict], Timed]:
     base_manifest = {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict()}
     options = RuntimeOptions(device=cfg.device, extra={"spin": False})  # an idle session must not slow the next
     batch1 = evalset.images[:1]
@@ -439,11 +467,12 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
         entries[v.name] = entry
         sessions[v.name] = session
     # Timed together, in interleaved rounds: a variant's figure must not depend on its neighbours.
-    medians = {b: interleaved_median_ms(sessions, x, rounds=15, warmup=3, max_seconds=10.0 * len(sessions))
-               for b, x in (("1", batch1), (str(cfg.latency_batch), batch_n))}
+    batches = {"1": batch1, str(cfg.latency_batch): batch_n}
+    times = {b: interleaved_times(sessions, x, rounds=15, warmup=3, max_seconds=10.0 * len(sessions))
+             for b, x in batches.items()}
     for name, entry in entries.items():
-        entry["latency_ms"] = {b: medians[b][name] for b in medians}
-    return [entries[v.name] for v in variants]
+        entry["latency_ms"] = {b: statistics.median(times[b][name]) for b in times}
+    return [entries[v.name] for v in variants], Timed(sessions, batches, times)
 
 
 def _device_note(entries: list[dict]) -> list[str]:
@@ -468,7 +497,7 @@ def _int8_comparison(entries: list[dict], n: int) -> list[str]:
     return ["INT8 flows on this machine (onnx-int8 vs torch-int8): " + "; ".join(parts)]
 
 
-def _manifest(loaded, data, entries, cfg, why_not, notes, n_eval) -> dict:
+def _manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_eval) -> dict:
     return {
         "format": artifacts.FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -484,7 +513,7 @@ def _manifest(loaded, data, entries, cfg, why_not, notes, n_eval) -> dict:
         "latency_batch": cfg.latency_batch,
         "versions": artifacts.versions(),
         "machine": _machine(entries),
-        "recommended": recommend(entries, cfg.latency_batch),
+        "recommended": recommended,
         "notes": notes,
         "variants": entries,
     }
@@ -498,16 +527,26 @@ def _machine(entries: list[dict]) -> dict:
     return facts
 
 
-def recommend(entries: list[dict], n: int) -> dict | None:
+def _recommend(entries: list[dict], timed: Timed, n: int) -> dict | None:
     """The fastest accepted variant at batch 1 ("latency") and at batch n ("throughput"), as timed in
-    this run on this machine; among unvalidated ones when none could be gated (random weights)."""
+    this run on this machine, by runtime.fastest's rule (two that noise cannot separate are timed
+    again; still a tie, the smaller file); among unvalidated ones when none could be gated (random
+    weights). The latency columns stay those of the rounds every variant ran in side by side; the
+    evidence of a re-timing is in `recommended.evidence`."""
     pool = [e for e in entries if e["status"] == "accepted"]
     gated = bool(pool)
     pool = pool or [e for e in entries if e["status"] == "unvalidated"]
     if not pool:
         return None
-    fastest = lambda b: min(pool, key=lambda e: e["latency_ms"][b])["name"]  # noqa: E731
-    return {"latency": fastest("1"), "throughput": fastest(str(n)), "batch": n, "accuracy_gated": gated}
+    by_name = {e["name"]: e for e in pool}
+    sizes = {name: e["size_bytes"] for name, e in by_name.items()}
+    recommended = {"batch": n, "accuracy_gated": gated, "evidence": {}}
+    for key, b in (("latency", "1"), ("throughput", str(n))):
+        choice = choose_fastest({name: timed.sessions[name] for name in by_name}, timed.batches[b], sizes,
+                                times=timed.times[b], retime_rounds=30, retime_seconds=20.0)
+        recommended[key] = choice.chosen
+        recommended["evidence"][key] = choice.to_dict()
+    return recommended
 
 
 def _marks(manifest: dict, name: str) -> str:
@@ -552,9 +591,12 @@ def recommendation_line(manifest: dict) -> str:
     if not rec:
         return f"No recommendation: no variant was accepted (measured on {machine})."
     gated = "" if rec["accuracy_gated"] else " (not accuracy-gated: the accuracy could not be measured)"
+    evidence = rec.get("evidence") or {}
+    why = "; ".join(f"batch {b}: {describe_choice(evidence[key])}" for key, b in
+                    (("latency", 1), ("throughput", rec["batch"])) if evidence.get(key))
     return (f"Recommended on {machine}: for latency (batch 1) **{rec['latency']}**, for throughput "
-            f"(batch {rec['batch']}) **{rec['throughput']}**{gated}. Timed here, in this run: on another CPU "
-            f"the order can differ.")
+            f"(batch {rec['batch']}) **{rec['throughput']}**{gated}." + (f" Why: {why}." if why else "") +
+            " Timed here, in this run: on another CPU the order can differ.")
 
 
 def _size(n: int) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 from optiserve.artifacts import read_manifest_versioned
 from optiserve.models import InputSpec
 from optiserve.runtime import RuntimeOptions
-from optiserve.runtime.timing import interleaved_median_ms
+from optiserve.runtime.fastest import choose_fastest
 from optiserve.runtime.variants import LoadedVariant, load_verified, select_variants, warm_up
 from optiserve.serve.batcher import BatchRecord, DynamicBatcher
 from optiserve.serve.metrics import ServerMetrics
@@ -104,27 +104,22 @@ class ServedModel:
             await self.close(0)
             raise
 
-    def choose_fastest(self, max_batch_size: int, within: float = 0.05) -> dict | None:
+    def choose_fastest(self, max_batch_size: int) -> dict | None:
         """Send the default traffic to the accepted variant with the highest throughput at
-        `max_batch_size`, timed here and now (within `within` of the best: the smallest file).
-        Blocking: run it off the event loop. None when there is nothing to choose between."""
+        `max_batch_size`, timed here and now, by the rule the optimizer recommends with (a tie within
+        noise goes to the smaller file: see runtime.fastest). Blocking: run it off the event loop.
+        None when there is nothing to choose between."""
         accepted = [n for n in self.variants if self.variants[n].loaded.entry.get("status") == "accepted"]
         candidates = accepted or list(self.variants)
         if len(candidates) < 2:
             return None
         batch = np.random.default_rng(0).standard_normal((max_batch_size, *self.spec.shape), dtype=np.float32)
-        medians = interleaved_median_ms({n: self.variants[n].loaded.session for n in candidates}, batch)
-        throughput = {n: max_batch_size / (ms / 1000) for n, ms in medians.items()}
-        best = max(throughput.values())
-        close = [n for n in candidates if throughput[n] >= (1 - within) * best]
-        size = lambda n: self.variants[n].loaded.entry.get("size_bytes") or 0  # noqa: E731
-        chosen = min(close, key=lambda n: (size(n), -throughput[n]))
-        why = (f"highest throughput at batch {max_batch_size} on this machine "
-               f"({throughput[chosen]:,.0f} images/s" +
-               (f"; the smallest file among {', '.join(close)}, all within {within:.0%} of the best)"
-                if len(close) > 1 else ")"))
-        self.choice = {"variant": chosen, "why": why, "batch_size": max_batch_size,
-                       "images_per_s": {n: round(t, 1) for n, t in throughput.items()}}
+        sizes = {n: self.variants[n].loaded.entry.get("size_bytes") or 0 for n in candidates}
+        choice = choose_fastest({n: self.variants[n].loaded.session for n in candidates}, batch, sizes)
+        throughput = {n: max_batch_size / (ms / 1000) for n, ms in choice.medians_ms.items()}
+        self.choice = {"variant": choice.chosen, "batch_size": max_batch_size,
+                       "why": f"highest throughput at batch {max_batch_size} on this machine: {choice.describe()}",
+                       "images_per_s": {n: round(t, 1) for n, t in throughput.items()}, **choice.to_dict()}
         return self.choice
 
     def set_traffic(self, shares: dict[str, float] | None, shadow: Shadow | None, shadow_given: bool,
