@@ -197,6 +197,34 @@ def test_a_request_that_gave_up_no_longer_holds_queue_room(session):
     asyncio.run(main())
 
 
+def test_a_request_split_over_batches_is_timed_by_the_batch_that_completed_it(session):
+    gate, slow = _held_until_set(session)
+    sizes = []
+
+    async def main():
+        b = DynamicBatcher(slow, max_batch_size=4, max_delay_ms=0, on_batch=lambda r: sizes.append(r.size))
+        b.start()
+        blocker = asyncio.ensure_future(b.submit(_images(1)))   # running, held at the gate
+        await asyncio.sleep(0.05)
+        gone = asyncio.ensure_future(b.submit(_images(3, 1)))   # queued, then its caller leaves
+        request = asyncio.ensure_future(b.submit(_images(3, 2)))
+        behind = asyncio.ensure_future(b.submit(_images(2, 3)))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        gate.set()
+        # next batch: the gone request's 3 rows (dropped) + the request's first row -> runs 1 image;
+        # then its other 2 rows with the 2 behind it -> 4 images, which completes it
+        result = await request
+        await asyncio.gather(blocker, behind)
+        await b.close()
+        return result
+
+    result = asyncio.run(main())
+    assert sizes == [1, 1, 4]
+    assert (result.batch_size, result.batch_sizes) == (4, [1, 4])
+    np.testing.assert_allclose(result.logits, session.run(_images(3, 2)), rtol=1e-4, atol=1e-4)
+
+
 def test_close_answers_everything_already_accepted_then_refuses(session):
     async def main():
         b = DynamicBatcher(session.run, max_batch_size=4, max_delay_ms=50)

@@ -70,8 +70,7 @@ class _Recorder:
         c["server_ms"].append(info.get("server_ms"))
         c["queue_ms"].append(info.get("queue_ms"))
         c["compute_ms"].append(info.get("compute_ms"))
-        sizes = info.get("batch_sizes")
-        c["batch"].append(sizes[0] if sizes else None)
+        c["batch"].append(info.get("batch_size"))
         c["error"].append(None if outcome.ok else outcome.error or f"HTTP {outcome.status}")
 
     def summary(self, now: float) -> str:

@@ -26,7 +26,7 @@ class Outcome:
 
     ok: bool
     status: int | str | None
-    info: dict = field(default_factory=dict)   # server_ms, queue_ms, compute_ms, batch_sizes
+    info: dict = field(default_factory=dict)   # server_ms, queue_ms, compute_ms, batch_size
     variant: str | None = None
     error: str | None = None
 
@@ -184,7 +184,7 @@ def timing_info(params: dict) -> dict:
     if not isinstance(params.get("batch_size"), int):
         return {}
     return {"server_ms": params.get("server_us", 0) / 1000, "queue_ms": params.get("queue_us", 0) / 1000,
-            "compute_ms": params.get("compute_us", 0) / 1000, "batch_sizes": [params["batch_size"]]}
+            "compute_ms": params.get("compute_us", 0) / 1000, "batch_size": params["batch_size"]}
 
 
 def _failure(status: int, variant: str | None, parsed, body: bytes) -> Outcome:

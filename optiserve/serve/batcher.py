@@ -121,10 +121,14 @@ class BatchRecord:
 
 @dataclass
 class Result:
+    """A request's rows, answered. A request whose rows ran in several batches is timed by the last
+    of them, the one that completed it: its rows' wait, its compute time and its size."""
+
     logits: np.ndarray
-    queue_s: float          # longest wait of this request's rows before their batch started
-    compute_s: float        # compute time of the (last) batch that served it
-    batch_sizes: list[int] = field(default_factory=list)
+    queue_s: float          # how long the rows of the batch that completed the request waited
+    compute_s: float        # that batch's compute time
+    batch_size: int         # that batch's size
+    batch_sizes: list[int] = field(default_factory=list)  # every batch its rows ran in, in the order they ran
 
 
 class DynamicBatcher:
@@ -209,7 +213,10 @@ class DynamicBatcher:
         if errors:
             raise errors[0]
         logits = np.stack([d[0] for d in done])
-        return Result(logits, max(d[1] for d in done), max(d[2] for d in done), sorted({d[3] for d in done}))
+        # the rows were queued together, so the longer a row waited, the later its batch started
+        by_start = sorted(done, key=lambda d: d[1])
+        last = by_start[-1]
+        return Result(logits, last[1], last[2], last[3], list(dict.fromkeys(d[3] for d in by_start)))
 
     async def close(self, timeout: float | None = None) -> bool:
         """Stop accepting and answer everything already queued, waiting at most `timeout` seconds;

@@ -63,6 +63,7 @@ def output_tensor(name: str, logits: np.ndarray) -> np.ndarray:
 
 def timing_parameters(timing: dict) -> dict[str, int]:
     """An inference's server-side timing as response parameters (integers, which every client of the
-    protocol reads): microseconds in the server, queued and computing, and the batch it ran in."""
+    protocol reads): microseconds in the server, queued and computing, and the size of the batch that
+    completed it."""
     return {"server_us": round(1000 * timing["server_ms"]), "queue_us": round(1000 * timing["queue_ms"]),
-            "compute_us": round(1000 * timing["compute_ms"]), "batch_size": int(timing["batch_sizes"][0])}
+            "compute_us": round(1000 * timing["compute_ms"]), "batch_size": int(timing["batch_size"])}

@@ -323,7 +323,8 @@ class Server:
         seconds = time.perf_counter() - t0
         self._record(model, variant, "ok", seconds, len(images))
         return result.logits, {"server_ms": 1000 * seconds, "queue_ms": 1000 * result.queue_s,
-                               "compute_ms": 1000 * result.compute_s, "batch_sizes": result.batch_sizes}
+                               "compute_ms": 1000 * result.compute_s, "batch_size": result.batch_size,
+                               "batch_sizes": result.batch_sizes}
 
     def _record(self, model: ServedModel, variant: ServedVariant, outcome: str, seconds: float | None = None,
                 images: int = 0) -> None:
