@@ -294,6 +294,28 @@ def test_an_unloaded_model_frees_its_sessions_and_batchers(repository, token_fil
         assert 'model="digits-b"' not in c.get("/metrics").text.split("optiserve_queue_depth")[-1]
 
 
+def test_a_retired_version_s_reference_cycles_are_collected_though_a_later_load_froze_them(
+        repository, token_file):
+    """After each load the server freezes the heap out of the collector's sight; garbage that was
+    frozen must still be collected, or every reload leaves its cycles behind for good."""
+    import weakref
+
+    class Node:
+        pass
+
+    cfg = ServeConfig(str(repository), model_control="explicit", load_models=["digits-b"], admin_token_file=token_file)
+    with TestClient(create_app(cfg)) as c:
+        until(lambda: _ready(c))
+        cycle = Node()
+        cycle.me, cycle.model = cycle, c.app.state.server.models["digits-b"]
+        c.app.state.server.models["digits-b"].cycle = cycle   # a cycle through the served version
+        held = weakref.ref(cycle)
+        del cycle
+        assert c.post("/v2/repository/models/digits-a/load", headers=_admin()).status_code == 200  # freezes it
+        assert c.post("/v2/repository/models/digits-b/unload", headers=_admin()).status_code == 200
+        assert held() is None
+
+
 def _rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
