@@ -318,3 +318,16 @@ def test_bytes_that_are_no_message_are_invalid_argument_not_an_unknown_error(sen
     code, details = _code(lambda: send_bytes(method, payload))
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
     assert details == f"the request is not a valid inference.{method}Request message", details
+
+
+def test_a_message_is_held_against_the_byte_budget_with_what_decoding_it_builds(small_artifact):
+    # 600 images as FP64: a 1.2 MB message, decoded into 0.6 MB of float32. Each fits a 1.5 MB
+    # budget alone; the request holds both at once, so it can never fit.
+    images = np.random.default_rng(0).standard_normal((600, 1, 16, 16))
+    request = pb.ModelInferRequest(model_name="small_cnn")
+    request.inputs.add(name="input", datatype="FP64", shape=images.shape)
+    request.raw_input_contents.append(images.tobytes())
+    with grpc_server(small_artifact, variants=["onnx-int8"], max_queue=1000, max_queue_bytes=1_500_000) as (_, _, rpc):
+        code, details = _code(lambda: rpc.ModelInfer(request, timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-queue-bytes" in details
+        assert rpc.ModelInfer(_request(), timeout=30).model_version == "onnx-int8"  # what it held is given back

@@ -17,10 +17,12 @@ LENGTH_DELIMITED = 2    # the wire type of every top-level field of ModelInferRe
 @dataclass
 class InferMessage:
     """A ModelInferRequest as received: `request` holds every field but raw_input_contents, which
-    `raw` holds, in order, as read-only views of the received bytes."""
+    `raw` holds, in order, as read-only views of the received bytes; `size` is the bytes received,
+    which the request keeps in memory while it runs."""
 
     request: object
     raw: list[memoryview]
+    size: int = 0
 
 
 def read_infer_request(data: bytes) -> InferMessage:
@@ -32,9 +34,9 @@ def read_infer_request(data: bytes) -> InferMessage:
         request = pb.ModelInferRequest.FromString(data)
         raw = [memoryview(entry) for entry in request.raw_input_contents]
         request.ClearField("raw_input_contents")
-        return InferMessage(request, raw)
+        return InferMessage(request, raw, len(data))
     rest, raw = split
-    return InferMessage(pb.ModelInferRequest.FromString(rest), raw)
+    return InferMessage(pb.ModelInferRequest.FromString(rest), raw, len(data))
 
 
 def _split(data: bytes) -> tuple[bytes, list[memoryview]] | None:
