@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from optiserve.serve.launch import free_port, served  # noqa: F401  free_port is used by test modules
@@ -27,6 +28,19 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
 def serving(folder: Path, *args: str, ready_within_s: float = 120, drain_seconds: float = 0):
     """Run `optiserve serve FOLDER ARGS` as a real uvicorn process on loopback (see serve.launch)."""
     return served(folder, *args, ready_within_s=ready_within_s, drain_seconds=drain_seconds)
+
+
+class RecordingSession:
+    """A session that runs at once and notes each call in `calls`: to see the order sessions are timed in."""
+
+    backend, device = "fake", "cpu"
+
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def run(self, batch):
+        self.calls.append(self.name)
+        return np.zeros((len(batch), 10), np.float32)
 
 
 def until(condition, seconds: float = 60.0, step: float = 0.05) -> None:

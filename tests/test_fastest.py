@@ -4,6 +4,7 @@ a winner must be separated from the runner-up by more than noise; otherwise the 
 import numpy as np
 import pytest
 
+from conftest import RecordingSession
 from optiserve.runtime.fastest import MIN_GAIN, RULE, choose_fastest, decide, describe, ratio_of_medians
 
 
@@ -62,22 +63,9 @@ def test_one_candidate_is_chosen_without_a_comparison():
     assert describe(choice.to_dict()) == "only, the only candidate"
 
 
-class _Recorder:
-    """A session that runs instantly and notes each call, to see the order sessions are timed in."""
-
-    backend, device = "numpy", "cpu"
-
-    def __init__(self, name: str, calls: list):
-        self.name, self.calls = name, calls
-
-    def run(self, batch):
-        self.calls.append(self.name)
-        return np.zeros((len(batch), 10), np.float32)
-
-
 def test_two_that_tie_are_timed_again_alternating_and_decided_on_all_their_rounds():
     calls: list[str] = []
-    sessions = {n: _Recorder(n, calls) for n in ("a", "b", "c")}
+    sessions = {n: RecordingSession(n, calls) for n in ("a", "b", "c")}
     first = {"a": _noisy(10.0, 2.0, 15, 10), "b": _noisy(10.2, 2.0, 15, 11), "c": _noisy(30.0, 1.0, 15, 12)}
     choice = choose_fastest(sessions, np.zeros((1, 4), np.float32), sizes={}, times=first, retime_rounds=6,
                             retime_seconds=60.0)
@@ -91,7 +79,7 @@ def test_two_that_tie_are_timed_again_alternating_and_decided_on_all_their_round
 
 def test_a_winner_separated_on_the_first_pass_is_not_timed_again():
     calls: list[str] = []
-    sessions = {n: _Recorder(n, calls) for n in ("a", "b")}
+    sessions = {n: RecordingSession(n, calls) for n in ("a", "b")}
     choice = choose_fastest(sessions, np.zeros((1, 4), np.float32), sizes={},
                             times={"a": _noisy(10.0, 0.1, 15, 13), "b": _noisy(20.0, 0.1, 15, 14)})
     assert calls == [] and not choice.retimed and choice.chosen == "a"

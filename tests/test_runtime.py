@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from conftest import RecordingSession
 from optiserve.errors import UserError
 from optiserve.artifacts import read_manifest
 from optiserve.runtime import RuntimeOptions, list_backends, load_session
@@ -63,24 +64,11 @@ def test_a_manifest_folder_is_checked(tmp_path):
         read_manifest(tmp_path)
 
 
-class _Recorder:
-    """A session that only records when it ran."""
-
-    backend, device = "fake", "cpu"
-
-    def __init__(self, name: str, calls: list):
-        self.name, self.calls = name, calls
-
-    def run(self, batch):
-        self.calls.append(self.name)
-        return np.zeros((len(batch), 10), np.float32)
-
-
 def test_sessions_timed_side_by_side_take_turns_in_every_round():
     from optiserve.runtime.timing import interleaved_times, timed_calls
 
     calls: list[str] = []
-    sessions = {n: _Recorder(n, calls) for n in ("a", "b", "c")}
+    sessions = {n: RecordingSession(n, calls) for n in ("a", "b", "c")}
     times = interleaved_times(sessions, np.zeros((1, 1, 4, 4), np.float32), rounds=4, calls_per_round=2, warmup=1,
                               turn_warmup_s=0.0)
     assert calls[:3] == ["a", "b", "c"]  # warm-up, once each
