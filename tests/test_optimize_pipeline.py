@@ -93,8 +93,9 @@ def test_variants_are_scored_against_fp32_by_name_whatever_order_they_come_in(ar
     variants = [pipeline.Variant(n, by_name[n]["file"], by_name[n]["backend"], by_name[n]["precision"],
                                  by_name[n]["settings"]) for n in ("onnx-int8", "fp32")]  # fp32 last
     cfg = OptimizeConfig("small_cnn", latency_batch=2, progress=False)
-    entries = pipeline._validate(variants, out, loaded, materialize(data.test, True), cfg, "")
+    entries, timed = pipeline._validate(variants, out, loaded, materialize(data.test, True), cfg, "")
     assert [e["name"] for e in entries] == ["onnx-int8", "fp32"]  # the caller's order is kept
+    assert set(timed.sessions) == {"onnx-int8", "fp32"} and set(timed.times) == {"1", "2"}  # for the recommendation
     int8, fp32 = entries
     assert fp32["accuracy"]["agreement"] == 1.0 and fp32["status"] == "accepted"
     assert int8["accuracy"] == by_name["onnx-int8"]["accuracy"]  # measured against fp32, as in the build
