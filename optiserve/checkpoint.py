@@ -23,6 +23,10 @@ FORMAT = "optiserve.checkpoint/1"
 REQUIRED_KEYS = ("model", "state_dict", "dataset", "classes", "input", "metrics")
 
 
+class NotACheckpoint(UserError):
+    """A file torch reads safely that is not `optiserve train`'s checkpoint (a plain state dict, say)."""
+
+
 def save_checkpoint(ckpt: dict, path: str | os.PathLike) -> None:
     """Write `ckpt` atomically: a killed process leaves the previous checkpoint intact."""
     missing = [k for k in REQUIRED_KEYS if k not in ckpt]
@@ -49,10 +53,10 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot read checkpoint {path}: {first_line}") from None
     if not isinstance(ckpt, dict):
-        raise UserError(f"{path} is not an optiserve checkpoint (expected a dict, got {type(ckpt).__name__})")
+        raise NotACheckpoint(f"{path} is not an optiserve checkpoint (expected a dict, got {type(ckpt).__name__})")
     missing = [k for k in REQUIRED_KEYS if k not in ckpt]
     if missing:
-        raise UserError(f"{path} is not an optiserve checkpoint: missing {', '.join(missing)} "
+        raise NotACheckpoint(f"{path} is not an optiserve checkpoint: missing {', '.join(missing)} "
                         f"(write one with `optiserve train`)")
     return ckpt
 

@@ -1,4 +1,6 @@
-"""Weights for a registered model: `imagenet` (torchvision), a checkpoint PATH from `optiserve train`, or `random`."""
+"""A MODEL with its weights, ready to optimize: a registered model with `imagenet` (torchvision),
+a checkpoint from `optiserve train`, a plain state dict or `random`; any other source's model with
+a state dict file or as its source builds it (see models.sources)."""
 
 from __future__ import annotations
 
@@ -11,45 +13,165 @@ import torch
 import torchvision
 from torch import nn
 
-from optiserve.checkpoint import read_checkpoint
+from optiserve.checkpoint import NotACheckpoint, read_checkpoint
 from optiserve.errors import UserError
 from optiserve.files import sha256_file
 from optiserve.models.registry import InputSpec, create_model, get_model_entry
+from optiserve.models.sources import default_input, find_source, is_registered
+from optiserve.models.state_dicts import load_state_dict_readably, read_state_dict
 
-WEIGHT_CHOICES = "imagenet | PATH (a checkpoint from `optiserve train`) | random"
+WEIGHT_CHOICES = ("imagenet | PATH (a state dict: .pt/.pth/.safetensors, a training checkpoint holding one, or "
+                  "`optiserve train`'s checkpoint) | random")
+
+
+@dataclass(frozen=True)
+class InputOverrides:
+    """What the user said about the model's input (`--input-shape`, `--mean`, `--std`), each optional."""
+
+    shape: tuple[int, int, int] | None = None
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+
+    def apply(self, spec: InputSpec | None, model: str) -> InputSpec:
+        """`spec` (the source's, or None) with the user's values in place of its own."""
+        shape = self.shape or (spec.shape if spec else None)
+        if shape is None:
+            raise UserError(f"{model} does not say what input it takes: give --input-shape C,H,W "
+                            f"(and --mean/--std; default ImageNet's for 3 channels)")
+        same_channels = spec is not None and spec.channels == shape[0]
+        default_mean, default_std = default_input(shape[0])
+        mean = self.mean or (spec.mean if same_channels else default_mean)
+        std = self.std or (spec.std if same_channels else default_std)
+        if len(mean) == 1 < shape[0]:
+            mean = mean * shape[0]
+        if len(std) == 1 < shape[0]:
+            std = std * shape[0]
+        if min(std) <= 0:
+            raise UserError(f"--std must be positive, got {list(std)}")
+        try:
+            return InputSpec(tuple(shape), tuple(mean), tuple(std))
+        except ValueError:
+            raise UserError(f"--mean and --std need one value, or one per channel ({shape[0]}); got "
+                            f"{list(mean)} and {list(std)}") from None
 
 
 @dataclass
 class LoadedModel:
     """A model in eval mode with everything downstream needs to know about it."""
 
-    name: str
+    name: str          # the MODEL it was built from: a registered name, torchvision:NAME, file.py:build ...
     model: nn.Module
     input: InputSpec
     classes: list[str]
-    source: dict  # {"weights": "imagenet"|"random"|path, "sha256": ..., "dataset": ...}
+    source: dict  # {"weights": "imagenet"|"random"|"as built"|path, "sha256": ..., "dataset": ...}
 
     @property
     def accuracy_meaningful(self) -> bool:
         """Random weights make any accuracy figure meaningless; reports must say so."""
         return self.source["weights"] != "random"
 
+    @property
+    def rebuildable(self) -> bool:
+        """Whether the registry rebuilds the architecture from its name (so a state dict is a variant)."""
+        return is_registered(self.name)
+
 
 def load_model(name: str, weights: str | None = None, num_classes: int | None = None,
-               input_spec: InputSpec | None = None) -> LoadedModel:
-    """Build model `name` and load `weights` (default: the model's default weights)."""
+               input_spec: InputSpec | None = None, overrides: InputOverrides = InputOverrides(),
+               labels: list[str] | None = None) -> LoadedModel:
+    """Build MODEL `name` from its source and load `weights` (default: the model's default weights);
+    `overrides` and `labels` say what the user knows of its input and classes."""
+    if not is_registered(name):
+        return _ready(_load_from_source(name, weights, num_classes, overrides, labels))
     entry = get_model_entry(name)
     weights = weights or entry.default_weights
+    if input_spec is None and overrides != InputOverrides():
+        input_spec = overrides.apply(entry.input, name)
+    if labels and num_classes is None:
+        num_classes = len(labels)
     if weights == "random":
         n = num_classes or entry.num_classes
         spec = input_spec or entry.input
         model = create_model(name, n, spec)
-        return _ready(LoadedModel(name, model, spec, [str(i) for i in range(n)], {"weights": "random", "sha256": None}))
+        return _ready(LoadedModel(name, model, spec, _classes(labels, None, n, name),
+                                  {"weights": "random", "sha256": None}))
     if weights == "imagenet":
         return _ready(_load_imagenet(entry, num_classes, input_spec))
-    if os.sep in weights or weights.endswith((".pt", ".pth")) or Path(weights).exists():
-        return _ready(load_checkpoint_model(weights, expected_model=name))
+    if os.sep in weights or weights.endswith((".pt", ".pth", ".safetensors")) or Path(weights).exists():
+        try:
+            return _ready(load_checkpoint_model(weights, expected_model=name))
+        except NotACheckpoint:
+            spec = input_spec or entry.input
+            model = create_model(name, num_classes or entry.num_classes, spec)
+            return _ready(_with_state_dict(name, model, spec, weights, labels))
     raise UserError(f"unknown weights {weights!r}; use {WEIGHT_CHOICES}")
+
+
+def _load_from_source(name: str, weights: str | None, num_classes: int | None, overrides: InputOverrides,
+                      labels: list[str] | None) -> LoadedModel:
+    """A torchvision, timm or user-code model: built by its source, weights from a state dict file."""
+    source = find_source(name)
+    if labels and num_classes is None and source.name in ("torchvision", "timm"):
+        num_classes = len(labels)  # the user's code builds its own head
+    built = source.build(name, num_classes)
+    spec = overrides.apply(built.input, name)
+    model = built.module.eval()
+    if weights == "imagenet":
+        raise UserError(f"--weights imagenet is for the registered models; for {name} pass a weights file "
+                        f"(--weights PATH: .pt, .pth or .safetensors)")
+    if weights in (None, "random"):
+        facts = {"weights": "random" if weights else built.weights, "sha256": None}
+    else:
+        load_state_dict_readably(model, read_state_dict(weights), f"weights {weights}")
+        facts = {"weights": str(weights), "sha256": sha256_file(weights)}
+    classes = _classes(labels, built.classes, _probe_outputs(model, spec, name), name)
+    return LoadedModel(name, model, spec, classes, {**facts, "source": source.name, **built.facts})
+
+
+def _with_state_dict(name, model, spec, path, labels) -> LoadedModel:
+    load_state_dict_readably(model, read_state_dict(path), f"weights {path}")
+    n = _probe_outputs(model.eval(), spec, name)
+    return LoadedModel(name, model, spec, _classes(labels, None, n, name),
+                       {"weights": str(path), "sha256": sha256_file(path)})
+
+
+def _probe_outputs(model: nn.Module, spec: InputSpec, name: str) -> int:
+    """The class count of the model's [N, K] output on a zero batch of its input; one line otherwise."""
+    try:
+        with torch.no_grad():
+            out = model.eval()(torch.zeros(2, *spec.shape))
+    except Exception as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"{name} fails on a batch of input {list(spec.shape)} ({type(e).__name__}: {text[:200]}); "
+                        f"give the input it takes with --input-shape C,H,W") from None
+    if not isinstance(out, torch.Tensor) or out.ndim != 2:
+        what = f"a {type(out).__name__}" if not isinstance(out, torch.Tensor) else f"shape {list(out.shape)}"
+        raise UserError(f"{name} returns {what}; optiserve takes models whose output is one [N, K] tensor "
+                        f"(class scores)")
+    return int(out.shape[1])
+
+
+def _classes(labels: list[str] | None, known: list[str] | None, n: int, name: str) -> list[str]:
+    """Class names: the user's labels, else the source's where their count fits, else 0..n-1."""
+    if labels:
+        if len(labels) != n:
+            raise UserError(f"--labels names {len(labels)} classes but {name} has {n} outputs")
+        return list(labels)
+    if known and len(known) == n:
+        return list(known)
+    return [str(i) for i in range(n)]
+
+
+def read_labels(path: str | os.PathLike) -> list[str]:
+    """Class names from a text file, one a line (blank lines ignored)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read --labels {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    labels = [line.strip() for line in lines if line.strip()]
+    if not labels:
+        raise UserError(f"--labels {path} names no classes (expected one class name a line)")
+    return labels
 
 
 def load_checkpoint_model(path: str | os.PathLike, expected_model: str | None = None) -> LoadedModel:
@@ -60,7 +182,7 @@ def load_checkpoint_model(path: str | os.PathLike, expected_model: str | None = 
     spec = InputSpec.from_dict(ckpt["input"])
     classes = [str(c) for c in ckpt["classes"]]
     model = create_model(ckpt["model"], len(classes), spec)
-    _load_state_dict_readably(model, ckpt["state_dict"], f"checkpoint {path}")
+    load_state_dict_readably(model, ckpt["state_dict"], f"checkpoint {path}")
     source = {"weights": str(path), "sha256": sha256_file(path), "dataset": ckpt["dataset"],
               "metrics": ckpt["metrics"]}
     return LoadedModel(ckpt["model"], model, spec, classes, source)
@@ -83,7 +205,7 @@ def _load_imagenet(entry, num_classes, input_spec) -> LoadedModel:
             f"downloaded ({type(e).__name__}); put the file there, or use --weights PATH or --weights random"
         ) from None
     model = create_model(entry.name)
-    _load_state_dict_readably(model, state, f"ImageNet weights {cached}")
+    load_state_dict_readably(model, state, f"ImageNet weights {cached}")
     source = {"weights": "imagenet", "sha256": sha256_file(cached), "url": w.url}
     return LoadedModel(entry.name, model, entry.input, list(w.meta["categories"]), source)
 
@@ -97,22 +219,6 @@ def _check_cached_hash(cached: Path) -> None:
     if match and cached.is_file() and not sha256_file(cached).startswith(match.group(1)):
         raise UserError(f"the cached ImageNet weights {cached} do not match the sha256 prefix in their name "
                         f"({match.group(1)}): the file is damaged or was replaced; delete it and download it again")
-
-
-def _load_state_dict_readably(model: nn.Module, state: dict, what: str) -> None:
-    """load_state_dict(strict=True), with a one-line summary instead of torch's page of key names."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    mismatched = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-                  if k in state and tuple(state[k].shape) != tuple(v.shape)]
-    if missing or unexpected or mismatched:
-        parts = []
-        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
-            if keys:
-                parts.append(f"{len(keys)} {label} (e.g. {keys[0]})")
-        raise UserError(f"{what} does not fit the architecture: {'; '.join(parts)}")
-    model.load_state_dict(state, strict=True)
 
 
 def _ready(loaded: LoadedModel) -> LoadedModel:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from optiserve.data import DATASET_CHOICES
-from optiserve.models import list_models
+from optiserve.models import InputOverrides, list_models
 from optiserve.models.weights import WEIGHT_CHOICES
 from optiserve.optimize.pipeline import (OptimizeConfig, recommendation_line, run_optimize, summary_header,
                                          summary_rows)
@@ -18,7 +18,12 @@ an artifact folder (one file per variant, manifest.json, report.md) that the ser
 
   optimize resnet18 --int8          small-input ResNet-18 on the bundled digits; trains it first
                                     when checkpoints/resnet18-digits.pt does not exist yet
-  optimize resnet50 --weights imagenet --dataset imagefolder:PATH --int8"""
+  optimize resnet50 --weights imagenet --dataset imagefolder:PATH --int8
+  optimize timm:resnet18 --num-classes 10 --weights my.safetensors --dataset imagefolder:PATH --int8
+  optimize nets/tiny.py:build --input-shape 3,64,64 --weights tiny.pt --dataset imagefolder:PATH --int8
+
+MODEL forms (docs/own-model.md): a registered name; torchvision:NAME; timm:NAME; path/to/file.py:build
+or package.module:build, your function returning an nn.Module (its code runs)."""
 
 DEFAULTS = OptimizeConfig(model="resnet18")
 
@@ -26,10 +31,22 @@ DEFAULTS = OptimizeConfig(model="resnet18")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = DESCRIPTION
-    p.add_argument("model", metavar="MODEL", help=f"registered model: {', '.join(list_models())}")
+    p.add_argument("model", metavar="MODEL",
+                   help=f"a registered model ({', '.join(list_models())}), torchvision:NAME, timm:NAME, "
+                        f"path/to/file.py:build or package.module:build")
     p.add_argument("--weights", default=None, metavar="W",
                    help=f"{WEIGHT_CHOICES} (default: checkpoints/MODEL-digits.pt for digits, trained if "
                         f"missing; otherwise the model's default)")
+    p.add_argument("--num-classes", type=int, default=None, metavar="N",
+                   help="classes of the model's head, for builders that take num_classes (default: the builder's, "
+                        "or the number of --labels)")
+    p.add_argument("--input-shape", type=_ints(3), default=None, metavar="C,H,W",
+                   help="the input one image is given as (default: what the model's source says)")
+    p.add_argument("--mean", type=_floats, default=None, metavar="M[,M,M]",
+                   help="per-channel mean the pixels (scaled to [0, 1]) are normalized with (default: the source's, "
+                        "else ImageNet's for 3 channels)")
+    p.add_argument("--std", type=_floats, default=None, metavar="S[,S,S]", help="per-channel std, as --mean")
+    p.add_argument("--labels", default=None, metavar="FILE", help="class names, one a line, in output order")
     p.add_argument("--dataset", default=DEFAULTS.dataset, metavar="NAME",
                    help=f"calibration and evaluation data: {DATASET_CHOICES} (default {DEFAULTS.dataset})")
     p.add_argument("--int8", action="store_true", help="add INT8 variants (ONNX Runtime static QDQ)")
@@ -78,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         tensorrt=args.tensorrt, fp16=args.fp16,
         calib_size=args.calib_size, calib_method=args.calib_method, max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
+        num_classes=args.num_classes, labels=args.labels,
+        input=InputOverrides(args.input_shape, args.mean, args.std),
     )
     manifest = run_optimize(cfg)
     print(format_table(summary_header(manifest), summary_rows(manifest)))
@@ -90,6 +109,27 @@ def run(args: argparse.Namespace) -> int:
     print(recommendation_line(manifest).replace("**", ""))
     print(f"wrote {cfg.out_path}/ (manifest.json, report.md, {len(manifest['variants'])} variants)")
     return 0
+
+
+def _ints(n: int):
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            values = ()
+        if len(values) != n or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"expected {n} positive integers separated by commas, e.g. 3,224,224; "
+                                             f"got {text!r}")
+        return values
+    return parse
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, e.g. 0.5,0.5,0.5; got {text!r}"
+                                         ) from None
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:

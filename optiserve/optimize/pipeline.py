@@ -17,7 +17,8 @@ from optiserve.data import DatasetSplits, load_dataset
 from optiserve.errors import UserError
 from optiserve.intervals import paired_accuracy_difference
 from optiserve.machine import cpu_facts, cpu_line
-from optiserve.models import LoadedModel, get_model_entry, load_model
+from optiserve.models import InputOverrides, LoadedModel, find_source, load_model, model_slug, read_labels
+from optiserve.models.sources import is_registered
 from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, export_onnx
@@ -65,9 +66,14 @@ class OptimizeConfig:
     out: str | None = None
     device: str = "auto"
     progress: bool = True
+    num_classes: int | None = None    # for builders that take it (torchvision, timm, a callable with num_classes)
+    input: InputOverrides = field(default_factory=InputOverrides)  # --input-shape, --mean, --std
+    labels: str | None = None         # a file with one class name a line
 
     def validate(self) -> None:
-        get_model_entry(self.model)
+        find_source(self.model)
+        if self.num_classes is not None and self.num_classes < 1:
+            raise UserError(f"--num-classes must be at least 1, got {self.num_classes}")
         if self.calib_method not in CALIB_METHODS:
             raise UserError(f"unknown --calib-method {self.calib_method!r}; use {', '.join(CALIB_METHODS)}")
         if self.calib_size < 1:
@@ -101,7 +107,7 @@ class OptimizeConfig:
         if self.out:
             return Path(self.out)
         data = Path(self.dataset.split(":", 1)[1]).name if ":" in self.dataset else self.dataset
-        return Path("artifacts") / f"{self.model}-{data}"
+        return Path("artifacts") / f"{model_slug(self.model)}-{data}"
 
 
 @dataclass
@@ -121,6 +127,9 @@ def default_checkpoint(model: str, dataset: str) -> Path:
 def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
     """Load the weights; for the bundled digits data, train a checkpoint first when there is none yet."""
     weights = cfg.weights
+    labels = read_labels(cfg.labels) if cfg.labels else None
+    if not is_registered(cfg.model):
+        return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels)
     if weights is None and cfg.dataset == "digits":
         ckpt = default_checkpoint(cfg.model, "digits")
         if not ckpt.is_file():
@@ -130,7 +139,7 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
                      f"(optiserve train {cfg.model} --dataset digits)")
             train(TrainConfig(model=cfg.model, dataset="digits", out=str(ckpt), progress=cfg.progress))
         weights = str(ckpt)
-    return load_model(cfg.model, weights)
+    return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels)
 
 
 def class_mapping(model_classes: list[str], data_classes: list[str]) -> list[int] | None:
@@ -147,8 +156,10 @@ def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> tuple[str, li
     """('', class mapping) when accuracy on `data` is meaningful for `loaded`, else (why not, None).
     Raises on pairs that cannot run at all."""
     if tuple(loaded.input.shape) != tuple(data.input.shape):
+        fix = ("use the dataset the checkpoint was trained on" if loaded.rebuildable else
+               "give your images with --dataset imagefolder:PATH (or --dataset synthetic for a smoke run)")
         raise UserError(f"the model takes input {list(loaded.input.shape)} but dataset {data.name} gives "
-                        f"{list(data.input.shape)}; use the dataset the checkpoint was trained on")
+                        f"{list(data.input.shape)}; {fix}")
     if not loaded.accuracy_meaningful:
         return "random weights: accuracy is meaningless", None
     if not data.labelled:
@@ -184,16 +195,11 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         variants: list[Variant] = []
         notes: list[str] = []
         skipped: list[dict] = []  # variants this machine cannot run fast, with the reason: rows of their own
-        with log.step("fp32 baseline (eager state dict)"):
-            torch.save(loaded.model.state_dict(), stage / "fp32.pt")
-            variants.append(Variant(BASELINE, "fp32.pt", "torch", "fp32"))
+        with log.step("fp32 baseline (" + ("eager state dict)" if loaded.rebuildable else "traced TorchScript)")):
+            variants.append(_baseline_variant(loaded, stage, example, torch.from_numpy(evalset.images[-4:])))
         with log.step("fuse conv+BN"):
-            fused = fuse_conv_bn(loaded.model)
-            probe = torch.randn(8, *loaded.input.shape)
-            with torch.no_grad():
-                diff = (fused(probe) - loaded.model(probe)).abs().max().item()
-            notes.append(f"conv+BN fusion folded {count_batchnorms(loaded.model)} BatchNorms "
-                         f"({count_batchnorms(fused)} left); max |Δ| on random inputs {diff:.1e}")
+            fused, note = _fuse(loaded)
+            notes.append(note)
         with log.step("TorchScript (trace, check, freeze)"):
             check = torch.from_numpy(evalset.images[-4:])
             save_torchscript(trace_torchscript(fused, example, (check,)), stage / "torchscript.pt")
@@ -227,9 +233,14 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                     settings = accuracy_aware("model.onnx", "model.int8.onnx", settings)
                     variants.append(Variant("onnx-int8", "model.int8.onnx", "onnxruntime", "int8", settings))
             with log.step(f"INT8 PyTorch x86 (FX graph mode, {cfg.calib_size} train images)"):
-                scripted, settings = quantize_torch_fx(fused, batches)
-                save_torchscript(scripted, stage / "torch-int8.pt")
-                variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8", settings))
+                try:
+                    scripted, settings = quantize_torch_fx(fused, batches)
+                except Exception as e:  # FX cannot trace every model (data-dependent control flow)
+                    skipped.append({"name": "torch-int8", "reason": f"FX graph mode cannot take this model "
+                                                                    f"({_first_line(e)})"})
+                else:
+                    save_torchscript(scripted, stage / "torch-int8.pt")
+                    variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8", settings))
         if openvino:
             _openvino_variants(stage, variants, skipped, cfg, log, batches if cfg.int8 else [])
         if cfg.prune is not None:
@@ -288,6 +299,42 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             artifacts.write_manifest(stage, manifest)
             (stage / "report.md").write_text(render_report(manifest))
     return manifest
+
+
+def _baseline_variant(loaded: LoadedModel, stage: Path, example: torch.Tensor, check: torch.Tensor) -> Variant:
+    """The fp32 reference every variant is checked against: the eager state dict for a registered
+    model (the registry rebuilds it), else the eager model traced to TorchScript, so serving it never
+    runs the user's code."""
+    if loaded.rebuildable:
+        torch.save(loaded.model.state_dict(), stage / "fp32.pt")
+        return Variant(BASELINE, "fp32.pt", "torch", "fp32")
+    try:
+        traced = trace_torchscript(loaded.model, example, (check,))
+    except Exception as e:
+        raise UserError(f"{loaded.name} cannot be traced to TorchScript, which its fp32 variant needs "
+                        f"({_first_line(e)})") from None
+    save_torchscript(traced, stage / "fp32.torchscript.pt")
+    return Variant(BASELINE, "fp32.torchscript.pt", "torchscript", "fp32",
+                   {"traced_from": "the eager model, no passes", "frozen": True})
+
+
+def _fuse(loaded: LoadedModel) -> tuple[torch.nn.Module, str]:
+    """Conv+BN folded, with a note; a model FX cannot trace goes on unfused, and the note says why."""
+    try:
+        fused = fuse_conv_bn(loaded.model)
+    except Exception as e:
+        return (copy.deepcopy(loaded.model).eval(),
+                f"conv+BN fusion skipped: the model does not trace symbolically ({_first_line(e)})")
+    probe = torch.randn(8, *loaded.input.shape)
+    with torch.no_grad():
+        diff = (fused(probe) - loaded.model(probe)).abs().max().item()
+    return fused, (f"conv+BN fusion folded {count_batchnorms(loaded.model)} BatchNorms "
+                   f"({count_batchnorms(fused)} left); max |Δ| on random inputs {diff:.1e}")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: OptimizeConfig, why_not: str, log):
@@ -501,10 +548,10 @@ def _manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_eval) -
     return {
         "format": artifacts.FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "model": loaded.name,
+        "model": model_slug(loaded.name),  # the name it is served under; the MODEL it came from is in `source`
         "input": loaded.input.to_dict(),
         "classes": loaded.classes,
-        "source": loaded.source,
+        "source": {"model": loaded.name, **loaded.source},
         "dataset": {"name": data.name, "eval_split": "test", "eval_images": n_eval, "calibration_split": "train"},
         "accuracy_meaningful": not why_not,
         "accuracy_note": why_not or None,

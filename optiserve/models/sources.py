@@ -1,0 +1,230 @@
+"""Where a MODEL comes from: a registered name, `torchvision:NAME`, `timm:NAME`, or the user's own
+code (`path/to/file.py:callable`, `package.module:callable`).
+
+Each source is one `register_source` entry: how to recognise its MODEL strings and how to build the
+module, with what it knows of the module's input and classes (torchvision's weights metadata,
+timm's pretrained config). Nothing is downloaded: torchvision and timm models start from random
+weights (and torchvision's backbones too) until `--weights` gives a file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from torch import nn
+
+from optiserve.errors import UserError
+from optiserve.models.registry import IMAGENET_MEAN, IMAGENET_STD, InputSpec, create_model, list_models
+
+
+@dataclass
+class BuiltModel:
+    """A source's module (random or as the user's code left it) and what the source says about it."""
+
+    module: nn.Module
+    input: InputSpec | None = None         # the source's own input spec, where it has one
+    classes: list[str] | None = None       # the source's class names, where it has them
+    weights: str = "random"                # "random", or "as built" when the user's code may have loaded some
+    facts: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A kind of MODEL string: `matches(model)` recognises it, `build(model, num_classes)` builds it."""
+
+    name: str
+    matches: Callable[[str], bool]
+    build: Callable[[str, int | None], BuiltModel]
+    example: str
+    description: str
+
+
+_SOURCES: list[ModelSource] = []
+
+
+def register_source(source: ModelSource) -> ModelSource:
+    """Add a source; sources are tried in the order they were registered."""
+    if any(s.name == source.name for s in _SOURCES):
+        raise ValueError(f"model source {source.name!r} is already registered")
+    _SOURCES.append(source)
+    return source
+
+
+def list_sources() -> list[ModelSource]:
+    return list(_SOURCES)
+
+
+def find_source(model: str) -> ModelSource:
+    """The source whose MODEL strings `model` is one of, or one line listing the forms there are."""
+    for source in _SOURCES:
+        if source.matches(model):
+            return source
+    forms = "; ".join(f"{s.example} ({s.description})" for s in _SOURCES)
+    raise UserError(f"unknown model {model!r}: use {forms}")
+
+
+def is_registered(model: str) -> bool:
+    return model in list_models()
+
+
+def model_slug(model: str) -> str:
+    """A folder and served-model name for MODEL: `torchvision:resnet18` -> `torchvision-resnet18`,
+    `nets/tiny.py:build` -> `tiny-build`."""
+    if ":" in model and not is_registered(model):
+        where, _, attr = model.rpartition(":")
+        if where in ("torchvision", "timm"):
+            slug = f"{where}-{attr}"
+        else:
+            stem = Path(where).stem if where.endswith(".py") else where.rpartition(".")[2]
+            slug = f"{stem}-{attr}"
+    else:
+        slug = model
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", slug).lstrip(".-")[:120] or "model"
+
+
+# --- torchvision -----------------------------------------------------------------------------------
+
+def _build_torchvision(model: str, num_classes: int | None) -> BuiltModel:
+    import torchvision
+
+    name = model.split(":", 1)[1]
+    if name not in torchvision.models.list_models():
+        close = [n for n in torchvision.models.list_models() if name.split("_")[0] in n][:6]
+        raise UserError(f"torchvision has no model {name!r}" + (f"; similar: {', '.join(close)}" if close else
+                                                                 "; see torchvision.models.list_models()"))
+    builder = torchvision.models.get_model_builder(name)
+    kwargs = {"weights": None}
+    if "weights_backbone" in inspect.signature(builder).parameters:
+        kwargs["weights_backbone"] = None  # a backbone's ImageNet weights would be a download
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+    module = builder(**kwargs)
+    spec, categories = None, None
+    try:
+        weights = torchvision.models.get_model_weights(name).DEFAULT
+    except (ValueError, KeyError):
+        weights = None
+    if weights is not None:
+        transforms = weights.transforms()
+        crop = getattr(transforms, "crop_size", None)
+        if crop:
+            spec = InputSpec((3, crop[0], crop[-1]), tuple(transforms.mean), tuple(transforms.std))
+        categories = list(weights.meta.get("categories") or []) or None
+    return BuiltModel(module, spec, categories, facts={"torchvision": torchvision.__version__})
+
+
+# --- timm --------------------------------------------------------------------------------------------
+
+def _build_timm(model: str, num_classes: int | None) -> BuiltModel:
+    try:
+        import timm
+    except ImportError:
+        raise UserError(f"{model} needs timm: pip install 'optiserve[timm]'") from None
+    name = model.split(":", 1)[1]
+    if not timm.list_models(name) and name.split(".")[0] not in timm.list_models():
+        raise UserError(f"timm has no model {name!r}; see timm.list_models('{name.split('_')[0]}*')")
+    kwargs = {} if num_classes is None else {"num_classes": num_classes}
+    module = timm.create_model(name, pretrained=False, **kwargs)
+    cfg = getattr(module, "pretrained_cfg", None) or {}
+    spec = None
+    if cfg.get("input_size") and cfg.get("mean") and cfg.get("std"):
+        spec = InputSpec(tuple(int(v) for v in cfg["input_size"]), tuple(cfg["mean"]), tuple(cfg["std"]))
+    return BuiltModel(module, spec, None, facts={"timm": timm.__version__, "crop_pct": cfg.get("crop_pct")})
+
+
+# --- the user's own code -----------------------------------------------------------------------------
+
+CALLABLE_FORM = re.compile(r"^(?P<where>[^:]+):(?P<attr>[A-Za-z_][A-Za-z0-9_]*)$")
+
+
+def _is_callable_ref(model: str) -> bool:
+    match = CALLABLE_FORM.match(model)
+    return bool(match) and match["where"] not in ("torchvision", "timm") and (
+        match["where"].endswith(".py") or re.fullmatch(r"[A-Za-z_][\w.]*", match["where"]) is not None)
+
+
+def _build_callable(model: str, num_classes: int | None) -> BuiltModel:
+    """Import the user's file or module (its code runs: it is theirs) and call the named function."""
+    match = CALLABLE_FORM.match(model)
+    where, attr = match["where"], match["attr"]
+    module = _import_user_code(where)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UserError(f"{where} has no callable {attr!r}")
+    kwargs = {}
+    if num_classes is not None:
+        params = inspect.signature(factory).parameters
+        if "num_classes" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            raise UserError(f"--num-classes: {attr}() takes no num_classes argument; build the head in "
+                            f"{attr}() itself or add the parameter")
+        kwargs["num_classes"] = num_classes
+    try:
+        built = factory(**kwargs)
+    except Exception as e:
+        raise UserError(f"{model} raised {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                        ) from e
+    if not isinstance(built, nn.Module):
+        raise UserError(f"{model} returned a {type(built).__name__}, not a torch.nn.Module")
+    return BuiltModel(built, weights="as built", facts={"code": where})
+
+
+def _import_user_code(where: str):
+    if where.endswith(".py"):
+        path = Path(where).expanduser().resolve()
+        if not path.is_file():
+            raise UserError(f"model file {where} does not exist")
+        name = f"optiserve_user_model_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.parent))  # the file may import its neighbours
+        try:
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        except Exception as e:
+            sys.modules.pop(name, None)
+            raise UserError(f"importing {where} failed: {type(e).__name__}: {e}") from e
+        finally:
+            sys.path.remove(str(path.parent))
+        return module
+    sys.path.insert(0, str(Path.cwd()))  # console scripts do not put the working directory on the path
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        raise UserError(f"cannot import {where}: {e} (is it installed, or run from the folder that holds it?)"
+                        ) from None
+    finally:
+        sys.path.remove(str(Path.cwd()))
+
+
+# --- registered names --------------------------------------------------------------------------------
+
+def _build_registered(model: str, num_classes: int | None) -> BuiltModel:
+    from optiserve.models.registry import get_model_entry
+
+    entry = get_model_entry(model)
+    return BuiltModel(create_model(model, num_classes), entry.input, None)
+
+
+register_source(ModelSource("registered", is_registered, _build_registered, "resnet18",
+                            "a registered name: " + ", ".join(list_models())))
+register_source(ModelSource("torchvision", lambda m: m.startswith("torchvision:"), _build_torchvision,
+                            "torchvision:NAME", "any torchvision.models builder, random weights"))
+register_source(ModelSource("timm", lambda m: m.startswith("timm:"), _build_timm, "timm:NAME",
+                            "any timm model, random weights; pip install 'optiserve[timm]'"))
+register_source(ModelSource("callable", _is_callable_ref, _build_callable, "path/to/file.py:build",
+                            "or package.module:build: your function returning an nn.Module (its code runs)"))
+
+
+def default_input(channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Mean and std when neither the flags nor the source give them: ImageNet's for RGB, else none
+    (pixels scaled to [0, 1])."""
+    if channels == 3:
+        return IMAGENET_MEAN, IMAGENET_STD
+    return (0.0,) * channels, (1.0,) * channels

@@ -1,0 +1,271 @@
+"""Bring your own model: torchvision, timm and user-code models with the weights files users have,
+optimized, gated on real data (scikit-learn's digits as an image folder) and served unchanged."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from sklearn.datasets import load_digits
+
+from conftest import serving
+from optiserve.data import load_dataset
+from optiserve.errors import UserError
+from optiserve.models import InputOverrides, load_model, model_slug
+from optiserve.models.registry import InputSpec
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+DIGIT_NET = textwrap.dedent('''
+    from torch import nn
+    from blocks import conv_bn_relu   # a neighbour of this file: user code imports its own modules
+
+    class DigitNet(nn.Module):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.features = nn.Sequential(conv_bn_relu(3, 16), nn.MaxPool2d(2), conv_bn_relu(16, 32),
+                                          nn.AdaptiveAvgPool2d(1))
+            self.head = nn.Linear(32, num_classes)
+
+        def forward(self, x):
+            return self.head(self.features(x).flatten(1))
+
+    def build(num_classes=10):
+        return DigitNet(num_classes)
+''')
+BLOCKS = textwrap.dedent('''
+    from torch import nn
+
+    def conv_bn_relu(cin, cout):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+''')
+DIGIT_INPUT = InputSpec((3, 16, 16), (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # ImageNet's: the default
+NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+@pytest.fixture(scope="module")
+def digit_images(tmp_path_factory) -> Path:
+    """900 of scikit-learn's digits as 16x16 grayscale PNGs in class folders named zero..nine."""
+    root = tmp_path_factory.mktemp("digit-images")
+    digits = load_digits()
+    for i, (image, label) in enumerate(zip(digits.images[:900], digits.target[:900])):
+        folder = root / NAMES[label]
+        folder.mkdir(exist_ok=True)
+        pixels = (image * 255 / 16).astype(np.uint8)
+        Image.fromarray(pixels).resize((16, 16), Image.BILINEAR).save(folder / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def user_code(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("user-code")
+    (folder / "digit_net.py").write_text(DIGIT_NET)
+    (folder / "blocks.py").write_text(BLOCKS)
+    (folder / "labels.txt").write_text("\n".join(NAMES) + "\n")
+    return folder
+
+
+def _train(model: torch.nn.Module, digit_images: Path, epochs: int = 15) -> torch.nn.Module:
+    """A few epochs on the folder's train split, prepared as the optimizer prepares it: a real model."""
+    data = load_dataset(f"imagefolder:{digit_images}", DIGIT_INPUT, 10)
+    loader = torch.utils.data.DataLoader(data.calibration_set(), batch_size=32, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    to_output = torch.tensor([NAMES.index(c) for c in data.classes])  # folders sort by name; outputs go 0..9
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    model.train()
+    for _ in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), to_output[y]).backward()
+            optimizer.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def lightning_checkpoint(user_code, digit_images) -> Path:
+    """The user's trained DigitNet, saved the way PyTorch Lightning saves it: the state dict under
+    `state_dict`, every key prefixed `model.`, beside the trainer's own entries."""
+    model = _train(load_model(f"{user_code}/digit_net.py:build", overrides=InputOverrides((3, 16, 16))).model,
+                   digit_images)
+    path = user_code / "epoch=7-step=176.ckpt"
+    torch.save({"epoch": 7, "global_step": 176, "pytorch-lightning_version": "2.5.0",
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def user_model_artifact(user_code, lightning_checkpoint, digit_images, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("own") / "digit_net"
+    run_optimize(OptimizeConfig(f"{user_code}/digit_net.py:build", weights=str(lightning_checkpoint),
+                                dataset=f"imagefolder:{digit_images}", int8=True, out=str(out),
+                                input=InputOverrides((3, 16, 16)), labels=str(user_code / "labels.txt"),
+                                progress=False))
+    return out
+
+
+def _user_module(user_code: Path, checkpoint: Path) -> torch.nn.Module:
+    """The user's own module with their weights, loaded by hand as they would: the reference."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(user_code))
+    try:
+        spec = importlib.util.spec_from_file_location("reference_digit_net", user_code / "digit_net.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(user_code))
+    model = module.build()
+    state = torch.load(checkpoint, weights_only=True)["state_dict"]
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    return model.eval()
+
+
+def test_a_user_file_model_with_a_lightning_checkpoint_is_optimized_and_gated(user_model_artifact, lightning_checkpoint):
+    import json
+
+    manifest = json.loads((user_model_artifact / "manifest.json").read_text())
+    assert manifest["model"] == "digit_net-build"
+    assert manifest["source"]["model"].endswith("digit_net.py:build") and manifest["source"]["source"] == "callable"
+    assert manifest["source"]["sha256"] and manifest["accuracy_meaningful"]
+    assert manifest["classes"] == NAMES and manifest["input"]["shape"] == [3, 16, 16]
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    # the fp32 reference is the user's module traced, so serving it never runs their code
+    assert by_name["fp32"]["backend"] == "torchscript" and by_name["fp32"]["file"] == "fp32.torchscript.pt"
+    assert by_name["fp32"]["accuracy"]["top1"] > 0.8  # a real model on real held-out images
+    int8 = by_name["onnx-int8"]
+    assert int8["status"] in ("accepted", "rejected") and int8["accuracy"]["top1"] is not None
+    drop = 100 * (by_name["fp32"]["accuracy"]["top1"] - int8["accuracy"]["top1"])
+    assert (int8["status"] == "accepted") == (drop <= manifest["max_accuracy_drop"])
+    assert "conv+BN fusion folded 2 BatchNorms" in " ".join(manifest["notes"])
+
+
+def test_the_served_user_model_answers_as_the_users_own_module(user_model_artifact, user_code, lightning_checkpoint,
+                                                               digit_images):
+    httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    reference = _user_module(user_code, lightning_checkpoint)
+    images = np.random.default_rng(0).standard_normal((4, 3, 16, 16), dtype=np.float32)
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(images)).numpy()
+    with serving(user_model_artifact, "--variants", "fp32,onnx-int8") as (base, _):
+        client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
+        infer_input = httpclient.InferInput("input", list(images.shape), "FP32")
+        infer_input.set_data_from_numpy(images)
+        result = client.infer("digit_net-build", [infer_input], model_version="fp32",
+                              outputs=[httpclient.InferRequestedOutput("logits")])
+        np.testing.assert_allclose(result.as_numpy("logits"), expected, rtol=1e-4, atol=1e-4)
+        png = next((digit_images / "three").glob("*.png")).read_bytes()
+        answer = httpx.post(f"{base}/predict", files={"file": ("three.png", png, "image/png")},
+                            params={"variant": "fp32"}).json()
+        assert answer["model"] == "digit_net-build"
+        assert answer["predictions"][0][0]["class"] == "three"
+
+
+def test_a_torchvision_model_with_a_plain_state_dict(digit_images, user_code, tmp_path):
+    torchvision = pytest.importorskip("torchvision")
+    reference = torchvision.models.get_model("mobilenet_v3_small", weights=None, num_classes=10).eval()
+    weights = tmp_path / "mobilenet_v3_small-digits.pth"
+    torch.save(reference.state_dict(), weights)
+    manifest = run_optimize(OptimizeConfig("torchvision:mobilenet_v3_small", weights=str(weights),
+                                           dataset=f"imagefolder:{digit_images}", int8=True, openvino=False,
+                                           labels=str(user_code / "labels.txt"), input=InputOverrides((3, 32, 32)),
+                                           out=str(tmp_path / "art"), progress=False))
+    assert manifest["model"] == "torchvision-mobilenet_v3_small"
+    # torchvision's metadata gives mean and std where the user gave only the shape
+    assert manifest["input"]["mean"] == pytest.approx([0.485, 0.456, 0.406])
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert {"fp32", "onnx-fp32", "onnx-int8"} <= set(by_name)
+    assert by_name["onnx-int8"]["status"] in ("accepted", "rejected")  # judged by the gate, not waved through
+    images = np.random.default_rng(1).standard_normal((2, 3, 32, 32), dtype=np.float32)
+    from conftest import offline_logits
+
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(images)).numpy()
+    np.testing.assert_allclose(offline_logits(tmp_path / "art", "fp32", images), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(offline_logits(tmp_path / "art", "onnx-fp32", images), expected, rtol=1e-3, atol=1e-3)
+
+
+def test_a_timm_model_with_safetensors_weights(digit_images, user_code, tmp_path):
+    timm = pytest.importorskip("timm", reason="timm is the [timm] extra (in [dev])")
+    from safetensors.torch import save_file
+
+    reference = timm.create_model("resnet10t", pretrained=False, num_classes=10).eval()
+    weights = tmp_path / "model.safetensors"
+    save_file(reference.state_dict(), str(weights))
+    loaded = load_model("timm:resnet10t", str(weights), num_classes=10, overrides=InputOverrides((3, 32, 32)))
+    assert loaded.source["source"] == "timm" and loaded.input.mean == pytest.approx((0.485, 0.456, 0.406))
+    manifest = run_optimize(OptimizeConfig("timm:resnet10t", weights=str(weights), labels=str(user_code / "labels.txt"),
+                                           dataset=f"imagefolder:{digit_images}", int8=True, openvino=False,
+                                           input=InputOverrides((3, 32, 32)), out=str(tmp_path / "art"),
+                                           progress=False))
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert by_name["onnx-int8"]["status"] in ("accepted", "rejected")
+    from conftest import offline_logits
+
+    images = np.random.default_rng(2).standard_normal((2, 3, 32, 32), dtype=np.float32)
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(images)).numpy()
+    np.testing.assert_allclose(offline_logits(tmp_path / "art", "fp32", images), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_package_module_callable_is_imported_from_the_working_directory(user_code, monkeypatch):
+    monkeypatch.chdir(user_code)
+    loaded = load_model("digit_net:build", overrides=InputOverrides((3, 16, 16)))
+    assert loaded.source["source"] == "callable" and loaded.classes == [str(i) for i in range(10)]
+    assert loaded.accuracy_meaningful  # the user's code may have loaded weights itself
+    assert model_slug("digit_net:build") == "digit_net-build"
+    assert model_slug("nets/tiny.py:build") == "tiny-build" and model_slug("timm:vit_tiny_patch16_224") == (
+        "timm-vit_tiny_patch16_224")
+
+
+def test_weights_in_the_usual_containers_are_found(user_code, tmp_path):
+    model = load_model(f"{user_code}/digit_net.py:build", overrides=InputOverrides((3, 16, 16))).model
+    state = model.state_dict()
+    for name, content in [("plain.pt", state), ("tutorial.pt", {"model_state_dict": state, "epoch": 3}),
+                          ("ddp.pth", {"model": {f"module.{k}": v for k, v in state.items()}})]:
+        torch.save(content, tmp_path / name)
+        loaded = load_model(f"{user_code}/digit_net.py:build", str(tmp_path / name),
+                            overrides=InputOverrides((3, 16, 16)))
+        assert torch.equal(loaded.model.head.weight, model.head.weight), name
+
+
+@pytest.mark.parametrize("model, kwargs, message", [
+    ("nets/none.py:build", {}, "model file nets/none.py does not exist"),
+    ("DIGIT:build", {}, "does not say what input it takes: give --input-shape"),
+    ("DIGIT:build", {"overrides": InputOverrides((1, 16, 16))}, "fails on a batch of input \\[1, 16, 16\\]"),
+    ("DIGIT:nothing", {}, "has no callable 'nothing'"),
+    ("DIGIT:build", {"overrides": InputOverrides((3, 16, 16)), "labels": ["a", "b"]},
+     "--labels names 2 classes but .* has 10 outputs"),
+    ("torchvision:resnet1", {}, "torchvision has no model 'resnet1'; similar: .*resnet18"),
+    ("torchvision:fcn_resnet50", {"overrides": InputOverrides((3, 64, 64))}, "returns a OrderedDict"),
+    ("nonsense model", {}, "unknown model 'nonsense model': use resnet18 .*torchvision:NAME"),
+])
+def test_models_that_cannot_be_used_are_refused_in_one_line(user_code, model, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        load_model(model.replace("DIGIT", f"{user_code}/digit_net.py"), **kwargs)
+
+
+def test_weights_that_do_not_fit_name_the_first_keys_and_shapes(user_code, tmp_path):
+    model = load_model(f"{user_code}/digit_net.py:build", num_classes=4, overrides=InputOverrides((3, 16, 16))).model
+    torch.save(model.state_dict(), tmp_path / "four.pt")
+    with pytest.raises(UserError, match=r"2 shape mismatch \(first: head.weight \[4, 32\] in the file vs \[10, 32\]"):
+        load_model(f"{user_code}/digit_net.py:build", str(tmp_path / "four.pt"), overrides=InputOverrides((3, 16, 16)))
+    torch.save({"encoder.weight": torch.zeros(3)}, tmp_path / "other.pt")
+    with pytest.raises(UserError, match=r"missing \(first: features.0.0.weight\); 1 unexpected \(first: encoder.weight"):
+        load_model(f"{user_code}/digit_net.py:build", str(tmp_path / "other.pt"), overrides=InputOverrides((3, 16, 16)))
+
+
+def test_a_pickled_whole_model_is_refused_not_unpickled(user_code, tmp_path, capsys):
+    class Payload:
+        def __reduce__(self):
+            return (print, ("unpickled!",))
+
+    torch.save({"state_dict": Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(UserError, match="untrusted files are never unpickled; save model.state_dict"):
+        load_model(f"{user_code}/digit_net.py:build", str(tmp_path / "evil.pt"), overrides=InputOverrides((3, 16, 16)))
+    assert "unpickled!" not in capsys.readouterr().out
