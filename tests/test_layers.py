@@ -18,6 +18,9 @@ FORBIDDEN = {
     "optimize": ("optiserve.serve", "optiserve.bench", "optiserve.cli"),
     "train": ("optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.cli"),
     "runtime": ("optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.train", "optiserve.cli"),
+    # tasks say what an output means to the optimizer and the server: numpy only, below both
+    "tasks": ("optiserve.runtime", "optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.train",
+              "optiserve.models", "optiserve.data", "optiserve.cli"),
     "models": ("optiserve.runtime", "optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.train"),
     # the gRPC messages are shared by the server and the load generator: below both
     "grpc_protocol": ("optiserve.runtime", "optiserve.serve", "optiserve.bench", "optiserve.optimize",

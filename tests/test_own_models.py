@@ -108,19 +108,24 @@ def user_model_artifact(user_code, lightning_checkpoint, digit_images, tmp_path_
     return out
 
 
-def _user_module(user_code: Path, checkpoint: Path) -> torch.nn.Module:
-    """The user's own module with their weights, loaded by hand as they would: the reference."""
+def _import_by_hand(user_code: Path, file: str):
+    """The user's file imported as they would import it (not through optiserve): for references."""
     import importlib.util
     import sys
 
     sys.path.insert(0, str(user_code))
     try:
-        spec = importlib.util.spec_from_file_location("reference_digit_net", user_code / "digit_net.py")
+        spec = importlib.util.spec_from_file_location(f"reference_{Path(file).stem}", user_code / file)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(user_code))
-    model = module.build()
+    return module
+
+
+def _user_module(user_code: Path, checkpoint: Path) -> torch.nn.Module:
+    """The user's own module with their weights, loaded by hand as they would: the reference."""
+    model = _import_by_hand(user_code, "digit_net.py").build()
     state = torch.load(checkpoint, weights_only=True)["state_dict"]
     model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     return model.eval()
@@ -269,3 +274,85 @@ def test_a_pickled_whole_model_is_refused_not_unpickled(user_code, tmp_path, cap
     with pytest.raises(UserError, match="untrusted files are never unpickled; save model.state_dict"):
         load_model(f"{user_code}/digit_net.py:build", str(tmp_path / "evil.pt"), overrides=InputOverrides((3, 16, 16)))
     assert "unpickled!" not in capsys.readouterr().out
+
+
+EMBED_NET = textwrap.dedent('''
+    from pathlib import Path
+
+    import torch
+    from torch import nn
+    from blocks import conv_bn_relu
+
+    def build():
+        """The trained digit network's features as a 32-dimensional embedding, with the weights this
+        code loads itself from the file beside it."""
+        net = nn.Sequential(conv_bn_relu(3, 16), nn.MaxPool2d(2), conv_bn_relu(16, 32), nn.AdaptiveAvgPool2d(1),
+                            nn.Flatten())
+        net.load_state_dict(torch.load(Path(__file__).with_name("features.pt"), weights_only=True))
+        return net
+''')
+
+
+@pytest.fixture(scope="module")
+def embedding_artifact(user_code, lightning_checkpoint, digit_images, tmp_path_factory) -> Path:
+    trained = _user_module(user_code, lightning_checkpoint)
+    torch.save(trained.features.state_dict(), user_code / "features.pt")
+    (user_code / "embed_net.py").write_text(EMBED_NET)
+    out = tmp_path_factory.mktemp("own") / "embed"
+    run_optimize(OptimizeConfig(f"{user_code}/embed_net.py:build", task="embedding", dataset=f"imagefolder:{digit_images}",
+                                int8=True, openvino=False, input=InputOverrides((3, 16, 16)), out=str(out),
+                                progress=False))
+    return out
+
+
+def test_an_embedding_model_is_gated_by_cosine_similarity_to_fp32(embedding_artifact):
+    import json
+
+    manifest = json.loads((embedding_artifact / "manifest.json").read_text())
+    assert manifest["task"] == "embedding" and manifest["output_width"] == 32 and manifest["classes"] == []
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert by_name["fp32"]["accuracy"]["cosine_mean"] == pytest.approx(1.0)
+    int8 = by_name["onnx-int8"]["accuracy"]
+    assert 0.9 < int8["cosine_mean"] <= 1.0 and int8["cosine_ci95"][0] <= int8["cosine_mean"] <= int8["cosine_ci95"][1]
+    assert int8["cosine_p1"] <= int8["cosine_mean"]
+    assert int8["neighbour_agreement"] > 0.5  # trained features: most images keep their nearest neighbour
+    assert by_name["onnx-int8"]["status"] == ("accepted" if int8["cosine_mean"] >= 0.99 else "rejected")
+    report = (embedding_artifact / "report.md").read_text()
+    assert "cosine fp32 [95% CI]" in report and "NN agree" in report
+
+
+def test_a_served_embedding_model_answers_vectors(embedding_artifact, user_code, digit_images):
+    httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    reference = _import_by_hand(user_code, "embed_net.py").build().eval()
+    images = np.random.default_rng(3).standard_normal((3, 3, 16, 16), dtype=np.float32)
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(images)).numpy()
+    with serving(embedding_artifact, "--variants", "fp32,onnx-int8") as (base, _):
+        client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
+        metadata = client.get_model_metadata("embed_net-build")
+        assert metadata["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, 32]}]
+        infer_input = httpclient.InferInput("input", list(images.shape), "FP32")
+        infer_input.set_data_from_numpy(images)
+        result = client.infer("embed_net-build", [infer_input], model_version="fp32")
+        np.testing.assert_allclose(result.as_numpy("embedding"), expected, rtol=1e-4, atol=1e-4)
+        png = next((digit_images / "seven").glob("*.png")).read_bytes()
+        plain = httpx.post(f"{base}/predict", content=png, headers={"content-type": "image/png"},
+                           params={"variant": "fp32"}).json()
+        normalized = httpx.post(f"{base}/predict", content=png, headers={"content-type": "image/png"},
+                                params={"variant": "fp32", "normalize": "true"}).json()
+        vector, unit = np.asarray(plain["embedding"][0]), np.asarray(normalized["embedding"][0])
+        assert vector.shape == (32,) and "predictions" not in plain
+        np.testing.assert_allclose(unit, vector / np.linalg.norm(vector), rtol=1e-6)
+        bad = httpx.post(f"{base}/predict", content=png, headers={"content-type": "image/png"},
+                         params={"normalize": "yes"})
+        assert bad.status_code == 400 and "normalize must be true or false" in bad.json()["error"]
+
+
+def test_task_mistakes_are_refused_in_one_line(user_code):
+    with pytest.raises(UserError, match="unknown task 'segmentaton'"):
+        load_model(f"{user_code}/digit_net.py:build", overrides=InputOverrides((3, 16, 16)), task="segmentaton")
+    with pytest.raises(UserError, match="--labels names classes; embedding models have none"):
+        load_model(f"{user_code}/digit_net.py:build", overrides=InputOverrides((3, 16, 16)), task="embedding",
+                   labels=NAMES)
+    with pytest.raises(UserError, match="the registered model resnet18 is a classifier"):
+        load_model("resnet18", "random", task="embedding")

@@ -291,7 +291,7 @@ def test_an_unexpected_error_is_internal_with_the_traceback_only_in_the_log(serv
 
     _, _, rpc = served
 
-    def broken(name, logits):
+    def broken(model, name, logits):
         raise RuntimeError("a bug in the response code")
 
     monkeypatch.setattr(oip, "output_tensor", broken)

@@ -19,6 +19,7 @@ from optiserve.files import sha256_file
 from optiserve.models.registry import InputSpec, create_model, get_model_entry
 from optiserve.models.sources import default_input, find_source, is_registered
 from optiserve.models.state_dicts import load_state_dict_readably, read_state_dict
+from optiserve.tasks import list_tasks
 
 WEIGHT_CHOICES = ("imagenet | PATH (a state dict: .pt/.pth/.safetensors, a training checkpoint holding one, or "
                   "`optiserve train`'s checkpoint) | random")
@@ -62,8 +63,14 @@ class LoadedModel:
     name: str          # the MODEL it was built from: a registered name, torchvision:NAME, file.py:build ...
     model: nn.Module
     input: InputSpec
-    classes: list[str]
+    classes: list[str]  # classification's class names; empty for other tasks
     source: dict  # {"weights": "imagenet"|"random"|"as built"|path, "sha256": ..., "dataset": ...}
+    task: str = "classification"
+    output_width: int | None = None  # one image's output length (K classes, D dimensions)
+
+    def __post_init__(self):
+        if self.output_width is None:
+            self.output_width = len(self.classes)
 
     @property
     def accuracy_meaningful(self) -> bool:
@@ -78,11 +85,16 @@ class LoadedModel:
 
 def load_model(name: str, weights: str | None = None, num_classes: int | None = None,
                input_spec: InputSpec | None = None, overrides: InputOverrides = InputOverrides(),
-               labels: list[str] | None = None) -> LoadedModel:
+               labels: list[str] | None = None, task: str | None = None) -> LoadedModel:
     """Build MODEL `name` from its source and load `weights` (default: the model's default weights);
-    `overrides` and `labels` say what the user knows of its input and classes."""
+    `overrides` and `labels` say what the user knows of its input and classes, `task` what its
+    output means (default: classification for one [N, K] output)."""
+    if task is not None and task not in list_tasks():
+        raise UserError(f"unknown task {task!r}; use {' | '.join(list_tasks())}")
     if not is_registered(name):
-        return _ready(_load_from_source(name, weights, num_classes, overrides, labels))
+        return _ready(_load_from_source(name, weights, num_classes, overrides, labels, task or "classification"))
+    if task not in (None, "classification"):
+        raise UserError(f"the registered model {name} is a classifier; --task {task} is for other sources")
     entry = get_model_entry(name)
     weights = weights or entry.default_weights
     if input_spec is None and overrides != InputOverrides():
@@ -108,7 +120,7 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
 
 
 def _load_from_source(name: str, weights: str | None, num_classes: int | None, overrides: InputOverrides,
-                      labels: list[str] | None) -> LoadedModel:
+                      labels: list[str] | None, task: str) -> LoadedModel:
     """A torchvision, timm or user-code model: built by its source, weights from a state dict file."""
     source = find_source(name)
     if labels and num_classes is None and source.name in ("torchvision", "timm"):
@@ -124,7 +136,12 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
     else:
         load_state_dict_readably(model, read_state_dict(weights), f"weights {weights}")
         facts = {"weights": str(weights), "sha256": sha256_file(weights)}
-    classes = _classes(labels, built.classes, _probe_outputs(model, spec, name), name)
+    width = _probe_outputs(model, spec, name)
+    if task != "classification":
+        if labels:
+            raise UserError(f"--labels names classes; {task} models have none")
+        return LoadedModel(name, model, spec, [], {**facts, "source": source.name, **built.facts}, task, width)
+    classes = _classes(labels, built.classes, width, name)
     return LoadedModel(name, model, spec, classes, {**facts, "source": source.name, **built.facts})
 
 
@@ -147,7 +164,7 @@ def _probe_outputs(model: nn.Module, spec: InputSpec, name: str) -> int:
     if not isinstance(out, torch.Tensor) or out.ndim != 2:
         what = f"a {type(out).__name__}" if not isinstance(out, torch.Tensor) else f"shape {list(out.shape)}"
         raise UserError(f"{name} returns {what}; optiserve takes models whose output is one [N, K] tensor "
-                        f"(class scores)")
+                        f"(class scores, or vectors with --task embedding)")
     return int(out.shape[1])
 
 

@@ -6,6 +6,7 @@ import argparse
 
 from optiserve.data import DATASET_CHOICES
 from optiserve.models import InputOverrides, list_models
+from optiserve.tasks import list_tasks
 from optiserve.models.weights import WEIGHT_CHOICES
 from optiserve.optimize.pipeline import (OptimizeConfig, recommendation_line, run_optimize, summary_header,
                                          summary_rows)
@@ -47,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "else ImageNet's for 3 channels)")
     p.add_argument("--std", type=_floats, default=None, metavar="S[,S,S]", help="per-channel std, as --mean")
     p.add_argument("--labels", default=None, metavar="FILE", help="class names, one a line, in output order")
+    p.add_argument("--task", default=None, choices=list_tasks(),
+                   help="what the model's output means (default: classification for one [N, K] output)")
+    p.add_argument("--min-cosine", type=float, default=DEFAULTS.min_cosine, metavar="C",
+                   help=f"embedding: reject variants whose mean cosine similarity to fp32's vectors is below C "
+                        f"(default {DEFAULTS.min_cosine:g})")
     p.add_argument("--dataset", default=DEFAULTS.dataset, metavar="NAME",
                    help=f"calibration and evaluation data: {DATASET_CHOICES} (default {DEFAULTS.dataset})")
     p.add_argument("--int8", action="store_true", help="add INT8 variants (ONNX Runtime static QDQ)")
@@ -95,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         tensorrt=args.tensorrt, fp16=args.fp16,
         calib_size=args.calib_size, calib_method=args.calib_method, max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
-        num_classes=args.num_classes, labels=args.labels,
+        num_classes=args.num_classes, labels=args.labels, task=args.task, min_cosine=args.min_cosine,
         input=InputOverrides(args.input_shape, args.mean, args.std),
     )
     manifest = run_optimize(cfg)

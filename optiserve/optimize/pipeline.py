@@ -15,7 +15,6 @@ import torch
 from optiserve import artifacts
 from optiserve.data import DatasetSplits, load_dataset
 from optiserve.errors import UserError
-from optiserve.intervals import paired_accuracy_difference
 from optiserve.machine import cpu_facts, cpu_line
 from optiserve.models import InputOverrides, LoadedModel, find_source, load_model, model_slug, read_labels
 from optiserve.models.sources import is_registered
@@ -32,6 +31,7 @@ from optiserve.optimize.quantize_torch import quantize_torch_fx
 from optiserve.optimize.tensorrt import build_tensorrt_engine
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, gate, materialize, predict, score
+from optiserve.tasks import GateLimits, get_task, list_tasks
 from optiserve.runtime import RuntimeOptions, Session, load_session
 from optiserve.runtime.openvino_backend import bf16_unavailable, companion_bin
 from optiserve.runtime.openvino_backend import _unavailable as openvino_unavailable
@@ -69,9 +69,19 @@ class OptimizeConfig:
     num_classes: int | None = None    # for builders that take it (torchvision, timm, a callable with num_classes)
     input: InputOverrides = field(default_factory=InputOverrides)  # --input-shape, --mean, --std
     labels: str | None = None         # a file with one class name a line
+    task: str | None = None           # None: classification for one [N, K] output
+    min_cosine: float = 0.99          # embedding: the least mean cosine similarity to fp32 accepted
+
+    @property
+    def gate_limits(self) -> GateLimits:
+        return GateLimits(max_accuracy_drop=self.max_accuracy_drop, min_cosine=self.min_cosine)
 
     def validate(self) -> None:
         find_source(self.model)
+        if self.task is not None and self.task not in list_tasks():
+            raise UserError(f"unknown --task {self.task!r}; use {' | '.join(list_tasks())}")
+        if not -1.0 <= self.min_cosine <= 1.0:
+            raise UserError(f"--min-cosine must be in [-1, 1], got {self.min_cosine}")
         if self.num_classes is not None and self.num_classes < 1:
             raise UserError(f"--num-classes must be at least 1, got {self.num_classes}")
         if self.calib_method not in CALIB_METHODS:
@@ -83,6 +93,9 @@ class OptimizeConfig:
         for flag, value in (("--prune", self.prune), ("--prune-channels", self.prune_channels)):
             if value is not None and not 0.0 < value < 1.0:
                 raise UserError(f"{flag} must be a fraction in (0, 1), e.g. 0.5; got {value}")
+        if self.prune_channels is not None and self.task not in (None, "classification"):
+            raise UserError("--prune-channels fine-tunes the pruned model as a classifier; with --task "
+                            f"{self.task} use --prune (unstructured) instead")
         if (self.prune is not None or self.prune_channels is not None) and not self.onnx:
             raise UserError("pruned variants are built as ONNX Runtime models; drop --no-onnx")
         if self.openvino and self.onnx and (why := openvino_unavailable()):
@@ -129,7 +142,7 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
     weights = cfg.weights
     labels = read_labels(cfg.labels) if cfg.labels else None
     if not is_registered(cfg.model):
-        return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels)
+        return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task)
     if weights is None and cfg.dataset == "digits":
         ckpt = default_checkpoint(cfg.model, "digits")
         if not ckpt.is_file():
@@ -139,7 +152,7 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
                      f"(optiserve train {cfg.model} --dataset digits)")
             train(TrainConfig(model=cfg.model, dataset="digits", out=str(ckpt), progress=cfg.progress))
         weights = str(ckpt)
-    return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels)
+    return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task)
 
 
 def class_mapping(model_classes: list[str], data_classes: list[str]) -> list[int] | None:
@@ -162,6 +175,8 @@ def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> tuple[str, li
                         f"{list(data.input.shape)}; {fix}")
     if not loaded.accuracy_meaningful:
         return "random weights: accuracy is meaningless", None
+    if loaded.task != "classification":
+        return "", None  # judged against fp32's outputs: no labels needed
     if not data.labelled:
         return f"dataset {data.name} has no labels", None
     mapping = class_mapping(loaded.classes, data.classes)
@@ -340,7 +355,7 @@ def _first_line(e: Exception) -> str:
 def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: OptimizeConfig, why_not: str, log):
     """fp32 file, int8 file, settings -> settings: re-quantizes an ONNX INT8 model that misses the
     accuracy gate with its most sensitive layers (measured on validation images) kept in float."""
-    if not cfg.accuracy_aware or why_not or evalset.labels is None:
+    if not cfg.accuracy_aware or why_not or evalset.labels is None or loaded.task != "classification":
         return lambda fp32, int8, settings: settings
     base_manifest = {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict()}
     options = RuntimeOptions(device="cpu", extra={"spin": False})
@@ -412,7 +427,7 @@ def _pick_openvino_int8(entries: list[dict], stage: Path, n: int, timed: Timed) 
     passing = [e for e in (qdq, nncf_) if e["status"] == "accepted"]
     winner = min(passing, key=lambda e: e["latency_ms"][str(n)]) if passing else qdq
     loser = nncf_ if winner is qdq else qdq
-    comparison = {e["settings"]["flow"]: {"status": e["status"], "top1": e["accuracy"]["top1"],
+    comparison = {e["settings"]["flow"]: {"status": e["status"], "accuracy": e["accuracy"],
                                           "latency_ms": e["latency_ms"]} for e in (qdq, nncf_)}
     winner["settings"] = {**winner["settings"], "flow_comparison": comparison}
     for f in (loser["file"], *loser.get("companions", {})):
@@ -482,14 +497,16 @@ class Timed:
 
 def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig,
               why_not: str) -> tuple[list[dict], Timed]:
-    base_manifest = {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict()}
+    base_manifest = {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict(),
+                     "task": loaded.task}
     options = RuntimeOptions(device=cfg.device, extra={"spin": False})  # an idle session must not slow the next
     batch1 = evalset.images[:1]
     batch_n = np.resize(evalset.images, (cfg.latency_batch, *evalset.images.shape[1:])).astype(np.float32)
     if BASELINE not in [v.name for v in variants]:
         raise RuntimeError(f"no {BASELINE} variant to validate the others against")
     # The baseline by name, validated first: every other variant is scored against it, whatever the order.
-    entries, sessions, reference, baseline_top1 = {}, {}, None, None
+    entries, sessions, reference, baseline = {}, {}, None, {}
+    task, limits = get_task(loaded.task), cfg.gate_limits
     for v in sorted(variants, key=lambda v: v.name != BASELINE):
         entry = {"name": v.name, "file": v.file, "backend": v.backend, "precision": v.precision,
                  **artifacts.file_facts(stage / v.file),
@@ -503,14 +520,10 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig,
         logits = predict(session, evalset.images)
         if reference is None:
             reference = logits
-        entry["accuracy"] = score(logits, reference, evalset.labels)
-        if evalset.labels is not None and v.name != BASELINE:
-            entry["accuracy"]["vs_baseline"] = paired_accuracy_difference(reference.argmax(1) == evalset.labels,
-                                                                          logits.argmax(1) == evalset.labels)
+        entry["accuracy"] = task.metrics(logits, reference, evalset.labels)
         if v.name == BASELINE:
-            baseline_top1 = entry["accuracy"]["top1"]
-        entry["status"], entry["reason"] = gate(entry["accuracy"], baseline_top1, cfg.max_accuracy_drop,
-                                                not why_not, why_not)
+            baseline = entry["accuracy"]
+        entry["status"], entry["reason"] = task.gate(entry["accuracy"], baseline, limits, why_not)
         entries[v.name] = entry
         sessions[v.name] = session
     # Timed together, in interleaved rounds: a variant's figure must not depend on its neighbours.
@@ -549,14 +562,17 @@ def _manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_eval) -
         "format": artifacts.FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": model_slug(loaded.name),  # the name it is served under; the MODEL it came from is in `source`
+        "task": loaded.task,
         "input": loaded.input.to_dict(),
         "classes": loaded.classes,
+        "output_width": loaded.output_width,
         "source": {"model": loaded.name, **loaded.source},
         "dataset": {"name": data.name, "eval_split": "test", "eval_images": n_eval, "calibration_split": "train"},
         "accuracy_meaningful": not why_not,
         "accuracy_note": why_not or None,
         "baseline": BASELINE,
         "max_accuracy_drop": cfg.max_accuracy_drop,
+        "min_cosine": cfg.min_cosine,
         "latency_batch": cfg.latency_batch,
         "versions": artifacts.versions(),
         "machine": _machine(entries),
@@ -608,26 +624,21 @@ def summary_rows(manifest: dict) -> list[list[str]]:
     n = str(manifest["latency_batch"])
     base = next(v for v in manifest["variants"] if v["name"] == manifest["baseline"])
     rows = []
+    task = get_task(manifest.get("task"))
     for v in manifest["variants"]:
-        acc = v["accuracy"]
-        top1 = "—" if acc["top1"] is None else f"{100 * acc['top1']:.2f}%"
-        delta = "—" if acc["top1"] is None else f"{100 * (acc['top1'] - base['accuracy']['top1']):+.2f}"
-        if acc.get("vs_baseline") and acc["vs_baseline"]["points"] != 0:
-            low, high = acc["vs_baseline"]["ci95"]
-            delta += f" [{low:+.2f}, {high:+.2f}]" + ("" if acc["vs_baseline"]["significant"] else " n.s.")
         lat1, latn = v["latency_ms"]["1"], v["latency_ms"][n]
-        rows.append([v["name"], v["backend"], v["precision"], top1, f"{100 * acc['agreement']:.1f}%", delta,
+        rows.append([v["name"], v["backend"], v["precision"], *task.cells(v["accuracy"], base["accuracy"]),
                      _size(v["size_bytes"]), _size(v["size_compressed_bytes"]), f"{lat1:.2f}", f"{latn:.2f}",
                      f"{base['latency_ms']['1'] / lat1:.2f}× / {base['latency_ms'][n] / latn:.2f}×",
                      v["status"] + _marks(manifest, v["name"])])
     for skip in manifest.get("skipped") or []:  # said in the table, not only in a note
-        rows.append([skip["name"], "—", "—", "—", "—", "—", "—", "—", "—", "—", "—", f"not built: {skip['reason']}"])
+        rows.append([skip["name"], *["—"] * 10, f"not built: {skip['reason']}"])
     return rows
 
 
 def summary_header(manifest: dict) -> list[str]:
     n = manifest["latency_batch"]
-    return ["variant", "backend", "precision", "top-1", "agree fp32", "Δ top-1 [95% CI]", "size", "zlib size", "p50 ms b1",
+    return ["variant", "backend", "precision", *get_task(manifest.get("task")).columns(), "size", "zlib size", "p50 ms b1",
             f"p50 ms b{n}", f"speedup b1 / b{n}", "status"]
 
 
@@ -664,9 +675,15 @@ def render_report(manifest: dict) -> str:
     rejected = [v for v in manifest["variants"] if v["status"] == "rejected"]
     if rejected:
         lines += [""] + [f"- **{v['name']} rejected**: {v['reason']}; not served by default." for v in rejected]
-    lines += ["", "Δ top-1 is in points against fp32 on the same images, with a 95% paired-bootstrap interval; "
-                  "n.s.: no significant accuracy difference (the interval contains 0, or an exact McNemar test "
-                  "on the images only one of the two gets right does not reject at 5%)."]
+    if get_task(manifest.get("task")).name == "classification":
+        lines += ["", "Δ top-1 is in points against fp32 on the same images, with a 95% paired-bootstrap interval; "
+                      "n.s.: no significant accuracy difference (the interval contains 0, or an exact McNemar test "
+                      "on the images only one of the two gets right does not reject at 5%)."]
+    else:
+        lines += ["", "Cosine similarity of each image's vector to fp32's for the same image: the mean with its 95% "
+                      "bootstrap interval, and the 1st percentile; NN agree: how often an image's nearest neighbour "
+                      f"among the held-out images is the one fp32's vectors give. A variant is accepted when the mean "
+                      f"is at least {manifest.get('min_cosine', 0.99):g} (--min-cosine)."]
     lines += ["", recommendation_line(manifest)]
     lines += ["", "Notes:"] + [f"- {n}" for n in manifest["notes"]]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items()), ""]

@@ -1,4 +1,6 @@
-"""The accuracy gate: every variant is scored through the runtime layer against the fp32 model."""
+"""The accuracy gate: every variant is scored through the runtime layer against the fp32 model, by
+its task's measures (optiserve.tasks); `score` and `gate` are classification's, for the passes
+that judge top-1 themselves (accuracy-aware INT8, pruning)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,9 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from optiserve.runtime import Session
+from optiserve.tasks import GateLimits, get_task
+
+CLASSIFICATION = get_task("classification")
 
 
 @dataclass
@@ -30,21 +35,16 @@ def predict(session: Session, images: np.ndarray, batch_size: int = 64) -> np.nd
 
 
 def score(logits: np.ndarray, reference: np.ndarray, labels: np.ndarray | None) -> dict:
-    """top1 (None without labels), agreement of top-1 predictions with fp32, max |Δ logits| against fp32."""
-    pred = logits.argmax(1)
-    return {
-        "top1": float((pred == labels).mean()) if labels is not None else None,
-        "agreement": float((pred == reference.argmax(1)).mean()),
-        "max_abs_diff": float(np.abs(logits - reference).max()),
-    }
+    """Classification's measures: top1 (None without labels), agreement of top-1 predictions with
+    fp32, max |Δ logits| against fp32."""
+    metrics = CLASSIFICATION.metrics(logits, reference, labels)
+    metrics.pop("vs_baseline", None)
+    return metrics
 
 
 def gate(accuracy: dict, baseline_top1: float | None, max_drop_points: float, can_validate: bool,
          why_not: str = "") -> tuple[str, str | None]:
-    """accepted / rejected (accuracy fell more than `max_drop_points` percentage points) / unvalidated."""
-    if not can_validate or baseline_top1 is None or accuracy["top1"] is None:
-        return "unvalidated", why_not or "no labelled data to measure accuracy"
-    drop = 100 * (baseline_top1 - accuracy["top1"])
-    if drop > max_drop_points:
-        return "rejected", f"top-1 fell {drop:.2f} points (limit {max_drop_points:g})"
-    return "accepted", None
+    """Classification's gate: accepted / rejected (top-1 fell more than `max_drop_points`
+    percentage points) / unvalidated."""
+    why = "" if can_validate else (why_not or "no labelled data to measure accuracy")
+    return CLASSIFICATION.gate(accuracy, {"top1": baseline_top1}, GateLimits(max_accuracy_drop=max_drop_points), why)

@@ -22,7 +22,7 @@ from optiserve.serve.preprocess import BadInput, ImageLimits, decode_base64_imag
 
 MAX_NUMBER_CHARS = 64      # longer than any float32 written out; Python would parse 4,300-digit integers
 MAX_NAME_CHARS = 256       # variant names, output names, ids
-OUTPUTS = ("logits", "probabilities")
+OUTPUTS = ("logits", "probabilities")  # a classifier's; other tasks name theirs (optiserve.tasks)
 OTHER_FIELDS_COMMAS = 1024  # commas a request may spend outside its tensor (ids, parameters, outputs)
 PYTHON_NUMBER_BYTES = 40    # what json builds for each number at its peak (measured 36.5: float, list slot, growth)
 
@@ -180,9 +180,9 @@ def check_tensor(shape, datatype, spec: InputSpec, max_images: int) -> tuple[int
 
 
 def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_images: int,
-                  hold: Callable[[int], None] | None = None) -> InferRequest:
+                  hold: Callable[[int], None] | None = None, output_names: tuple[str, ...] = OUTPUTS) -> InferRequest:
     """The protocol's infer request: one FP32/FP16/FP64 input of shape [N, C, H, W] as JSON `data` or
-    as binary tensor data; outputs among logits and probabilities (both when none are named).
+    as binary tensor data; outputs among the model's `output_names` (all when none are named).
     `hold` is told the bytes the JSON parse may build before it starts."""
     try:
         head, tail = split_body(data, header_length)
@@ -221,20 +221,20 @@ def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_i
     if flat.size != count:
         raise BadInput(f"input data has {flat.size} values but shape {shape} needs {count}")
     images = tensor_batch(flat.reshape(shape), spec)
-    return InferRequest(images, _outputs(body.get("outputs"), params), _id(body.get("id")))
+    return InferRequest(images, _outputs(body.get("outputs"), params, output_names), _id(body.get("id")))
 
 
-def _outputs(requested, params: dict) -> list[tuple[str, bool]]:
+def _outputs(requested, params: dict, output_names: tuple[str, ...]) -> list[tuple[str, bool]]:
     default_binary = bool(params.get("binary_data_output", False))
     if requested is None:
-        return [(name, default_binary) for name in OUTPUTS]
+        return [(name, default_binary) for name in output_names]
     if not isinstance(requested, list) or not requested:
         raise BadInput(f'"outputs" must be a non-empty list of {{"name": ...}} objects, got {_show(requested)}')
     outputs = []
     for out in requested:
-        if not isinstance(out, dict) or out.get("name") not in OUTPUTS:
+        if not isinstance(out, dict) or out.get("name") not in output_names:
             raise BadInput(f"unknown output {_show(out.get('name') if isinstance(out, dict) else out)}; "
-                           f"outputs: {', '.join(OUTPUTS)}")
+                           f"outputs: {', '.join(output_names)}")
         out_params = _dict(out.get("parameters"), "outputs[].parameters")
         outputs.append((out["name"], bool(out_params.get("binary_data", default_binary))))
     return outputs

@@ -41,7 +41,7 @@ STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAU
 TYPED_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}  # FP16 travels only as raw bytes
 
 
-def parse_infer(message: InferMessage, spec, max_images: int) -> InferRequest:
+def parse_infer(message: InferMessage, spec, max_images: int, output_names: tuple[str, ...] = OUTPUTS) -> InferRequest:
     """A ModelInferRequest's one input, [N, C, H, W] as raw bytes (`raw_input_contents`, FP32/FP16/FP64)
     or typed contents (`fp32_contents` / `fp64_contents`), checked as the HTTP protocol checks it."""
     request, raw = message.request, message.raw
@@ -72,10 +72,10 @@ def parse_infer(message: InferMessage, spec, max_images: int) -> InferRequest:
         flat = np.asarray(values, dtype=dtype)
     outputs = []
     for out in request.outputs:
-        if out.name not in OUTPUTS:
-            raise BadInput(f"unknown output {out.name[:40]!r}; outputs: {', '.join(OUTPUTS)}")
+        if out.name not in output_names:
+            raise BadInput(f"unknown output {out.name[:40]!r}; outputs: {', '.join(output_names)}")
         outputs.append((out.name, bool(raw)))
-    return InferRequest(tensor_batch(flat.reshape(shape), spec), outputs or [(n, bool(raw)) for n in OUTPUTS],
+    return InferRequest(tensor_batch(flat.reshape(shape), spec), outputs or [(n, bool(raw)) for n in output_names],
                         request.id or None)
 
 
@@ -117,7 +117,7 @@ class InferenceService:
         with server.admitted(name, version) as admission:
             context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
             admission.held.grow(message.size, "its message")  # held by the request until it ends, as a body
-            args = (message, admission.model.spec, server.cfg.max_queue)
+            args = (message, admission.model.spec, server.cfg.max_queue, admission.model.task.outputs)
             # raw bytes are a view and a check, cheaper here than a hop to the decode threads (measured:
             # ~0.2 core-ms a request less outside the inference threads); typed contents are a Python
             # list to convert, which must not hold up the loop
@@ -125,7 +125,7 @@ class InferenceService:
             logits, timing = await server.infer(admission, parsed.images, _deadline_s(context))
         response = pb.ModelInferResponse(model_name=name, model_version=admission.variant.name, id=parsed.id or "")
         for out_name, raw in parsed.outputs:
-            data = oip.output_tensor(out_name, logits)
+            data = oip.output_tensor(admission.model, out_name, logits)
             out = response.outputs.add(name=out_name, datatype="FP32", shape=data.shape)
             if raw:
                 response.raw_output_contents.append(data.astype("<f4", copy=False).tobytes())

@@ -13,6 +13,7 @@ from typing import Callable
 
 import numpy as np
 
+from optiserve.tasks import get_task
 from optiserve.artifacts import read_manifest_versioned
 from optiserve.models import InputSpec
 from optiserve.runtime import RuntimeOptions
@@ -63,6 +64,8 @@ class ServedModel:
         self.entries = select_variants(self.manifest, variants)
         self.spec = InputSpec.from_dict(self.manifest["input"])
         self.classes: list[str] = self.manifest["classes"]
+        self.task = get_task(self.manifest.get("task"))  # what the output means: answers, outputs, agreement
+        self.output_width = self.task.width(self.manifest)
         names = [e["name"] for e in self.entries]
         self.router = Router(parse_ab(ab, names))
         self.traffic_source = "--ab" if ab else "default"  # what set the split: --ab, default, fastest, api

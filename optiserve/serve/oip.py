@@ -7,17 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 import optiserve
-from optiserve.serve.envelope import OUTPUTS
 from optiserve.serve.model import ServedModel
 from optiserve.serve.server import ApiError, Server
 
 EXTENSIONS = ["binary_tensor_data", "model_repository"]
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits - logits.max(1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(1, keepdims=True)
 
 
 def server_metadata() -> dict:
@@ -39,11 +32,11 @@ def served(server: Server, name: str, version: str | None = None) -> ServedModel
 
 def model_metadata(model: ServedModel, version: str | None) -> dict:
     c, h, w = model.spec.shape
-    classes = len(model.classes)
     return {"name": model.name, "versions": model.entry_names, "platform": "optiserve",
             **({"version": version} if version else {}),
             "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, c, h, w]}],
-            "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, classes]} for name in OUTPUTS]}
+            "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, model.output_width]}
+                        for name in model.task.outputs]}
 
 
 def model_ready(server: Server, name: str, version: str | None = None) -> bool:
@@ -56,9 +49,10 @@ def model_ready(server: Server, name: str, version: str | None = None) -> bool:
     return server.model_reports_ready and model is not None and (version is None or version in model.variants)
 
 
-def output_tensor(name: str, logits: np.ndarray) -> np.ndarray:
-    """The named output (logits or probabilities) of a batch's logits, float32 [N, classes]."""
-    return (logits if name == "logits" else softmax(logits)).astype(np.float32, copy=False)
+def output_tensor(model: ServedModel, name: str, raw: np.ndarray) -> np.ndarray:
+    """The named protocol output of a batch's raw model output, float32, as the model's task defines
+    it (a classifier's logits or probabilities, an embedding's vectors)."""
+    return model.task.protocol_output(name, raw)
 
 
 def timing_parameters(timing: dict) -> dict[str, int]:

@@ -1,8 +1,8 @@
-"""/predict: an image upload (multipart or a raw image body) or JSON, answered with the top classes."""
+"""/predict: an image upload (multipart or a raw image body) or JSON, answered as the model's task
+says: the top classes (classification), the vector (embedding)."""
 
 from __future__ import annotations
 
-import numpy as np
 from fastapi import Request
 
 from optiserve.serve import VARIANT_HEADER
@@ -10,7 +10,6 @@ from optiserve.serve.envelope import MAX_NAME_CHARS, predict_request, top_k
 from optiserve.serve.fast_routes import ServingApp
 from optiserve.serve.multipart import Part, boundary_of, parse_form
 from optiserve.serve.responses import FastJSONResponse
-from optiserve.serve.oip import softmax
 from optiserve.serve.server import ApiError, Server
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/bmp")
@@ -33,6 +32,7 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
         with server.admitted(query.get("model"), query.get("variant"), request) as admission:
             model = admission.model
             k = top_k(query.get("top_k"), len(model.classes))
+            normalize = _flag(query.get("normalize"), "normalize")
             if ctype == "multipart/form-data":
                 boundary = boundary_of(request.headers["content-type"])
                 form = parse_form(await server.read_body(request, admission), boundary)
@@ -56,17 +56,25 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                     server.reroute(admission, parsed.variant, request)
                 images, k = parsed.images, k or parsed.top_k
             logits, timing = await server.infer(admission, images, request=request)
-        k = k or min(cfg.top_k, len(model.classes))
-        probs = softmax(logits)
-        order = np.argsort(-probs, axis=1)[:, :k]
-        predictions = [[{"class": model.classes[i], "index": int(i), "probability": float(p[i])} for i in row]
-                       for row, p in zip(order, probs)]
+        answer = model.task.answer(logits, model.manifest,
+                                   {"top_k": k or min(cfg.top_k, len(model.classes)), "normalize": normalize})
         variant = admission.variant.name
-        return FastJSONResponse({"model": model.name, "variant": variant, "predictions": predictions,
+        return FastJSONResponse({"model": model.name, "variant": variant, **answer,
                                  "latency_ms": timing}, headers={VARIANT_HEADER: variant},
                                 background=server.shadow.task(admission, images, logits))
 
     app.add_fast_route("/predict", predict, PREDICT_OPERATION)
+
+
+def _flag(value: str | None, name: str) -> bool:
+    """A true/false query parameter (true, false, 1, 0; absent is false)."""
+    if value is None:
+        return False
+    if value.lower() in ("true", "1"):
+        return True
+    if value.lower() in ("false", "0"):
+        return False
+    raise ApiError(400, f"{name} must be true or false, got {value[:40]!r}")
 
 
 def _query(name: str, description: str, schema: dict) -> dict:
@@ -91,7 +99,8 @@ PREDICT_OPERATION = {
     "operationId": "predict",
     "parameters": [_query("model", "the model (needed when several are served)", {"type": "string"}),
                    _query("variant", "the variant (default: the traffic split)", {"type": "string"}),
-                   _query("top_k", "classes per image", {"type": "integer", "minimum": 1})],
+                   _query("top_k", "classes per image (classification)", {"type": "integer", "minimum": 1}),
+                   _query("normalize", "L2-normalize the vectors (embedding)", {"type": "boolean"})],
     "requestBody": {"required": True, "content": {
         "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
             "file": {"type": "string", "format": "binary"}, "variant": {"type": "string"}}}},
@@ -99,13 +108,16 @@ PREDICT_OPERATION = {
         "application/json": {"schema": {"type": "object", "required": ["inputs"], "properties": {
             "inputs": {"description": "nested lists [N, C, H, W] (normalized) or base64 image strings"},
             "variant": {"type": "string"}, "top_k": {"type": "integer"}}}}}},
-    "responses": {"200": {"description": "the top classes of every image, the variant that answered, timings",
+    "responses": {"200": {"description": "per image the model's task's answer (classification: `predictions`, "
+                                         "the top classes; embedding: `embedding`, the vector), the variant that "
+                                         "answered, timings",
                           "content": {"application/json": {"schema": {"type": "object", "properties": {
                               "model": {"type": "string"}, "variant": {"type": "string"},
                               "predictions": {"type": "array", "items": {"type": "array", "items": {
                                   "type": "object", "properties": {"class": {"type": "string"},
                                                                    "index": {"type": "integer"},
                                                                    "probability": {"type": "number"}}}}},
+                              "embedding": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
                               "latency_ms": {"type": "object"}}}}}},
                   **error_responses(400, 404, 408, 413, 415, 429, 499, 500, 503, 504)},
 }

@@ -62,12 +62,12 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
             binary_header = request.headers.get(BINARY_HEADER)  # binary tensor bytes may hold any byte, commas too
             body = await server.read_body(request, admission, json_values=binary_header is None)
             parsed = await server.decode(infer_request, body, binary_header, model.spec,
-                                         cfg.max_queue, admission.hold_json)
+                                         cfg.max_queue, admission.hold_json, model.task.outputs)
             logits, timing = await server.infer(admission, parsed.images, request=request)
         variant = admission.variant.name
         outputs, binary = [], []
         for out_name, as_binary in parsed.outputs:
-            data = oip.output_tensor(out_name, logits)
+            data = oip.output_tensor(model, out_name, logits)
             entry = {"name": out_name, "datatype": "FP32", "shape": list(data.shape)}
             if as_binary:
                 binary.append((entry, data))

@@ -1,5 +1,6 @@
 """Shadow traffic: a fraction of a model's answered requests run again on its shadow variant, after
-the answer is sent, and the two top-1 classes compared — never in a caller's way."""
+the answer is sent, and the two compared as the model's task judges agreement (top-1 classes,
+vectors) — never in a caller's way."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ class ShadowRunner:
         task.add_done_callback(self._runs.discard)
 
     async def _run(self, admission: Admission, images: np.ndarray, logits: np.ndarray) -> None:
-        """Run the shadow variant and compare top-1 classes; dropped first whenever either queue has
+        """Run the shadow variant and compare its answer as the task does (top-1 classes, vectors);
+        dropped first whenever either queue has
         a backlog, so mirrored work never takes the place of a caller's."""
         model = admission.model
         target = model.variants.get(model.shadow.variant) if model.shadow else None
@@ -75,7 +77,7 @@ class ShadowRunner:
         finally:
             model.leave()
         seconds = time.perf_counter() - t0
-        agreed = stats.record(logits, result.logits, 1000 * seconds)
+        agreed = stats.record(model.task.agreed(logits, result.logits), len(images), 1000 * seconds)
         m = self.metrics
         m.shadow_agreement.labels(model.name, target.name, "true").inc(agreed)
         m.shadow_agreement.labels(model.name, target.name, "false").inc(len(images) - agreed)

@@ -121,11 +121,10 @@ class ShadowStats:
         self.images = self.agreed = self.dropped = self.failed = 0
         self.latencies_ms: collections.deque[float] = collections.deque(maxlen=window)
 
-    def record(self, answered: np.ndarray, shadow: np.ndarray, latency_ms: float) -> int:
-        """Compare top-1 classes of the answer and the shadow's; returns how many agreed."""
-        agreed = int((answered.argmax(1) == shadow.argmax(1)).sum())
+    def record(self, agreed: int, images: int, latency_ms: float) -> int:
+        """Count a shadow run: `agreed` of its `images` agreed with the answer (as the task judges)."""
         with self._lock:
-            self.images += len(answered)
+            self.images += images
             self.agreed += agreed
             self.latencies_ms.append(latency_ms)
         return agreed

@@ -1,0 +1,71 @@
+"""Classification: [N, K] class scores. Judged by top-1 against labels (or agreement with fp32's
+top-1 without them); answered with the top-k classes and their probabilities."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from optiserve.intervals import paired_accuracy_difference
+from optiserve.tasks.registry import GateLimits, Task, register_task
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(1, keepdims=True)
+
+
+class Classification(Task):
+    name = "classification"
+    outputs = ("logits", "probabilities")
+    description = "one [N, K] tensor of class scores"
+
+    def width(self, manifest: dict) -> int:
+        return len(manifest["classes"])
+
+    def metrics(self, out, reference, labels) -> dict:
+        """top1 (None without labels), agreement of top-1 with fp32, max |Δ logits| against fp32, and
+        with labels the paired difference in top-1 from fp32 with its 95% interval."""
+        pred = out.argmax(1)
+        metrics = {"top1": float((pred == labels).mean()) if labels is not None else None,
+                   "agreement": float((pred == reference.argmax(1)).mean()),
+                   "max_abs_diff": float(np.abs(out - reference).max())}
+        if labels is not None and out is not reference:
+            metrics["vs_baseline"] = paired_accuracy_difference(reference.argmax(1) == labels, pred == labels)
+        return metrics
+
+    def gate(self, metrics, baseline, limits: GateLimits, why_not: str = "") -> tuple[str, str | None]:
+        if why_not or baseline.get("top1") is None or metrics["top1"] is None:
+            return "unvalidated", why_not or "no labelled data to measure accuracy"
+        drop = 100 * (baseline["top1"] - metrics["top1"])
+        if drop > limits.max_accuracy_drop:
+            return "rejected", f"top-1 fell {drop:.2f} points (limit {limits.max_accuracy_drop:g})"
+        return "accepted", None
+
+    def columns(self) -> list[str]:
+        return ["top-1", "agree fp32", "Δ top-1 [95% CI]"]
+
+    def cells(self, metrics, baseline) -> list[str]:
+        top1 = "—" if metrics["top1"] is None else f"{100 * metrics['top1']:.2f}%"
+        delta = "—" if metrics["top1"] is None else f"{100 * (metrics['top1'] - baseline['top1']):+.2f}"
+        if metrics.get("vs_baseline") and metrics["vs_baseline"]["points"] != 0:
+            low, high = metrics["vs_baseline"]["ci95"]
+            delta += f" [{low:+.2f}, {high:+.2f}]" + ("" if metrics["vs_baseline"]["significant"] else " n.s.")
+        return [top1, f"{100 * metrics['agreement']:.1f}%", delta]
+
+    def protocol_output(self, name, raw) -> np.ndarray:
+        return (raw if name == "logits" else softmax(raw)).astype(np.float32, copy=False)
+
+    def answer(self, raw, manifest, params) -> dict:
+        classes = manifest["classes"]
+        k = params.get("top_k") or min(5, len(classes))
+        probs = softmax(raw)
+        order = np.argsort(-probs, axis=1)[:, :k]
+        return {"predictions": [[{"class": classes[i], "index": int(i), "probability": float(p[i])} for i in row]
+                                for row, p in zip(order, probs)]}
+
+    def agreed(self, answered, shadow) -> int:
+        return int((answered.argmax(1) == shadow.argmax(1)).sum())
+
+
+register_task(Classification())

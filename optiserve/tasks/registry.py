@@ -1,0 +1,77 @@
+"""The task registry: what a model's output means — how a variant is judged against fp32, how the
+server answers `/predict` and names its protocol outputs, and when a shadow agrees.
+
+Adding a task is one `register_task` call with a `Task`; the optimizer and the server look the
+manifest's `task` up here (numpy only: the serving path imports no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from optiserve.registry import Registry
+
+
+@dataclass(frozen=True)
+class GateLimits:
+    """How far a variant may fall from fp32 and still be accepted, per task's measure."""
+
+    max_accuracy_drop: float = 1.0   # classification: points of top-1
+    min_cosine: float = 0.99         # embedding: mean cosine similarity to fp32's vectors
+
+
+class Task:
+    """One task. Subclasses set `name`, `outputs` (protocol output names) and implement the methods."""
+
+    name: str = ""
+    outputs: tuple[str, ...] = ()
+    description: str = ""
+
+    def width(self, manifest: dict) -> int:
+        """The length of one image's output row."""
+        raise NotImplementedError
+
+    def metrics(self, out: np.ndarray, reference: np.ndarray, labels: np.ndarray | None) -> dict:
+        """The variant's output `out` on the held-out images against fp32's (`reference`)."""
+        raise NotImplementedError
+
+    def gate(self, metrics: dict, baseline: dict, limits: GateLimits, why_not: str) -> tuple[str, str | None]:
+        """accepted / rejected (with the reason) / unvalidated (`why_not` says why it cannot be judged)."""
+        raise NotImplementedError
+
+    def columns(self) -> list[str]:
+        """The report's columns for this task's measures."""
+        raise NotImplementedError
+
+    def cells(self, metrics: dict, baseline: dict) -> list[str]:
+        raise NotImplementedError
+
+    def protocol_output(self, name: str, raw: np.ndarray) -> np.ndarray:
+        """The protocol output `name` (one of `outputs`) of a batch's raw model output, float32."""
+        raise NotImplementedError
+
+    def answer(self, raw: np.ndarray, manifest: dict, params: dict) -> dict:
+        """`/predict`'s answer for a batch's raw output: {task key: one entry per image}."""
+        raise NotImplementedError
+
+    def agreed(self, answered: np.ndarray, shadow: np.ndarray) -> int:
+        """How many rows a shadow variant's output agrees with the answer on."""
+        raise NotImplementedError
+
+
+_TASKS: Registry[Task] = Registry("task")
+
+
+def register_task(task: Task) -> Task:
+    return _TASKS.register(task.name, task)
+
+
+def get_task(name: str | None) -> Task:
+    """The task `name`; manifests written before tasks existed are classification."""
+    return _TASKS.get(name or "classification")
+
+
+def list_tasks() -> list[str]:
+    return _TASKS.names()

@@ -1,0 +1,46 @@
+"""Tasks: what an output means to the gate, the answer, the protocol and a shadow."""
+
+import numpy as np
+import pytest
+
+from optiserve.errors import UserError
+from optiserve.tasks import GateLimits, get_task, list_tasks
+
+
+def test_the_built_in_tasks_are_registered_and_old_manifests_are_classification():
+    assert {"classification", "embedding"} <= set(list_tasks())
+    assert get_task(None).name == "classification"
+    with pytest.raises(UserError, match="unknown task 'segmentaton'"):
+        get_task("segmentaton")
+
+
+def test_embedding_measures_cosine_to_fp32_and_rejects_below_the_limit():
+    rng = np.random.default_rng(0)
+    reference = rng.standard_normal((200, 8))
+    close = reference + 0.01 * rng.standard_normal((200, 8))
+    far = reference + 0.5 * rng.standard_normal((200, 8))
+    task = get_task("embedding")
+    good, bad = task.metrics(close, reference, None), task.metrics(far, reference, None)
+    assert good["cosine_mean"] > 0.999 and good["cosine_ci95"][0] <= good["cosine_mean"] <= good["cosine_ci95"][1]
+    assert bad["cosine_p1"] < bad["cosine_mean"] < 0.99 and bad["neighbour_agreement"] < good["neighbour_agreement"]
+    assert task.gate(good, {}, GateLimits(min_cosine=0.99)) == ("accepted", None)
+    status, reason = task.gate(bad, {}, GateLimits(min_cosine=0.99))
+    assert status == "rejected" and "below 0.99" in reason
+    assert task.gate(good, {}, GateLimits(), "random weights: accuracy is meaningless")[0] == "unvalidated"
+
+
+def test_embedding_answers_vectors_and_unit_vectors_on_request():
+    task = get_task("embedding")
+    raw = np.array([[3.0, 4.0], [0.0, 2.0]], np.float32)
+    assert task.answer(raw, {}, {})["embedding"] == [[3.0, 4.0], [0.0, 2.0]]
+    assert task.answer(raw, {}, {"normalize": True})["embedding"] == [[0.6, 0.8], [0.0, 1.0]]
+    assert task.agreed(raw, raw * 2) == 2 and task.agreed(raw, raw[::-1]) == 0  # scale-free, direction-bound
+
+
+def test_classification_answers_the_top_classes_and_agrees_on_top_1():
+    task = get_task("classification")
+    logits = np.array([[0.0, 2.0, 1.0]], np.float32)
+    answer = task.answer(logits, {"classes": ["cat", "dog", "owl"]}, {"top_k": 2})["predictions"][0]
+    assert [p["class"] for p in answer] == ["dog", "owl"] and answer[0]["probability"] > answer[1]["probability"]
+    assert task.protocol_output("probabilities", logits).sum() == pytest.approx(1.0)
+    assert task.agreed(logits, logits + 0.1) == 1 and task.agreed(logits, -logits) == 0
