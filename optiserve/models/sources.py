@@ -1,5 +1,5 @@
-"""Where a MODEL comes from: a registered name, `torchvision:NAME`, `timm:NAME`, or the user's own
-code (`path/to/file.py:callable`, `package.module:callable`).
+"""Where a MODEL comes from: a registered name, `torchvision:NAME`, `timm:NAME`, an ONNX file, or the
+user's own code (`path/to/file.py:callable`, `package.module:callable`).
 
 Each source is one `register_source` entry: how to recognise its MODEL strings and how to build the
 module, with what it knows of the module's input and classes (torchvision's weights metadata,
@@ -21,6 +21,7 @@ from typing import Callable
 from torch import nn
 
 from optiserve.errors import UserError
+from optiserve.models.onnx_file import is_onnx_file, read_onnx_facts
 from optiserve.models.registry import IMAGENET_MEAN, IMAGENET_STD, InputSpec, create_model, list_models
 
 
@@ -28,11 +29,14 @@ from optiserve.models.registry import IMAGENET_MEAN, IMAGENET_STD, InputSpec, cr
 class BuiltModel:
     """A source's module (random or as the user's code left it) and what the source says about it."""
 
-    module: nn.Module
+    module: nn.Module | None               # None: a file the optimizer starts from as it is (an ONNX file)
     input: InputSpec | None = None         # the source's own input spec, where it has one
     classes: list[str] | None = None       # the source's class names, where it has them
-    weights: str = "random"                # "random", or "as built" when the user's code may have loaded some
+    weights: str = "random"                # "random", "as built" when the user's code may have loaded some,
+                                           # "in the file" for a file that holds them
     facts: dict = field(default_factory=dict)
+    output_width: int | None = None        # where the source knows it without running the model
+    file: Path | None = None               # the model file itself, where the optimizer starts from it
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,9 @@ def is_registered(model: str) -> bool:
 def model_slug(model: str) -> str:
     """A folder and served-model name for MODEL: `torchvision:resnet18` -> `torchvision-resnet18`,
     `nets/tiny.py:build` -> `tiny-build`."""
-    if ":" in model and not is_registered(model):
+    if is_onnx_file(model):
+        slug = Path(model).stem
+    elif ":" in model and not is_registered(model):
         where, _, attr = model.rpartition(":")
         if where in ("torchvision", "timm"):
             slug = f"{where}-{attr}"
@@ -203,6 +209,27 @@ def _import_user_code(where: str):
         sys.path.remove(str(Path.cwd()))
 
 
+# --- an ONNX file ------------------------------------------------------------------------------------
+
+def _build_onnx(model: str, num_classes: int | None) -> BuiltModel:
+    """The file's graph facts; its input spec where the graph fixes C, H and W."""
+    from optiserve.files import sha256_file
+
+    if num_classes is not None:
+        raise UserError(f"--num-classes: {model} is an ONNX file, whose head is already built")
+    facts = read_onnx_facts(model)
+    c, h, w = facts.input_shape[1:]
+    spec = None
+    if None not in (c, h, w):
+        mean, std = default_input(c)
+        spec = InputSpec((c, h, w), mean, std)
+    width = facts.output_shape[1] if len(facts.output_shape) == 2 else None
+    return BuiltModel(None, spec, None, weights="in the file", output_width=width, file=Path(model),
+                      facts={"sha256": sha256_file(model), "input_name": facts.input_name,
+                             "output_name": facts.output_name, "opset": facts.opset,
+                             "onnx_input_shape": list(facts.input_shape), "onnx_output_shape": list(facts.output_shape)})
+
+
 # --- registered names --------------------------------------------------------------------------------
 
 def _build_registered(model: str, num_classes: int | None) -> BuiltModel:
@@ -218,6 +245,8 @@ register_source(ModelSource("torchvision", lambda m: m.startswith("torchvision:"
                             "torchvision:NAME", "any torchvision.models builder, random weights"))
 register_source(ModelSource("timm", lambda m: m.startswith("timm:"), _build_timm, "timm:NAME",
                             "any timm model, random weights; pip install 'optiserve[timm]'"))
+register_source(ModelSource("onnx", is_onnx_file, _build_onnx, "model.onnx",
+                            "an ONNX file with a dynamic batch axis: the torch passes are skipped"))
 register_source(ModelSource("callable", _is_callable_ref, _build_callable, "path/to/file.py:build",
                             "or package.module:build: your function returning an nn.Module (its code runs)"))
 

@@ -67,6 +67,7 @@ class LoadedModel:
     source: dict  # {"weights": "imagenet"|"random"|"as built"|path, "sha256": ..., "dataset": ...}
     task: str = "classification"
     output_width: int | None = None  # one image's output length (K classes, D dimensions)
+    file: Path | None = None         # an ONNX file the optimizer starts from; `model` is then None
 
     def __post_init__(self):
         if self.output_width is None:
@@ -76,6 +77,11 @@ class LoadedModel:
     def accuracy_meaningful(self) -> bool:
         """Random weights make any accuracy figure meaningless; reports must say so."""
         return self.source["weights"] != "random"
+
+    @property
+    def from_file(self) -> bool:
+        """Whether the optimizer starts from a model file (ONNX) rather than a torch module."""
+        return self.file is not None
 
     @property
     def rebuildable(self) -> bool:
@@ -127,6 +133,8 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
         num_classes = len(labels)  # the user's code builds its own head
     built = source.build(name, num_classes)
     spec = overrides.apply(built.input, name)
+    if built.module is None:
+        return _file_model(name, built, spec, weights, labels, task)
     model = built.module.eval()
     if weights == "imagenet":
         raise UserError(f"--weights imagenet is for the registered models; for {name} pass a weights file "
@@ -143,6 +151,30 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
         return LoadedModel(name, model, spec, [], {**facts, "source": source.name, **built.facts}, task, width)
     classes = _classes(labels, built.classes, width, name)
     return LoadedModel(name, model, spec, classes, {**facts, "source": source.name, **built.facts})
+
+
+def _file_model(name: str, built, spec: InputSpec, weights: str | None, labels: list[str] | None,
+                task: str) -> LoadedModel:
+    """A model file that holds its own weights (ONNX): checked against the input, not run here."""
+    if weights not in (None, "random"):
+        raise UserError(f"{name} holds its weights; drop --weights")
+    onnx_shape = built.facts.get("onnx_input_shape") or []
+    for given, fixed in zip(spec.shape, onnx_shape[1:]):
+        if fixed is not None and given != fixed:
+            raise UserError(f"--input-shape {','.join(map(str, spec.shape))} does not fit {name}, whose input is "
+                            f"[N, {', '.join('?' if d is None else str(d) for d in onnx_shape[1:])}]")
+    width = built.output_width
+    out_shape = built.facts.get("onnx_output_shape") or []
+    if len(out_shape) != 2 or width is None:
+        shown = "[" + ", ".join("?" if d is None else str(d) for d in out_shape) + "]"
+        raise UserError(f"{name} returns shape {shown}; optiserve takes models whose output is one [N, K] tensor "
+                        f"with K fixed (class scores, or vectors with --task embedding)")
+    source = {"weights": built.weights, "source": "onnx", **built.facts}
+    if task != "classification":
+        if labels:
+            raise UserError(f"--labels names classes; {task} models have none")
+        return LoadedModel(name, None, spec, [], source, task, width, file=built.file)
+    return LoadedModel(name, None, spec, _classes(labels, None, width, name), source, task, width, file=built.file)
 
 
 def _with_state_dict(name, model, spec, path, labels) -> LoadedModel:
@@ -239,5 +271,6 @@ def _check_cached_hash(cached: Path) -> None:
 
 
 def _ready(loaded: LoadedModel) -> LoadedModel:
-    loaded.model.eval()
+    if loaded.model is not None:
+        loaded.model.eval()
     return loaded

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import shutil
 import importlib.util
 import statistics
 import time
@@ -13,10 +14,12 @@ import numpy as np
 import torch
 
 from optiserve import artifacts
+from optiserve.files import atomic_write
 from optiserve.data import DatasetSplits, load_dataset
 from optiserve.errors import UserError
 from optiserve.machine import cpu_facts, cpu_line
 from optiserve.models import InputOverrides, LoadedModel, find_source, load_model, model_slug, read_labels
+from optiserve.models.onnx_file import is_onnx_file
 from optiserve.models.sources import is_registered
 from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
 from optiserve.optimize.calibrate import calibration_batches
@@ -93,6 +96,12 @@ class OptimizeConfig:
         for flag, value in (("--prune", self.prune), ("--prune-channels", self.prune_channels)):
             if value is not None and not 0.0 < value < 1.0:
                 raise UserError(f"{flag} must be a fraction in (0, 1), e.g. 0.5; got {value}")
+        if is_onnx_file(self.model):
+            for flag, given in (("--prune", self.prune is not None), ("--prune-channels", self.prune_channels is not None),
+                                ("--tensorrt", self.tensorrt), ("--no-onnx", not self.onnx)):
+                if given:
+                    raise UserError(f"{flag} works on a torch model; {self.model} is an ONNX file (its variants are "
+                                    f"onnx-fp32, onnx-int8 and the OpenVINO ones)")
         if self.prune_channels is not None and self.task not in (None, "classification"):
             raise UserError("--prune-channels fine-tunes the pruned model as a classifier; with --task "
                             f"{self.task} use --prune (unstructured) instead")
@@ -192,6 +201,8 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     steps = (8 + cfg.onnx + (cfg.int8 and cfg.onnx) + cfg.int8 + (cfg.prune is not None)
              + openvino * (1 + 2 * cfg.int8 + (cfg.int8 and cfg.prune_channels is not None))
              + (cfg.prune_channels is not None) * (1 + cfg.int8) + cfg.tensorrt * (1 + cfg.fp16))
+    if is_onnx_file(cfg.model):
+        steps = 5 + cfg.int8 + openvino * (1 + 2 * cfg.int8)
     log = PassLog(steps, enabled=cfg.progress)
     with log.step(f"load {cfg.model} ({cfg.weights or 'default weights'})"):
         loaded = resolve_weights(cfg, log)
@@ -210,98 +221,14 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         variants: list[Variant] = []
         notes: list[str] = []
         skipped: list[dict] = []  # variants this machine cannot run fast, with the reason: rows of their own
-        with log.step("fp32 baseline (" + ("eager state dict)" if loaded.rebuildable else "traced TorchScript)")):
-            variants.append(_baseline_variant(loaded, stage, example, torch.from_numpy(evalset.images[-4:])))
-        with log.step("fuse conv+BN"):
-            fused, note = _fuse(loaded)
-            notes.append(note)
-        with log.step("TorchScript (trace, check, freeze)"):
-            check = torch.from_numpy(evalset.images[-4:])
-            save_torchscript(trace_torchscript(fused, example, (check,)), stage / "torchscript.pt")
-            variants.append(Variant("torchscript", "torchscript.pt", "torchscript", "fp32",
-                                    {"fused_conv_bn": True, "frozen": True, "optimize_for_inference": True}))
-        with log.step("TorchScript bf16 (where the device computes in bf16)"):
-            why = torch_bf16_unavailable(torch_device(cfg.device))
-            if why:
-                skipped.append({"name": "torch-bf16", "reason": why})
-            else:
-                bf16 = copy.deepcopy(fused).to(torch.bfloat16)
-                save_torchscript(trace_torchscript(bf16, example.to(torch.bfloat16), atol=float("inf")),
-                                 stage / "torch-bf16.pt")
-                variants.append(Variant("torch-bf16", "torch-bf16.pt", "torchscript", "bf16",
-                                        {"fused_conv_bn": True, "frozen": True, "input_dtype": "bfloat16",
-                                         "weights": "bfloat16"}))
-        if cfg.onnx:
-            with log.step(f"ONNX export (opset {OPSET}, dynamic batch)"):
-                export_diff = export_onnx(fused, example, stage / "model.onnx")
-                variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
-                                        {"opset": OPSET, "fused_conv_bn": True, "graph_optimization": "all"}))
-                notes.append(f"ONNX export parity with eager: max |Δ| {export_diff:.1e}")
-        if cfg.int8:
-            batches = calibration_batches(data.calibration_set(), cfg.calib_size)
-            accuracy_aware = _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log)
-            if cfg.onnx:
-                with log.step(f"INT8 ONNX Runtime (static QDQ, {cfg.calib_method} calibration, "
-                              f"{cfg.calib_size} train images)"):
-                    settings = quantize_onnx_static(stage / "model.onnx", stage / "model.int8.onnx", batches,
-                                                    cfg.calib_method)
-                    settings = accuracy_aware("model.onnx", "model.int8.onnx", settings)
-                    variants.append(Variant("onnx-int8", "model.int8.onnx", "onnxruntime", "int8", settings))
-            with log.step(f"INT8 PyTorch x86 (FX graph mode, {cfg.calib_size} train images)"):
-                try:
-                    scripted, settings = quantize_torch_fx(fused, batches)
-                except Exception as e:  # FX cannot trace every model (data-dependent control flow)
-                    skipped.append({"name": "torch-int8", "reason": f"FX graph mode cannot take this model "
-                                                                    f"({_first_line(e)})"})
-                else:
-                    save_torchscript(scripted, stage / "torch-int8.pt")
-                    variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8", settings))
-        if openvino:
-            _openvino_variants(stage, variants, skipped, cfg, log, batches if cfg.int8 else [])
-        if cfg.prune is not None:
-            name = f"sparse{round(100 * cfg.prune)}"
-            with log.step(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)"):
-                sparse, sparsity = prune_unstructured(fused, cfg.prune)
-                export_onnx(sparse, example, stage / f"model.{name}.onnx")
-                variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32",
-                                        {"sparsity": cfg.prune, "measured_sparsity": sparsity["overall"],
-                                         "layer_sparsity": sparsity["layers"], "method": "global L1 unstructured"}))
-                notes.append(f"{name}: measured sparsity {sparsity['overall']:.1%} over "
-                             f"{len(sparsity['layers'])} conv/linear layers")
-        if cfg.prune_channels is not None:
-            name = f"pruned{round(100 * cfg.prune_channels)}"
-            with log.step(f"structured pruning of {cfg.prune_channels:.0%} of channels, fine-tune -> {name} (ONNX)"):
-                pruned_fused, settings = _prune_channels(loaded, data, evalset, example, cfg, why_not, log)
-                export_onnx(pruned_fused, example, stage / f"model.{name}.onnx")
-                variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32", settings))
-                notes.append(_pruning_note(name, settings))
-            if cfg.int8:
-                with log.step(f"INT8 ONNX Runtime of {name} -> {name}-int8"):
-                    q = quantize_onnx_static(stage / f"model.{name}.onnx", stage / f"model.{name}.int8.onnx",
-                                             batches, cfg.calib_method)
-                    q = accuracy_aware(f"model.{name}.onnx", f"model.{name}.int8.onnx", q)
-                    variants.append(Variant(f"{name}-int8", f"model.{name}.int8.onnx", "onnxruntime", "int8",
-                                            {**q, "pruning": settings}))
-                if openvino:
-                    with log.step(f"OpenVINO IR of {name}-int8 -> openvino-{name}-int8"):
-                        ir = f"model.{name}.int8.openvino.xml"
-                        ov = export_openvino(stage / f"model.{name}.int8.onnx", stage / ir)
-                        variants.append(Variant(f"openvino-{name}-int8", ir, "openvino", "int8",
-                                                {**q, **ov, "inference_precision": "f32", "pruning": settings},
-                                                [companion_bin(Path(ir)).name]))
-        if cfg.tensorrt:
-            for fp16 in (False, True)[: 1 + cfg.fp16]:
-                name = f"trt-{'fp16' if fp16 else 'fp32'}"
-                with log.step(f"TensorRT engine {name} (torch-tensorrt, batch 1..64)"):
-                    settings = build_tensorrt_engine(fused, example, stage / f"{name}.ep", fp16=fp16)
-                    variants.append(Variant(name, f"{name}.ep", "tensorrt", settings["precision"], settings))
-            if cfg.int8:
-                notes.append("no TensorRT INT8 engine: torch-tensorrt's INT8 path needs NVIDIA ModelOpt "
-                             "calibration, which optiserve does not depend on; the INT8 variants above run on "
-                             "ONNX Runtime and PyTorch")
+        if loaded.from_file:
+            baseline = _onnx_file_variants(stage, loaded, data, evalset, cfg, why_not, log, variants, notes, skipped)
+        else:
+            baseline = _torch_variants(stage, loaded, data, evalset, example, cfg, why_not, log, variants, notes,
+                                       skipped)
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
-            entries, timed = _validate(variants, stage, loaded, evalset, cfg, why_not)
+            entries, timed = _validate(variants, stage, loaded, evalset, cfg, why_not, baseline)
             entries, picked = _pick_openvino_int8(entries, stage, cfg.latency_batch, timed)
             notes += picked
             recommended = _recommend(entries, timed, cfg.latency_batch)
@@ -310,10 +237,135 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             notes += _device_note(entries)
         with log.step(f"write {out}"):
             manifest = _manifest(loaded, data, entries, recommended, cfg, why_not, notes, len(evalset.images))
+            manifest["baseline"] = baseline
             manifest["skipped"] = skipped
             artifacts.write_manifest(stage, manifest)
             (stage / "report.md").write_text(render_report(manifest))
     return manifest
+
+
+def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evalset: EvalSet, example: torch.Tensor,
+                    cfg: OptimizeConfig, why_not: str, log: PassLog, variants: list[Variant], notes: list[str],
+                    skipped: list[dict]) -> str:
+    """The variants of a torch module: fp32, conv+BN fusion, TorchScript, ONNX, INT8, OpenVINO,
+    pruning, TensorRT, as `cfg` asks; returns the baseline's name."""
+    openvino = cfg.openvino and cfg.onnx
+    with log.step("fp32 baseline (" + ("eager state dict)" if loaded.rebuildable else "traced TorchScript)")):
+        variants.append(_baseline_variant(loaded, stage, example, torch.from_numpy(evalset.images[-4:])))
+    with log.step("fuse conv+BN"):
+        fused, note = _fuse(loaded)
+        notes.append(note)
+    with log.step("TorchScript (trace, check, freeze)"):
+        check = torch.from_numpy(evalset.images[-4:])
+        save_torchscript(trace_torchscript(fused, example, (check,)), stage / "torchscript.pt")
+        variants.append(Variant("torchscript", "torchscript.pt", "torchscript", "fp32",
+                                {"fused_conv_bn": True, "frozen": True, "optimize_for_inference": True}))
+    with log.step("TorchScript bf16 (where the device computes in bf16)"):
+        why = torch_bf16_unavailable(torch_device(cfg.device))
+        if why:
+            skipped.append({"name": "torch-bf16", "reason": why})
+        else:
+            bf16 = copy.deepcopy(fused).to(torch.bfloat16)
+            save_torchscript(trace_torchscript(bf16, example.to(torch.bfloat16), atol=float("inf")),
+                             stage / "torch-bf16.pt")
+            variants.append(Variant("torch-bf16", "torch-bf16.pt", "torchscript", "bf16",
+                                    {"fused_conv_bn": True, "frozen": True, "input_dtype": "bfloat16",
+                                     "weights": "bfloat16"}))
+    if cfg.onnx:
+        with log.step(f"ONNX export (opset {OPSET}, dynamic batch)"):
+            export_diff = export_onnx(fused, example, stage / "model.onnx")
+            variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
+                                    {"opset": OPSET, "fused_conv_bn": True, "graph_optimization": "all"}))
+            notes.append(f"ONNX export parity with eager: max |Δ| {export_diff:.1e}")
+    if cfg.int8:
+        batches = calibration_batches(data.calibration_set(), cfg.calib_size)
+        accuracy_aware = _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log)
+        if cfg.onnx:
+            with log.step(f"INT8 ONNX Runtime (static QDQ, {cfg.calib_method} calibration, "
+                          f"{cfg.calib_size} train images)"):
+                settings = quantize_onnx_static(stage / "model.onnx", stage / "model.int8.onnx", batches,
+                                                cfg.calib_method)
+                settings = accuracy_aware("model.onnx", "model.int8.onnx", settings)
+                variants.append(Variant("onnx-int8", "model.int8.onnx", "onnxruntime", "int8", settings))
+        with log.step(f"INT8 PyTorch x86 (FX graph mode, {cfg.calib_size} train images)"):
+            try:
+                scripted, settings = quantize_torch_fx(fused, batches)
+            except Exception as e:  # FX cannot trace every model (data-dependent control flow)
+                skipped.append({"name": "torch-int8", "reason": f"FX graph mode cannot take this model "
+                                                                f"({_first_line(e)})"})
+            else:
+                save_torchscript(scripted, stage / "torch-int8.pt")
+                variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8", settings))
+    if openvino:
+        _openvino_variants(stage, variants, skipped, cfg, log, batches if cfg.int8 else [])
+    if cfg.prune is not None:
+        name = f"sparse{round(100 * cfg.prune)}"
+        with log.step(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)"):
+            sparse, sparsity = prune_unstructured(fused, cfg.prune)
+            export_onnx(sparse, example, stage / f"model.{name}.onnx")
+            variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32",
+                                    {"sparsity": cfg.prune, "measured_sparsity": sparsity["overall"],
+                                     "layer_sparsity": sparsity["layers"], "method": "global L1 unstructured"}))
+            notes.append(f"{name}: measured sparsity {sparsity['overall']:.1%} over "
+                         f"{len(sparsity['layers'])} conv/linear layers")
+    if cfg.prune_channels is not None:
+        name = f"pruned{round(100 * cfg.prune_channels)}"
+        with log.step(f"structured pruning of {cfg.prune_channels:.0%} of channels, fine-tune -> {name} (ONNX)"):
+            pruned_fused, settings = _prune_channels(loaded, data, evalset, example, cfg, why_not, log)
+            export_onnx(pruned_fused, example, stage / f"model.{name}.onnx")
+            variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32", settings))
+            notes.append(_pruning_note(name, settings))
+        if cfg.int8:
+            with log.step(f"INT8 ONNX Runtime of {name} -> {name}-int8"):
+                q = quantize_onnx_static(stage / f"model.{name}.onnx", stage / f"model.{name}.int8.onnx",
+                                         batches, cfg.calib_method)
+                q = accuracy_aware(f"model.{name}.onnx", f"model.{name}.int8.onnx", q)
+                variants.append(Variant(f"{name}-int8", f"model.{name}.int8.onnx", "onnxruntime", "int8",
+                                        {**q, "pruning": settings}))
+            if openvino:
+                with log.step(f"OpenVINO IR of {name}-int8 -> openvino-{name}-int8"):
+                    ir = f"model.{name}.int8.openvino.xml"
+                    ov = export_openvino(stage / f"model.{name}.int8.onnx", stage / ir)
+                    variants.append(Variant(f"openvino-{name}-int8", ir, "openvino", "int8",
+                                            {**q, **ov, "inference_precision": "f32", "pruning": settings},
+                                            [companion_bin(Path(ir)).name]))
+    if cfg.tensorrt:
+        for fp16 in (False, True)[: 1 + cfg.fp16]:
+            name = f"trt-{'fp16' if fp16 else 'fp32'}"
+            with log.step(f"TensorRT engine {name} (torch-tensorrt, batch 1..64)"):
+                settings = build_tensorrt_engine(fused, example, stage / f"{name}.ep", fp16=fp16)
+                variants.append(Variant(name, f"{name}.ep", "tensorrt", settings["precision"], settings))
+        if cfg.int8:
+            notes.append("no TensorRT INT8 engine: torch-tensorrt's INT8 path needs NVIDIA ModelOpt "
+                         "calibration, which optiserve does not depend on; the INT8 variants above run on "
+                         "ONNX Runtime and PyTorch")
+    return BASELINE
+
+
+def _onnx_file_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evalset: EvalSet, cfg: OptimizeConfig,
+                        why_not: str, log: PassLog, variants: list[Variant], notes: list[str],
+                        skipped: list[dict]) -> str:
+    """The variants of a model that arrives as an ONNX file: the file itself as onnx-fp32 (the
+    baseline), INT8 from it, the OpenVINO variants; returns the baseline's name."""
+    name = "onnx-fp32"
+    with log.step(f"the ONNX file as {name} (the baseline the others are checked against)"):
+        with open(loaded.file, "rb") as src, atomic_write(stage / "model.onnx") as dst:
+            shutil.copyfileobj(src, dst)
+        variants.append(Variant(name, "model.onnx", "onnxruntime", "fp32",
+                                {"opset": loaded.source.get("opset"), "from": "the given ONNX file, unchanged",
+                                 "graph_optimization": "all"}))
+    notes.append(f"started from an ONNX file: {name} is the file itself, and the torch passes (eager fp32, "
+                 f"conv+BN fusion, TorchScript, torch-int8, torch-bf16, pruning, TensorRT) do not apply")
+    batches = calibration_batches(data.calibration_set(), cfg.calib_size) if cfg.int8 else []
+    if cfg.int8:
+        accuracy_aware = _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log)
+        with log.step(f"INT8 ONNX Runtime (static QDQ, {cfg.calib_method} calibration, {cfg.calib_size} train images)"):
+            settings = quantize_onnx_static(stage / "model.onnx", stage / "model.int8.onnx", batches, cfg.calib_method)
+            settings = accuracy_aware("model.onnx", "model.int8.onnx", settings)
+            variants.append(Variant("onnx-int8", "model.int8.onnx", "onnxruntime", "int8", settings))
+    if cfg.openvino:
+        _openvino_variants(stage, variants, skipped, cfg, log, batches)
+    return name
 
 
 def _baseline_variant(loaded: LoadedModel, stage: Path, example: torch.Tensor, check: torch.Tensor) -> Variant:
@@ -495,19 +547,19 @@ class Timed:
             by_name.pop(name, None)
 
 
-def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig,
-              why_not: str) -> tuple[list[dict], Timed]:
+def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, why_not: str,
+              baseline_name: str = BASELINE) -> tuple[list[dict], Timed]:
     base_manifest = {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict(),
                      "task": loaded.task}
     options = RuntimeOptions(device=cfg.device, extra={"spin": False})  # an idle session must not slow the next
     batch1 = evalset.images[:1]
     batch_n = np.resize(evalset.images, (cfg.latency_batch, *evalset.images.shape[1:])).astype(np.float32)
-    if BASELINE not in [v.name for v in variants]:
-        raise RuntimeError(f"no {BASELINE} variant to validate the others against")
+    if baseline_name not in [v.name for v in variants]:
+        raise RuntimeError(f"no {baseline_name} variant to validate the others against")
     # The baseline by name, validated first: every other variant is scored against it, whatever the order.
     entries, sessions, reference, baseline = {}, {}, None, {}
     task, limits = get_task(loaded.task), cfg.gate_limits
-    for v in sorted(variants, key=lambda v: v.name != BASELINE):
+    for v in sorted(variants, key=lambda v: v.name != baseline_name):
         entry = {"name": v.name, "file": v.file, "backend": v.backend, "precision": v.precision,
                  **artifacts.file_facts(stage / v.file),
                  "size_compressed_bytes": sum(compressed_size(stage / f) for f in (v.file, *v.companions)),
@@ -521,7 +573,7 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig,
         if reference is None:
             reference = logits
         entry["accuracy"] = task.metrics(logits, reference, evalset.labels)
-        if v.name == BASELINE:
+        if v.name == baseline_name:
             baseline = entry["accuracy"]
         entry["status"], entry["reason"] = task.gate(entry["accuracy"], baseline, limits, why_not)
         entries[v.name] = entry
@@ -564,6 +616,7 @@ def _manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_eval) -
         "model": model_slug(loaded.name),  # the name it is served under; the MODEL it came from is in `source`
         "task": loaded.task,
         "input": loaded.input.to_dict(),
+        "input_name": loaded.source.get("input_name", "input"),  # what the protocol serves it as
         "classes": loaded.classes,
         "output_width": loaded.output_width,
         "source": {"model": loaded.name, **loaded.source},

@@ -34,7 +34,7 @@ def model_metadata(model: ServedModel, version: str | None) -> dict:
     c, h, w = model.spec.shape
     return {"name": model.name, "versions": model.entry_names, "platform": "optiserve",
             **({"version": version} if version else {}),
-            "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, c, h, w]}],
+            "inputs": [{"name": model.manifest.get("input_name", "input"), "datatype": "FP32", "shape": [-1, c, h, w]}],
             "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, model.output_width]}
                         for name in model.task.outputs]}
 
