@@ -11,6 +11,8 @@ with the recommended throughput variant and a closed loop of clients uploading P
   - torchvision:resnet18 with a plain state dict file (--weights model.pth), 10 classes
   - an embedding from a user file: torchvision's ResNet-18 trunk (fc removed, 512-d vectors) built
     by a function in a file (`embed.py:build`, --task embedding), judged by cosine similarity
+  - a foreign ONNX file: torchvision's MobileNetV3-Small (10 classes) exported with its own input
+    name (`pixel_values`), optimized from the file (the torch passes skipped)
 
     python benchmarks/own_models.py                  # all three, 224x224
     python benchmarks/own_models.py --size 128 --duration 10
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import json
 import sys
 import tempfile
@@ -92,6 +96,13 @@ def models(work: Path, size: int) -> list[tuple[str, OptimizeConfig]]:
                                                            labels=str(labels), out=str(work / "tv"), **common)))
     out.append(("embedding from a file", OptimizeConfig(f"{work / 'embed.py'}:build", task="embedding",
                                                         out=str(work / "embed"), **common)))
+    mobilenet = torchvision.models.mobilenet_v3_small(weights=None, num_classes=10).eval()
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):  # the exporter narrates on stdout
+        torch.onnx.export(mobilenet, (torch.zeros(2, 3, size, size),), str(work / "mobilenet.onnx"),
+                          input_names=["pixel_values"], output_names=["scores"], dynamo=True, external_data=False,
+                          dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1, max=1024)}})
+    out.append(("a foreign ONNX file", OptimizeConfig(str(work / "mobilenet.onnx"), labels=str(labels),
+                                                      out=str(work / "onnx"), **common)))
     return out
 
 

@@ -141,12 +141,12 @@ def test_the_os_sees_inference_and_decode_threads_by_name(client):
 
 
 def test_an_unexpected_error_is_a_json_500_with_the_variant_and_one_logged_traceback(client, monkeypatch, caplog):
-    from optiserve.serve import routes_predict
+    from optiserve.tasks import get_task
 
-    def broken(logits):
+    def broken(raw, manifest, params):
         raise RuntimeError("a bug in the response code")
 
-    monkeypatch.setattr(routes_predict, "softmax", broken)
+    monkeypatch.setattr(get_task("classification"), "answer", broken)
     with caplog.at_level(logging.ERROR, logger="optiserve.serve"):
         r = client.post("/predict", json={"inputs": ZEROS, "variant": "onnx-int8"})
     assert r.status_code == 500 and r.json() == {"error": "internal server error (logged on the server)"}
