@@ -1,21 +1,23 @@
 """Models users bring, end to end: `optimize` on each and the served throughput of its recommendation.
 
-For each model below, on scikit-learn's digits written as an image folder (900 RGB PNGs, upscaled
-to the model's input; real images, no download), in one run: the optimizer's variants (size,
-median latency at batch 1 and 16, the task's measure against fp32, status), then `optiserve serve`
-with the recommended throughput variant and a closed loop of clients uploading PNGs to /predict
-(the project's load generator), printing images/s, p50 and p99.
+Four models of the kinds users arrive with, each first fine-tuned briefly here on scikit-learn's
+digits written as an image folder (900 RGB PNGs upscaled to the input; real images, no download)
+so that their outputs mean something, then saved the way users save them:
 
-  - timm:mobilenetv3_small_100 (a timm classifier, 10 classes, random weights: its accuracy is not
-    meaningful, top-1 agreement with fp32 is still measured; needs `pip install 'optiserve[timm]'`)
-  - torchvision:resnet18 with a plain state dict file (--weights model.pth), 10 classes
-  - an embedding from a user file: torchvision's ResNet-18 trunk (fc removed, 512-d vectors) built
-    by a function in a file (`embed.py:build`, --task embedding), judged by cosine similarity
-  - a foreign ONNX file: torchvision's MobileNetV3-Small (10 classes) exported with its own input
-    name (`pixel_values`), optimized from the file (the torch passes skipped)
+  - a timm classifier: timm:mobilenetv3_small_100, weights as .safetensors (needs the [timm] extra)
+  - a torchvision classifier: torchvision:resnet18, weights as a plain state dict (.pth)
+  - an embedding from a user file: that ResNet-18's trunk (512-d vectors) built and loaded by a
+    function in the user's file (`embed.py:build`, --task embedding), judged by cosine similarity
+  - a foreign ONNX file: the timm classifier exported by torch.onnx with its own input name
+    (`pixel_values`), optimized from the file (the torch passes skipped)
 
-    python benchmarks/own_models.py                  # all three, 224x224
-    python benchmarks/own_models.py --size 128 --duration 10
+For each, in one run: the optimizer's variants (size, median latency at batch 1 and 16 from
+interleaved rounds, the task's measure against fp32, status), then `optiserve serve` with the
+recommended throughput variant under a closed loop of clients uploading PNGs to /predict (the
+project's load generator): images/s, p50, p99.
+
+    python benchmarks/own_models.py                     # 128x128 inputs, 2 fine-tuning epochs
+    python benchmarks/own_models.py --size 224 --epochs 1 --duration 10
 """
 
 from __future__ import annotations
@@ -45,14 +47,16 @@ from optiserve.tasks import get_task  # noqa: E402
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 EMBED = textwrap.dedent('''
+    from pathlib import Path
+
     import torch
     import torchvision
     from torch import nn
 
     def build():
-        torch.manual_seed(0)
         net = torchvision.models.resnet18(weights=None)
         net.fc = nn.Identity()  # 512-d vectors
+        net.load_state_dict(torch.load(Path(__file__).with_name("trunk.pt"), weights_only=True))
         return net
 ''')
 
@@ -73,36 +77,66 @@ def write_digits(root: Path, size: int, count: int = 900) -> list[bytes]:
     return pngs
 
 
-def models(work: Path, size: int) -> list[tuple[str, OptimizeConfig]]:
+def fine_tune(model: torch.nn.Module, work: Path, size: int, epochs: int) -> torch.nn.Module:
+    """A few epochs on the folder's train split (prepared as the optimizer prepares it), outputs in
+    NAMES order: a model whose answers mean something, as a user's would."""
+    from optiserve.data import load_dataset
+    from optiserve.models.registry import IMAGENET_MEAN, IMAGENET_STD, InputSpec
+
+    data = load_dataset(f"imagefolder:{work / 'digits'}", InputSpec((3, size, size), IMAGENET_MEAN, IMAGENET_STD), 10)
+    to_output = torch.tensor([NAMES.index(c) for c in data.classes])
+    loader = torch.utils.data.DataLoader(data.calibration_set(), batch_size=32, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.train()
+    for _ in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), to_output[y]).backward()
+            optimizer.step()
+    return model.eval()
+
+
+def models(work: Path, size: int, epochs: int) -> list[tuple[str, OptimizeConfig]]:
     import torchvision
 
+    torch.manual_seed(0)
     labels = work / "labels.txt"
     labels.write_text("\n".join(NAMES) + "\n")
-    state = torchvision.models.resnet18(weights=None, num_classes=10).state_dict()
-    torch.save(state, work / "resnet18-digits.pth")
-    (work / "embed.py").write_text(EMBED)
-    shape = InputOverrides((3, size, size))
-    data = f"imagefolder:{work / 'digits'}"
-    common = dict(dataset=data, int8=True, progress=False, input=shape)
+    common = dict(dataset=f"imagefolder:{work / 'digits'}", int8=True, progress=False,
+                  input=InputOverrides((3, size, size)))
     out = []
     try:
-        import timm  # noqa: F401
+        import timm
+        from safetensors.torch import save_file
 
-        out.append(("timm classifier", OptimizeConfig("timm:mobilenetv3_small_100", labels=str(labels),
-                                                       out=str(work / "timm"), **common)))
+        mobilenet = fine_tune(timm.create_model("mobilenetv3_small_100", pretrained=False, num_classes=10), work,
+                              size, epochs)
+        save_file(mobilenet.state_dict(), str(work / "mobilenet.safetensors"))
+        out.append(("a timm classifier", OptimizeConfig("timm:mobilenetv3_small_100", labels=str(labels),
+                                                        weights=str(work / "mobilenet.safetensors"),
+                                                        out=str(work / "timm"), **common)))
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):  # the exporter narrates on stdout
+            torch.onnx.export(mobilenet, (torch.zeros(2, 3, size, size),), str(work / "mobilenet.onnx"),
+                              input_names=["pixel_values"], output_names=["scores"], dynamo=True,
+                              external_data=False, dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1, max=1024)}})
+        onnx_model = ("a foreign ONNX file", OptimizeConfig(str(work / "mobilenet.onnx"), labels=str(labels),
+                                                            out=str(work / "onnx"), **common))
     except ImportError:
-        print("timm is not installed (pip install 'optiserve[timm]'): its row is skipped")
-    out.append(("torchvision + state dict", OptimizeConfig("torchvision:resnet18", weights=str(work / "resnet18-digits.pth"),
-                                                           labels=str(labels), out=str(work / "tv"), **common)))
-    out.append(("embedding from a file", OptimizeConfig(f"{work / 'embed.py'}:build", task="embedding",
-                                                        out=str(work / "embed"), **common)))
-    mobilenet = torchvision.models.mobilenet_v3_small(weights=None, num_classes=10).eval()
-    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):  # the exporter narrates on stdout
-        torch.onnx.export(mobilenet, (torch.zeros(2, 3, size, size),), str(work / "mobilenet.onnx"),
-                          input_names=["pixel_values"], output_names=["scores"], dynamo=True, external_data=False,
-                          dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1, max=1024)}})
-    out.append(("a foreign ONNX file", OptimizeConfig(str(work / "mobilenet.onnx"), labels=str(labels),
-                                                      out=str(work / "onnx"), **common)))
+        print("timm is not installed (pip install 'optiserve[timm]'): its rows are skipped")
+        onnx_model = None
+    resnet = fine_tune(torchvision.models.resnet18(weights=None, num_classes=10), work, size, epochs)
+    torch.save(resnet.state_dict(), work / "resnet18-digits.pth")
+    out.append(("a torchvision classifier", OptimizeConfig("torchvision:resnet18", labels=str(labels),
+                                                           weights=str(work / "resnet18-digits.pth"),
+                                                           out=str(work / "tv"), **common)))
+    resnet.fc = torch.nn.Identity()
+    torch.save(resnet.state_dict(), work / "trunk.pt")
+    (work / "embed.py").write_text(EMBED)
+    out.append(("an embedding from a file", OptimizeConfig(f"{work / 'embed.py'}:build", task="embedding",
+                                                           out=str(work / "embed"), **common)))
+    if onnx_model:
+        out.append(onnx_model)
     return out
 
 
@@ -116,20 +150,22 @@ def measure(folder: Path, variant: str, images: list[bytes], concurrency: int, s
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", type=int, default=224, help="input side of every model (default 224)")
+    p.add_argument("--size", type=int, default=128, help="input side of every model (default 128)")
+    p.add_argument("--epochs", type=int, default=2, help="fine-tuning epochs of each classifier (default 2)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--duration", type=float, default=15.0, help="measured seconds of served load per model")
     args = p.parse_args()
     print(f"CPU: {cpu_line()}")
-    print(f"input 3x{args.size}x{args.size}; digits as an image folder (900 PNGs); latency medians of interleaved "
-          f"rounds; served: {args.concurrency} closed-loop clients, {args.duration:g} s, max batch 16\n")
+    print(f"input 3x{args.size}x{args.size}; digits as an image folder (900 PNGs, classifiers fine-tuned "
+          f"{args.epochs} epochs); latency medians of interleaved rounds; served: {args.concurrency} closed-loop "
+          f"clients, {args.duration:g} s, max batch 16\n")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         pngs = write_digits(work / "digits", args.size)
-        for title, cfg in models(work, args.size):
+        for title, cfg in models(work, args.size, args.epochs):
             manifest = run_optimize(cfg)
             task = get_task(manifest["task"])
-            base = next(v for v in manifest["variants"] if v["name"] == "fp32")
+            base = next(v for v in manifest["variants"] if v["name"] == manifest["baseline"])
             print(f"## {title}: {cfg.model} ({manifest['task']}, weights {manifest['source']['weights']})")
             header = ["variant", "size MB", "b1 ms", "b16 ms", *task.columns(), "status"]
             rows = [[v["name"], f"{v['size_bytes'] / 1e6:.1f}", f"{v['latency_ms']['1']:.2f}",

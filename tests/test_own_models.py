@@ -436,3 +436,29 @@ def test_onnx_files_that_cannot_be_served_are_refused_in_one_line(user_code, lig
                                     progress=False))
     with pytest.raises(UserError, match="ONNX file .*missing.onnx does not exist"):
         load_model(str(tmp_path / "missing.onnx"))
+
+
+def test_a_torchscript_file_is_optimized_from_the_module_it_holds(user_code, lightning_checkpoint, digit_images,
+                                                                  tmp_path):
+    from conftest import offline_logits
+
+    scripted = torch.jit.script(_user_module(user_code, lightning_checkpoint))
+    path = tmp_path / "digit_net.ts.pt"
+    torch.jit.save(scripted, str(path))
+    with pytest.raises(UserError, match="holds its weights; drop --weights"):
+        load_model(str(path), str(lightning_checkpoint), overrides=InputOverrides((3, 16, 16)))
+    manifest = run_optimize(OptimizeConfig(str(path), dataset=f"imagefolder:{digit_images}", int8=True, openvino=False,
+                                           input=InputOverrides((3, 16, 16)), labels=str(user_code / "labels.txt"),
+                                           out=str(tmp_path / "art"), progress=False))
+    assert manifest["model"] == "digit_net" and manifest["source"]["source"] == "torchscript"
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert by_name["fp32"]["accuracy"]["top1"] > 0.7
+    assert by_name["onnx-int8"]["status"] in ("accepted", "rejected")
+    skipped = {s["name"]: s["reason"] for s in manifest["skipped"]}
+    assert "torch-int8" in skipped and "FX graph mode cannot take this model" in skipped["torch-int8"]
+    assert "conv+BN fusion skipped" in " ".join(manifest["notes"])
+    images = np.random.default_rng(5).standard_normal((2, 3, 16, 16), dtype=np.float32)
+    with torch.no_grad():
+        expected = scripted(torch.from_numpy(images)).numpy()
+    for variant in ("fp32", "onnx-fp32"):
+        np.testing.assert_allclose(offline_logits(tmp_path / "art", variant, images), expected, rtol=1e-4, atol=1e-4)

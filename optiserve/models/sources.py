@@ -81,8 +81,8 @@ def is_registered(model: str) -> bool:
 def model_slug(model: str) -> str:
     """A folder and served-model name for MODEL: `torchvision:resnet18` -> `torchvision-resnet18`,
     `nets/tiny.py:build` -> `tiny-build`."""
-    if is_onnx_file(model):
-        slug = Path(model).stem
+    if is_onnx_file(model) or Path(model).suffix in (".pt", ".pth", ".ts", ".torchscript"):
+        slug = Path(model).name.split(".")[0]
     elif ":" in model and not is_registered(model):
         where, _, attr = model.rpartition(":")
         if where in ("torchvision", "timm"):
@@ -230,6 +230,35 @@ def _build_onnx(model: str, num_classes: int | None) -> BuiltModel:
                              "onnx_input_shape": list(facts.input_shape), "onnx_output_shape": list(facts.output_shape)})
 
 
+# --- a TorchScript file ------------------------------------------------------------------------------
+
+def _is_torchscript_file(model: str) -> bool:
+    """A file torch.jit.save wrote: a zip whose archive holds the module's code (a state dict has none)."""
+    import zipfile
+
+    path = Path(model)
+    if not path.is_file() or not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any("/code/" in name for name in archive.namelist())
+
+
+def _build_torchscript(model: str, num_classes: int | None) -> BuiltModel:
+    """torch.jit.load: TorchScript is code (it runs what the file says), so only the user's own file."""
+    import torch
+
+    from optiserve.files import sha256_file
+
+    if num_classes is not None:
+        raise UserError(f"--num-classes: {model} is a TorchScript file, whose head is already built")
+    try:
+        module = torch.jit.load(model, map_location="cpu")
+    except Exception as e:
+        raise UserError(f"cannot load {model} as TorchScript: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
+                        ) from None
+    return BuiltModel(module.eval(), weights="in the file", facts={"sha256": sha256_file(model)})
+
+
 # --- registered names --------------------------------------------------------------------------------
 
 def _build_registered(model: str, num_classes: int | None) -> BuiltModel:
@@ -247,6 +276,8 @@ register_source(ModelSource("timm", lambda m: m.startswith("timm:"), _build_timm
                             "any timm model, random weights; pip install 'optiserve[timm]'"))
 register_source(ModelSource("onnx", is_onnx_file, _build_onnx, "model.onnx",
                             "an ONNX file with a dynamic batch axis: the torch passes are skipped"))
+register_source(ModelSource("torchscript", _is_torchscript_file, _build_torchscript, "model.ts.pt",
+                            "a TorchScript file (torch.jit.save; it is code: your own file only)"))
 register_source(ModelSource("callable", _is_callable_ref, _build_callable, "path/to/file.py:build",
                             "or package.module:build: your function returning an nn.Module (its code runs)"))
 

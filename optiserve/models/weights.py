@@ -139,6 +139,8 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
     if weights == "imagenet":
         raise UserError(f"--weights imagenet is for the registered models; for {name} pass a weights file "
                         f"(--weights PATH: .pt, .pth or .safetensors)")
+    if built.weights == "in the file" and weights not in (None, "random"):
+        raise UserError(f"{name} holds its weights; drop --weights")
     if weights in (None, "random"):
         facts = {"weights": "random" if weights else built.weights, "sha256": None}
     else:

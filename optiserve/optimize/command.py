@@ -23,8 +23,8 @@ an artifact folder (one file per variant, manifest.json, report.md) that the ser
   optimize timm:resnet18 --num-classes 10 --weights my.safetensors --dataset imagefolder:PATH --int8
   optimize nets/tiny.py:build --input-shape 3,64,64 --weights tiny.pt --dataset imagefolder:PATH --int8
 
-MODEL forms (docs/own-model.md): a registered name; torchvision:NAME; timm:NAME; model.onnx;
-path/to/file.py:build or package.module:build, your function returning an nn.Module (its code runs)."""
+MODEL forms (docs/own-model.md): a registered name; torchvision:NAME; timm:NAME; model.onnx; a
+TorchScript file; path/to/file.py:build or package.module:build, your function returning an nn.Module (its code runs)."""
 
 DEFAULTS = OptimizeConfig(model="resnet18")
 
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.add_argument("model", metavar="MODEL",
                    help=f"a registered model ({', '.join(list_models())}), torchvision:NAME, timm:NAME, "
-                        f"model.onnx, path/to/file.py:build or package.module:build")
+                        f"model.onnx, a TorchScript file, path/to/file.py:build or package.module:build")
     p.add_argument("--weights", default=None, metavar="W",
                    help=f"{WEIGHT_CHOICES} (default: checkpoints/MODEL-digits.pt for digits, trained if "
                         f"missing; otherwise the model's default)")

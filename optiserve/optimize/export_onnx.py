@@ -33,9 +33,14 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: str | os.PathLike
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp) / "model.onnx"
         with contextlib.redirect_stdout(io.StringIO()):  # the exporter narrates every stage on stdout
-            torch.onnx.export(model, (example,), str(tmp_path), input_names=[INPUT_NAME],
-                              output_names=[OUTPUT_NAME], opset_version=opset, dynamo=True,
-                              external_data=False, dynamic_shapes={_forward_arg(model): {0: batch}})
+            if isinstance(model, torch.jit.ScriptModule):  # a user's TorchScript file: only the TorchScript exporter reads it
+                torch.onnx.export(model, (example,), str(tmp_path), input_names=[INPUT_NAME],
+                                  output_names=[OUTPUT_NAME], opset_version=opset, dynamo=False,
+                                  dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
+            else:
+                torch.onnx.export(model, (example,), str(tmp_path), input_names=[INPUT_NAME],
+                                  output_names=[OUTPUT_NAME], opset_version=opset, dynamo=True,
+                                  external_data=False, dynamic_shapes={_forward_arg(model): {0: batch}})
         proto = onnx.load(str(tmp_path))
     onnx.checker.check_model(proto, full_check=True)
     with atomic_write(path) as f:
