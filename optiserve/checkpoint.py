@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from optiserve.errors import UserError
+from optiserve.errors import UserError, first_line
 from optiserve.files import atomic_write
 
 FORMAT = "optiserve.checkpoint/1"
@@ -48,10 +48,9 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise UserError(f"cannot read checkpoint {path}: it holds more than tensors and plain data, and "
-                        f"untrusted files are never unpickled ({_unpickler_reason(str(e))})") from None
+                        f"untrusted files are never unpickled ({unpickler_reason(str(e))})") from None
     except Exception as e:  # torch raises several types for corrupt or truncated files
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot read checkpoint {path}: {first_line}") from None
+        raise UserError(f"cannot read checkpoint {path}: {first_line(e)}") from None
     if not isinstance(ckpt, dict):
         raise NotACheckpoint(f"{path} is not an optiserve checkpoint (expected a dict, got {type(ckpt).__name__})")
     missing = [k for k in REQUIRED_KEYS if k not in ckpt]
@@ -61,7 +60,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
     return ckpt
 
 
-def _unpickler_reason(message: str) -> str:
+def unpickler_reason(message: str) -> str:
     """The one informative line of torch's long weights_only refusal (e.g. 'Unsupported global: ...')."""
     tail = message.split("WeightsUnpickler error:", 1)[-1]
     line = next((ln.strip() for ln in tail.splitlines() if ln.strip()), "unsupported content")

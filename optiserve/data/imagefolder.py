@@ -11,7 +11,7 @@ from torchvision import datasets, transforms
 
 from optiserve.data.image_input import image_to_input
 from optiserve.data.splits import DatasetSplits, stratified_split
-from optiserve.errors import UserError
+from optiserve.errors import UserError, first_line
 from optiserve.models.registry import InputSpec
 
 
@@ -38,7 +38,7 @@ def _folder(path: Path, transform) -> datasets.ImageFolder:
         return datasets.ImageFolder(str(path), transform=transform)
     except (FileNotFoundError, RuntimeError) as e:
         raise UserError(f"image folder {path} holds no images in class subfolders "
-                        f"(expected {path}/CLASS/IMAGE.jpg): {str(e).splitlines()[0]}") from None
+                        f"(expected {path}/CLASS/IMAGE.jpg): {first_line(e)}") from None
 
 
 def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0) -> DatasetSplits:

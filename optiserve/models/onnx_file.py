@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from optiserve.errors import UserError
+from optiserve.errors import UserError, first_line
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ def read_onnx_facts(path: str | Path) -> OnnxGraphFacts:
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as e:
-        raise UserError(f"cannot read {path} as ONNX: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
-                        ) from None
+        raise UserError(f"cannot read {path} as ONNX: {first_line(e)}") from None
     initializers = {i.name for i in proto.graph.initializer}
     inputs = [i for i in proto.graph.input if i.name not in initializers]
     if len(inputs) != 1:
@@ -49,7 +48,7 @@ def read_onnx_facts(path: str | Path) -> OnnxGraphFacts:
                         f"models with one output so far")
     in_shape, out_shape = _shape(inputs[0]), _shape(outputs[0])
     if len(in_shape) != 4:
-        raise UserError(f"{path}: input {inputs[0].name!r} has shape {_show(in_shape)}; expected an image batch "
+        raise UserError(f"{path}: input {inputs[0].name!r} has shape {show_shape(in_shape)}; expected an image batch "
                         f"[N, C, H, W]")
     if in_shape[0] is not None and in_shape[0] != -1:
         raise UserError(f"{path}: the batch dimension of input {inputs[0].name!r} is fixed at {in_shape[0]}; export "
@@ -63,5 +62,6 @@ def _shape(value_info) -> tuple[int | None, ...]:
     return tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in dims)
 
 
-def _show(shape) -> str:
+def show_shape(shape) -> str:
+    """A shape as the graph gives it, `?` for a symbolic dimension: [?, 3, 224, 224]."""
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"

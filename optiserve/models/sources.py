@@ -20,7 +20,7 @@ from typing import Callable
 
 from torch import nn
 
-from optiserve.errors import UserError
+from optiserve.errors import UserError, first_line
 from optiserve.models.onnx_file import is_onnx_file, read_onnx_facts
 from optiserve.models.registry import IMAGENET_MEAN, IMAGENET_STD, InputSpec, create_model, list_models
 
@@ -174,8 +174,7 @@ def _build_callable(model: str, num_classes: int | None) -> BuiltModel:
     try:
         built = factory(**kwargs)
     except Exception as e:
-        raise UserError(f"{model} raised {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                        ) from e
+        raise UserError(f"{model} raised {first_line(e, with_type=True)}") from e
     if not isinstance(built, nn.Module):
         raise UserError(f"{model} returned a {type(built).__name__}, not a torch.nn.Module")
     return BuiltModel(built, weights="as built", facts={"code": where})
@@ -239,8 +238,11 @@ def _is_torchscript_file(model: str) -> bool:
     path = Path(model)
     if not path.is_file() or not zipfile.is_zipfile(path):
         return False
-    with zipfile.ZipFile(path) as archive:
-        return any("/code/" in name for name in archive.namelist())
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any("/code/" in name for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):  # a damaged file is no TorchScript: the resolver says what forms there are
+        return False
 
 
 def _build_torchscript(model: str, num_classes: int | None) -> BuiltModel:
@@ -254,8 +256,7 @@ def _build_torchscript(model: str, num_classes: int | None) -> BuiltModel:
     try:
         module = torch.jit.load(model, map_location="cpu")
     except Exception as e:
-        raise UserError(f"cannot load {model} as TorchScript: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
-                        ) from None
+        raise UserError(f"cannot load {model} as TorchScript: {first_line(e)}") from None
     return BuiltModel(module.eval(), weights="in the file", facts={"sha256": sha256_file(model)})
 
 

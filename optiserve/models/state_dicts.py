@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from optiserve.errors import UserError
+from optiserve.checkpoint import unpickler_reason
+from optiserve.errors import UserError, first_line
 
 CONTAINER_KEYS = ("state_dict", "model_state_dict", "model", "module")
 PREFIXES = ("model.", "module.", "_orig_mod.")
@@ -86,22 +87,17 @@ def _read_tensors(path: Path):
         try:
             return load_file(str(path), device="cpu")
         except Exception as e:
-            raise UserError(f"cannot read {path} as safetensors: {_first_line(e)}") from None
+            raise UserError(f"cannot read {path} as safetensors: {first_line(e)}") from None
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise UserError(f"cannot read weights {path}: it holds more than tensors and plain data, and untrusted "
                         f"files are never unpickled; save model.state_dict() instead of the model "
-                        f"({_first_line(e)[:160]})") from None
+                        f"({unpickler_reason(str(e))})") from None
     except Exception as e:
-        raise UserError(f"cannot read weights {path}: {_first_line(e)}") from None
+        raise UserError(f"cannot read weights {path}: {first_line(e)}") from None
 
 
 def _is_tensor_dict(value) -> bool:
     return (isinstance(value, dict) and bool(value)
             and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items()))
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

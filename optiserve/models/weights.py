@@ -14,8 +14,9 @@ import torchvision
 from torch import nn
 
 from optiserve.checkpoint import NotACheckpoint, read_checkpoint
-from optiserve.errors import UserError
+from optiserve.errors import UserError, first_line
 from optiserve.files import sha256_file
+from optiserve.models.onnx_file import show_shape
 from optiserve.models.registry import InputSpec, create_model, get_model_entry
 from optiserve.models.sources import default_input, find_source, is_registered
 from optiserve.models.state_dicts import load_state_dict_readably, read_state_dict
@@ -127,63 +128,65 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
 
 def _load_from_source(name: str, weights: str | None, num_classes: int | None, overrides: InputOverrides,
                       labels: list[str] | None, task: str) -> LoadedModel:
-    """A torchvision, timm or user-code model: built by its source, weights from a state dict file."""
+    """A torchvision, timm, user-code or file model: built by its source, weights from a state dict
+    file unless the model file holds its own."""
     source = find_source(name)
     if labels and num_classes is None and source.name in ("torchvision", "timm"):
         num_classes = len(labels)  # the user's code builds its own head
     built = source.build(name, num_classes)
     spec = overrides.apply(built.input, name)
+    if built.weights == "in the file" and weights not in (None, "random"):
+        raise UserError(f"{name} holds its weights; drop --weights")
     if built.module is None:
-        return _file_model(name, built, spec, weights, labels, task)
+        return _file_model(name, built, spec, labels, task)
     model = built.module.eval()
     if weights == "imagenet":
         raise UserError(f"--weights imagenet is for the registered models; for {name} pass a weights file "
                         f"(--weights PATH: .pt, .pth or .safetensors)")
-    if built.weights == "in the file" and weights not in (None, "random"):
-        raise UserError(f"{name} holds its weights; drop --weights")
     if weights in (None, "random"):
         facts = {"weights": "random" if weights else built.weights, "sha256": None}
     else:
-        load_state_dict_readably(model, read_state_dict(weights), f"weights {weights}")
-        facts = {"weights": str(weights), "sha256": sha256_file(weights)}
+        facts = _load_weights_file(model, weights)
     width = _probe_outputs(model, spec, name)
-    if task != "classification":
-        if labels:
-            raise UserError(f"--labels names classes; {task} models have none")
-        return LoadedModel(name, model, spec, [], {**facts, "source": source.name, **built.facts}, task, width)
-    classes = _classes(labels, built.classes, width, name)
-    return LoadedModel(name, model, spec, classes, {**facts, "source": source.name, **built.facts})
+    return LoadedModel(name, model, spec, _task_classes(task, labels, built.classes, width, name),
+                       {**facts, "source": source.name, **built.facts}, task, width)
 
 
-def _file_model(name: str, built, spec: InputSpec, weights: str | None, labels: list[str] | None,
-                task: str) -> LoadedModel:
+def _file_model(name: str, built, spec: InputSpec, labels: list[str] | None, task: str) -> LoadedModel:
     """A model file that holds its own weights (ONNX): checked against the input, not run here."""
-    if weights not in (None, "random"):
-        raise UserError(f"{name} holds its weights; drop --weights")
     onnx_shape = built.facts.get("onnx_input_shape") or []
     for given, fixed in zip(spec.shape, onnx_shape[1:]):
         if fixed is not None and given != fixed:
             raise UserError(f"--input-shape {','.join(map(str, spec.shape))} does not fit {name}, whose input is "
-                            f"[N, {', '.join('?' if d is None else str(d) for d in onnx_shape[1:])}]")
+                            f"{show_shape(['N', *onnx_shape[1:]])}")
     width = built.output_width
     out_shape = built.facts.get("onnx_output_shape") or []
     if len(out_shape) != 2 or width is None:
-        shown = "[" + ", ".join("?" if d is None else str(d) for d in out_shape) + "]"
-        raise UserError(f"{name} returns shape {shown}; optiserve takes models whose output is one [N, K] tensor "
-                        f"with K fixed (class scores, or vectors with --task embedding)")
-    source = {"weights": built.weights, "source": "onnx", **built.facts}
-    if task != "classification":
-        if labels:
-            raise UserError(f"--labels names classes; {task} models have none")
-        return LoadedModel(name, None, spec, [], source, task, width, file=built.file)
-    return LoadedModel(name, None, spec, _classes(labels, None, width, name), source, task, width, file=built.file)
+        raise UserError(f"{name} returns shape {show_shape(out_shape)}; optiserve takes models whose output is one "
+                        f"[N, K] tensor with K fixed (class scores, or vectors with --task embedding)")
+    return LoadedModel(name, None, spec, _task_classes(task, labels, None, width, name),
+                       {"weights": built.weights, "source": "onnx", **built.facts}, task, width, file=built.file)
 
 
 def _with_state_dict(name, model, spec, path, labels) -> LoadedModel:
-    load_state_dict_readably(model, read_state_dict(path), f"weights {path}")
+    facts = _load_weights_file(model, path)
     n = _probe_outputs(model.eval(), spec, name)
-    return LoadedModel(name, model, spec, _classes(labels, None, n, name),
-                       {"weights": str(path), "sha256": sha256_file(path)})
+    return LoadedModel(name, model, spec, _classes(labels, None, n, name), facts)
+
+
+def _load_weights_file(model: nn.Module, path: str) -> dict:
+    """Load the state dict in weights file `path` into `model`; the source facts that record it."""
+    load_state_dict_readably(model, read_state_dict(path), f"weights {path}")
+    return {"weights": str(path), "sha256": sha256_file(path)}
+
+
+def _task_classes(task: str, labels: list[str] | None, known: list[str] | None, width: int, name: str) -> list[str]:
+    """A classifier's class names (see `_classes`); other tasks have none, and refuse --labels."""
+    if task == "classification":
+        return _classes(labels, known, width, name)
+    if labels:
+        raise UserError(f"--labels names classes; {task} models have none")
+    return []
 
 
 def _probe_outputs(model: nn.Module, spec: InputSpec, name: str) -> int:
@@ -192,8 +195,7 @@ def _probe_outputs(model: nn.Module, spec: InputSpec, name: str) -> int:
         with torch.no_grad():
             out = model.eval()(torch.zeros(2, *spec.shape))
     except Exception as e:
-        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"{name} fails on a batch of input {list(spec.shape)} ({type(e).__name__}: {text[:200]}); "
+        raise UserError(f"{name} fails on a batch of input {list(spec.shape)} ({first_line(e, True, 200)}); "
                         f"give the input it takes with --input-shape C,H,W") from None
     if not isinstance(out, torch.Tensor) or out.ndim != 2:
         what = f"a {type(out).__name__}" if not isinstance(out, torch.Tensor) else f"shape {list(out.shape)}"

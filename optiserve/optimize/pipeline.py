@@ -14,9 +14,8 @@ import numpy as np
 import torch
 
 from optiserve import artifacts
-from optiserve.files import atomic_write
 from optiserve.data import DatasetSplits, load_dataset
-from optiserve.errors import UserError
+from optiserve.errors import UserError, first_line
 from optiserve.machine import cpu_facts, cpu_line
 from optiserve.models import InputOverrides, LoadedModel, find_source, load_model, model_slug, read_labels
 from optiserve.models.onnx_file import is_onnx_file
@@ -281,18 +280,13 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
         batches = calibration_batches(data.calibration_set(), cfg.calib_size)
         accuracy_aware = _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log)
         if cfg.onnx:
-            with log.step(f"INT8 ONNX Runtime (static QDQ, {cfg.calib_method} calibration, "
-                          f"{cfg.calib_size} train images)"):
-                settings = quantize_onnx_static(stage / "model.onnx", stage / "model.int8.onnx", batches,
-                                                cfg.calib_method)
-                settings = accuracy_aware("model.onnx", "model.int8.onnx", settings)
-                variants.append(Variant("onnx-int8", "model.int8.onnx", "onnxruntime", "int8", settings))
+            _onnx_int8(stage, batches, accuracy_aware, cfg, log, variants)
         with log.step(f"INT8 PyTorch x86 (FX graph mode, {cfg.calib_size} train images)"):
             try:
                 scripted, settings = quantize_torch_fx(fused, batches)
             except Exception as e:  # FX cannot trace every model (data-dependent control flow)
                 skipped.append({"name": "torch-int8", "reason": f"FX graph mode cannot take this model "
-                                                                f"({_first_line(e)})"})
+                                                                f"({first_line(e, True, 200)})"})
             else:
                 save_torchscript(scripted, stage / "torch-int8.pt")
                 variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8", settings))
@@ -349,23 +343,30 @@ def _onnx_file_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, e
     baseline), INT8 from it, the OpenVINO variants; returns the baseline's name."""
     name = "onnx-fp32"
     with log.step(f"the ONNX file as {name} (the baseline the others are checked against)"):
-        with open(loaded.file, "rb") as src, atomic_write(stage / "model.onnx") as dst:
-            shutil.copyfileobj(src, dst)
+        shutil.copyfile(loaded.file, stage / "model.onnx")  # the staging folder is published whole, atomically
         variants.append(Variant(name, "model.onnx", "onnxruntime", "fp32",
                                 {"opset": loaded.source.get("opset"), "from": "the given ONNX file, unchanged",
                                  "graph_optimization": "all"}))
     notes.append(f"started from an ONNX file: {name} is the file itself, and the torch passes (eager fp32, "
                  f"conv+BN fusion, TorchScript, torch-int8, torch-bf16, pruning, TensorRT) do not apply")
-    batches = calibration_batches(data.calibration_set(), cfg.calib_size) if cfg.int8 else []
+    batches = []
     if cfg.int8:
-        accuracy_aware = _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log)
-        with log.step(f"INT8 ONNX Runtime (static QDQ, {cfg.calib_method} calibration, {cfg.calib_size} train images)"):
-            settings = quantize_onnx_static(stage / "model.onnx", stage / "model.int8.onnx", batches, cfg.calib_method)
-            settings = accuracy_aware("model.onnx", "model.int8.onnx", settings)
-            variants.append(Variant("onnx-int8", "model.int8.onnx", "onnxruntime", "int8", settings))
+        batches = calibration_batches(data.calibration_set(), cfg.calib_size)
+        _onnx_int8(stage, batches, _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log), cfg, log,
+                   variants)
     if cfg.openvino:
         _openvino_variants(stage, variants, skipped, cfg, log, batches)
     return name
+
+
+def _onnx_int8(stage: Path, batches: list, accuracy_aware, cfg: OptimizeConfig, log: PassLog,
+               variants: list[Variant]) -> None:
+    """onnx-int8: ONNX Runtime's static QDQ INT8 of model.onnx, calibrated on `batches`, re-quantized
+    with sensitive layers in float where it misses the gate (`accuracy_aware`)."""
+    with log.step(f"INT8 ONNX Runtime (static QDQ, {cfg.calib_method} calibration, {cfg.calib_size} train images)"):
+        settings = quantize_onnx_static(stage / "model.onnx", stage / "model.int8.onnx", batches, cfg.calib_method)
+        settings = accuracy_aware("model.onnx", "model.int8.onnx", settings)
+        variants.append(Variant("onnx-int8", "model.int8.onnx", "onnxruntime", "int8", settings))
 
 
 def _baseline_variant(loaded: LoadedModel, stage: Path, example: torch.Tensor, check: torch.Tensor) -> Variant:
@@ -379,7 +380,7 @@ def _baseline_variant(loaded: LoadedModel, stage: Path, example: torch.Tensor, c
         traced = trace_torchscript(loaded.model, example, (check,))
     except Exception as e:
         raise UserError(f"{loaded.name} cannot be traced to TorchScript, which its fp32 variant needs "
-                        f"({_first_line(e)})") from None
+                        f"({first_line(e, True, 200)})") from None
     save_torchscript(traced, stage / "fp32.torchscript.pt")
     return Variant(BASELINE, "fp32.torchscript.pt", "torchscript", "fp32",
                    {"traced_from": "the eager model, no passes", "frozen": True})
@@ -391,17 +392,12 @@ def _fuse(loaded: LoadedModel) -> tuple[torch.nn.Module, str]:
         fused = fuse_conv_bn(loaded.model)
     except Exception as e:
         return (copy.deepcopy(loaded.model).eval(),
-                f"conv+BN fusion skipped: the model does not trace symbolically ({_first_line(e)})")
+                f"conv+BN fusion skipped: the model does not trace symbolically ({first_line(e, True, 200)})")
     probe = torch.randn(8, *loaded.input.shape)
     with torch.no_grad():
         diff = (fused(probe) - loaded.model(probe)).abs().max().item()
     return fused, (f"conv+BN fusion folded {count_batchnorms(loaded.model)} BatchNorms "
                    f"({count_batchnorms(fused)} left); max |Δ| on random inputs {diff:.1e}")
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: OptimizeConfig, why_not: str, log):

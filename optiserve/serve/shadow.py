@@ -53,8 +53,8 @@ class ShadowRunner:
 
     async def _run(self, admission: Admission, images: np.ndarray, logits: np.ndarray) -> None:
         """Run the shadow variant and compare its answer as the task does (top-1 classes, vectors);
-        dropped first whenever either queue has
-        a backlog, so mirrored work never takes the place of a caller's."""
+        dropped first whenever either queue has a backlog, so mirrored work never takes the place of
+        a caller's."""
         model = admission.model
         target = model.variants.get(model.shadow.variant) if model.shadow else None
         if target is None:
@@ -77,7 +77,8 @@ class ShadowRunner:
         finally:
             model.leave()
         seconds = time.perf_counter() - t0
-        agreed = stats.record(model.task.agreed(logits, result.logits), len(images), 1000 * seconds)
+        agreed = model.task.agreed(logits, result.logits)
+        stats.record(agreed, len(images), 1000 * seconds)
         m = self.metrics
         m.shadow_agreement.labels(model.name, target.name, "true").inc(agreed)
         m.shadow_agreement.labels(model.name, target.name, "false").inc(len(images) - agreed)

@@ -121,13 +121,12 @@ class ShadowStats:
         self.images = self.agreed = self.dropped = self.failed = 0
         self.latencies_ms: collections.deque[float] = collections.deque(maxlen=window)
 
-    def record(self, agreed: int, images: int, latency_ms: float) -> int:
+    def record(self, agreed: int, images: int, latency_ms: float) -> None:
         """Count a shadow run: `agreed` of its `images` agreed with the answer (as the task judges)."""
         with self._lock:
             self.images += images
             self.agreed += agreed
             self.latencies_ms.append(latency_ms)
-        return agreed
 
     def snapshot(self) -> dict:
         with self._lock:

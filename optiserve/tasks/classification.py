@@ -23,15 +23,20 @@ class Classification(Task):
     def width(self, manifest: dict) -> int:
         return len(manifest["classes"])
 
-    def metrics(self, out, reference, labels) -> dict:
-        """top1 (None without labels), agreement of top-1 with fp32, max |Δ logits| against fp32, and
-        with labels the paired difference in top-1 from fp32 with its 95% interval."""
+    def measures(self, out, reference, labels) -> dict:
+        """top1 (None without labels), agreement of top-1 with fp32, max |Δ logits| against fp32: what
+        the passes that judge top-1 on their own need (no interval)."""
         pred = out.argmax(1)
-        metrics = {"top1": float((pred == labels).mean()) if labels is not None else None,
-                   "agreement": float((pred == reference.argmax(1)).mean()),
-                   "max_abs_diff": float(np.abs(out - reference).max())}
+        return {"top1": float((pred == labels).mean()) if labels is not None else None,
+                "agreement": float((pred == reference.argmax(1)).mean()),
+                "max_abs_diff": float(np.abs(out - reference).max())}
+
+    def metrics(self, out, reference, labels) -> dict:
+        """`measures`, and with labels the paired difference in top-1 from fp32 with its 95% interval."""
+        metrics = self.measures(out, reference, labels)
         if labels is not None and out is not reference:
-            metrics["vs_baseline"] = paired_accuracy_difference(reference.argmax(1) == labels, pred == labels)
+            metrics["vs_baseline"] = paired_accuracy_difference(reference.argmax(1) == labels,
+                                                                out.argmax(1) == labels)
         return metrics
 
     def gate(self, metrics, baseline, limits: GateLimits, why_not: str = "") -> tuple[str, str | None]:
