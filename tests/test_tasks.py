@@ -44,3 +44,41 @@ def test_classification_answers_the_top_classes_and_agrees_on_top_1():
     assert [p["class"] for p in answer] == ["dog", "owl"] and answer[0]["probability"] > answer[1]["probability"]
     assert task.protocol_output("probabilities", logits).sum() == pytest.approx(1.0)
     assert task.agreed(logits, logits + 0.1) == 1 and task.agreed(logits, -logits) == 0
+
+
+def test_segmentation_measures_pixel_agreement_and_miou_against_fp32s_masks():
+    task = get_task("segmentation")
+    reference = np.zeros((4, 2, 2), np.uint8)
+    reference[:, 0, :] = 1                           # every image: top row class 1, bottom row class 0
+    out = reference.copy()
+    out[0, 1, 0] = 1                                 # one pixel of 16 moved from class 0 to class 1
+    metrics = task.metrics(out, reference, None)
+    assert metrics["pixel_agreement"] == pytest.approx(15 / 16)
+    # class 0: 7 pixels in both of 8 in either; class 1: 8 of 9
+    assert metrics["miou_fp32"] == pytest.approx((7 / 8 + 8 / 9) / 2)
+    low, high = metrics["miou_fp32_ci95"]
+    assert low <= metrics["miou_fp32"] <= high <= 1.0
+    assert task.gate(metrics, {}, GateLimits(min_miou=0.85)) == ("accepted", None)
+    status, reason = task.gate(metrics, {}, GateLimits(min_miou=0.9))
+    assert status == "rejected" and "mIoU against fp32's masks 0.8819 is below 0.9" in reason
+
+
+def test_segmentation_answers_a_png_mask_at_the_uploaded_size_with_class_fractions():
+    import base64
+    import io
+
+    from PIL import Image
+
+    task = get_task("segmentation")
+    raw = np.zeros((1, 3, 4, 4), np.float32)
+    raw[0, 2, :, :2] = 1.0                           # left half class 2, right half class 0
+    answer = task.answer(raw, {"classes": ["sky", "road", "car"]}, {"sizes": [(8, 6)]})["segmentation"][0]
+    mask = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer["mask"]))))
+    assert (answer["width"], answer["height"]) == (8, 6) and mask.shape == (6, 8)
+    assert (mask[:, :4] == 2).all() and (mask[:, 4:] == 0).all()
+    assert answer["class_fractions"] == {"car": 0.5, "sky": 0.5}
+    at_model_size = task.answer(raw, {"classes": ["sky", "road", "car"]}, {})["segmentation"][0]
+    assert (at_model_size["width"], at_model_size["height"]) == (4, 4)
+    shadow = raw.copy()
+    shadow[0, 1, 0, 0] = 5.0                         # one pixel of 16 differs: 94% < the 99% agreement bar
+    assert task.agreed(raw, raw) == 1 and task.agreed(raw, shadow) == 0

@@ -1,10 +1,10 @@
 """One image -> model input function, shared by evaluation (image folders) and serving, so a model is
 scored offline on exactly the pixels it will be served.
 
-The image is converted to the model's channels (grayscale or RGB) and resized: small-input models
-(side <= 64, e.g. digits at 16x16) get it resized straight to H x W; larger ones get the ImageNet
-recipe (short side to 256/224 of the input, center crop). Then it is scaled to [0, 1] and
-normalized with the spec's mean and std.
+The image is converted to the model's channels (grayscale or RGB) and resized as the spec's
+`resize` says: "stretch" straight to H x W; "crop" the ImageNet recipe (short side to 256/224 of the
+input, center crop), except for small-input models (side <= 64, e.g. digits at 16x16), resized
+straight. Then it is scaled to [0, 1] and normalized with the spec's mean and std.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def image_to_input(image: Image.Image, spec: InputSpec, out: np.ndarray | None =
         image = image.convert(channel_mode(spec))
     h, w = spec.size
     if image.size != (w, h):
-        if max(h, w) <= SMALL_SIDE:
+        if max(h, w) <= SMALL_SIDE or spec.resize == "stretch":
             image = image.resize((w, h), Image.BILINEAR)
         else:
             short = int(round(max(h, w) * 256 / 224))

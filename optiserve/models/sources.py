@@ -37,6 +37,7 @@ class BuiltModel:
     facts: dict = field(default_factory=dict)
     output_width: int | None = None        # where the source knows it without running the model
     file: Path | None = None               # the model file itself, where the optimizer starts from it
+    task: str | None = None                # the task, where the source says it (a segmentation builder)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,9 @@ def _build_torchvision(model: str, num_classes: int | None) -> BuiltModel:
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
     module = builder(**kwargs)
+    segmentation = builder.__module__.startswith("torchvision.models.segmentation")
+    if segmentation:
+        module = OutputOf(module, "out")  # its forward returns {"out": masks, "aux": ...}
     spec, categories = None, None
     try:
         weights = torchvision.models.get_model_weights(name).DEFAULT
@@ -122,8 +126,24 @@ def _build_torchvision(model: str, num_classes: int | None) -> BuiltModel:
         crop = getattr(transforms, "crop_size", None)
         if crop:
             spec = InputSpec((3, crop[0], crop[-1]), tuple(transforms.mean), tuple(transforms.std))
+        elif segmentation and getattr(transforms, "resize_size", None):
+            side = transforms.resize_size[0]  # torchvision resizes the shorter side; here the whole image
+            spec = InputSpec((3, side, side), tuple(transforms.mean), tuple(transforms.std), "stretch")
         categories = list(weights.meta.get("categories") or []) or None
-    return BuiltModel(module, spec, categories, facts={"torchvision": torchvision.__version__})
+    return BuiltModel(module, spec, categories, facts={"torchvision": torchvision.__version__},
+                      task="segmentation" if segmentation else None)
+
+
+class OutputOf(nn.Module):
+    """One entry of a model's dict output as its output (torchvision's segmentation models answer
+    {"out": ..., "aux": ...}); tracing and the exporters take one tensor."""
+
+    def __init__(self, model: nn.Module, key: str):
+        super().__init__()
+        self.model, self.key = model, key
+
+    def forward(self, x):
+        return self.model(x)[self.key]
 
 
 # --- timm --------------------------------------------------------------------------------------------

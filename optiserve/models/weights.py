@@ -4,6 +4,7 @@ a state dict file or as its source builds it (see models.sources)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -18,9 +19,9 @@ from optiserve.errors import UserError, first_line
 from optiserve.files import sha256_file
 from optiserve.models.onnx_file import show_shape
 from optiserve.models.registry import InputSpec, create_model, get_model_entry
-from optiserve.models.sources import default_input, find_source, is_registered
+from optiserve.models.sources import OutputOf, default_input, find_source, is_registered
 from optiserve.models.state_dicts import load_state_dict_readably, read_state_dict
-from optiserve.tasks import list_tasks
+from optiserve.tasks import get_task, list_tasks
 
 WEIGHT_CHOICES = ("imagenet | PATH (a state dict: .pt/.pth/.safetensors, a training checkpoint holding one, or "
                   "`optiserve train`'s checkpoint) | random")
@@ -28,11 +29,13 @@ WEIGHT_CHOICES = ("imagenet | PATH (a state dict: .pt/.pth/.safetensors, a train
 
 @dataclass(frozen=True)
 class InputOverrides:
-    """What the user said about the model's input (`--input-shape`, `--mean`, `--std`), each optional."""
+    """What the user said about the model's input (`--input-shape`, `--mean`, `--std`, `--resize`),
+    each optional."""
 
     shape: tuple[int, int, int] | None = None
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
+    resize: str | None = None
 
     def apply(self, spec: InputSpec | None, model: str) -> InputSpec:
         """`spec` (the source's, or None) with the user's values in place of its own."""
@@ -50,8 +53,9 @@ class InputOverrides:
             std = std * shape[0]
         if min(std) <= 0:
             raise UserError(f"--std must be positive, got {list(std)}")
+        resize = self.resize or (spec.resize if spec else "crop")
         try:
-            return InputSpec(tuple(shape), tuple(mean), tuple(std))
+            return InputSpec(tuple(shape), tuple(mean), tuple(std), resize)
         except ValueError:
             raise UserError(f"--mean and --std need one value, or one per channel ({shape[0]}); got "
                             f"{list(mean)} and {list(std)}") from None
@@ -67,12 +71,15 @@ class LoadedModel:
     classes: list[str]  # classification's class names; empty for other tasks
     source: dict  # {"weights": "imagenet"|"random"|"as built"|path, "sha256": ..., "dataset": ...}
     task: str = "classification"
-    output_width: int | None = None  # one image's output length (K classes, D dimensions)
+    output_width: int | None = None  # one image's output size along its first axis (K classes, D dimensions)
     file: Path | None = None         # an ONNX file the optimizer starts from; `model` is then None
+    output_shape: tuple[int, ...] | None = None  # one image's output shape ([K], [D], [K, H, W])
 
     def __post_init__(self):
         if self.output_width is None:
             self.output_width = len(self.classes)
+        if self.output_shape is None:
+            self.output_shape = (self.output_width,)
 
     @property
     def accuracy_meaningful(self) -> bool:
@@ -99,7 +106,7 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
     if task is not None and task not in list_tasks():
         raise UserError(f"unknown task {task!r}; use {' | '.join(list_tasks())}")
     if not is_registered(name):
-        return _ready(_load_from_source(name, weights, num_classes, overrides, labels, task or "classification"))
+        return _ready(_load_from_source(name, weights, num_classes, overrides, labels, task))
     if task not in (None, "classification"):
         raise UserError(f"the registered model {name} is a classifier; --task {task} is for other sources")
     entry = get_model_entry(name)
@@ -127,14 +134,15 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
 
 
 def _load_from_source(name: str, weights: str | None, num_classes: int | None, overrides: InputOverrides,
-                      labels: list[str] | None, task: str) -> LoadedModel:
+                      labels: list[str] | None, task: str | None) -> LoadedModel:
     """A torchvision, timm, user-code or file model: built by its source, weights from a state dict
     file unless the model file holds its own."""
     source = find_source(name)
     if labels and num_classes is None and source.name in ("torchvision", "timm"):
         num_classes = len(labels)  # the user's code builds its own head
     built = source.build(name, num_classes)
-    spec = overrides.apply(built.input, name)
+    task = task or built.task
+    spec = _task_input(overrides.apply(built.input, name), task, overrides)
     if built.weights == "in the file" and weights not in (None, "random"):
         raise UserError(f"{name} holds its weights; drop --weights")
     if built.module is None:
@@ -146,32 +154,66 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
     if weights in (None, "random"):
         facts = {"weights": "random" if weights else built.weights, "sha256": None}
     else:
-        facts = _load_weights_file(model, weights)
-    width = _probe_outputs(model, spec, name)
-    return LoadedModel(name, model, spec, _task_classes(task, labels, built.classes, width, name),
-                       {**facts, "source": source.name, **built.facts}, task, width)
+        facts = _load_weights_file(model.model if isinstance(model, OutputOf) else model, weights)
+    shape = _probe_outputs(model, spec, name)
+    task = _output_task(task, shape, name)
+    return LoadedModel(name, model, spec, _task_classes(task, labels, built.classes, shape[0], name),
+                       {**facts, "source": source.name, **built.facts}, task, shape[0], output_shape=shape)
 
 
-def _file_model(name: str, built, spec: InputSpec, labels: list[str] | None, task: str) -> LoadedModel:
+def _task_input(spec: InputSpec, task: str | None, overrides: InputOverrides) -> InputSpec:
+    """A segmentation model sees the whole image (its mask answers every pixel): stretched, not cropped."""
+    if task != "segmentation" or spec.resize == "stretch":
+        return spec
+    if overrides.resize == "crop":
+        raise UserError("segmentation answers a mask of the whole image: use --resize stretch (the default "
+                        "for segmentation), not crop")
+    return dataclasses.replace(spec, resize="stretch")
+
+
+def _output_task(task: str | None, shape: tuple[int, ...], name: str) -> str:
+    """The task `shape` (one image's output) is for: the one given, checked, else classification for a
+    [N, K] output; any other output needs --task, asked for in one line."""
+    wanted = {get_task(t).output_form.count(",") + 1: t for t in list_tasks()}  # [N, K] -> 2 axes ...
+    if task is None:
+        if len(shape) == 1:
+            return "classification"
+        guess = wanted.get(len(shape) + 1)
+        hint = f"pass --task {guess}" if guess else f"optiserve takes {_forms()}"
+        raise UserError(f"{name} returns shape {show_shape(['N', *shape])}; say what it means: {hint}")
+    form = get_task(task).output_form
+    if len(shape) + 1 != form.count(",") + 1:
+        raise UserError(f"{name} returns shape {show_shape(['N', *shape])}; --task {task} takes one {form} tensor")
+    return task
+
+
+def _forms() -> str:
+    return ", ".join(f"{get_task(t).output_form} ({t})" for t in list_tasks())
+
+
+def _file_model(name: str, built, spec: InputSpec, labels: list[str] | None, task: str | None) -> LoadedModel:
     """A model file that holds its own weights (ONNX): checked against the input, not run here."""
     onnx_shape = built.facts.get("onnx_input_shape") or []
     for given, fixed in zip(spec.shape, onnx_shape[1:]):
         if fixed is not None and given != fixed:
             raise UserError(f"--input-shape {','.join(map(str, spec.shape))} does not fit {name}, whose input is "
                             f"{show_shape(['N', *onnx_shape[1:]])}")
-    width = built.output_width
     out_shape = built.facts.get("onnx_output_shape") or []
-    if len(out_shape) != 2 or width is None:
+    if len(out_shape) < 2 or any(not isinstance(v, int) for v in out_shape[1:]):
         raise UserError(f"{name} returns shape {show_shape(out_shape)}; optiserve takes models whose output is one "
-                        f"[N, K] tensor with K fixed (class scores, or vectors with --task embedding)")
-    return LoadedModel(name, None, spec, _task_classes(task, labels, None, width, name),
-                       {"weights": built.weights, "source": "onnx", **built.facts}, task, width, file=built.file)
+                        f"tensor with a fixed size after the batch axis: {_forms()}")
+    shape = tuple(out_shape[1:])
+    task = _output_task(task, shape, name)
+    return LoadedModel(name, None, spec, _task_classes(task, labels, None, shape[0], name),
+                       {"weights": built.weights, "source": "onnx", **built.facts}, task, shape[0], file=built.file,
+                       output_shape=shape)
 
 
 def _with_state_dict(name, model, spec, path, labels) -> LoadedModel:
     facts = _load_weights_file(model, path)
-    n = _probe_outputs(model.eval(), spec, name)
-    return LoadedModel(name, model, spec, _classes(labels, None, n, name), facts)
+    shape = _probe_outputs(model.eval(), spec, name)
+    _output_task("classification", shape, name)
+    return LoadedModel(name, model, spec, _classes(labels, None, shape[0], name), facts)
 
 
 def _load_weights_file(model: nn.Module, path: str) -> dict:
@@ -181,27 +223,28 @@ def _load_weights_file(model: nn.Module, path: str) -> dict:
 
 
 def _task_classes(task: str, labels: list[str] | None, known: list[str] | None, width: int, name: str) -> list[str]:
-    """A classifier's class names (see `_classes`); other tasks have none, and refuse --labels."""
-    if task == "classification":
+    """The class names of a task whose outputs are classes (see `_classes`); other tasks have none,
+    and refuse --labels."""
+    if get_task(task).has_classes:
         return _classes(labels, known, width, name)
     if labels:
         raise UserError(f"--labels names classes; {task} models have none")
     return []
 
 
-def _probe_outputs(model: nn.Module, spec: InputSpec, name: str) -> int:
-    """The class count of the model's [N, K] output on a zero batch of its input; one line otherwise."""
+def _probe_outputs(model: nn.Module, spec: InputSpec, name: str) -> tuple[int, ...]:
+    """One image's output shape, from the model run on a zero batch of its input; one line when it
+    fails or its output is not one tensor."""
     try:
         with torch.no_grad():
             out = model.eval()(torch.zeros(2, *spec.shape))
     except Exception as e:
         raise UserError(f"{name} fails on a batch of input {list(spec.shape)} ({first_line(e, True, 200)}); "
                         f"give the input it takes with --input-shape C,H,W") from None
-    if not isinstance(out, torch.Tensor) or out.ndim != 2:
+    if not isinstance(out, torch.Tensor) or out.ndim < 2:
         what = f"a {type(out).__name__}" if not isinstance(out, torch.Tensor) else f"shape {list(out.shape)}"
-        raise UserError(f"{name} returns {what}; optiserve takes models whose output is one [N, K] tensor "
-                        f"(class scores, or vectors with --task embedding)")
-    return int(out.shape[1])
+        raise UserError(f"{name} returns {what}; optiserve takes models whose output is one tensor: {_forms()}")
+    return tuple(int(v) for v in out.shape[1:])
 
 
 def _classes(labels: list[str] | None, known: list[str] | None, n: int, name: str) -> list[str]:

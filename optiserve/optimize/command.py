@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from optiserve.data import DATASET_CHOICES
-from optiserve.models import InputOverrides, list_models
+from optiserve.models import RESIZE_MODES, InputOverrides, list_models
 from optiserve.tasks import list_tasks
 from optiserve.models.weights import WEIGHT_CHOICES
 from optiserve.optimize.pipeline import (OptimizeConfig, recommendation_line, run_optimize, summary_header,
@@ -47,12 +47,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-channel mean the pixels (scaled to [0, 1]) are normalized with (default: the source's, "
                         "else ImageNet's for 3 channels)")
     p.add_argument("--std", type=_floats, default=None, metavar="S[,S,S]", help="per-channel std, as --mean")
+    p.add_argument("--resize", default=None, choices=RESIZE_MODES,
+                   help="how an image of another size becomes the input: crop (shorter side to 256/224 of it, then "
+                        "the center crop) or stretch (the whole image; segmentation's default) (default: crop)")
     p.add_argument("--labels", default=None, metavar="FILE", help="class names, one a line, in output order")
     p.add_argument("--task", default=None, choices=list_tasks(),
                    help="what the model's output means (default: classification for one [N, K] output)")
     p.add_argument("--min-cosine", type=float, default=DEFAULTS.min_cosine, metavar="C",
                    help=f"embedding: reject variants whose mean cosine similarity to fp32's vectors is below C "
                         f"(default {DEFAULTS.min_cosine:g})")
+    p.add_argument("--min-miou", type=float, default=DEFAULTS.min_miou, metavar="M",
+                   help=f"segmentation: reject variants whose mIoU against fp32's masks is below M "
+                        f"(default {DEFAULTS.min_miou:g})")
     p.add_argument("--dataset", default=DEFAULTS.dataset, metavar="NAME",
                    help=f"calibration and evaluation data: {DATASET_CHOICES} (default {DEFAULTS.dataset})")
     p.add_argument("--int8", action="store_true", help="add INT8 variants (ONNX Runtime static QDQ)")
@@ -102,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         calib_size=args.calib_size, calib_method=args.calib_method, max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
         num_classes=args.num_classes, labels=args.labels, task=args.task, min_cosine=args.min_cosine,
-        input=InputOverrides(args.input_shape, args.mean, args.std),
+        min_miou=args.min_miou, input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),
     )
     manifest = run_optimize(cfg)
     print(format_table(summary_header(manifest), summary_rows(manifest)))

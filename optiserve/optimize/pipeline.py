@@ -73,10 +73,12 @@ class OptimizeConfig:
     labels: str | None = None         # a file with one class name a line
     task: str | None = None           # None: classification for one [N, K] output
     min_cosine: float = 0.99          # embedding: the least mean cosine similarity to fp32 accepted
+    min_miou: float = 0.90            # segmentation: the least mIoU against fp32's masks accepted
 
     @property
     def gate_limits(self) -> GateLimits:
-        return GateLimits(max_accuracy_drop=self.max_accuracy_drop, min_cosine=self.min_cosine)
+        return GateLimits(max_accuracy_drop=self.max_accuracy_drop, min_cosine=self.min_cosine,
+                          min_miou=self.min_miou)
 
     def validate(self) -> None:
         find_source(self.model)
@@ -84,6 +86,8 @@ class OptimizeConfig:
             raise UserError(f"unknown --task {self.task!r}; use {' | '.join(list_tasks())}")
         if not -1.0 <= self.min_cosine <= 1.0:
             raise UserError(f"--min-cosine must be in [-1, 1], got {self.min_cosine}")
+        if not 0.0 <= self.min_miou <= 1.0:
+            raise UserError(f"--min-miou must be in [0, 1], got {self.min_miou}")
         if self.num_classes is not None and self.num_classes < 1:
             raise UserError(f"--num-classes must be at least 1, got {self.num_classes}")
         if self.calib_method not in CALIB_METHODS:
@@ -565,7 +569,7 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
             entry["size_bytes"] += sum(c["size_bytes"] for c in entry["companions"].values())
         session = load_session(stage / v.file, entry, base_manifest, options)
         entry["device"] = session.device  # torch-int8 runs on the CPU even where the others use CUDA
-        logits = predict(session, evalset.images)
+        logits = predict(session, evalset.images, keep=task.reduce)
         if reference is None:
             reference = logits
         entry["accuracy"] = task.metrics(logits, reference, evalset.labels)
@@ -615,6 +619,7 @@ def _manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_eval) -
         "input_name": loaded.source.get("input_name", "input"),  # what the protocol serves it as
         "classes": loaded.classes,
         "output_width": loaded.output_width,
+        "output_shape": list(loaded.output_shape),
         "source": {"model": loaded.name, **loaded.source},
         "dataset": {"name": data.name, "eval_split": "test", "eval_images": n_eval, "calibration_split": "train"},
         "accuracy_meaningful": not why_not,

@@ -30,8 +30,11 @@ def materialize(dataset: Dataset, labelled: bool) -> EvalSet:
     return EvalSet(x, y)
 
 
-def predict(session: Session, images: np.ndarray, batch_size: int = 64) -> np.ndarray:
-    return np.concatenate([session.run(images[i:i + batch_size]) for i in range(0, len(images), batch_size)])
+def predict(session: Session, images: np.ndarray, batch_size: int = 64, keep=None) -> np.ndarray:
+    """The session's outputs for `images`, in batches; `keep` reduces each batch's output to what is
+    judged (a task's `reduce`: a segmentation model's masks, not its [N, K, H, W] scores)."""
+    keep = keep or (lambda out: out)
+    return np.concatenate([keep(session.run(images[i:i + batch_size])) for i in range(0, len(images), batch_size)])
 
 
 def score(logits: np.ndarray, reference: np.ndarray, labels: np.ndarray | None) -> dict:

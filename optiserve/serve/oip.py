@@ -35,7 +35,7 @@ def model_metadata(model: ServedModel, version: str | None) -> dict:
     return {"name": model.name, "versions": model.entry_names, "platform": "optiserve",
             **({"version": version} if version else {}),
             "inputs": [{"name": model.manifest.get("input_name", "input"), "datatype": "FP32", "shape": [-1, c, h, w]}],
-            "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, model.output_width]}
+            "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, *model.task.output_shape(model.manifest)]}
                         for name in model.task.outputs]}
 
 

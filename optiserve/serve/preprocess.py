@@ -63,6 +63,19 @@ def decode_image(data: bytes, spec: InputSpec, limits: ImageLimits = ImageLimits
     return image_to_input(image, spec, out)
 
 
+def image_size(data: bytes) -> tuple[int, int] | None:
+    """An image's (width, height) from its header (a PNG's IHDR, else what Pillow reads before
+    decoding); None if unreadable. Called after `decode_image` accepted the bytes."""
+    header = png_header(data)
+    if header is not None:
+        return header[0], header[1]
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return im.size
+    except Exception:  # noqa: BLE001  decode_image has already said what is wrong with these bytes
+        return None
+
+
 def decoded_by_libspng(data: bytes, spec: InputSpec) -> bool:
     """Whether `decode_image` gives `data` to libspng: a PNG in the model's colors and no larger than
     its input, a fraction of a millisecond of decoding with the GIL held throughout."""

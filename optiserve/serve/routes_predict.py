@@ -1,5 +1,5 @@
 """/predict: an image upload (multipart or a raw image body) or JSON, answered as the model's task
-says: the top classes (classification), the vector (embedding)."""
+says: the top classes (classification), the vector (embedding), the mask (segmentation)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from optiserve.serve import VARIANT_HEADER
 from optiserve.serve.envelope import MAX_NAME_CHARS, predict_request, top_k
 from optiserve.serve.fast_routes import ServingApp
 from optiserve.serve.multipart import Part, boundary_of, parse_form
+from optiserve.serve.preprocess import image_size
 from optiserve.serve.responses import FastJSONResponse
 from optiserve.serve.server import ApiError, Server
 
@@ -44,10 +45,13 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                 if "variant" not in query:
                     server.reroute(admission, _variant_field(named), request)
                 images = (await server.decode_upload(admission, upload.data))[None]
+                sizes = [image_size(upload.data)] if model.task.answers_at_upload_size else None
             elif raw_image:
                 data = await server.read_body(request, admission)
                 images = (await server.decode_upload(admission, data))[None]
+                sizes = [image_size(data)] if model.task.answers_at_upload_size else None
             else:
+                sizes = None  # tensors, and base64 images, are answered at the model's input size
                 body = await server.read_body(request, admission, json_values=True)
                 parsed = await server.decode(predict_request, body, model.spec, len(model.classes),
                                              cfg.max_queue, server.image_limits,
@@ -56,8 +60,8 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                     server.reroute(admission, parsed.variant, request)
                 images, k = parsed.images, k or parsed.top_k
             logits, timing = await server.infer(admission, images, request=request)
-        answer = model.task.answer(logits, model.manifest,
-                                   {"top_k": k or min(cfg.top_k, len(model.classes)), "normalize": normalize})
+        answer = model.task.answer(logits, model.manifest, {"top_k": k or min(cfg.top_k, len(model.classes)),
+                                                            "normalize": normalize, "sizes": sizes})
         variant = admission.variant.name
         return FastJSONResponse({"model": model.name, "variant": variant, **answer,
                                  "latency_ms": timing}, headers={VARIANT_HEADER: variant},
@@ -95,7 +99,7 @@ def error_responses(*statuses: int) -> dict:
 PREDICT_OPERATION = {
     "summary": "Predict",
     "description": "An image upload (multipart field `file`), a raw image body, or JSON "
-                   '{"inputs": tensors or base64 images}; answered with the top classes of each image.',
+                   '{"inputs": tensors or base64 images}; answered per image as the model\'s task says.',
     "operationId": "predict",
     "parameters": [_query("model", "the model (needed when several are served)", {"type": "string"}),
                    _query("variant", "the variant (default: the traffic split)", {"type": "string"}),
@@ -109,8 +113,10 @@ PREDICT_OPERATION = {
             "inputs": {"description": "nested lists [N, C, H, W] (normalized) or base64 image strings"},
             "variant": {"type": "string"}, "top_k": {"type": "integer"}}}}}},
     "responses": {"200": {"description": "per image the model's task's answer (classification: `predictions`, "
-                                         "the top classes; embedding: `embedding`, the vector), the variant that "
-                                         "answered, timings",
+                                         "the top classes; embedding: `embedding`, the vector; segmentation: "
+                                         "`segmentation`, the mask as a PNG of class ids at the uploaded "
+                                         "image's size and each class's share of the pixels), the variant "
+                                         "that answered, timings",
                           "content": {"application/json": {"schema": {"type": "object", "properties": {
                               "model": {"type": "string"}, "variant": {"type": "string"},
                               "predictions": {"type": "array", "items": {"type": "array", "items": {
@@ -118,6 +124,12 @@ PREDICT_OPERATION = {
                                                                    "index": {"type": "integer"},
                                                                    "probability": {"type": "number"}}}}},
                               "embedding": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+                              "segmentation": {"type": "array", "items": {"type": "object", "properties": {
+                                  "mask": {"type": "string", "format": "byte",
+                                           "description": "a grayscale PNG, each pixel its class index"},
+                                  "width": {"type": "integer"}, "height": {"type": "integer"},
+                                  "class_fractions": {"type": "object",
+                                                      "additionalProperties": {"type": "number"}}}}},
                               "latency_ms": {"type": "object"}}}}}},
                   **error_responses(400, 404, 408, 413, 415, 429, 499, 500, 503, 504)},
 }

@@ -19,6 +19,7 @@ class Classification(Task):
     name = "classification"
     outputs = ("logits", "probabilities")
     description = "one [N, K] tensor of class scores"
+    has_classes = True
 
     def width(self, manifest: dict) -> int:
         return len(manifest["classes"])

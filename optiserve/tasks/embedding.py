@@ -38,6 +38,7 @@ class Embedding(Task):
     name = "embedding"
     outputs = ("embedding",)
     description = "one [N, D] tensor of vectors (retrieval, similarity, re-identification)"
+    output_form = "[N, D]"
 
     def width(self, manifest: dict) -> int:
         return int(manifest["output_width"])

@@ -20,6 +20,7 @@ class GateLimits:
 
     max_accuracy_drop: float = 1.0   # classification: points of top-1
     min_cosine: float = 0.99         # embedding: mean cosine similarity to fp32's vectors
+    min_miou: float = 0.90           # segmentation: mIoU against fp32's masks
 
 
 class Task:
@@ -28,10 +29,21 @@ class Task:
     name: str = ""
     outputs: tuple[str, ...] = ()
     description: str = ""
+    output_form: str = "[N, K]"          # the model output the task takes, as errors name it
+    has_classes: bool = False            # whether the output's K are named classes (--labels)
+    answers_at_upload_size: bool = False  # whether `answer` needs each uploaded image's (width, height)
 
     def width(self, manifest: dict) -> int:
-        """The length of one image's output row."""
+        """The output's size along its first axis after the batch (classes, dimensions)."""
         raise NotImplementedError
+
+    def output_shape(self, manifest: dict) -> list[int]:
+        """One image's output shape, as the protocol's metadata gives it after the batch axis."""
+        return [self.width(manifest)]
+
+    def reduce(self, raw: np.ndarray) -> np.ndarray:
+        """What validation keeps of a batch's raw output to judge it (the output itself, or less)."""
+        return raw
 
     def metrics(self, out: np.ndarray, reference: np.ndarray, labels: np.ndarray | None) -> dict:
         """The variant's output `out` on the held-out images against fp32's (`reference`)."""
@@ -53,7 +65,8 @@ class Task:
         raise NotImplementedError
 
     def answer(self, raw: np.ndarray, manifest: dict, params: dict) -> dict:
-        """`/predict`'s answer for a batch's raw output: {task key: one entry per image}."""
+        """`/predict`'s answer for a batch's raw output: {task key: one entry per image}. `params`: top_k,
+        normalize, and `sizes` (each image's uploaded (width, height), or None) for tasks that answer at that size."""
         raise NotImplementedError
 
     def agreed(self, answered: np.ndarray, shadow: np.ndarray) -> int:

@@ -1,0 +1,136 @@
+"""Segmentation: [N, K, H, W] class scores per pixel. Judged against fp32's own masks (pixel
+agreement, and mIoU with fp32's masks as the truth, each with a 95% interval over images);
+answered with the mask as a PNG of class ids at the uploaded image's size and each class's share
+of the pixels."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+
+from optiserve.tasks.registry import GateLimits, Task, register_task
+
+AGREE_PIXELS = 0.99  # a shadow's mask agrees with the answer's when at least this share of pixels match
+
+
+def masks(raw: np.ndarray) -> np.ndarray:
+    """[N, K, H, W] scores -> [N, H, W] class ids (uint8 for up to 256 classes, else uint16)."""
+    return raw.argmax(1).astype(np.uint8 if raw.shape[1] <= 256 else np.uint16)
+
+
+def overlaps(out: np.ndarray, reference: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per image and class, the pixels both masks give the class (intersection) and either does
+    (union): two [N, K] arrays, so mIoU over any resample of images is a sum and a division."""
+    n = len(out)
+    a, b = out.reshape(n, -1).astype(np.int64), reference.reshape(n, -1).astype(np.int64)
+    rows = np.arange(n)[:, None] * k  # image i's class c counts at i * k + c
+    count = lambda ids: np.bincount(ids.ravel(), minlength=n * k).reshape(n, k)  # noqa: E731
+    inter = count((rows + a)[a == b])
+    union = count(rows + a) + count(rows + b) - inter
+    return inter, union
+
+
+def mean_iou(inter: np.ndarray, union: np.ndarray) -> float:
+    """Mean over the classes present in either mask set of intersection / union summed over images."""
+    i, u = inter.sum(0), union.sum(0)
+    present = u > 0
+    return float((i[present] / u[present]).mean()) if present.any() else 1.0
+
+
+def bootstrap(n: int, statistic, resamples: int = 1000, seed: int = 0) -> list[float]:
+    """95% bootstrap interval of `statistic(indices)` over resamples of n images."""
+    rng = np.random.default_rng(seed)
+    values = [statistic(rng.integers(0, n, n)) for _ in range(resamples)]
+    return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+
+
+def png_of(mask: np.ndarray) -> bytes:
+    """A mask of class ids as a grayscale PNG (8-bit, or 16-bit past 256 classes)."""
+    from PIL import Image
+
+    image = Image.fromarray(mask.astype(np.uint8)) if mask.dtype == np.uint8 else Image.fromarray(
+        mask.astype(np.uint16), "I;16")
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=1)
+    return buffer.getvalue()
+
+
+def at_size(mask: np.ndarray, size: tuple[int, int] | None) -> np.ndarray:
+    """`mask` [H, W] resized (nearest class) to `size` (width, height), the uploaded image's."""
+    if size is None or (size[1], size[0]) == mask.shape:
+        return mask
+    w, h = size
+    rows = (np.arange(h) * mask.shape[0] // h)[:, None]
+    cols = (np.arange(w) * mask.shape[1] // w)[None, :]
+    return mask[rows, cols]
+
+
+class Segmentation(Task):
+    name = "segmentation"
+    outputs = ("logits",)
+    description = "one [N, K, H, W] tensor of class scores per pixel"
+    output_form = "[N, K, H, W]"
+    has_classes = True
+    answers_at_upload_size = True
+
+    def width(self, manifest: dict) -> int:
+        return len(manifest["classes"])
+
+    def output_shape(self, manifest: dict) -> list[int]:
+        return [int(v) for v in manifest["output_shape"]]
+
+    def reduce(self, raw: np.ndarray) -> np.ndarray:
+        return masks(raw)
+
+    def metrics(self, out, reference, labels) -> dict:
+        """`out` and `reference` are masks (`reduce`); image-level labels do not judge masks."""
+        n = len(out)
+        k = int(max(out.max(initial=0), reference.max(initial=0))) + 1
+        agree = (out.reshape(n, -1) == reference.reshape(n, -1)).mean(1)
+        inter, union = overlaps(out, reference, k)
+        return {"pixel_agreement": float(agree.mean()),
+                "pixel_agreement_ci95": bootstrap(n, lambda idx: agree[idx].mean()),
+                "miou_fp32": mean_iou(inter, union),
+                "miou_fp32_ci95": bootstrap(n, lambda idx: mean_iou(inter[idx], union[idx])),
+                "images": n}
+
+    def gate(self, metrics, baseline, limits: GateLimits, why_not: str = "") -> tuple[str, str | None]:
+        if why_not:
+            return "unvalidated", why_not
+        if metrics["miou_fp32"] < limits.min_miou:
+            return "rejected", (f"mIoU against fp32's masks {metrics['miou_fp32']:.4f} is below "
+                                f"{limits.min_miou:g}")
+        return "accepted", None
+
+    def columns(self) -> list[str]:
+        return ["pixel agree fp32 [95% CI]", "mIoU vs fp32 [95% CI]"]
+
+    def cells(self, metrics, baseline) -> list[str]:
+        (a_low, a_high), (m_low, m_high) = metrics["pixel_agreement_ci95"], metrics["miou_fp32_ci95"]
+        return [f"{100 * metrics['pixel_agreement']:.2f}% [{100 * a_low:.2f}, {100 * a_high:.2f}]",
+                f"{metrics['miou_fp32']:.4f} [{m_low:.4f}, {m_high:.4f}]"]
+
+    def protocol_output(self, name, raw) -> np.ndarray:
+        return raw.astype(np.float32, copy=False)
+
+    def answer(self, raw, manifest, params) -> dict:
+        classes = manifest["classes"]
+        sizes = params.get("sizes") or [None] * len(raw)
+        answers = []
+        for mask, size in zip(masks(raw), sizes):
+            mask = at_size(mask, size)
+            counts = np.bincount(mask.ravel(), minlength=len(classes))
+            shares = {classes[i]: round(float(counts[i]) / mask.size, 6) for i in np.argsort(-counts) if counts[i]}
+            answers.append({"mask": base64.b64encode(png_of(mask)).decode("ascii"), "width": int(mask.shape[1]),
+                            "height": int(mask.shape[0]), "class_fractions": shares})
+        return {"segmentation": answers}
+
+    def agreed(self, answered, shadow) -> int:
+        n = len(answered)
+        same = (masks(answered).reshape(n, -1) == masks(shadow).reshape(n, -1)).mean(1)
+        return int((same >= AGREE_PIXELS).sum())
+
+
+register_task(Segmentation())

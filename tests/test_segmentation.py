@@ -1,0 +1,171 @@
+"""Segmentation models: a torchvision builder (task and input read from torchvision) and the user's own
+network, optimized, judged against fp32's masks, and served as masks at the uploaded image's size."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import textwrap
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from sklearn.datasets import load_digits
+
+from conftest import serving
+from optiserve.data import load_dataset
+from optiserve.errors import UserError
+from optiserve.models import InputOverrides, load_model
+from optiserve.models.registry import InputSpec
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+INK_NET = textwrap.dedent('''
+    from torch import nn
+
+    def build(num_classes=2):
+        """Per-pixel background / ink: a small fully-convolutional network."""
+        block = lambda cin, cout: [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+        return nn.Sequential(*block(3, 16), *block(16, 16), nn.Conv2d(16, num_classes, 1))
+''')
+SEG_INPUT = InputSpec((3, 32, 32), (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), "stretch")
+INK = 0.5  # an input pixel (scaled to [0, 1]) at or above this is ink
+
+
+@pytest.fixture(scope="module")
+def digit_images(tmp_path_factory) -> Path:
+    """600 of scikit-learn's digits as 16x16 grayscale PNGs in class folders."""
+    root = tmp_path_factory.mktemp("digit-images")
+    digits = load_digits()
+    for i, (image, label) in enumerate(zip(digits.images[:600], digits.target[:600])):
+        folder = root / str(label)
+        folder.mkdir(exist_ok=True)
+        Image.fromarray((image * 255 / 16).astype(np.uint8)).resize((16, 16), Image.BILINEAR).save(folder / f"{i}.png")
+    return root
+
+
+def ink_mask(x: np.ndarray) -> np.ndarray:
+    """[N, 3, H, W] normalized inputs -> [N, H, W] 1 where the pixel is ink."""
+    mean, std = np.asarray(SEG_INPUT.mean)[:, None, None], np.asarray(SEG_INPUT.std)[:, None, None]
+    return ((x * std + mean).mean(1) >= INK).astype(np.int64)
+
+
+@pytest.fixture(scope="module")
+def ink_net(digit_images, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """The user's file and its network, trained for a few epochs to mark the digits' ink."""
+    folder = tmp_path_factory.mktemp("user-code")
+    (folder / "ink_net.py").write_text(INK_NET)
+    namespace: dict = {}
+    exec(INK_NET, namespace)
+    model = namespace["build"]()
+    data = load_dataset(f"imagefolder:{digit_images}", SEG_INPUT, 10)
+    images = np.stack([np.asarray(data.calibration_set()[i][0]) for i in range(len(data.calibration_set()))])
+    x, y = torch.from_numpy(images), torch.from_numpy(ink_mask(images))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    model.train()
+    for _ in range(6):
+        for i in torch.randperm(len(x)).split(32):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[i]), y[i]).backward()
+            optimizer.step()
+    model.eval()
+    torch.save(model.state_dict(), folder / "ink_net.pt")
+    return folder, model
+
+
+@pytest.fixture(scope="module")
+def ink_artifact(ink_net, digit_images, tmp_path_factory) -> Path:
+    folder, _ = ink_net
+    labels = folder / "labels.txt"
+    labels.write_text("background\nink\n")
+    out = tmp_path_factory.mktemp("seg") / "ink"
+    run_optimize(OptimizeConfig(f"{folder}/ink_net.py:build", task="segmentation", weights=str(folder / "ink_net.pt"),
+                                dataset=f"imagefolder:{digit_images}", int8=True, openvino=False,
+                                labels=str(labels), input=InputOverrides((3, 32, 32)), out=str(out), progress=False))
+    return out
+
+
+def test_a_segmentation_model_is_judged_by_its_masks_against_fp32(ink_artifact):
+    manifest = json.loads((ink_artifact / "manifest.json").read_text())
+    assert manifest["task"] == "segmentation" and manifest["classes"] == ["background", "ink"]
+    assert manifest["output_shape"] == [2, 32, 32] and manifest["input"]["resize"] == "stretch"
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert by_name["fp32"]["accuracy"]["pixel_agreement"] == 1.0 and by_name["fp32"]["accuracy"]["miou_fp32"] == 1.0
+    int8 = by_name["onnx-int8"]["accuracy"]
+    low, high = int8["miou_fp32_ci95"]
+    assert low <= int8["miou_fp32"] <= high and int8["pixel_agreement"] > 0.9  # a trained net keeps its masks
+    assert by_name["onnx-int8"]["status"] == ("accepted" if int8["miou_fp32"] >= 0.9 else "rejected")
+    report = (ink_artifact / "report.md").read_text()
+    assert "mIoU vs fp32 [95% CI]" in report and "pixel agree fp32" in report
+
+
+def test_a_served_segmentation_model_answers_a_mask_at_the_uploaded_size(ink_artifact, ink_net):
+    httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    _, model = ink_net
+    upload = np.zeros((24, 40), np.uint8)
+    upload[6:18, 8:20] = 255  # an ink block on the left half of a 40x24 image
+    buffer = io.BytesIO()
+    Image.fromarray(upload).save(buffer, format="PNG")
+    images = np.random.default_rng(5).standard_normal((2, 3, 32, 32), dtype=np.float32)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(images)).numpy()
+    with serving(ink_artifact, "--variants", "fp32,onnx-int8") as (base, _):
+        answer = httpx.post(f"{base}/predict", content=buffer.getvalue(), headers={"content-type": "image/png"},
+                            params={"variant": "fp32"}).json()
+        client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
+        metadata = client.get_model_metadata("ink_net-build")
+        infer_input = httpclient.InferInput("input", list(images.shape), "FP32")
+        infer_input.set_data_from_numpy(images)
+        served = client.infer("ink_net-build", [infer_input], model_version="fp32").as_numpy("logits")
+    assert metadata["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 2, 32, 32]}]
+    np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-4)  # the user's module's own output
+    seg = answer["segmentation"][0]
+    mask = np.asarray(Image.open(io.BytesIO(base64.b64decode(seg["mask"]))))
+    assert (seg["width"], seg["height"]) == (40, 24) and mask.shape == (24, 40)
+    assert ((mask == 1) == (upload >= 128)).mean() > 0.95  # the ink, where it was uploaded
+    assert set(seg["class_fractions"]) <= {"background", "ink"}
+    assert seg["class_fractions"]["ink"] == pytest.approx((mask == 1).mean(), abs=1e-6)
+    assert sum(seg["class_fractions"].values()) == pytest.approx(1.0)
+
+
+def test_a_torchvision_segmentation_builder_is_served_as_torchvision_computes_it(digit_images, tmp_path):
+    torchvision = pytest.importorskip("torchvision")
+    reference = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=3).eval()
+    torch.save(reference.state_dict(), tmp_path / "lraspp.pth")
+    loaded = load_model("torchvision:lraspp_mobilenet_v3_large", str(tmp_path / "lraspp.pth"), num_classes=3,
+                        overrides=InputOverrides((3, 64, 64)))
+    assert loaded.task == "segmentation" and loaded.input.resize == "stretch"  # from the builder, not a flag
+    assert loaded.output_shape == (3, 64, 64)
+    out = tmp_path / "lraspp"
+    run_optimize(OptimizeConfig("torchvision:lraspp_mobilenet_v3_large", weights=str(tmp_path / "lraspp.pth"),
+                                num_classes=3, dataset=f"imagefolder:{digit_images}", onnx=False, openvino=False,
+                                input=InputOverrides((3, 64, 64)), out=str(out), progress=False))
+    images = np.random.default_rng(7).standard_normal((2, 3, 64, 64), dtype=np.float32)
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(images))["out"].numpy()
+    with serving(out, "--variants", "fp32") as (base, _):
+        body = {"inputs": [{"name": "input", "shape": list(images.shape), "datatype": "FP32",
+                            "data": images.ravel().tolist()}]}
+        result = httpx.post(f"{base}/v2/models/torchvision-lraspp_mobilenet_v3_large/infer", json=body).json()
+    logits = result["outputs"][0]
+    assert logits["name"] == "logits" and logits["shape"] == [2, 3, 64, 64]
+    np.testing.assert_allclose(np.asarray(logits["data"], np.float32).reshape(2, 3, 64, 64), expected,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_segmentation_mistakes_are_refused_in_one_line(ink_net, tmp_path):
+    folder, _ = ink_net
+    model = f"{folder}/ink_net.py:build"
+    with pytest.raises(UserError, match=r"returns shape \[N, 2, 32, 32\]; say what it means: pass --task segmentation"):
+        load_model(model, overrides=InputOverrides((3, 32, 32)))
+    with pytest.raises(UserError, match="use --resize stretch"):
+        load_model(model, overrides=InputOverrides((3, 32, 32), resize="crop"), task="segmentation")
+    (tmp_path / "classifier.py").write_text("from torch import nn\ndef build():\n"
+                                            "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 4))\n")
+    with pytest.raises(UserError, match=r"returns shape \[N, 4\]; --task segmentation takes one \[N, K, H, W\] tensor"):
+        load_model(f"{tmp_path}/classifier.py:build", overrides=InputOverrides((3, 32, 32)), task="segmentation")
