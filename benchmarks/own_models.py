@@ -1,6 +1,6 @@
 """Models users bring, end to end: `optimize` on each and the served throughput of its recommendation.
 
-Four models of the kinds users arrive with, each first fine-tuned briefly here on scikit-learn's
+Five models of the kinds users arrive with, each first fine-tuned briefly here on scikit-learn's
 digits written as an image folder (900 RGB PNGs upscaled to the input; real images, no download)
 so that their outputs mean something, then saved the way users save them:
 
@@ -10,6 +10,9 @@ so that their outputs mean something, then saved the way users save them:
     function in the user's file (`embed.py:build`, --task embedding), judged by cosine similarity
   - a foreign ONNX file: the timm classifier exported by torch.onnx with its own input name
     (`pixel_values`), optimized from the file (the torch passes skipped)
+  - a torchvision segmentation model: torchvision:lraspp_mobilenet_v3_large (task read from the
+    builder), fine-tuned to mark each digit's ink with its class (11 classes: background and the
+    ten digits), judged by pixel agreement and mIoU against fp32's masks, served as mask PNGs
 
 For each, in one run: the optimizer's variants (size, median latency at batch 1 and 16 from
 interleaved rounds, the task's measure against fp32, status), then `optiserve serve` with the
@@ -18,6 +21,7 @@ project's load generator): images/s, p50, p99.
 
     python benchmarks/own_models.py                     # 128x128 inputs, 2 fine-tuning epochs
     python benchmarks/own_models.py --size 224 --epochs 1 --duration 10
+    python benchmarks/own_models.py --only segmentation
 """
 
 from __future__ import annotations
@@ -97,7 +101,31 @@ def fine_tune(model: torch.nn.Module, work: Path, size: int, epochs: int) -> tor
     return model.eval()
 
 
-def models(work: Path, size: int, epochs: int) -> list[tuple[str, OptimizeConfig]]:
+def fine_tune_segmentation(model: torch.nn.Module, work: Path, size: int, epochs: int) -> torch.nn.Module:
+    """As `fine_tune`, each pixel's target being its digit's class (1 + index in NAMES) where the
+    pixel is ink (at least half white), background (0) elsewhere."""
+    from optiserve.data import load_dataset
+    from optiserve.models.registry import IMAGENET_MEAN, IMAGENET_STD, InputSpec
+
+    spec = InputSpec((3, size, size), IMAGENET_MEAN, IMAGENET_STD, "stretch")
+    data = load_dataset(f"imagefolder:{work / 'digits'}", spec, 10)
+    to_class = torch.tensor([1 + NAMES.index(c) for c in data.classes])
+    mean, std = torch.tensor(IMAGENET_MEAN)[:, None, None], torch.tensor(IMAGENET_STD)[:, None, None]
+    loader = torch.utils.data.DataLoader(data.calibration_set(), batch_size=32, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.train()
+    for _ in range(epochs):
+        for x, y in loader:
+            ink = (x * std + mean).mean(1) >= 0.5
+            target = torch.where(ink, to_class[y][:, None, None], torch.zeros_like(ink, dtype=torch.long))
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x)["out"], target).backward()
+            optimizer.step()
+    return model.eval()
+
+
+def models(work: Path, size: int, epochs: int, only: set[str]) -> list[tuple[str, OptimizeConfig]]:
     import torchvision
 
     torch.manual_seed(0)
@@ -106,6 +134,16 @@ def models(work: Path, size: int, epochs: int) -> list[tuple[str, OptimizeConfig
     common = dict(dataset=f"imagefolder:{work / 'digits'}", int8=True, progress=False,
                   input=InputOverrides((3, size, size)))
     out = []
+    if "segmentation" in only:
+        lraspp = fine_tune_segmentation(torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+            weights=None, weights_backbone=None, num_classes=11), work, size, epochs)
+        torch.save(lraspp.state_dict(), work / "lraspp-digits.pth")
+        (work / "seg-labels.txt").write_text("\n".join(["background", *NAMES]) + "\n")
+        out.append(("a torchvision segmentation model", OptimizeConfig(
+            "torchvision:lraspp_mobilenet_v3_large", num_classes=11, labels=str(work / "seg-labels.txt"),
+            weights=str(work / "lraspp-digits.pth"), out=str(work / "seg"), **common)))
+    if not only & {"classification", "embedding", "onnx"}:
+        return out
     try:
         import timm
         from safetensors.torch import save_file
@@ -137,7 +175,10 @@ def models(work: Path, size: int, epochs: int) -> list[tuple[str, OptimizeConfig
                                                            out=str(work / "embed"), **common)))
     if onnx_model:
         out.append(onnx_model)
-    return out
+    kinds = {"a timm classifier": "classification", "a torchvision classifier": "classification",
+             "an embedding from a file": "embedding", "a foreign ONNX file": "onnx",
+             "a torchvision segmentation model": "segmentation"}
+    return [(title, cfg) for title, cfg in out if kinds[title] in only]
 
 
 def measure(folder: Path, variant: str, images: list[bytes], concurrency: int, seconds: float) -> dict:
@@ -154,6 +195,8 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=2, help="fine-tuning epochs of each classifier (default 2)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--duration", type=float, default=15.0, help="measured seconds of served load per model")
+    p.add_argument("--only", default="classification,embedding,onnx,segmentation",
+                   help="which rows, comma-separated (default: all)")
     args = p.parse_args()
     print(f"CPU: {cpu_line()}")
     print(f"input 3x{args.size}x{args.size}; digits as an image folder (900 PNGs, classifiers fine-tuned "
@@ -162,7 +205,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         pngs = write_digits(work / "digits", args.size)
-        for title, cfg in models(work, args.size, args.epochs):
+        for title, cfg in models(work, args.size, args.epochs, set(args.only.split(","))):
             manifest = run_optimize(cfg)
             task = get_task(manifest["task"])
             base = next(v for v in manifest["variants"] if v["name"] == manifest["baseline"])

@@ -89,4 +89,23 @@ def test_imagefolder_errors_name_the_problem(tmp_path):
 def test_synthetic_data_follows_the_model_spec_and_is_marked_unlabelled():
     data = load_dataset("synthetic", IMAGENET_INPUT, 1000)
     assert data.train[0][0].shape == (3, 224, 224)
-    assert not data.labelled and len(data.classes) == 1000
+    assert not data.labelled and not data.real_images and len(data.classes) == 1000
+
+
+def test_images_straight_in_a_folder_are_an_unlabelled_set_split_without_overlap(tmp_path):
+    for i, image in enumerate(load_digits().images[:40]):
+        Image.fromarray((image * 255 / 16).astype(np.uint8)).save(tmp_path / f"photo-{i:03d}.png")
+    (tmp_path / "notes.txt").write_text("not an image: ignored")
+    data = load_dataset(f"imagefolder:{tmp_path}", IMAGENET_INPUT, 1000)
+    assert not data.labelled and data.real_images and data.classes == []
+    splits = [data.train, data.val, data.test]
+    assert [len(s) for s in splits] == [28, 4, 8]
+    assert sorted(i for s in splits for i in s.indices) == list(range(40))  # disjoint, all of them
+    image, label = data.test[0]
+    assert tuple(image.shape) == (3, 224, 224) and label == -1
+    few = tmp_path / "few"
+    few.mkdir()
+    for i in range(3):
+        Image.fromarray(np.zeros((8, 8), np.uint8)).save(few / f"{i}.png")
+    with pytest.raises(UserError, match="3 images; an unlabelled folder needs at least 10"):
+        load_dataset(f"imagefolder:{few}", IMAGENET_INPUT, 1000)

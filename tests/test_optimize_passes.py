@@ -22,6 +22,7 @@ from optiserve.optimize.quantize_torch import quantize_torch_fx
 from optiserve.optimize.trace import TraceMismatch, save_torchscript, trace_torchscript
 from optiserve.optimize.validate import gate
 from optiserve.runtime import load_session
+from optiserve.tasks import GateLimits, get_task
 
 SMALL = InputSpec((1, 16, 16), (0.3,), (0.3,))
 
@@ -175,3 +176,19 @@ def test_accuracy_gate_rejects_drops_beyond_the_limit_and_marks_unlabelled_data(
     status, reason = gate(acc(0.975), 0.99, 1.0, True)
     assert status == "rejected" and "fell 1.50 points (limit 1)" in reason
     assert gate(acc(None), None, 1.0, False, "random weights") == ("unvalidated", "random weights")
+
+
+def test_without_labels_a_classifier_may_disagree_with_fp32_on_at_most_the_allowed_drop():
+    task = get_task("classification")
+    reference = np.eye(10)[np.arange(200) % 10]             # fp32's top-1: image i is class i % 10
+    close, far = reference.copy(), reference.copy()
+    close[:1] = np.eye(10)[[5]]                              # 1 image of 200 answers otherwise: 0.5%
+    far[:5] = np.eye(10)[[9]]                                # 5 images (classes 0-4) answer 9: 2.5%
+    baseline = task.metrics(reference, reference, None)
+    near = task.metrics(close, reference, None)
+    assert near["top1"] is None and near["agreement"] == 0.995
+    low, high = near["agreement_ci95"]
+    assert low < 0.995 < high <= 1.0
+    assert task.gate(near, baseline, GateLimits(max_accuracy_drop=1.0)) == ("accepted", None)
+    status, reason = task.gate(task.metrics(far, reference, None), baseline, GateLimits(max_accuracy_drop=1.0))
+    assert status == "rejected" and "differs from fp32's on 2.50% of the images (no labels; limit 1)" in reason

@@ -463,3 +463,25 @@ def test_a_torchscript_file_is_optimized_from_the_module_it_holds(user_code, lig
         expected = scripted(torch.from_numpy(images)).numpy()
     for variant in ("fp32", "onnx-fp32"):
         np.testing.assert_allclose(offline_logits(tmp_path / "art", variant, images), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_classifier_on_unlabelled_images_is_judged_by_top1_agreement_with_fp32(user_code, lightning_checkpoint,
+                                                                                 digit_images, tmp_path):
+    import shutil
+
+    loose = tmp_path / "unlabelled"
+    loose.mkdir()
+    for png in sorted(digit_images.glob("*/*.png"))[::3]:  # 300 images straight in the folder, no classes
+        shutil.copy(png, loose / f"{png.parent.name}-{png.name}")
+    manifest = run_optimize(OptimizeConfig(f"{user_code}/digit_net.py:build", weights=str(lightning_checkpoint),
+                                           dataset=f"imagefolder:{loose}", int8=True, openvino=False,
+                                           input=InputOverrides((3, 16, 16)), out=str(tmp_path / "art"),
+                                           progress=False))
+    assert manifest["accuracy_meaningful"]
+    assert any("has no labels: each variant is judged by how often its top-1 agrees" in n for n in manifest["notes"])
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert by_name["fp32"]["status"] == "accepted" and by_name["fp32"]["accuracy"]["agreement"] == 1.0
+    for name in ("onnx-int8", "torch-int8"):
+        accuracy = by_name[name]["accuracy"]
+        assert accuracy["top1"] is None and accuracy["agreement_ci95"][0] <= accuracy["agreement"]
+        assert by_name[name]["status"] == ("accepted" if 100 * (1 - accuracy["agreement"]) <= 1.0 else "rejected")

@@ -1,4 +1,6 @@
-"""A user's own images in torchvision's ImageFolder layout: PATH/CLASS/IMAGE (or PATH/{train,val,test}/CLASS/IMAGE)."""
+"""A user's own images: labelled in torchvision's ImageFolder layout, PATH/CLASS/IMAGE (or
+PATH/{train,val,test}/CLASS/IMAGE), or unlabelled, PATH/IMAGE (images straight in the folder, no
+class subfolders), for calibration and for judging variants against fp32's own answers."""
 
 from __future__ import annotations
 
@@ -6,11 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Subset
+from PIL import Image
+from torch.utils.data import Dataset, Subset
 from torchvision import datasets, transforms
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from optiserve.data.image_input import image_to_input
-from optiserve.data.splits import DatasetSplits, stratified_split
+from optiserve.data.splits import SPLIT_FRACTIONS, DatasetSplits, stratified_split
 from optiserve.errors import UserError, first_line
 from optiserve.models.registry import InputSpec
 
@@ -37,15 +41,55 @@ def _folder(path: Path, transform) -> datasets.ImageFolder:
     try:
         return datasets.ImageFolder(str(path), transform=transform)
     except (FileNotFoundError, RuntimeError) as e:
-        raise UserError(f"image folder {path} holds no images in class subfolders "
-                        f"(expected {path}/CLASS/IMAGE.jpg): {first_line(e)}") from None
+        raise UserError(f"image folder {path} holds no images in class subfolders (expected {path}/CLASS/IMAGE.jpg, "
+                        f"or unlabelled images straight in {path}): {first_line(e)}") from None
+
+
+class UnlabelledImages(Dataset):
+    """Image files without labels: (input, -1) each."""
+
+    def __init__(self, files: list[Path], transform):
+        self.files, self.transform = files, transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int):
+        try:
+            with Image.open(self.files[i]) as im:
+                image = im.convert("RGB") if im.mode not in ("L", "RGB") else im.copy()
+        except Exception as e:  # noqa: BLE001  Pillow raises many kinds on a bad file
+            raise UserError(f"cannot read image {self.files[i]}: {first_line(e, with_type=True)}") from None
+        return self.transform(image), -1
+
+
+def image_files(root: Path) -> list[Path]:
+    """The images straight in `root` (not in subfolders), sorted by name."""
+    return sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS)
+
+
+def _unlabelled_splits(root: Path, files: list[Path], spec: InputSpec, seed: int) -> DatasetSplits:
+    """Unlabelled images split at random (deterministically) in SPLIT_FRACTIONS proportions."""
+    if len(files) < 10:
+        raise UserError(f"{root}: {len(files)} images; an unlabelled folder needs at least 10 to split into "
+                        f"calibration and held-out images")
+    order = np.random.default_rng(seed).permutation(len(files))
+    n_train, n_val = int(len(files) * SPLIT_FRACTIONS[0]), int(len(files) * SPLIT_FRACTIONS[1])
+    tr, va, te = np.sort(order[:n_train]), np.sort(order[n_train:n_train + n_val]), np.sort(order[n_train + n_val:])
+    full_eval, full_train = UnlabelledImages(files, EvalPreprocess(spec)), UnlabelledImages(files, train_transform(spec))
+    return DatasetSplits(f"imagefolder:{root}", Subset(full_train, tr), Subset(full_eval, va), Subset(full_eval, te),
+                         [], spec, calib=Subset(full_eval, tr), labelled=False, in_memory=False)
 
 
 def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0) -> DatasetSplits:
-    """Use PATH/train, PATH/val and PATH/test when present; otherwise split PATH deterministically, stratified."""
+    """Use PATH/train, PATH/val and PATH/test when present; otherwise split PATH deterministically, stratified;
+    images straight in PATH with no class subfolders are an unlabelled set."""
     root = Path(path).expanduser()
     if not root.is_dir():
         raise UserError(f"dataset path {root} does not exist or is not a folder (use imagefolder:PATH/TO/IMAGES)")
+    loose = image_files(root)
+    if loose and not any(p.is_dir() for p in root.iterdir()):
+        return _unlabelled_splits(root, loose, spec, seed)
     if (root / "train").is_dir() and ((root / "val").is_dir() or (root / "test").is_dir()):
         train = _folder(root / "train", train_transform(spec))
         test_dir = root / "test" if (root / "test").is_dir() else root / "val"

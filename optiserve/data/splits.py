@@ -25,7 +25,8 @@ class DatasetSplits:
     classes: list[str]
     input: InputSpec
     calib: Dataset | None = None  # the train images without augmentation (calibration); None: same as train
-    labelled: bool = True    # False: labels are placeholders, accuracy cannot be measured
+    labelled: bool = True    # False: labels are placeholders; variants are judged against fp32's answers
+    real_images: bool = True  # False: random tensors (synthetic), on which no answer means anything
     in_memory: bool = True   # True: samples are tensors already, DataLoader workers would only add IPC
 
     def calibration_set(self) -> Dataset:

@@ -17,4 +17,5 @@ def load_synthetic_splits(spec: InputSpec, num_classes: int, seed: int = 0, size
                                               torch.zeros(n, dtype=torch.long))
 
     return DatasetSplits("synthetic", split(size), split(size // 4), split(size // 4),
-                         [str(i) for i in range(num_classes)], spec, labelled=False)
+                         [str(i) for i in range(num_classes)], spec, labelled=False,
+                         real_images=False)

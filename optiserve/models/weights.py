@@ -174,7 +174,7 @@ def _task_input(spec: InputSpec, task: str | None, overrides: InputOverrides) ->
 def _output_task(task: str | None, shape: tuple[int, ...], name: str) -> str:
     """The task `shape` (one image's output) is for: the one given, checked, else classification for a
     [N, K] output; any other output needs --task, asked for in one line."""
-    wanted = {get_task(t).output_form.count(",") + 1: t for t in list_tasks()}  # [N, K] -> 2 axes ...
+    wanted = {get_task(t).output_form.count(",") + 1: t for t in list_tasks()}  # axes, batch included -> task
     if task is None:
         if len(shape) == 1:
             return "classification"

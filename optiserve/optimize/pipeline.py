@@ -178,8 +178,9 @@ def class_mapping(model_classes: list[str], data_classes: list[str]) -> list[int
 
 
 def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> tuple[str, list[int] | None]:
-    """('', class mapping) when accuracy on `data` is meaningful for `loaded`, else (why not, None).
-    Raises on pairs that cannot run at all."""
+    """('', class mapping) when variants can be judged on `data` for `loaded`, else (why not, None);
+    the mapping is None where the data's labels cannot score the model (none, or not its classes),
+    and a classifier is then judged by top-1 agreement with fp32. Raises on pairs that cannot run."""
     if tuple(loaded.input.shape) != tuple(data.input.shape):
         fix = ("use the dataset the checkpoint was trained on" if loaded.rebuildable else
                "give your images with --dataset imagefolder:PATH (or --dataset synthetic for a smoke run)")
@@ -187,14 +188,21 @@ def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> tuple[str, li
                         f"{list(data.input.shape)}; {fix}")
     if not loaded.accuracy_meaningful:
         return "random weights: accuracy is meaningless", None
-    if loaded.task != "classification":
+    if not data.real_images:
+        return f"dataset {data.name} is random tensors, not images: accuracy cannot be measured", None
+    if loaded.task != "classification" or not data.labelled:
         return "", None  # judged against fp32's outputs: no labels needed
-    if not data.labelled:
-        return f"dataset {data.name} has no labels", None
-    mapping = class_mapping(loaded.classes, data.classes)
-    if mapping is None:
-        return f"the classes of dataset {data.name} are not the model's (matched by name)", None
-    return "", mapping
+    return "", class_mapping(loaded.classes, data.classes)
+
+
+def _judged_by_agreement(loaded: LoadedModel, data: DatasetSplits, why_not: str, mapping) -> list[str]:
+    """The note that says a classifier is judged without labels, and why."""
+    if why_not or loaded.task != "classification" or mapping is not None:
+        return []
+    why = ("has no labels" if not data.labelled else
+           "has class folders that are not the model's classes (matched by name)")
+    return [f"dataset {data.name} {why}: each variant is judged by how often its top-1 agrees with fp32's; "
+            f"it may disagree on at most --max-accuracy-drop percent of the images, the most its top-1 could fall"]
 
 
 def run_optimize(cfg: OptimizeConfig) -> dict:
@@ -213,8 +221,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         data = load_dataset(cfg.dataset, loaded.input, len(loaded.classes))
         why_not, mapping = _check_compatible(loaded, data)
         evalset = materialize(data.test, data.labelled)
-        if mapping is not None and evalset.labels is not None:
-            evalset.labels = np.asarray(mapping)[evalset.labels]
+        evalset.labels = None if mapping is None else np.asarray(mapping)[evalset.labels]
     log.note(f"{len(evalset.images)} held-out test images; calibration draws from the train split")
 
     torch.manual_seed(0)
@@ -222,7 +229,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     out = cfg.out_path
     with artifacts.staging_folder(out) as stage:
         variants: list[Variant] = []
-        notes: list[str] = []
+        notes: list[str] = _judged_by_agreement(loaded, data, why_not, mapping)
         skipped: list[dict] = []  # variants this machine cannot run fast, with the reason: rows of their own
         if loaded.from_file:
             baseline = _onnx_file_variants(stage, loaded, data, evalset, cfg, why_not, log, variants, notes, skipped)
@@ -507,9 +514,10 @@ def _prune_channels(loaded, data, evalset, example, cfg, why_not, log):
         return score(logits, logits, evalset.labels)["top1"]
 
     settings["test_top1_before_finetune"] = test_top1(pruned)
-    if why_not or cfg.finetune_epochs == 0:
+    no_labels = "no labels of the model's classes" if evalset.labels is None else ""
+    if why_not or no_labels or cfg.finetune_epochs == 0:
         settings["finetune"] = None
-        log.note(f"no fine-tune ({why_not or '--finetune-epochs 0'})")
+        log.note(f"no fine-tune ({why_not or no_labels or '--finetune-epochs 0'})")
     else:
         log.note(f"fine-tuning for {cfg.finetune_epochs} epochs on {data.name} train")
         settings["finetune"] = fine_tune(pruned, data, cfg.finetune_epochs, device=cfg.device,

@@ -1,11 +1,11 @@
-"""Classification: [N, K] class scores. Judged by top-1 against labels (or agreement with fp32's
-top-1 without them); answered with the top-k classes and their probabilities."""
+"""Classification: [N, K] class scores. Judged by top-1 against labels, or without them by how often
+top-1 agrees with fp32's; answered with the top-k classes and their probabilities."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from optiserve.intervals import paired_accuracy_difference
+from optiserve.intervals import paired_accuracy_difference, wilson_interval
 from optiserve.tasks.registry import GateLimits, Task, register_task
 
 
@@ -33,16 +33,27 @@ class Classification(Task):
                 "max_abs_diff": float(np.abs(out - reference).max())}
 
     def metrics(self, out, reference, labels) -> dict:
-        """`measures`, and with labels the paired difference in top-1 from fp32 with its 95% interval."""
+        """`measures`, with labels the paired difference in top-1 from fp32 with its 95% interval,
+        without them the 95% interval of the agreement."""
         metrics = self.measures(out, reference, labels)
         if labels is not None and out is not reference:
             metrics["vs_baseline"] = paired_accuracy_difference(reference.argmax(1) == labels,
                                                                 out.argmax(1) == labels)
+        if labels is None:
+            metrics["agreement_ci95"] = list(wilson_interval(round(metrics["agreement"] * len(out)), len(out)))
         return metrics
 
     def gate(self, metrics, baseline, limits: GateLimits, why_not: str = "") -> tuple[str, str | None]:
-        if why_not or baseline.get("top1") is None or metrics["top1"] is None:
-            return "unvalidated", why_not or "no labelled data to measure accuracy"
+        """Top-1 may fall at most `max_accuracy_drop` points; without labels, top-1 may differ from
+        fp32's on at most that percent of the images (the most top-1 could fall)."""
+        if why_not:
+            return "unvalidated", why_not
+        if baseline.get("top1") is None or metrics["top1"] is None:
+            differ = 100 * (1 - metrics["agreement"])
+            if differ > limits.max_accuracy_drop:
+                return "rejected", (f"top-1 differs from fp32's on {differ:.2f}% of the images (no labels; limit "
+                                    f"{limits.max_accuracy_drop:g})")
+            return "accepted", None
         drop = 100 * (baseline["top1"] - metrics["top1"])
         if drop > limits.max_accuracy_drop:
             return "rejected", f"top-1 fell {drop:.2f} points (limit {limits.max_accuracy_drop:g})"
@@ -57,7 +68,11 @@ class Classification(Task):
         if metrics.get("vs_baseline") and metrics["vs_baseline"]["points"] != 0:
             low, high = metrics["vs_baseline"]["ci95"]
             delta += f" [{low:+.2f}, {high:+.2f}]" + ("" if metrics["vs_baseline"]["significant"] else " n.s.")
-        return [top1, f"{100 * metrics['agreement']:.1f}%", delta]
+        agree = f"{100 * metrics['agreement']:.1f}%"
+        if metrics.get("agreement_ci95"):
+            low, high = metrics["agreement_ci95"]
+            agree += f" [{100 * low:.1f}, {100 * high:.1f}]"
+        return [top1, agree, delta]
 
     def protocol_output(self, name, raw) -> np.ndarray:
         return (raw if name == "logits" else softmax(raw)).astype(np.float32, copy=False)
