@@ -20,7 +20,6 @@ from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
 from optiserve.optimize.quantize_torch import quantize_torch_fx
 from optiserve.optimize.trace import TraceMismatch, save_torchscript, trace_torchscript
-from optiserve.optimize.validate import gate
 from optiserve.runtime import load_session
 from optiserve.tasks import GateLimits, get_task
 
@@ -172,10 +171,11 @@ def test_torch_fx_int8_runs_quantized_kernels_and_keeps_accuracy(small_cnn_check
 
 def test_accuracy_gate_rejects_drops_beyond_the_limit_and_marks_unlabelled_data():
     acc = lambda top1: {"top1": top1, "agreement": 1.0, "max_abs_diff": 0.0}  # noqa: E731
-    assert gate(acc(0.985), 0.99, 1.0, True) == ("accepted", None)
-    status, reason = gate(acc(0.975), 0.99, 1.0, True)
+    gate, limit = get_task("classification").gate, GateLimits(max_accuracy_drop=1.0)
+    assert gate(acc(0.985), {"top1": 0.99}, limit) == ("accepted", None)
+    status, reason = gate(acc(0.975), {"top1": 0.99}, limit)
     assert status == "rejected" and "fell 1.50 points (limit 1)" in reason
-    assert gate(acc(None), None, 1.0, False, "random weights") == ("unvalidated", "random weights")
+    assert gate(acc(None), {"top1": None}, limit, "random weights") == ("unvalidated", "random weights")
 
 
 def test_without_labels_a_classifier_may_disagree_with_fp32_on_at_most_the_allowed_drop():

@@ -169,3 +169,31 @@ def test_segmentation_mistakes_are_refused_in_one_line(ink_net, tmp_path):
                                             "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 4))\n")
     with pytest.raises(UserError, match=r"returns shape \[N, 4\]; --task segmentation takes one \[N, K, H, W\] tensor"):
         load_model(f"{tmp_path}/classifier.py:build", overrides=InputOverrides((3, 32, 32)), task="segmentation")
+
+
+def test_a_segmentation_int8_model_that_misses_its_gate_keeps_sensitive_layers_in_float(ink_net, digit_images,
+                                                                                       tmp_path):
+    """The trained ink net with one channel of its first block 300 times larger and the next conv's
+    weights on it 300 times smaller: the same function in float, but that channel sets the range
+    INT8 quantizes the activation with, leaving the others a few levels."""
+    folder, model = ink_net
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["1.weight"][0] *= 300
+    state["1.bias"][0] *= 300
+    state["3.weight"][:, 0] /= 300
+    torch.save(state, tmp_path / "sensitive.pt")
+    common = dict(task="segmentation", weights=str(tmp_path / "sensitive.pt"), dataset=f"imagefolder:{digit_images}",
+                  int8=True, openvino=False, input=InputOverrides((3, 32, 32)), min_miou=0.99, progress=False,
+                  latency_batch=2, max_float_layers=3)
+    plain = run_optimize(OptimizeConfig(f"{folder}/ink_net.py:build", accuracy_aware=False,
+                                        out=str(tmp_path / "plain"), **common))
+    plain_int8 = {v["name"]: v for v in plain["variants"]}["onnx-int8"]
+    assert plain_int8["status"] == "rejected"  # a real miss, by the masks
+    aware = run_optimize(OptimizeConfig(f"{folder}/ink_net.py:build", out=str(tmp_path / "aware"), **common))
+    int8 = {v["name"]: v for v in aware["variants"]}["onnx-int8"]
+    settings = int8["settings"]["accuracy_aware"]
+    assert settings["plain_int8"]["miou_fp32"] == pytest.approx(plain_int8["accuracy"]["miou_fp32"])
+    assert "mIoU against fp32's masks" in settings["plain_int8"]["reason"]
+    assert int8["status"] == "accepted" and int8["accuracy"]["miou_fp32"] >= 0.99
+    assert settings["tries"][-1] == {"float_layers": len(settings["float_layers"]),
+                                     "miou_fp32": int8["accuracy"]["miou_fp32"], "status": "accepted"}

@@ -1,9 +1,9 @@
-"""Accuracy-aware INT8: when the quantized model misses the accuracy gate, keep its most sensitive
+"""Accuracy-aware INT8: when the quantized model misses its task's gate, keep its most sensitive
 layers in floating point, one at a time, until it passes or a limit is reached.
 
 A layer's sensitivity is measured on validation images (never the test images the gate uses): the
-model is quantized with that one layer left in float, and the better its logits then match fp32's
-(mean squared difference), the more that layer's quantization cost. This takes one quantization
+model is quantized with that one layer left in float, and the better its outputs then match fp32's
+(mean squared difference: logits, vectors, per-pixel scores), the more that layer's quantization cost. This takes one quantization
 per layer, so it runs only for a variant that failed.
 """
 
@@ -17,7 +17,7 @@ import onnx
 
 from optiserve.optimize.quantize_ort import quantize_onnx_static
 
-Gate = Callable[[Path], tuple[str, str | None, float | None]]  # int8 file -> (status, reason, top1)
+Gate = Callable[[Path], tuple[str, str | None, dict]]  # int8 file -> (status, reason, {measure: value})
 Logits = Callable[[Path, np.ndarray], np.ndarray]                # model file, images -> logits
 
 
@@ -49,7 +49,7 @@ def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: li
     at a time, at most `max_float_layers`) until it passes; rewrites `int8_path` with the first that
     passes, or with the last try. Returns `settings` with what was done (`float_layers` etc.).
     `val_images` is called only then: a variant that passes costs no validation images."""
-    status, reason, top1 = gate(int8_path)
+    status, reason, measure = gate(int8_path)
     if status != "rejected":
         return settings
     work = int8_path.parent / f".{int8_path.stem}.accuracy-aware"
@@ -62,8 +62,8 @@ def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: li
             kept.append(node)
             trial = work / "trial.onnx"
             quantize_onnx_static(fp32_path, trial, batches, method, nodes_to_exclude=kept)
-            t_status, t_reason, t_top1 = gate(trial)
-            tries.append({"float_layers": len(kept), "top1": t_top1, "status": t_status})
+            t_status, _, t_measure = gate(trial)
+            tries.append({"float_layers": len(kept), **t_measure, "status": t_status})
             trial.replace(int8_path)
             if t_status != "rejected":
                 break
@@ -72,7 +72,7 @@ def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: li
             leftover.unlink()
         work.rmdir()
     return {**settings, "accuracy_aware": {
-        "plain_int8": {"top1": top1, "reason": reason},
+        "plain_int8": {**measure, "reason": reason},
         "float_layers": kept, "tries": tries, "max_float_layers": max_float_layers,
         "sensitivity": {"images": "validation split", "metric": "mean squared logit difference from fp32 "
                                                                   "with only that layer in float",

@@ -32,7 +32,7 @@ from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
 from optiserve.optimize.quantize_torch import quantize_torch_fx
 from optiserve.optimize.tensorrt import build_tensorrt_engine
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
-from optiserve.optimize.validate import EvalSet, gate, materialize, predict, score
+from optiserve.optimize.validate import EvalSet, materialize, predict, score
 from optiserve.tasks import GateLimits, get_task, list_tasks
 from optiserve.runtime import RuntimeOptions, Session, load_session
 from optiserve.runtime.openvino_backend import bf16_unavailable, companion_bin
@@ -412,26 +412,28 @@ def _fuse(loaded: LoadedModel) -> tuple[torch.nn.Module, str]:
 
 
 def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: OptimizeConfig, why_not: str, log):
-    """fp32 file, int8 file, settings -> settings: re-quantizes an ONNX INT8 model that misses the
-    accuracy gate with its most sensitive layers (measured on validation images) kept in float."""
-    if not cfg.accuracy_aware or why_not or evalset.labels is None or loaded.task != "classification":
+    """fp32 file, int8 file, settings -> settings: re-quantizes an ONNX INT8 model that misses its
+    task's gate with its most sensitive layers (measured on validation images) kept in float."""
+    if not cfg.accuracy_aware or why_not:
         return lambda fp32, int8, settings: settings
     base_manifest = {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict()}
     options = RuntimeOptions(device="cpu", extra={"spin": False})
+    task = get_task(loaded.task)
 
-    def logits(path: Path, images: np.ndarray) -> np.ndarray:
-        return predict(load_session(path, {"name": path.name, "backend": "onnxruntime"}, base_manifest, options), images)
+    def logits(path: Path, images: np.ndarray, keep=None) -> np.ndarray:
+        session = load_session(path, {"name": path.name, "backend": "onnxruntime"}, base_manifest, options)
+        return predict(session, images, keep=keep)
 
     def run(fp32: str, int8: str, settings: dict) -> dict:
-        reference = logits(stage / fp32, evalset.images)
-        baseline = score(reference, reference, evalset.labels)["top1"]
+        reference = logits(stage / fp32, evalset.images, task.reduce)
+        baseline = task.metrics(reference, reference, evalset.labels)
 
         def gate_on_test(path: Path):  # the same gate _validate applies, on the same test images
-            accuracy = score(logits(path, evalset.images), reference, evalset.labels)
-            return (*gate(accuracy, baseline, cfg.max_accuracy_drop, True), accuracy["top1"])
+            accuracy = task.metrics(logits(path, evalset.images, task.reduce), reference, evalset.labels)
+            return (*task.gate(accuracy, baseline, cfg.gate_limits, ""), task.headline(accuracy))
 
         out = keep_sensitive_layers_in_float(stage / fp32, stage / int8, batches, cfg.calib_method,
-                                             lambda: materialize(data.val, True).images,
+                                             lambda: materialize(data.val, data.labelled).images,
                                              logits, gate_on_test, settings, cfg.max_float_layers)
         if "accuracy_aware" in out:
             kept = out["accuracy_aware"]["float_layers"]

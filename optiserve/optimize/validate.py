@@ -1,6 +1,6 @@
 """The accuracy gate: every variant is scored through the runtime layer against the fp32 model, by
-its task's measures (optiserve.tasks); `score` and `gate` are classification's, for the passes
-that judge top-1 themselves (accuracy-aware INT8, pruning)."""
+its task's measures (optiserve.tasks); `score` is classification's, for structured pruning's
+top-1 before and after its fine-tune."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from optiserve.runtime import Session
-from optiserve.tasks import GateLimits, get_task
+from optiserve.tasks import get_task
 
 CLASSIFICATION = get_task("classification")
 
@@ -41,11 +41,3 @@ def score(logits: np.ndarray, reference: np.ndarray, labels: np.ndarray | None) 
     """Classification's measures: top1 (None without labels), agreement of top-1 predictions with
     fp32, max |Δ logits| against fp32."""
     return CLASSIFICATION.measures(logits, reference, labels)
-
-
-def gate(accuracy: dict, baseline_top1: float | None, max_drop_points: float, can_validate: bool,
-         why_not: str = "") -> tuple[str, str | None]:
-    """Classification's gate: accepted / rejected (top-1 fell more than `max_drop_points`
-    percentage points) / unvalidated."""
-    why = "" if can_validate else (why_not or "no labelled data to measure accuracy")
-    return CLASSIFICATION.gate(accuracy, {"top1": baseline_top1}, GateLimits(max_accuracy_drop=max_drop_points), why)

@@ -43,6 +43,9 @@ class Classification(Task):
             metrics["agreement_ci95"] = list(wilson_interval(round(metrics["agreement"] * len(out)), len(out)))
         return metrics
 
+    def headline(self, metrics) -> dict:
+        return {"top1": metrics["top1"]} if metrics["top1"] is not None else {"agreement": metrics["agreement"]}
+
     def gate(self, metrics, baseline, limits: GateLimits, why_not: str = "") -> tuple[str, str | None]:
         """Top-1 may fall at most `max_accuracy_drop` points; without labels, top-1 may differ from
         fp32's on at most that percent of the images (the most top-1 could fall)."""

@@ -52,6 +52,9 @@ class Embedding(Task):
             metrics["neighbour_agreement"] = float((nearest_neighbours(out) == nearest_neighbours(reference)).mean())
         return metrics
 
+    def headline(self, metrics) -> dict:
+        return {"cosine_mean": metrics["cosine_mean"]}
+
     def gate(self, metrics, baseline, limits: GateLimits, why_not: str = "") -> tuple[str, str | None]:
         if why_not:
             return "unvalidated", why_not

@@ -49,6 +49,10 @@ class Task:
         """The variant's output `out` on the held-out images against fp32's (`reference`)."""
         raise NotImplementedError
 
+    def headline(self, metrics: dict) -> dict:
+        """The one measure the gate judges, {name: value}: what a report of tries shows."""
+        raise NotImplementedError
+
     def gate(self, metrics: dict, baseline: dict, limits: GateLimits, why_not: str) -> tuple[str, str | None]:
         """accepted / rejected (with the reason) / unvalidated (`why_not` says why it cannot be judged)."""
         raise NotImplementedError

@@ -96,6 +96,9 @@ class Segmentation(Task):
                 "miou_fp32_ci95": bootstrap(n, lambda idx: mean_iou(inter[idx], union[idx])),
                 "images": n}
 
+    def headline(self, metrics) -> dict:
+        return {"miou_fp32": metrics["miou_fp32"]}
+
     def gate(self, metrics, baseline, limits: GateLimits, why_not: str = "") -> tuple[str, str | None]:
         if why_not:
             return "unvalidated", why_not
