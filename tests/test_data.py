@@ -109,3 +109,17 @@ def test_images_straight_in_a_folder_are_an_unlabelled_set_split_without_overlap
         Image.fromarray(np.zeros((8, 8), np.uint8)).save(few / f"{i}.png")
     with pytest.raises(UserError, match="3 images; an unlabelled folder needs at least 10"):
         load_dataset(f"imagefolder:{few}", IMAGENET_INPUT, 1000)
+
+
+def test_crop_resizes_the_shorter_side_by_the_specs_crop_fraction():
+    from optiserve.data.image_input import image_to_input
+
+    pixels = np.zeros((200, 200), np.uint8)
+    pixels[50:150, 50:150] = 255  # a white square over the middle half of each side
+    spec = lambda fraction: InputSpec((1, 100, 100), (0.0,), (1.0,), "crop", fraction)  # noqa: E731
+    whole = image_to_input(Image.fromarray(pixels), spec(1.0))   # 200 -> 100: all of it, the square in the middle
+    middle = image_to_input(Image.fromarray(pixels), spec(0.5))  # 200 -> 200, the middle 100: only the square
+    assert middle.min() > 0.99
+    assert whole[0, 50, 50] > 0.99 and whole[0, 5, 5] < 0.01 and abs(whole.mean() - 0.25) < 0.02
+    stretched = image_to_input(Image.fromarray(pixels[:, :100]), InputSpec((1, 100, 100), (0.0,), (1.0,), "stretch"))
+    assert abs(stretched.mean() - pixels[:, :100].mean() / 255) < 0.02  # the whole image, nothing cropped

@@ -485,3 +485,13 @@ def test_a_classifier_on_unlabelled_images_is_judged_by_top1_agreement_with_fp32
         accuracy = by_name[name]["accuracy"]
         assert accuracy["top1"] is None and accuracy["agreement_ci95"][0] <= accuracy["agreement"]
         assert by_name[name]["status"] == ("accepted" if 100 * (1 - accuracy["agreement"]) <= 1.0 else "rejected")
+
+
+def test_the_resize_the_source_says_is_kept_and_resize_side_overrides_it():
+    loaded = load_model("torchvision:regnet_y_400mf", num_classes=3)
+    assert loaded.input.resize == "crop" and loaded.input.crop_fraction == pytest.approx(224 / 232)  # torchvision's
+    assert InputOverrides(resize=256).apply(loaded.input, "m").crop_fraction == pytest.approx(224 / 256)
+    assert InputOverrides(resize="stretch").apply(loaded.input, "m").resize == "stretch"
+    with pytest.raises(UserError, match="--resize 200: the shorter side is resized to 200 and then cropped to "
+                                        "224x224, so it must be at least 224"):
+        InputOverrides(resize=200).apply(loaded.input, "m")

@@ -2,8 +2,8 @@
 scored offline on exactly the pixels it will be served.
 
 The image is converted to the model's channels (grayscale or RGB) and resized as the spec's
-`resize` says: "stretch" straight to H x W; "crop" the ImageNet recipe (short side to 256/224 of the
-input, center crop), except for small-input models (side <= 64, e.g. digits at 16x16), resized
+`resize` says: "stretch" straight to H x W; "crop" the ImageNet recipe (short side to the input's
+side / crop_fraction, 256 for 224 by default, then the center crop), except for small-input models (side <= 64, e.g. digits at 16x16), resized
 straight. Then it is scaled to [0, 1] and normalized with the spec's mean and std.
 """
 
@@ -31,7 +31,7 @@ def image_to_input(image: Image.Image, spec: InputSpec, out: np.ndarray | None =
         if max(h, w) <= SMALL_SIDE or spec.resize == "stretch":
             image = image.resize((w, h), Image.BILINEAR)
         else:
-            short = int(round(max(h, w) * 256 / 224))
+            short = int(round(max(h, w) / spec.crop_fraction))
             scale = short / min(image.size)
             image = image.resize((max(w, round(image.width * scale)), max(h, round(image.height * scale))),
                                  Image.BILINEAR)

@@ -22,7 +22,7 @@ from torch import nn
 
 from optiserve.errors import UserError, first_line
 from optiserve.models.onnx_file import is_onnx_file, read_onnx_facts
-from optiserve.models.registry import IMAGENET_MEAN, IMAGENET_STD, InputSpec, create_model, list_models
+from optiserve.models.registry import CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, InputSpec, create_model, list_models
 
 
 @dataclass
@@ -123,9 +123,10 @@ def _build_torchvision(model: str, num_classes: int | None) -> BuiltModel:
         weights = None
     if weights is not None:
         transforms = weights.transforms()
-        crop = getattr(transforms, "crop_size", None)
+        crop, resize = getattr(transforms, "crop_size", None), getattr(transforms, "resize_size", None)
         if crop:
-            spec = InputSpec((3, crop[0], crop[-1]), tuple(transforms.mean), tuple(transforms.std))
+            fraction = min(1.0, crop[0] / resize[0]) if resize else CROP_FRACTION
+            spec = InputSpec((3, crop[0], crop[-1]), tuple(transforms.mean), tuple(transforms.std), "crop", fraction)
         elif segmentation and getattr(transforms, "resize_size", None):
             side = transforms.resize_size[0]  # torchvision resizes the shorter side; here the whole image
             spec = InputSpec((3, side, side), tuple(transforms.mean), tuple(transforms.std), "stretch")
@@ -161,7 +162,8 @@ def _build_timm(model: str, num_classes: int | None) -> BuiltModel:
     cfg = getattr(module, "pretrained_cfg", None) or {}
     spec = None
     if cfg.get("input_size") and cfg.get("mean") and cfg.get("std"):
-        spec = InputSpec(tuple(int(v) for v in cfg["input_size"]), tuple(cfg["mean"]), tuple(cfg["std"]))
+        spec = InputSpec(tuple(int(v) for v in cfg["input_size"]), tuple(cfg["mean"]), tuple(cfg["std"]), "crop",
+                         float(cfg.get("crop_pct") or CROP_FRACTION))
     return BuiltModel(module, spec, None, facts={"timm": timm.__version__, "crop_pct": cfg.get("crop_pct")})
 
 

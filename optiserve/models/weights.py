@@ -18,7 +18,7 @@ from optiserve.checkpoint import NotACheckpoint, read_checkpoint
 from optiserve.errors import UserError, first_line
 from optiserve.files import sha256_file
 from optiserve.models.onnx_file import show_shape
-from optiserve.models.registry import InputSpec, create_model, get_model_entry
+from optiserve.models.registry import CROP_FRACTION, InputSpec, create_model, get_model_entry
 from optiserve.models.sources import OutputOf, default_input, find_source, is_registered
 from optiserve.models.state_dicts import load_state_dict_readably, read_state_dict
 from optiserve.tasks import get_task, list_tasks
@@ -35,7 +35,7 @@ class InputOverrides:
     shape: tuple[int, int, int] | None = None
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
-    resize: str | None = None
+    resize: str | int | None = None  # "crop", "stretch", or the side the shorter side is resized to before the crop
 
     def apply(self, spec: InputSpec | None, model: str) -> InputSpec:
         """`spec` (the source's, or None) with the user's values in place of its own."""
@@ -54,8 +54,14 @@ class InputOverrides:
         if min(std) <= 0:
             raise UserError(f"--std must be positive, got {list(std)}")
         resize = self.resize or (spec.resize if spec else "crop")
+        fraction = spec.crop_fraction if spec else CROP_FRACTION
+        if isinstance(resize, int):
+            if resize < max(shape[1:]):
+                raise UserError(f"--resize {resize}: the shorter side is resized to {resize} and then cropped to "
+                                f"{shape[1]}x{shape[2]}, so it must be at least {max(shape[1:])}")
+            resize, fraction = "crop", max(shape[1:]) / self.resize
         try:
-            return InputSpec(tuple(shape), tuple(mean), tuple(std), resize)
+            return InputSpec(tuple(shape), tuple(mean), tuple(std), resize, fraction)
         except ValueError:
             raise UserError(f"--mean and --std need one value, or one per channel ({shape[0]}); got "
                             f"{list(mean)} and {list(std)}") from None
@@ -165,7 +171,7 @@ def _task_input(spec: InputSpec, task: str | None, overrides: InputOverrides) ->
     """A segmentation model sees the whole image (its mask answers every pixel): stretched, not cropped."""
     if task != "segmentation" or spec.resize == "stretch":
         return spec
-    if overrides.resize == "crop":
+    if overrides.resize not in (None, "stretch"):
         raise UserError("segmentation answers a mask of the whole image: use --resize stretch (the default "
                         "for segmentation), not crop")
     return dataclasses.replace(spec, resize="stretch")

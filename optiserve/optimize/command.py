@@ -47,9 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-channel mean the pixels (scaled to [0, 1]) are normalized with (default: the source's, "
                         "else ImageNet's for 3 channels)")
     p.add_argument("--std", type=_floats, default=None, metavar="S[,S,S]", help="per-channel std, as --mean")
-    p.add_argument("--resize", default=None, choices=RESIZE_MODES,
-                   help="how an image of another size becomes the input: crop (shorter side to 256/224 of it, then "
-                        "the center crop) or stretch (the whole image; segmentation's default) (default: crop)")
+    p.add_argument("--resize", default=None, type=_resize, metavar="{crop,stretch,SIDE}",
+                   help="how an image of another size becomes the input: crop (the shorter side resized as the "
+                        "model's source says, else 256 for 224, then the center crop), SIDE (crop, the shorter "
+                        "side resized to SIDE pixels) or stretch (the whole image; segmentation's default)")
     p.add_argument("--labels", default=None, metavar="FILE", help="class names, one a line, in output order")
     p.add_argument("--task", default=None, choices=list_tasks(),
                    help="what the model's output means (default: classification for one [N, K] output)")
@@ -121,6 +122,18 @@ def run(args: argparse.Namespace) -> int:
     print(recommendation_line(manifest).replace("**", ""))
     print(f"wrote {cfg.out_path}/ (manifest.json, report.md, {len(manifest['variants'])} variants)")
     return 0
+
+
+def _resize(text: str) -> str | int:
+    if text in RESIZE_MODES:
+        return text
+    try:
+        side = int(text)
+    except ValueError:
+        side = 0
+    if side < 1:
+        raise argparse.ArgumentTypeError(f"expected {', '.join(RESIZE_MODES)} or a side in pixels, got {text!r}")
+    return side
 
 
 def _ints(n: int):
