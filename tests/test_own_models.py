@@ -495,3 +495,31 @@ def test_the_resize_the_source_says_is_kept_and_resize_side_overrides_it():
     with pytest.raises(UserError, match="--resize 200: the shorter side is resized to 200 and then cropped to "
                                         "224x224, so it must be at least 224"):
         InputOverrides(resize=200).apply(loaded.input, "m")
+
+
+def test_a_torch_export_file_is_optimized_from_the_program_it_holds(user_code, lightning_checkpoint, digit_images,
+                                                                    tmp_path):
+    from conftest import offline_logits
+
+    module = _user_module(user_code, lightning_checkpoint).eval()
+    example = torch.zeros(2, 3, 16, 16)
+    path = tmp_path / "digit_net.pt2"
+    torch.export.save(torch.export.export(module, (example,), dynamic_shapes={"x": {0: torch.export.Dim("batch")}}),
+                      str(path))
+    torch.export.save(torch.export.export(module, (example,)), str(tmp_path / "fixed.pt2"))
+    with pytest.raises(UserError, match="was exported for batches of exactly 2; export it with a dynamic batch"):
+        load_model(str(tmp_path / "fixed.pt2"))
+    manifest = run_optimize(OptimizeConfig(str(path), dataset=f"imagefolder:{digit_images}", int8=True, openvino=False,
+                                           labels=str(user_code / "labels.txt"), out=str(tmp_path / "art"),
+                                           progress=False))
+    assert manifest["source"]["source"] == "torch_export" and manifest["input"]["shape"] == [3, 16, 16]  # its own
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert by_name["fp32"]["accuracy"]["top1"] > 0.7
+    assert by_name["onnx-int8"]["status"] in ("accepted", "rejected") and by_name["onnx-int8"]["precision"] == "int8"
+    skipped = {s["name"]: s["reason"] for s in manifest["skipped"]}
+    assert "found no layer to quantize" in skipped["torch-int8"]  # never the float graph under an INT8 name
+    images = np.random.default_rng(6).standard_normal((3, 3, 16, 16), dtype=np.float32)
+    with torch.no_grad():
+        expected = torch.export.load(str(path)).module()(torch.from_numpy(images)).numpy()
+    for variant in ("fp32", "onnx-fp32"):
+        np.testing.assert_allclose(offline_logits(tmp_path / "art", variant, images), expected, rtol=1e-4, atol=1e-4)

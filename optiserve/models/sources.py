@@ -82,7 +82,7 @@ def is_registered(model: str) -> bool:
 def model_slug(model: str) -> str:
     """A folder and served-model name for MODEL: `torchvision:resnet18` -> `torchvision-resnet18`,
     `nets/tiny.py:build` -> `tiny-build`."""
-    if is_onnx_file(model) or Path(model).suffix in (".pt", ".pth", ".ts", ".torchscript"):
+    if is_onnx_file(model) or Path(model).suffix in (".pt", ".pth", ".ts", ".torchscript", ".pt2"):
         slug = Path(model).name.split(".")[0]
     elif ":" in model and not is_registered(model):
         where, _, attr = model.rpartition(":")
@@ -282,6 +282,68 @@ def _build_torchscript(model: str, num_classes: int | None) -> BuiltModel:
     return BuiltModel(module.eval(), weights="in the file", facts={"sha256": sha256_file(model)})
 
 
+# --- a torch.export file ----------------------------------------------------------------------------
+
+def _is_exported_program(model: str) -> bool:
+    return Path(model).suffix == ".pt2" and Path(model).is_file()
+
+
+class ExportedModule(nn.Module):
+    """A torch.export program as a module. The graph was captured in one mode (eval, for a model
+    exported to serve) and its module refuses train()/eval(), which tracing and the exporters call:
+    here a mode switch changes nothing, as it could not change the captured graph."""
+
+    def __init__(self, program_module: nn.Module):
+        super().__init__()
+        self.program = program_module
+
+    def train(self, mode: bool = True):
+        self.training = mode
+        return self
+
+    def forward(self, x):
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():
+            # the program checks its input's shape against the export's constraints; tracing sees each
+            # check as a Python bool (a TracerWarning), though it depends on shapes only, never on data
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+            return self.program(x)
+
+
+def _build_exported(model: str, num_classes: int | None) -> BuiltModel:
+    """torch.export.load: the program's one image input, whose batch axis must be dynamic."""
+    import torch
+    from torch.export.graph_signature import InputKind
+
+    from optiserve.files import sha256_file
+
+    if num_classes is not None:
+        raise UserError(f"--num-classes: {model} is a torch.export file, whose head is already built")
+    try:
+        program = torch.export.load(model)
+    except Exception as e:
+        raise UserError(f"cannot load {model} with torch.export.load: {first_line(e)}") from None
+    inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    if len(inputs) != 1:
+        raise UserError(f"{model} takes {len(inputs)} inputs; optiserve serves models with one image input")
+    node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == inputs[0])
+    shape = list(node.meta["val"].shape)
+    if len(shape) != 4:
+        raise UserError(f"{model} takes an input of {len(shape)} axes; optiserve takes images [N, C, H, W]")
+    if not isinstance(shape[0], torch.SymInt):
+        raise UserError(f"{model} was exported for batches of exactly {shape[0]}; export it with a dynamic batch: "
+                        f"torch.export.export(model, (x,), dynamic_shapes={{'x': {{0: torch.export.Dim('batch')}}}})")
+    spec = None
+    if not any(isinstance(v, torch.SymInt) for v in shape[1:]):
+        c, h, w = (int(v) for v in shape[1:])
+        spec = InputSpec((c, h, w), *default_input(c))
+    return BuiltModel(ExportedModule(program.module()), spec, weights="in the file",
+                      facts={"sha256": sha256_file(model), "torch_export": True})
+
+
 # --- registered names --------------------------------------------------------------------------------
 
 def _build_registered(model: str, num_classes: int | None) -> BuiltModel:
@@ -301,6 +363,8 @@ register_source(ModelSource("onnx", is_onnx_file, _build_onnx, "model.onnx",
                             "an ONNX file with a dynamic batch axis: the torch passes are skipped"))
 register_source(ModelSource("torchscript", _is_torchscript_file, _build_torchscript, "model.ts.pt",
                             "a TorchScript file (torch.jit.save; it is code: your own file only)"))
+register_source(ModelSource("torch_export", _is_exported_program, _build_exported, "model.pt2",
+                            "a torch.export file (torch.export.save) with a dynamic batch axis"))
 register_source(ModelSource("callable", _is_callable_ref, _build_callable, "path/to/file.py:build",
                             "or package.module:build: your function returning an nn.Module (its code runs)"))
 

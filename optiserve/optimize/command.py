@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.add_argument("model", metavar="MODEL",
                    help=f"a registered model ({', '.join(list_models())}), torchvision:NAME, timm:NAME, "
-                        f"model.onnx, a TorchScript file, path/to/file.py:build or package.module:build")
+                        f"model.onnx, a TorchScript file, a torch.export model.pt2, path/to/file.py:build or "
+                        f"package.module:build")
     p.add_argument("--weights", default=None, metavar="W",
                    help=f"{WEIGHT_CHOICES} (default: checkpoints/MODEL-digits.pt for digits, trained if "
                         f"missing; otherwise the model's default)")

@@ -29,7 +29,7 @@ from optiserve.optimize.progress import PassLog
 from optiserve.optimize.prune import compressed_size, prune_unstructured
 from optiserve.optimize.prune_channels import count_flops, prune_channels
 from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
-from optiserve.optimize.quantize_torch import quantize_torch_fx
+from optiserve.optimize.quantize_torch import NothingQuantized, quantize_torch_fx
 from optiserve.optimize.tensorrt import build_tensorrt_engine
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, materialize, predict, score
@@ -295,6 +295,8 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
         with log.step(f"INT8 PyTorch x86 (FX graph mode, {cfg.calib_size} train images)"):
             try:
                 scripted, settings = quantize_torch_fx(fused, batches)
+            except NothingQuantized as e:
+                skipped.append({"name": "torch-int8", "reason": str(e)})
             except Exception as e:  # FX cannot trace every model (data-dependent control flow)
                 skipped.append({"name": "torch-int8", "reason": f"FX graph mode cannot take this model "
                                                                 f"({first_line(e, True, 200)})"})

@@ -22,8 +22,14 @@ from optiserve.runtime.torch_backends import jit_quietly
 ENGINE = "x86"
 
 
+class NothingQuantized(RuntimeError):
+    """FX found no layer it quantizes (a graph of functional aten calls, e.g. a torch.export program):
+    the result would be the float model under an INT8 name."""
+
+
 def quantize_torch_fx(model: nn.Module, batches: list[np.ndarray]) -> tuple[torch.jit.ScriptModule, dict]:
-    """Calibrate eval-mode `model` on `batches` and return the INT8 model as frozen TorchScript, plus settings."""
+    """Calibrate eval-mode `model` on `batches` and return the INT8 model as frozen TorchScript, plus
+    settings; NothingQuantized when no layer came out quantized."""
     from torch.ao.quantization import get_default_qconfig_mapping
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
@@ -39,8 +45,13 @@ def quantize_torch_fx(model: nn.Module, batches: list[np.ndarray]) -> tuple[torc
         quantized = convert_fx(prepared)
         with jit_quietly():
             scripted = torch.jit.freeze(torch.jit.trace(quantized, example, check_trace=False))
+    quantized_ops = sum(node.kind().startswith("quantized::") for node in scripted.inlined_graph.nodes())
+    if quantized_ops == 0:
+        raise NothingQuantized("torch.ao's FX graph mode found no layer to quantize in this model (its layers are "
+                               "not nn.Conv2d/nn.Linear modules FX recognises)")
     settings = {"flow": "torch.ao FX graph mode", "engine": ENGINE,
                 "qconfig": "x86 default: per-channel symmetric int8 weights, histogram-calibrated uint8 "
                            "activations (reduce_range)",
-                "calibration_images": int(sum(len(b) for b in batches)), "quantized_engine": ENGINE}
+                "calibration_images": int(sum(len(b) for b in batches)), "quantized_engine": ENGINE,
+                "quantized_ops": int(quantized_ops)}
     return scripted, settings
