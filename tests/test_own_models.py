@@ -3,6 +3,7 @@ optimized, gated on real data (scikit-learn's digits as an image folder) and ser
 
 from __future__ import annotations
 
+import importlib.util
 import textwrap
 from pathlib import Path
 
@@ -488,6 +489,8 @@ def test_a_classifier_on_unlabelled_images_is_judged_by_top1_agreement_with_fp32
 
 
 def test_the_resize_the_source_says_is_kept_and_resize_side_overrides_it():
+    if importlib.util.find_spec("timm"):
+        assert load_model("timm:resnet18", num_classes=3).input.crop_fraction == pytest.approx(0.95)  # crop_pct
     loaded = load_model("torchvision:regnet_y_400mf", num_classes=3)
     assert loaded.input.resize == "crop" and loaded.input.crop_fraction == pytest.approx(224 / 232)  # torchvision's
     assert InputOverrides(resize=256).apply(loaded.input, "m").crop_fraction == pytest.approx(224 / 256)

@@ -197,3 +197,34 @@ def test_a_segmentation_int8_model_that_misses_its_gate_keeps_sensitive_layers_i
     assert int8["status"] == "accepted" and int8["accuracy"]["miou_fp32"] >= 0.99
     assert settings["tries"][-1] == {"float_layers": len(settings["float_layers"]),
                                      "miou_fp32": int8["accuracy"]["miou_fp32"], "status": "accepted"}
+
+
+def test_a_segmentation_onnx_file_is_served_under_its_own_input_name_as_onnx_runtime_computes_it(
+        ink_net, digit_images, tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    _, model = ink_net
+    path = tmp_path / "ink.onnx"
+    with torch.no_grad():
+        torch.onnx.export(model, (torch.zeros(2, 3, 32, 32),), str(path), input_names=["pixel_values"],
+                          output_names=["masks"], dynamo=True, external_data=False,
+                          dynamic_shapes={"input": {0: torch.export.Dim("batch", min=1, max=1024)}})
+    with pytest.raises(UserError, match=r"returns shape \[N, 2, 32, 32\]; say what it means: pass --task segmentation"):
+        load_model(str(path))
+    out = tmp_path / "art"
+    manifest = run_optimize(OptimizeConfig(str(path), task="segmentation", dataset=f"imagefolder:{digit_images}",
+                                           int8=True, openvino=False, out=str(out), progress=False))
+    assert manifest["baseline"] == "onnx-fp32" and manifest["input_name"] == "pixel_values"
+    assert manifest["input"]["resize"] == "stretch" and manifest["output_shape"] == [2, 32, 32]
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert by_name["onnx-int8"]["status"] == ("accepted" if by_name["onnx-int8"]["accuracy"]["miou_fp32"] >= 0.9
+                                              else "rejected")
+    images = np.random.default_rng(9).standard_normal((2, 3, 32, 32), dtype=np.float32)
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"pixel_values": images})[0]
+    with serving(out, "--variants", "onnx-fp32") as (base, _):
+        body = {"inputs": [{"name": "pixel_values", "shape": list(images.shape), "datatype": "FP32",
+                            "data": images.ravel().tolist()}]}
+        result = httpx.post(f"{base}/v2/models/ink/infer", json=body).json()
+    logits = result["outputs"][0]
+    assert logits["name"] == "logits" and logits["shape"] == [2, 2, 32, 32]
+    np.testing.assert_allclose(np.asarray(logits["data"], np.float32).reshape(2, 2, 32, 32), expected,
+                               rtol=1e-4, atol=1e-4)
