@@ -58,3 +58,13 @@ def describe_accuracy_difference(d: dict) -> str:
     if not d["significant"]:
         return f"no significant accuracy difference ({interval})"
     return f"{abs(d['points']):.2f} points {'less' if d['points'] < 0 else 'more'} accurate ({interval})"
+
+
+def mean_interval(values, resamples: int = 2000, seed: int = 0) -> list[float]:
+    """95% bootstrap interval of the mean of `values` (one per image: a cosine, a share of pixels)."""
+    import numpy as np
+
+    values = np.asarray(values)
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, len(values), (resamples, len(values)))].mean(1)
+    return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from optiserve.intervals import mean_interval
 from optiserve.tasks.registry import GateLimits, Task, register_task
 
 AGREE_COSINE = 0.99  # a shadow's vector agrees with the answer's at this cosine or above
@@ -25,13 +26,6 @@ def nearest_neighbours(x: np.ndarray) -> np.ndarray:
     sim = x @ x.T
     np.fill_diagonal(sim, -np.inf)
     return sim.argmax(1)
-
-
-def mean_interval(values: np.ndarray, resamples: int = 2000, seed: int = 0) -> list[float]:
-    """95% bootstrap interval of the mean."""
-    rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, len(values), (resamples, len(values)))].mean(1)
-    return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
 
 
 class Embedding(Task):
