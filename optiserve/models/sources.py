@@ -14,10 +14,12 @@ import importlib.util
 import inspect
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
 from torch import nn
 
 from optiserve.errors import UserError, first_line
@@ -269,8 +271,6 @@ def _is_torchscript_file(model: str) -> bool:
 
 def _build_torchscript(model: str, num_classes: int | None) -> BuiltModel:
     """torch.jit.load: TorchScript is code (it runs what the file says), so only the user's own file."""
-    import torch
-
     from optiserve.files import sha256_file
 
     if num_classes is not None:
@@ -302,10 +302,6 @@ class ExportedModule(nn.Module):
         return self
 
     def forward(self, x):
-        import warnings
-
-        import torch
-
         with warnings.catch_warnings():
             # the program checks its input's shape against the export's constraints; tracing sees each
             # check as a Python bool (a TracerWarning), though it depends on shapes only, never on data
@@ -315,7 +311,6 @@ class ExportedModule(nn.Module):
 
 def _build_exported(model: str, num_classes: int | None) -> BuiltModel:
     """torch.export.load: the program's one image input, whose batch axis must be dynamic."""
-    import torch
     from torch.export.graph_signature import InputKind
 
     from optiserve.files import sha256_file
@@ -330,6 +325,8 @@ def _build_exported(model: str, num_classes: int | None) -> BuiltModel:
     if len(inputs) != 1:
         raise UserError(f"{model} takes {len(inputs)} inputs; optiserve serves models with one image input")
     node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == inputs[0])
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        raise UserError(f"{model}'s input is not a tensor; optiserve takes images [N, C, H, W]")
     shape = list(node.meta["val"].shape)
     if len(shape) != 4:
         raise UserError(f"{model} takes an input of {len(shape)} axes; optiserve takes images [N, C, H, W]")
