@@ -89,16 +89,23 @@ def fine_tune(model: torch.nn.Module, work: Path, size: int, epochs: int) -> tor
 
     data = load_dataset(f"imagefolder:{work / 'digits'}", InputSpec((3, size, size), IMAGENET_MEAN, IMAGENET_STD), 10)
     to_output = torch.tensor([NAMES.index(c) for c in data.classes])
+    train_epochs(model, data, epochs, 1e-3, lambda x, y: torch.nn.functional.cross_entropy(model(x), to_output[y]))
+    return model.eval()
+
+
+def train_epochs(model: torch.nn.Module, data, epochs: int, lr: float, loss) -> torch.utils.data.DataLoader:
+    """Adam on `loss(x, y)` over the train split (as the optimizer prepares it) in shuffled batches of
+    32; returns the loader."""
     loader = torch.utils.data.DataLoader(data.calibration_set(), batch_size=32, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     for _ in range(epochs):
         for x, y in loader:
             optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), to_output[y]).backward()
+            loss(x, y).backward()
             optimizer.step()
-    return model.eval()
+    return loader
 
 
 def fine_tune_segmentation(model: torch.nn.Module, work: Path, size: int, epochs: int) -> torch.nn.Module:
@@ -118,16 +125,9 @@ def fine_tune_segmentation(model: torch.nn.Module, work: Path, size: int, epochs
         ink = (x * std + mean).mean(1) >= 0.5
         return torch.where(ink, to_class[y][:, None, None], torch.zeros_like(ink, dtype=torch.long))
 
-    loader = torch.utils.data.DataLoader(data.calibration_set(), batch_size=32, shuffle=True,
-                                         generator=torch.Generator().manual_seed(0))
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     weight = torch.tensor([0.3] + [1.0] * 10)  # background is ~70% of the pixels
-    model.train()
-    for _ in range(epochs):
-        for x, y in loader:
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x)["out"], target(x, y), weight=weight).backward()
-            optimizer.step()
+    loader = train_epochs(model, data, epochs, 3e-3, lambda x, y: torch.nn.functional.cross_entropy(
+        model(x)["out"], target(x, y), weight=weight))
     for module in model.modules():
         if isinstance(module, torch.nn.BatchNorm2d):
             module.reset_running_stats()
@@ -136,7 +136,8 @@ def fine_tune_segmentation(model: torch.nn.Module, work: Path, size: int, epochs
         for x, _ in loader:
             model(x)
     model.eval()
-    x, y = (torch.stack(t) if i == 0 else torch.tensor(t) for i, t in enumerate(zip(*data.test)))
+    images, labels = zip(*data.test)
+    x, y = torch.stack(images), torch.tensor(labels)
     with torch.no_grad():
         predicted, truth = model(x)["out"].argmax(1), target(x, y)
     ink = truth > 0

@@ -47,6 +47,14 @@ def digit_images(tmp_path_factory) -> Path:
     return root
 
 
+def infer_json(base: str, model: str, input_name: str, images: np.ndarray) -> tuple[dict, np.ndarray]:
+    """The protocol's JSON infer of `images`: the answer's first output, and its data in its shape."""
+    body = {"inputs": [{"name": input_name, "shape": list(images.shape), "datatype": "FP32",
+                        "data": images.ravel().tolist()}]}
+    output = httpx.post(f"{base}/v2/models/{model}/infer", json=body).json()["outputs"][0]
+    return output, np.asarray(output["data"], np.float32).reshape(output["shape"])
+
+
 def ink_mask(x: np.ndarray) -> np.ndarray:
     """[N, 3, H, W] normalized inputs -> [N, H, W] 1 where the pixel is ink."""
     mean, std = np.asarray(SEG_INPUT.mean)[:, None, None], np.asarray(SEG_INPUT.std)[:, None, None]
@@ -149,13 +157,9 @@ def test_a_torchvision_segmentation_builder_is_served_as_torchvision_computes_it
     with torch.no_grad():
         expected = reference(torch.from_numpy(images))["out"].numpy()
     with serving(out, "--variants", "fp32") as (base, _):
-        body = {"inputs": [{"name": "input", "shape": list(images.shape), "datatype": "FP32",
-                            "data": images.ravel().tolist()}]}
-        result = httpx.post(f"{base}/v2/models/torchvision-lraspp_mobilenet_v3_large/infer", json=body).json()
-    logits = result["outputs"][0]
+        logits, data = infer_json(base, "torchvision-lraspp_mobilenet_v3_large", "input", images)
     assert logits["name"] == "logits" and logits["shape"] == [2, 3, 64, 64]
-    np.testing.assert_allclose(np.asarray(logits["data"], np.float32).reshape(2, 3, 64, 64), expected,
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(data, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_segmentation_mistakes_are_refused_in_one_line(ink_net, tmp_path):
@@ -221,10 +225,6 @@ def test_a_segmentation_onnx_file_is_served_under_its_own_input_name_as_onnx_run
     images = np.random.default_rng(9).standard_normal((2, 3, 32, 32), dtype=np.float32)
     expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"pixel_values": images})[0]
     with serving(out, "--variants", "onnx-fp32") as (base, _):
-        body = {"inputs": [{"name": "pixel_values", "shape": list(images.shape), "datatype": "FP32",
-                            "data": images.ravel().tolist()}]}
-        result = httpx.post(f"{base}/v2/models/ink/infer", json=body).json()
-    logits = result["outputs"][0]
+        logits, data = infer_json(base, "ink", "pixel_values", images)
     assert logits["name"] == "logits" and logits["shape"] == [2, 2, 32, 32]
-    np.testing.assert_allclose(np.asarray(logits["data"], np.float32).reshape(2, 2, 32, 32), expected,
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(data, expected, rtol=1e-4, atol=1e-4)
