@@ -95,13 +95,10 @@ def test_a_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(tmp_p
     out = tmp_path / "elastic.pt"
     epochs = 20
     with netns.two_nodes() as (a, b), tempfile.TemporaryFile("w+") as log_a, tempfile.TemporaryFile("w+") as log_b:
-        # torchrun sometimes needs a few rendezvous rounds to bring both nodes back (seen here: one in
-        # about five runs, when a new worker group's Gloo mesh meets a peer the other agent restarted
-        # again); each round costs a restart, so leave room for them — once, on a loaded 2-core CI
-        # machine, the two agents restarted out of step five times running (a round every ~7 s),
-        # so there is room for ten
-        agents = [_agent(b, a, "2", out, epochs, log_b, "--max-restarts=10"),
-                  _agent(a, a, "2", out, epochs, log_a, "--max-restarts=10")]
+        # the agents may restart out of step (one for its killed worker, the other when its worker's
+        # collective fails), each restart a rendezvous round: leave room for a few
+        agents = [_agent(b, a, "2", out, epochs, log_b, "--max-restarts=4"),
+                  _agent(a, a, "2", out, epochs, log_a, "--max-restarts=4")]
         _until(lambda: _epoch(out) >= 3, 240, "a checkpoint at epoch 3", (log_a, log_b))
         killed_at = _epoch(out)
         os.kill(_workers(agents[0])[0], signal.SIGKILL)  # node b's worker
@@ -137,6 +134,43 @@ def test_with_nnodes_1_to_2_the_first_node_finishes_alone_when_the_second_one_is
     assert ckpt["complete"] and ckpt["world_size"] == 1 and ckpt["config"]["batch_size"] == 64  # same global batch
     assert "world size 2 -> 1: 32 -> 64 images per process keeps the global batch of 64" in output, output[-3000:]
     assert ckpt["metrics"]["test_top1"] >= 0.97
+
+
+LATE_STARTER = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+from optiserve.train.distributed import setup_distributed
+
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+if attempt == 1 and rank == 0:
+    time.sleep(5)  # rank 1 starts first and looks for rank 0's address in the store
+setup_distributed("cpu", timeout_s=60)
+total = torch.ones(1)
+dist.all_reduce(total)
+print(f"attempt {attempt} rank {rank}: sum {total.item():g}", flush=True)
+if attempt == 0:
+    time.sleep(1)
+    if rank == 1:
+        os._exit(1)  # the agent restarts the whole group
+    time.sleep(60)
+dist.destroy_process_group()
+"""
+
+
+def test_a_restarted_group_whose_ranks_start_apart_does_not_meet_the_previous_attempts_addresses(tmp_path):
+    """torchrun's workers share its rendezvous store, which keeps every earlier attempt's keys: a
+    process group built there after a restart reads a dead peer's address whenever one rank starts
+    before the other has re-published (plain init_process_group fails here: Connection refused)."""
+    script = tmp_path / "late_starter.py"
+    script.write_text(LATE_STARTER)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "--max-restarts=1", "--monitor-interval=0.1", str(script)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"attempt 1 rank {rank}: sum 2" in run.stdout
 
 
 def test_when_restarts_run_out_torchrun_exits_non_zero_and_the_last_attempt_says_how_to_continue(tmp_path):

@@ -7,6 +7,8 @@ Multi-node runs use the same code: torchrun's --nnodes/--rdzv-endpoint set the e
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -66,9 +68,68 @@ def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistCon
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+        timeout = timedelta(seconds=timeout_s)
+        store = worker_group_store(rank, world, timeout) if agent_store_is_shared() else None
+        dist.init_process_group(backend=backend, timeout=timeout, store=store,
+                                rank=rank if store else -1, world_size=world if store else -1,
                                 device_id=dev if dev.type == "cuda" else None)
     return DistContext(rank, local_rank, world, dev)
+
+
+def agent_store_is_shared() -> bool:
+    """Whether torchrun hands its workers its own rendezvous store (its default with the c10d
+    rendezvous), which outlives every worker group it starts."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def worker_group_store(rank: int, world: int, timeout: timedelta, poll_s: float = 0.02) -> dist.Store:
+    """A namespace of torchrun's shared store that no earlier worker group wrote to.
+
+    The process group publishes each rank's address in the store. In torchrun's shared store the
+    previous attempt's addresses are still there after a restart, so a rank that starts before its
+    peer has re-published reads a dead address and the group fails again ("Gloo connectFullMesh
+    failed ... Connection refused") — restart after restart when the agents restart out of step.
+    torchrun's attempt number cannot tell the attempts apart: each agent counts its own restarts.
+    So rank 0 names the group with a fresh token and welcomes each rank only once that rank has
+    echoed the token with a nonce of its own; a rank that read an older token sees it change and
+    echoes again. Every rank then works under the token's prefix."""
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                           is_master=False, timeout=timeout)
+    root = f"optiserve/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    deadline = time.monotonic() + timeout.total_seconds()
+
+    def value(key: str) -> str | None:
+        return shared.get(key).decode() if shared.check([key]) else None
+
+    def waited(what: str) -> None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank}: {what} within {timeout.total_seconds():g} s")
+        time.sleep(poll_s)
+
+    if rank == 0:
+        token = uuid.uuid4().hex
+        shared.set(f"{root}/group", token)
+        waiting = set(range(1, world))
+        while waiting:
+            for peer in sorted(waiting):
+                echo = value(f"{root}/join/{peer}")
+                if echo and echo.startswith(token + ":"):
+                    shared.set(f"{root}/welcome/{echo.split(':', 1)[1]}", token)
+                    waiting.discard(peer)
+            if waiting:
+                waited(f"ranks {sorted(waiting)} did not join the worker group")
+    else:
+        nonce, echoed = uuid.uuid4().hex, None
+        while True:
+            token = value(f"{root}/group")
+            if token is not None and token != echoed:
+                shared.set(f"{root}/join/{rank}", f"{token}:{nonce}")
+                echoed = token
+            if echoed is not None and value(f"{root}/welcome/{nonce}") == echoed:
+                break
+            waited("rank 0 did not welcome this rank into the worker group")
+        token = echoed
+    return dist.PrefixStore(f"{root}/{token}", shared)
 
 
 def cleanup_distributed() -> None:
