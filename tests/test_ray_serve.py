@@ -50,6 +50,7 @@ d = serve.status().applications["optiserve"].deployments["optiserve"]
 print(json.dumps({"status": str(d.status), "replicas": {str(k): v for k, v in d.replica_states.items()}}))
 """
 ZEROS = np.zeros((1, 1, 16, 16)).tolist()
+FAILOVER_S = 4  # from a node's death until Ray's proxies route around it, on a loaded 2-core machine
 
 
 def _run(cmd: list[str], timeout: float = 180) -> str:
@@ -128,12 +129,14 @@ def test_a_burst_scales_to_both_nodes_losing_one_keeps_answering_and_idle_scales
         stopping = time.monotonic()
         netns.kill_all(b)  # node b dies: its raylet, its replica, its proxy
         stopped = time.monotonic()
-        time.sleep(6)
+        time.sleep(8)
         stop.set()
     assert both == {a.ip, b.ip}, Counter((s, r) for _, s, r in log)
     before = Counter(s for t, s, _ in log if t < stopping)
-    during = Counter(s for t, s, _ in log if stopping <= t < stopped + 2)
-    after = [(s, r) for t, s, r in log if t >= stopped + 2]
+    # Ray's router can still hand a request to the dead node's replica until it hears of the death
+    # (seen once 2+ s after it: one 500 in 766); once it has, every request is answered
+    during = Counter(s for t, s, _ in log if stopping <= t < stopped + FAILOVER_S)
+    after = [(s, r) for t, s, r in log if t >= stopped + FAILOVER_S]
     print(f"requests before stopping node b: {dict(before)}; while it stopped: {dict(during)}; "
           f"after: {dict(Counter(s for s, _ in after))}")
     assert set(before) == {200}, before
