@@ -13,6 +13,11 @@ so that their outputs mean something, then saved the way users save them:
   - a torchvision segmentation model: torchvision:lraspp_mobilenet_v3_large (task read from the
     builder), fine-tuned to mark each digit's ink with its class (11 classes: background and the
     ten digits), judged by pixel agreement and mIoU against fp32's masks, served as mask PNGs
+  - a vision transformer from a user file: timm's ViT-Tiny width (192, 3 heads) with 6 blocks and
+    8x8 patches of the input (64 tokens), trained here from scratch (--vit-epochs); optimized twice, with
+    `--int8-recipe convolutional` (each quantizer's defaults) and with the recipe `auto` picks for
+    it (transformer: INT8 MatMul/Gemm, LayerNorm/Softmax/GELU in float), side by side, without the
+    accuracy-aware fallback so that the rows compare the recipes themselves
 
 For each, in one run: the optimizer's variants (size, median latency at batch 1 and 16 from
 interleaved rounds, the task's measure against fp32, status), then `optiserve serve` with the
@@ -22,6 +27,7 @@ project's load generator): images/s, p50, p99.
     python benchmarks/own_models.py                     # 128x128 inputs, 2 fine-tuning epochs
     python benchmarks/own_models.py --size 224 --epochs 1 --duration 10
     python benchmarks/own_models.py --only segmentation
+    python benchmarks/own_models.py --only transformer --size 64
 """
 
 from __future__ import annotations
@@ -63,6 +69,13 @@ EMBED = textwrap.dedent('''
         net.load_state_dict(torch.load(Path(__file__).with_name("trunk.pt"), weights_only=True))
         return net
 ''')
+VIT = textwrap.dedent('''
+    import timm
+
+    def build(num_classes=10, size={size}):
+        return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=num_classes, img_size=size,
+                                 patch_size=size // 8, depth=6)
+''')
 
 
 def write_digits(root: Path, size: int, count: int = 900) -> list[bytes]:
@@ -81,7 +94,7 @@ def write_digits(root: Path, size: int, count: int = 900) -> list[bytes]:
     return pngs
 
 
-def fine_tune(model: torch.nn.Module, work: Path, size: int, epochs: int) -> torch.nn.Module:
+def fine_tune(model: torch.nn.Module, work: Path, size: int, epochs: int, lr: float = 1e-3) -> torch.nn.Module:
     """A few epochs on the folder's train split (prepared as the optimizer prepares it), outputs in
     NAMES order: a model whose answers mean something, as a user's would."""
     from optiserve.data import load_dataset
@@ -89,7 +102,7 @@ def fine_tune(model: torch.nn.Module, work: Path, size: int, epochs: int) -> tor
 
     data = load_dataset(f"imagefolder:{work / 'digits'}", InputSpec((3, size, size), IMAGENET_MEAN, IMAGENET_STD), 10)
     to_output = torch.tensor([NAMES.index(c) for c in data.classes])
-    train_epochs(model, data, epochs, 1e-3, lambda x, y: torch.nn.functional.cross_entropy(model(x), to_output[y]))
+    train_epochs(model, data, epochs, lr, lambda x, y: torch.nn.functional.cross_entropy(model(x), to_output[y]))
     return model.eval()
 
 
@@ -147,7 +160,7 @@ def fine_tune_segmentation(model: torch.nn.Module, work: Path, size: int, epochs
     return model
 
 
-def models(work: Path, size: int, epochs: int, only: set[str]) -> list[tuple[str, OptimizeConfig]]:
+def models(work: Path, size: int, epochs: int, only: set[str], vit_epochs: int) -> list[tuple[str, OptimizeConfig]]:
     import torchvision
 
     torch.manual_seed(0)
@@ -156,6 +169,17 @@ def models(work: Path, size: int, epochs: int, only: set[str]) -> list[tuple[str
     common = dict(dataset=f"imagefolder:{work / 'digits'}", int8=True, progress=False,
                   input=InputOverrides((3, size, size)))
     out = []
+    if "transformer" in only:
+        (work / "vit.py").write_text(VIT.replace("{size}", str(size)))
+        sys.path.insert(0, str(work))
+        from vit import build
+
+        vit = fine_tune(build(), work, size, vit_epochs, lr=5e-4)  # from scratch: more epochs, a gentler rate
+        torch.save(vit.state_dict(), work / "vit-digits.pth")
+        for recipe in ("convolutional", "auto"):
+            out.append((f"a vision transformer, --int8-recipe {recipe}", OptimizeConfig(
+                f"{work / 'vit.py'}:build", labels=str(labels), weights=str(work / "vit-digits.pth"),
+                out=str(work / f"vit-{recipe}"), int8_recipe=recipe, accuracy_aware=False, **common)))
     if "segmentation" in only:
         lraspp = fine_tune_segmentation(torchvision.models.segmentation.lraspp_mobilenet_v3_large(
             weights=None, weights_backbone=None, num_classes=11), work, size, epochs)
@@ -200,7 +224,7 @@ def models(work: Path, size: int, epochs: int, only: set[str]) -> list[tuple[str
     kinds = {"a timm classifier": "classification", "a torchvision classifier": "classification",
              "an embedding from a file": "embedding", "a foreign ONNX file": "onnx",
              "a torchvision segmentation model": "segmentation"}
-    return [(title, cfg) for title, cfg in out if kinds[title] in only]
+    return [(title, cfg) for title, cfg in out if kinds.get(title, "transformer") in only]
 
 
 def measure(folder: Path, variant: str, images: list[bytes], concurrency: int, seconds: float) -> dict:
@@ -215,9 +239,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=128, help="input side of every model (default 128)")
     p.add_argument("--epochs", type=int, default=2, help="fine-tuning epochs of each classifier (default 2)")
+    p.add_argument("--vit-epochs", type=int, default=20, help="training epochs of the transformer, from scratch "
+                                                               "(default 20)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--duration", type=float, default=15.0, help="measured seconds of served load per model")
-    p.add_argument("--only", default="classification,embedding,onnx,segmentation",
+    p.add_argument("--only", default="classification,embedding,onnx,segmentation,transformer",
                    help="which rows, comma-separated (default: all)")
     args = p.parse_args()
     print(f"CPU: {cpu_line()}")
@@ -227,7 +253,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         pngs = write_digits(work / "digits", args.size)
-        for title, cfg in models(work, args.size, args.epochs, set(args.only.split(","))):
+        for title, cfg in models(work, args.size, args.epochs, set(args.only.split(",")), args.vit_epochs):
             manifest = run_optimize(cfg)
             task = get_task(manifest["task"])
             base = next(v for v in manifest["variants"] if v["name"] == manifest["baseline"])

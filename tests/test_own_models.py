@@ -526,3 +526,79 @@ def test_a_torch_export_file_is_optimized_from_the_program_it_holds(user_code, l
         expected = torch.export.load(str(path)).module()(torch.from_numpy(images)).numpy()
     for variant in ("fp32", "onnx-fp32"):
         np.testing.assert_allclose(offline_logits(tmp_path / "art", variant, images), expected, rtol=1e-4, atol=1e-4)
+
+
+TINY_VIT = textwrap.dedent('''
+    from timm.models.vision_transformer import VisionTransformer
+
+    def build(num_classes=10):
+        return VisionTransformer(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4, mlp_ratio=2.0,
+                                 num_classes=num_classes, global_pool="avg", class_token=False)
+''')
+
+
+def _quantized(path: Path) -> dict[str, list[bool]]:
+    """For each op type of an INT8 ONNX file, by node name: whether the node takes a DequantizeLinear's
+    output, i.e. runs in INT8."""
+    import onnx
+
+    graph = onnx.load(str(path)).graph
+    dequantized = {o for n in graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    out: dict[str, dict[str, bool]] = {}
+    for node in graph.node:
+        out.setdefault(node.op_type, {})[node.name] = bool(dequantized & set(node.input))
+    return out
+
+
+@pytest.fixture(scope="module")
+def vit_weights(user_code, digit_images) -> Path:
+    """A two-block ViT from the user's file, trained on the digits."""
+    pytest.importorskip("timm", reason="timm is the [timm] extra (in [dev])")
+    (user_code / "tiny_vit.py").write_text(TINY_VIT)
+    torch.manual_seed(0)
+    model = _train(load_model(f"{user_code}/tiny_vit.py:build", overrides=InputOverrides((3, 16, 16))).model,
+                   digit_images)
+    path = user_code / "tiny_vit.pt"
+    torch.save(model.state_dict(), path)
+    return path
+
+
+def test_attention_in_the_graph_picks_the_transformer_int8_recipe(vit_weights, user_code, tmp_path):
+    from optiserve.optimize.architecture import recipe_for_module, recipe_for_onnx
+    from optiserve.optimize.export_onnx import export_onnx
+
+    for build, architecture in (("tiny_vit.py:build", "transformer"), ("digit_net.py:build", "convolutional")):
+        model = load_model(f"{user_code}/{build}", overrides=InputOverrides((3, 16, 16))).model
+        export_onnx(model, torch.zeros(2, 3, 16, 16), tmp_path / "model.onnx")
+        assert recipe_for_onnx(tmp_path / "model.onnx").architecture == architecture, build
+        assert recipe_for_module(model).architecture == architecture, build
+    assert recipe_for_onnx(tmp_path / "model.onnx", "transformer").architecture == "transformer"  # asked for
+
+
+def test_a_vision_transformer_gets_int8_matmuls_with_layernorm_and_softmax_in_float(vit_weights, user_code,
+                                                                                    digit_images, tmp_path):
+    common = dict(weights=str(vit_weights), labels=str(user_code / "labels.txt"), dataset=f"imagefolder:{digit_images}",
+                  int8=True, input=InputOverrides((3, 16, 16)), progress=False)
+    manifest = run_optimize(OptimizeConfig(f"{user_code}/tiny_vit.py:build", out=str(tmp_path / "auto"), **common))
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert any("INT8 recipe for a transformer (attention found in the graph)" in n for n in manifest["notes"])
+    onnx_int8 = by_name["onnx-int8"]
+    assert onnx_int8["status"] == "accepted", onnx_int8["reason"]
+    kept = set(onnx_int8["settings"].get("accuracy_aware", {}).get("float_layers", []))  # the fallback's, if any
+    quantized = _quantized(tmp_path / "auto" / "model.int8.onnx")
+    for op in ("MatMul", "Gemm", "Conv"):
+        assert all(int8 or name in kept for name, int8 in quantized[op].items()), (op, quantized[op], kept)
+    assert sum(quantized["MatMul"].values()) >= 8  # attention and MLP of both blocks
+    for op in ("LayerNormalization", "Softmax", "Erf"):
+        assert not any(quantized[op].values()), op
+    assert onnx_int8["settings"]["architecture"] == "transformer"
+    assert by_name["torch-int8"]["settings"]["flow"] == "torch.ao dynamic quantization"
+    openvino = by_name["openvino-int8"]["settings"]  # whichever of its two flows won, both used the recipe
+    assert openvino["architecture"] == "transformer" and set(openvino["flow_comparison"]) == {"qdq", "nncf"}
+    if openvino["flow"] == "nncf":
+        assert openvino["quantization"].endswith("model_type transformer")
+    # the quantizers' defaults, asked for, quantize LayerNorm and Softmax too
+    run_optimize(OptimizeConfig(f"{user_code}/tiny_vit.py:build", out=str(tmp_path / "defaults"), openvino=False,
+                                accuracy_aware=False, int8_recipe="convolutional", **common))
+    quantized = _quantized(tmp_path / "defaults" / "model.int8.onnx")
+    assert any(quantized["LayerNormalization"].values()) and any(quantized["Softmax"].values())

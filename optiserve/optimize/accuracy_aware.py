@@ -30,14 +30,17 @@ def quantized_nodes(int8_path: Path) -> list[str]:
 
 
 def layer_sensitivity(fp32_path: Path, int8_path: Path, batches: list[np.ndarray], method: str,
-                      val_images: np.ndarray, logits: Logits, work: Path) -> list[tuple[str, float]]:
+                      val_images: np.ndarray, logits: Logits, work: Path,
+                      op_types: list[str] | None = None,
+                      float_outputs_of: list[str] | None = None) -> list[tuple[str, float]]:
     """(node, error with that node in float) for every quantized node, most sensitive first; the
     error is the mean squared logit difference from fp32 on `val_images`."""
     reference = logits(fp32_path, val_images)
     out = []
     for node in quantized_nodes(int8_path):
         trial = work / "sensitivity.onnx"
-        quantize_onnx_static(fp32_path, trial, batches, method, nodes_to_exclude=[node])
+        quantize_onnx_static(fp32_path, trial, batches, method, nodes_to_exclude=[node], op_types=op_types,
+                             float_outputs_of=float_outputs_of)
         out.append((node, float(np.mean((logits(trial, val_images) - reference) ** 2))))
     return sorted(out, key=lambda item: item[1])
 
@@ -47,21 +50,25 @@ def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: li
                                    settings: dict, max_float_layers: int) -> dict:
     """If `int8_path` fails `gate`, re-quantize with the most sensitive layers in float (adding one
     at a time, at most `max_float_layers`) until it passes; rewrites `int8_path` with the first that
-    passes, or with the last try. Returns `settings` with what was done (`float_layers` etc.).
+    passes, or with the last try, quantizing as `settings` says (its recipe's op types). Returns
+    `settings` with what was done (`float_layers` etc.).
     `val_images` is called only then: a variant that passes costs no validation images."""
     status, reason, measure = gate(int8_path)
     if status != "rejected":
         return settings
+    op_types, float_outputs_of = settings.get("quantized_op_types"), settings.get("float_outputs_of")
     work = int8_path.parent / f".{int8_path.stem}.accuracy-aware"
     work.mkdir(exist_ok=True)
     try:
-        ranked = layer_sensitivity(fp32_path, int8_path, batches, method, val_images(), logits, work)
+        ranked = layer_sensitivity(fp32_path, int8_path, batches, method, val_images(), logits, work, op_types,
+                                   float_outputs_of)
         kept: list[str] = []
         tries = []
         for node, _ in ranked[:max_float_layers]:
             kept.append(node)
             trial = work / "trial.onnx"
-            quantize_onnx_static(fp32_path, trial, batches, method, nodes_to_exclude=kept)
+            quantize_onnx_static(fp32_path, trial, batches, method, nodes_to_exclude=kept, op_types=op_types,
+                                 float_outputs_of=float_outputs_of)
             t_status, _, t_measure = gate(trial)
             tries.append({"float_layers": len(kept), **t_measure, "status": t_status})
             trial.replace(int8_path)

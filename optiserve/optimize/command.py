@@ -10,6 +10,7 @@ from optiserve.tasks import list_tasks
 from optiserve.models.weights import WEIGHT_CHOICES
 from optiserve.optimize.pipeline import (OptimizeConfig, recommendation_line, run_optimize, summary_header,
                                          summary_rows)
+from optiserve.optimize.architecture import RECIPES
 from optiserve.optimize.quantize_ort import CALIB_METHODS
 
 HELP = "build, validate and package faster variants of a model (TorchScript, ONNX, INT8)"
@@ -89,6 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"training images used to calibrate INT8 ranges (default {DEFAULTS.calib_size})")
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULTS.calib_method,
                    help=f"how activation ranges are chosen (default {DEFAULTS.calib_method})")
+    p.add_argument("--int8-recipe", choices=("auto", *RECIPES), default=DEFAULTS.int8_recipe,
+                   help="what INT8 quantizes: transformer = MatMul/Gemm and the patch Conv, LayerNorm, Softmax, "
+                        "GELU in float; convolutional = each quantizer's defaults; auto (default) picks "
+                        "transformer where the graph has attention")
     p.add_argument("--max-accuracy-drop", type=float, default=DEFAULTS.max_accuracy_drop, metavar="PCT",
                    help="reject variants whose top-1 falls more than this many points below fp32 "
                         f"(default {DEFAULTS.max_accuracy_drop:g})")
@@ -107,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         accuracy_aware=args.accuracy_aware, max_float_layers=args.max_float_layers,
         prune=args.prune, prune_channels=args.prune_channels, finetune_epochs=args.finetune_epochs,
         tensorrt=args.tensorrt, fp16=args.fp16,
-        calib_size=args.calib_size, calib_method=args.calib_method, max_accuracy_drop=args.max_accuracy_drop,
+        calib_size=args.calib_size, calib_method=args.calib_method, int8_recipe=args.int8_recipe,
+        max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
         num_classes=args.num_classes, labels=args.labels, task=args.task, min_cosine=args.min_cosine,
         min_miou=args.min_miou, input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),

@@ -21,6 +21,7 @@ from optiserve.models import InputOverrides, LoadedModel, find_source, load_mode
 from optiserve.models.onnx_file import is_onnx_file
 from optiserve.models.sources import is_registered
 from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
+from optiserve.optimize.architecture import RECIPES, QuantRecipe, recipe_for_module, recipe_for_onnx
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, export_onnx
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
@@ -29,7 +30,7 @@ from optiserve.optimize.progress import PassLog
 from optiserve.optimize.prune import compressed_size, prune_unstructured
 from optiserve.optimize.prune_channels import count_flops, prune_channels
 from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
-from optiserve.optimize.quantize_torch import NothingQuantized, quantize_torch_fx
+from optiserve.optimize.quantize_torch import NothingQuantized, quantize_torch_dynamic, quantize_torch_fx
 from optiserve.optimize.tensorrt import build_tensorrt_engine
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, materialize, predict, score
@@ -61,6 +62,7 @@ class OptimizeConfig:
     openvino: bool = True             # OpenVINO IR variants (built from the ONNX files)
     calib_size: int = 256
     calib_method: str = "minmax"
+    int8_recipe: str = "auto"         # auto: transformer where the graph has attention, else convolutional
     max_accuracy_drop: float = 1.0    # percentage points of top-1
     accuracy_aware: bool = True       # an ONNX INT8 variant that misses the gate keeps its most sensitive layers in float
     max_float_layers: int = 8
@@ -92,6 +94,8 @@ class OptimizeConfig:
             raise UserError(f"--num-classes must be at least 1, got {self.num_classes}")
         if self.calib_method not in CALIB_METHODS:
             raise UserError(f"unknown --calib-method {self.calib_method!r}; use {', '.join(CALIB_METHODS)}")
+        if self.int8_recipe != "auto" and self.int8_recipe not in RECIPES:
+            raise UserError(f"unknown --int8-recipe {self.int8_recipe!r}; use auto, {', '.join(RECIPES)}")
         if self.calib_size < 1:
             raise UserError(f"--calib-size must be at least 1, got {self.calib_size}")
         if self.max_accuracy_drop < 0:
@@ -287,14 +291,22 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
             variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
                                     {"opset": OPSET, "fused_conv_bn": True, "graph_optimization": "all"}))
             notes.append(f"ONNX export parity with eager: max |Δ| {export_diff:.1e}")
+    recipe = None
     if cfg.int8:
+        recipe = (recipe_for_onnx(stage / "model.onnx", cfg.int8_recipe) if cfg.onnx else
+                  recipe_for_module(fused, cfg.int8_recipe))
+        notes += _recipe_note(recipe, cfg.int8_recipe != "auto")
         batches = calibration_batches(data.calibration_set(), cfg.calib_size)
         accuracy_aware = _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log)
         if cfg.onnx:
-            _onnx_int8(stage, batches, accuracy_aware, cfg, log, variants)
-        with log.step(f"INT8 PyTorch x86 (FX graph mode, {cfg.calib_size} train images)"):
+            _onnx_int8(stage, batches, accuracy_aware, cfg, log, variants, recipe)
+        how = "dynamic, nn.Linear" if recipe.torch_mode == "dynamic" else f"FX graph mode, {cfg.calib_size} images"
+        with log.step(f"INT8 PyTorch x86 ({how})"):
             try:
-                scripted, settings = quantize_torch_fx(fused, batches)
+                if recipe.torch_mode == "dynamic":
+                    scripted, settings = quantize_torch_dynamic(fused, batches[0])
+                else:
+                    scripted, settings = quantize_torch_fx(fused, batches)
             except NothingQuantized as e:
                 skipped.append({"name": "torch-int8", "reason": str(e)})
             except Exception as e:  # FX cannot trace every model (data-dependent control flow)
@@ -302,9 +314,10 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
                                                                 f"({first_line(e, True, 200)})"})
             else:
                 save_torchscript(scripted, stage / "torch-int8.pt")
-                variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8", settings))
+                variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8",
+                                        {**settings, **recipe.settings()}))
     if openvino:
-        _openvino_variants(stage, variants, skipped, cfg, log, batches if cfg.int8 else [])
+        _openvino_variants(stage, variants, skipped, cfg, log, batches if cfg.int8 else [], recipe)
     if cfg.prune is not None:
         name = f"sparse{round(100 * cfg.prune)}"
         with log.step(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)"):
@@ -325,7 +338,8 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
         if cfg.int8:
             with log.step(f"INT8 ONNX Runtime of {name} -> {name}-int8"):
                 q = quantize_onnx_static(stage / f"model.{name}.onnx", stage / f"model.{name}.int8.onnx",
-                                         batches, cfg.calib_method)
+                                         batches, cfg.calib_method, op_types=recipe.onnx_op_types,
+                                         float_outputs_of=list(recipe.onnx_float_outputs_of))
                 q = accuracy_aware(f"model.{name}.onnx", f"model.{name}.int8.onnx", q)
                 variants.append(Variant(f"{name}-int8", f"model.{name}.int8.onnx", "onnxruntime", "int8",
                                         {**q, "pruning": settings}))
@@ -362,22 +376,37 @@ def _onnx_file_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, e
                                  "graph_optimization": "all"}))
     notes.append(f"started from an ONNX file: {name} is the file itself, and the torch passes (eager fp32, "
                  f"conv+BN fusion, TorchScript, torch-int8, torch-bf16, pruning, TensorRT) do not apply")
-    batches = []
+    batches, recipe = [], None
     if cfg.int8:
+        recipe = recipe_for_onnx(stage / "model.onnx", cfg.int8_recipe)
+        notes += _recipe_note(recipe, cfg.int8_recipe != "auto")
         batches = calibration_batches(data.calibration_set(), cfg.calib_size)
         _onnx_int8(stage, batches, _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log), cfg, log,
-                   variants)
+                   variants, recipe)
     if cfg.openvino:
-        _openvino_variants(stage, variants, skipped, cfg, log, batches)
+        _openvino_variants(stage, variants, skipped, cfg, log, batches, recipe)
     return name
 
 
+def _recipe_note(recipe: QuantRecipe, asked: bool) -> list[str]:
+    """The report's line on a recipe other than the quantizers' defaults."""
+    if recipe.onnx_op_types is None:
+        return []
+    why = "--int8-recipe" if asked else "attention found in the graph"
+    return [f"INT8 recipe for a {recipe.architecture} ({why}): {recipe.description}; "
+            f"torch-int8 is {recipe.torch_mode} quantization of nn.Linear, openvino-int8 NNCF's "
+            f"model_type={recipe.nncf_model_type}"]
+
+
 def _onnx_int8(stage: Path, batches: list, accuracy_aware, cfg: OptimizeConfig, log: PassLog,
-               variants: list[Variant]) -> None:
-    """onnx-int8: ONNX Runtime's static QDQ INT8 of model.onnx, calibrated on `batches`, re-quantized
-    with sensitive layers in float where it misses the gate (`accuracy_aware`)."""
+               variants: list[Variant], recipe: QuantRecipe) -> None:
+    """onnx-int8: ONNX Runtime's static QDQ INT8 of model.onnx as `recipe` says, calibrated on
+    `batches`, re-quantized with sensitive layers in float where it misses the gate (`accuracy_aware`)."""
     with log.step(f"INT8 ONNX Runtime (static QDQ, {cfg.calib_method} calibration, {cfg.calib_size} train images)"):
-        settings = quantize_onnx_static(stage / "model.onnx", stage / "model.int8.onnx", batches, cfg.calib_method)
+        settings = quantize_onnx_static(stage / "model.onnx", stage / "model.int8.onnx", batches, cfg.calib_method,
+                                        op_types=recipe.onnx_op_types,
+                                        float_outputs_of=list(recipe.onnx_float_outputs_of))
+        settings = {**settings, **recipe.settings()}
         settings = accuracy_aware("model.onnx", "model.int8.onnx", settings)
         variants.append(Variant("onnx-int8", "model.int8.onnx", "onnxruntime", "int8", settings))
 
@@ -450,7 +479,7 @@ OPENVINO_INT8_CANDIDATE = "openvino-int8-nncf"  # validated beside openvino-int8
 
 
 def _openvino_variants(stage: Path, variants: list[Variant], skipped: list[dict], cfg: OptimizeConfig, log,
-                       batches: list) -> None:
+                       batches: list, recipe: QuantRecipe | None) -> None:
     """openvino-fp32 and, where the CPU has bf16, openvino-bf16 (one IR, the precision set at load);
     with --int8, two openvino-int8 candidates: the ONNX Runtime QDQ file read by OpenVINO, and NNCF's
     own post-training quantization on the same calibration images (see `_pick_openvino_int8`)."""
@@ -474,9 +503,10 @@ def _openvino_variants(stage: Path, variants: list[Variant], skipped: list[dict]
                                                                         "calibration) read by OpenVINO"},
                                     [companion_bin(Path("model.int8.openvino.xml")).name]))
         with log.step("OpenVINO INT8 with NNCF post-training quantization (same calibration images)"):
-            settings = quantize_openvino_nncf(stage / "model.onnx", stage / "model.int8.nncf.openvino.xml", batches)
+            settings = quantize_openvino_nncf(stage / "model.onnx", stage / "model.int8.nncf.openvino.xml", batches,
+                                              recipe.nncf_model_type)
             variants.append(Variant(OPENVINO_INT8_CANDIDATE, "model.int8.nncf.openvino.xml", "openvino", "int8",
-                                    {**settings, "inference_precision": "f32", "flow": "nncf"},
+                                    {**settings, **recipe.settings(), "inference_precision": "f32", "flow": "nncf"},
                                     [companion_bin(Path("model.int8.nncf.openvino.xml")).name]))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -37,10 +38,25 @@ class _BatchReader:
         self.i = 0
 
 
+@contextlib.contextmanager
+def _root_warnings_muted():
+    """ONNX Runtime's quantizer logs on the root logger what it skips (per-channel axes of a
+    LayerNorm weight, say): notes for its developers, noise on the optimizer's console."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
 def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike, batches: list[np.ndarray],
                          method: str = "minmax", per_channel: bool = True, reduce_range: bool = True,
-                         nodes_to_exclude: list[str] | None = None) -> dict:
-    """Pre-process (shape inference, graph optimization), calibrate on `batches`, write the QDQ INT8 model.
+                         nodes_to_exclude: list[str] | None = None, op_types: list[str] | None = None,
+                         float_outputs_of: list[str] | None = None) -> dict:
+    """Pre-process (shape inference, graph optimization), calibrate on `batches`, write the QDQ INT8 model;
+    `op_types` limits quantization to those ONNX op types (ONNX Runtime's own list when None), and the
+    outputs of `float_outputs_of` op types stay float (their consumers read them unquantized).
 
     Returns the settings used, for the manifest.
     """
@@ -56,17 +72,23 @@ def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLi
     with tempfile.TemporaryDirectory() as tmp:
         pre = Path(tmp) / "pre.onnx"
         out_tmp = Path(tmp) / "int8.onnx"
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), _root_warnings_muted():
             quant_pre_process(str(fp32_path), str(pre), skip_symbolic_shape=False)
             quantize_static(
                 str(pre), str(out_tmp), _BatchReader(input_name, batches), quant_format=QuantFormat.QDQ,
                 per_channel=per_channel, reduce_range=reduce_range, activation_type=QuantType.QUInt8,
                 weight_type=QuantType.QInt8, calibrate_method=calib,
-                extra_options={"CalibTensorRangeSymmetric": False, "CalibMovingAverage": False},
-                nodes_to_exclude=nodes_to_exclude or [],
+                extra_options={"CalibTensorRangeSymmetric": False, "CalibMovingAverage": False,
+                               "OpTypesToExcludeOutputQuantization": list(float_outputs_of or [])},
+                nodes_to_exclude=nodes_to_exclude or [], op_types_to_quantize=list(op_types) if op_types else None,
             )
         with atomic_write(out_path) as f:
             f.write(out_tmp.read_bytes())
-    return {"format": "QDQ", "activations": "uint8", "weights": "int8", "per_channel": per_channel,
-            "reduce_range": reduce_range, "calibration": method,
-            "calibration_images": int(sum(len(b) for b in batches))}
+    settings = {"format": "QDQ", "activations": "uint8", "weights": "int8", "per_channel": per_channel,
+                "reduce_range": reduce_range, "calibration": method,
+                "calibration_images": int(sum(len(b) for b in batches))}
+    if op_types:
+        settings["quantized_op_types"] = list(op_types)
+    if float_outputs_of:
+        settings["float_outputs_of"] = list(float_outputs_of)
+    return settings

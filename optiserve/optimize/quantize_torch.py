@@ -55,3 +55,26 @@ def quantize_torch_fx(model: nn.Module, batches: list[np.ndarray]) -> tuple[torc
                 "calibration_images": int(sum(len(b) for b in batches)), "quantized_engine": ENGINE,
                 "quantized_ops": int(quantized_ops)}
     return scripted, settings
+
+
+def quantize_torch_dynamic(model: nn.Module, example: np.ndarray) -> tuple[torch.jit.ScriptModule, dict]:
+    """A transformer's INT8 in PyTorch: every nn.Linear with int8 weights and activations quantized
+    per call (dynamic quantization, no calibration), LayerNorm, Softmax and GELU in float; frozen
+    TorchScript like the static flow's. NothingQuantized when the model has no nn.Linear."""
+    from torch.ao.quantization import quantize_dynamic
+
+    torch.backends.quantized.engine = ENGINE
+    x = torch.from_numpy(example)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch.ao")
+        quantized = quantize_dynamic(model.eval(), {nn.Linear}, dtype=torch.qint8)
+        with jit_quietly():
+            scripted = torch.jit.freeze(torch.jit.trace(quantized, x, check_trace=False))
+    quantized_ops = sum(node.kind().startswith("quantized::") for node in scripted.inlined_graph.nodes())
+    if quantized_ops == 0:
+        raise NothingQuantized("dynamic quantization found no nn.Linear layer to quantize in this model")
+    return scripted, {"flow": "torch.ao dynamic quantization", "engine": ENGINE,
+                      "qconfig": "nn.Linear: per-tensor int8 weights, activations quantized per call",
+                      "quantized_engine": ENGINE, "quantized_ops": int(quantized_ops)}
