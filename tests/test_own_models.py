@@ -220,6 +220,25 @@ def test_a_timm_model_with_safetensors_weights(digit_images, user_code, tmp_path
     np.testing.assert_allclose(offline_logits(tmp_path / "art", "fp32", images), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_a_vision_transformer_is_built_for_the_input_shape_given(tmp_path):
+    """A ViT's position embeddings fix its input size: --input-shape builds it for that size, so the
+    weights of one fine-tuned at another resolution load."""
+    timm = pytest.importorskip("timm", reason="timm is the [timm] extra (in [dev])")
+    from safetensors.torch import save_file
+
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=32).eval()
+    save_file(reference.state_dict(), str(tmp_path / "vit32.safetensors"))
+    loaded = load_model("timm:vit_tiny_patch16_224", str(tmp_path / "vit32.safetensors"), num_classes=10,
+                        overrides=InputOverrides((3, 32, 32)))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(x), reference(x))
+    torchvision_vit = load_model("torchvision:vit_b_16", num_classes=10, overrides=InputOverrides((3, 32, 32)))
+    assert torchvision_vit.output_shape == (10,)
+    with torch.no_grad():
+        assert torchvision_vit.model(torch.zeros(1, 3, 32, 32)).shape == (1, 10)
+
+
 def test_a_package_module_callable_is_imported_from_the_working_directory(user_code, monkeypatch):
     monkeypatch.chdir(user_code)
     loaded = load_model("digit_net:build", overrides=InputOverrides((3, 16, 16)))

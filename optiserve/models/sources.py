@@ -42,13 +42,18 @@ class BuiltModel:
     task: str | None = None                # the task, where the source says it (a segmentation builder)
 
 
+ImageSize = tuple[int, int]  # (H, W)
+
+
 @dataclass(frozen=True)
 class ModelSource:
-    """A kind of MODEL string: `matches(model)` recognises it, `build(model, num_classes)` builds it."""
+    """A kind of MODEL string: `matches(model)` recognises it, `build(model, num_classes, image_size)`
+    builds it; `image_size` (H, W) is `--input-shape`'s, for architectures built for one size (a
+    ViT's position embeddings), None when not given."""
 
     name: str
     matches: Callable[[str], bool]
-    build: Callable[[str, int | None], BuiltModel]
+    build: Callable[[str, int | None, ImageSize | None], BuiltModel]
     example: str
     description: str
 
@@ -100,7 +105,7 @@ def model_slug(model: str) -> str:
 
 # --- torchvision -----------------------------------------------------------------------------------
 
-def _build_torchvision(model: str, num_classes: int | None) -> BuiltModel:
+def _build_torchvision(model: str, num_classes: int | None, image_size: ImageSize | None = None) -> BuiltModel:
     import torchvision
 
     name = model.split(":", 1)[1]
@@ -114,7 +119,14 @@ def _build_torchvision(model: str, num_classes: int | None) -> BuiltModel:
         kwargs["weights_backbone"] = None  # a backbone's ImageNet weights would be a download
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
-    module = builder(**kwargs)
+    module = None
+    if image_size is not None and image_size[0] == image_size[1]:
+        try:  # a ViT's position embeddings are built for one size (through its **kwargs); others refuse it
+            module = builder(**kwargs, image_size=image_size[0])
+        except TypeError:
+            module = None
+    if module is None:
+        module = builder(**kwargs)
     segmentation = builder.__module__.startswith("torchvision.models.segmentation")
     if segmentation:
         module = OutputOf(module, "out")  # its forward returns {"out": masks, "aux": ...}
@@ -151,7 +163,7 @@ class OutputOf(nn.Module):
 
 # --- timm --------------------------------------------------------------------------------------------
 
-def _build_timm(model: str, num_classes: int | None) -> BuiltModel:
+def _build_timm(model: str, num_classes: int | None, image_size: ImageSize | None = None) -> BuiltModel:
     try:
         import timm
     except ImportError:
@@ -160,7 +172,14 @@ def _build_timm(model: str, num_classes: int | None) -> BuiltModel:
     if not timm.list_models(name) and name.split(".")[0] not in timm.list_models():
         raise UserError(f"timm has no model {name!r}; see timm.list_models('{name.split('_')[0]}*')")
     kwargs = {} if num_classes is None else {"num_classes": num_classes}
-    module = timm.create_model(name, pretrained=False, **kwargs)
+    module = None
+    if image_size is not None:
+        try:  # models built for one size (ViT, Swin, ...) take img_size; the others refuse it
+            module = timm.create_model(name, pretrained=False, img_size=image_size, **kwargs)
+        except TypeError:
+            module = None
+    if module is None:
+        module = timm.create_model(name, pretrained=False, **kwargs)
     cfg = getattr(module, "pretrained_cfg", None) or {}
     spec = None
     if cfg.get("input_size") and cfg.get("mean") and cfg.get("std"):
@@ -180,7 +199,7 @@ def _is_callable_ref(model: str) -> bool:
         match["where"].endswith(".py") or re.fullmatch(r"[A-Za-z_][\w.]*", match["where"]) is not None)
 
 
-def _build_callable(model: str, num_classes: int | None) -> BuiltModel:
+def _build_callable(model: str, num_classes: int | None, image_size: ImageSize | None = None) -> BuiltModel:
     """Import the user's file or module (its code runs: it is theirs) and call the named function."""
     match = CALLABLE_FORM.match(model)
     where, attr = match["where"], match["attr"]
@@ -234,7 +253,7 @@ def _import_user_code(where: str):
 
 # --- an ONNX file ------------------------------------------------------------------------------------
 
-def _build_onnx(model: str, num_classes: int | None) -> BuiltModel:
+def _build_onnx(model: str, num_classes: int | None, image_size: ImageSize | None = None) -> BuiltModel:
     """The file's graph facts; its input spec where the graph fixes C, H and W."""
     from optiserve.files import sha256_file
 
@@ -269,7 +288,7 @@ def _is_torchscript_file(model: str) -> bool:
         return False
 
 
-def _build_torchscript(model: str, num_classes: int | None) -> BuiltModel:
+def _build_torchscript(model: str, num_classes: int | None, image_size: ImageSize | None = None) -> BuiltModel:
     """torch.jit.load: TorchScript is code (it runs what the file says), so only the user's own file."""
     from optiserve.files import sha256_file
 
@@ -309,7 +328,7 @@ class ExportedModule(nn.Module):
             return self.program(x)
 
 
-def _build_exported(model: str, num_classes: int | None) -> BuiltModel:
+def _build_exported(model: str, num_classes: int | None, image_size: ImageSize | None = None) -> BuiltModel:
     """torch.export.load: the program's one image input, whose batch axis must be dynamic."""
     from torch.export.graph_signature import InputKind
 
@@ -343,7 +362,7 @@ def _build_exported(model: str, num_classes: int | None) -> BuiltModel:
 
 # --- registered names --------------------------------------------------------------------------------
 
-def _build_registered(model: str, num_classes: int | None) -> BuiltModel:
+def _build_registered(model: str, num_classes: int | None, image_size: ImageSize | None = None) -> BuiltModel:
     from optiserve.models.registry import get_model_entry
 
     entry = get_model_entry(model)

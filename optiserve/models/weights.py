@@ -146,7 +146,7 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
     source = find_source(name)
     if labels and num_classes is None and source.name in ("torchvision", "timm"):
         num_classes = len(labels)  # the user's code builds its own head
-    built = source.build(name, num_classes)
+    built = source.build(name, num_classes, overrides.shape[1:] if overrides.shape else None)
     task = task or built.task
     spec = _task_input(overrides.apply(built.input, name), task, overrides)
     if built.weights == "in the file" and weights not in (None, "random"):
