@@ -28,9 +28,13 @@ pytest.importorskip("ray.serve", reason="ray[serve] is in the [dev] extra")
 REASON = netns.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
-# Ray's autoscaler looks at averages over a window and waits before acting: short ones for a bounded test
+# Ray's autoscaler looks at averages over a window and waits before acting: short ones for a bounded test.
+# A proxy sends a request to a replica on its own node while that one has room (max_ongoing_requests), so
+# the test's clients, all entering through node a's proxy, would reach node b's replica only by chance:
+# power-of-two routing over every replica shows both nodes serving.
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-           "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5", "OMP_NUM_THREADS": "1"}
+           "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5", "OMP_NUM_THREADS": "1",
+           "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0"}
 DEPLOY = """
 import sys, ray
 from ray import serve
