@@ -4,6 +4,7 @@ optimized, gated on real data (scikit-learn's digits as an image folder) and ser
 from __future__ import annotations
 
 import importlib.util
+import json
 import textwrap
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from conftest import serving
+from conftest import free_port, serving
 from optiserve.data import load_dataset
 from optiserve.errors import UserError
 from optiserve.models import InputOverrides, load_model, model_slug
@@ -380,20 +381,39 @@ def test_task_mistakes_are_refused_in_one_line(user_code):
         load_model("resnet18", "random", task="embedding")
 
 
-def _export_foreign_onnx(model: torch.nn.Module, path: Path, dynamic_batch: bool = True) -> Path:
+def _export_foreign_onnx(model: torch.nn.Module, path: Path, dynamic_batch: bool = True,
+                         output_names: tuple[str, ...] = ("scores",)) -> Path:
     """An ONNX file as someone else exports it: their own input and output names."""
     example = torch.zeros(2, 3, 16, 16)
     kwargs = {"dynamic_shapes": {"x": {0: torch.export.Dim("batch", min=1, max=1024)}}} if dynamic_batch else {}
     with torch.no_grad():
-        torch.onnx.export(model, (example,), str(path), input_names=["pixel_values"], output_names=["scores"],
+        torch.onnx.export(model, (example,), str(path), input_names=["pixel_values"], output_names=list(output_names),
                           dynamo=True, external_data=False, **kwargs)
     return path
+
+
+class ScoresFeaturesAndClass(torch.nn.Module):
+    """A classifier exported with what else its users read: the features under the head, and the
+    predicted class (int64)."""
+
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        features = self.net.features(x).flatten(1)
+        scores = self.net.head(features)
+        return scores, features, scores.argmax(1)
+
+
+ONNX_OUTPUTS = ("scores", "features", "predicted")
 
 
 @pytest.fixture(scope="module")
 def onnx_artifact(user_code, lightning_checkpoint, digit_images, tmp_path_factory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("onnx")
-    original = _export_foreign_onnx(_user_module(user_code, lightning_checkpoint), folder / "digits-classifier.onnx")
+    original = _export_foreign_onnx(ScoresFeaturesAndClass(_user_module(user_code, lightning_checkpoint)).eval(),
+                                    folder / "digits-classifier.onnx", output_names=ONNX_OUTPUTS)
     out = folder / "art"
     run_optimize(OptimizeConfig(str(original), dataset=f"imagefolder:{digit_images}", int8=True, out=str(out),
                                 labels=str(user_code / "labels.txt"), progress=False))
@@ -408,6 +428,9 @@ def test_an_onnx_file_is_the_baseline_and_its_variants_are_built_from_it(onnx_ar
     assert manifest["model"] == "digits-classifier" and manifest["baseline"] == "onnx-fp32"
     assert manifest["source"]["source"] == "onnx" and manifest["input_name"] == "pixel_values"
     assert manifest["input"]["shape"] == [3, 16, 16] and manifest["classes"] == NAMES
+    assert manifest["outputs"] == [{"name": "scores", "dtype": "float32", "shape": [10]},
+                                   {"name": "features", "dtype": "float32", "shape": [32]},
+                                   {"name": "predicted", "dtype": "int64", "shape": []}]
     by_name = {v["name"]: v for v in manifest["variants"]}
     assert (out / "model.onnx").read_bytes() == original.read_bytes()  # served as it was given
     assert {"onnx-fp32", "onnx-int8", "openvino-fp32", "openvino-int8"} <= set(by_name)
@@ -419,25 +442,94 @@ def test_an_onnx_file_is_the_baseline_and_its_variants_are_built_from_it(onnx_ar
     assert (int8["status"] == "accepted") == (drop <= manifest["max_accuracy_drop"])
 
 
-def test_a_served_onnx_file_answers_as_onnx_runtime_on_the_original_under_its_input_name(onnx_artifact, digit_images):
+def test_a_served_onnx_file_answers_every_output_as_onnx_runtime_on_the_original(onnx_artifact, digit_images):
+    """Under its own input name; the output the task reads as the task's logits and probabilities,
+    every other output under its own name and element type, over HTTP (binary and JSON) and gRPC."""
     import onnxruntime as ort
 
+    from optiserve.runtime import load_session
+
     httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is in the [dev] extra")
     original, out = onnx_artifact
     images = np.random.default_rng(4).standard_normal((3, 3, 16, 16), dtype=np.float32)
-    expected = ort.InferenceSession(str(original), providers=["CPUExecutionProvider"]).run(
-        None, {"pixel_values": images})[0]
-    with serving(out, "--variants", "onnx-fp32,onnx-int8") as (base, _):
+    scores, features, predicted = ort.InferenceSession(str(original), providers=["CPUExecutionProvider"]).run(
+        None, {"pixel_values": images})
+    manifest = json.loads((out / "manifest.json").read_text())
+    int8 = next(v for v in manifest["variants"] if v["name"] == "onnx-int8")
+    int8_outputs = load_session(out / int8["file"], int8, manifest).run_outputs(images)
+    grpc_port = free_port()
+    with serving(out, "--variants", "onnx-fp32,onnx-int8", "--grpc-port", str(grpc_port)) as (base, _):
         client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
-        assert client.get_model_metadata("digits-classifier")["inputs"][0]["name"] == "pixel_values"
+        metadata = client.get_model_metadata("digits-classifier")
+        assert metadata["inputs"][0]["name"] == "pixel_values"
+        assert [(o["name"], o["datatype"], o["shape"]) for o in metadata["outputs"]] == [
+            ("logits", "FP32", [-1, 10]), ("probabilities", "FP32", [-1, 10]), ("features", "FP32", [-1, 32]),
+            ("predicted", "INT64", [-1])]
         infer_input = httpclient.InferInput("pixel_values", list(images.shape), "FP32")
         infer_input.set_data_from_numpy(images)
         result = client.infer("digits-classifier", [infer_input], model_version="onnx-fp32")
-        np.testing.assert_allclose(result.as_numpy("logits"), expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("logits"), scores, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("features"), features, rtol=1e-5, atol=1e-5)
+        assert result.as_numpy("predicted").dtype == np.int64
+        np.testing.assert_array_equal(result.as_numpy("predicted"), predicted)
+        json_answer = httpx.post(f"{base}/v2/models/digits-classifier/versions/onnx-int8/infer", json={
+            "inputs": [{"name": "pixel_values", "shape": list(images.shape), "datatype": "FP32",
+                        "data": images.ravel().tolist()}],
+            "outputs": [{"name": "predicted"}, {"name": "features"}]}).json()
+        assert [(o["name"], o["datatype"], o["shape"]) for o in json_answer["outputs"]] == [
+            ("predicted", "INT64", [3]), ("features", "FP32", [3, 32])]
+        assert json_answer["outputs"][0]["data"] == int8_outputs[2].tolist()  # the number offline is the one served
+        np.testing.assert_allclose(json_answer["outputs"][1]["data"], int8_outputs[1].ravel(), rtol=1e-5, atol=1e-5)
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as grpc_client:
+            tensor = grpcclient.InferInput("pixel_values", list(images.shape), "FP32")
+            tensor.set_data_from_numpy(images)
+            got = grpc_client.infer("digits-classifier", [tensor], model_version="onnx-fp32",
+                                    outputs=[grpcclient.InferRequestedOutput("predicted"),
+                                             grpcclient.InferRequestedOutput("features")])
+            np.testing.assert_array_equal(got.as_numpy("predicted"), predicted)
+            np.testing.assert_allclose(got.as_numpy("features"), features, rtol=1e-5, atol=1e-5)
         png = next((digit_images / "three").glob("*.png")).read_bytes()
         answer = httpx.post(f"{base}/predict", files={"file": ("three.png", png, "image/png")},
                             params={"variant": "onnx-fp32"}).json()
         assert answer["predictions"][0][0]["class"] == "three"
+
+
+class ScoresAndBatchMean(torch.nn.Module):
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        scores = self.net(x)
+        return scores, scores.mean()
+
+
+def test_a_model_file_with_several_outputs_says_which_one_its_task_reads(onnx_artifact, user_code,
+                                                                           lightning_checkpoint, tmp_path):
+    original, _ = onnx_artifact
+    assert [o["name"] for o in load_model(str(original)).outputs] == ["scores", "features", "predicted"]
+    features = load_model(str(original), task="embedding", task_output="features")
+    assert [o["name"] for o in features.outputs] == ["features", "scores", "predicted"]
+    assert features.task == "embedding" and features.output_shape == (32,)
+    with pytest.raises(UserError, match="output 'predicted' holds int64; the task reads floating-point scores"):
+        load_model(str(original), task_output="predicted")
+    with pytest.raises(UserError, match="--task-output 'logits': .* has no such output; its outputs: scores, "
+                                        "features, predicted"):
+        load_model(str(original), task_output="logits")
+    with pytest.raises(UserError, match="--task-output is for a model file with several outputs"):
+        load_model(f"{user_code}/digit_net.py:build", task_output="features",
+                   overrides=InputOverrides((3, 16, 16)))
+    net = _user_module(user_code, lightning_checkpoint)
+    clash = _export_foreign_onnx(ScoresFeaturesAndClass(net).eval(), tmp_path / "clash.onnx",
+                                 output_names=("scores", "logits", "predicted"))
+    with pytest.raises(UserError, match="output 'logits' has the name the protocol gives the classification output "
+                                        "it derives from 'scores'"):
+        load_model(str(clash))
+    scalar = _export_foreign_onnx(ScoresAndBatchMean(net).eval(), tmp_path / "scalar.onnx",
+                                  output_names=("scores", "mean"))
+    with pytest.raises(UserError, match=r"output 'mean' has shape \[\]; every output needs a dynamic batch axis"):
+        load_model(str(scalar))
 
 
 def test_onnx_files_that_cannot_be_served_are_refused_in_one_line(user_code, lightning_checkpoint, digit_images,

@@ -12,14 +12,38 @@ from pathlib import Path
 
 from optiserve.errors import UserError, first_line
 
+# the element types an output may have, as numpy names them; half precision is served as float32
+# (the protocol's FP16 has no typed contents over gRPC)
+OUTPUT_DTYPES = {"float32": "float32", "float16": "float32", "float64": "float64", "int8": "int8",
+                 "int16": "int16", "int32": "int32", "int64": "int64", "uint8": "uint8", "uint16": "uint16",
+                 "uint32": "uint32", "uint64": "uint64", "bool": "bool"}
+
+
+@dataclass(frozen=True)
+class OnnxOutput:
+    name: str
+    shape: tuple[int | None, ...]          # [N, ...]; None where the dimension is symbolic
+    dtype: str                             # the numpy dtype it is served as
+
+    def to_dict(self) -> dict:
+        """The manifest's entry: one image's shape (after the batch axis)."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape[1:])}
+
 
 @dataclass(frozen=True)
 class OnnxGraphFacts:
     input_name: str
     input_shape: tuple[int | None, ...]    # [N, C, H, W]; None where the dimension is symbolic
-    output_name: str
-    output_shape: tuple[int | None, ...]
+    outputs: tuple[OnnxOutput, ...]        # every output of the graph, in its order
     opset: int
+
+    @property
+    def output_name(self) -> str:
+        return self.outputs[0].name
+
+    @property
+    def output_shape(self) -> tuple[int | None, ...]:
+        return self.outputs[0].shape
 
 
 def is_onnx_file(model: str) -> bool:
@@ -27,7 +51,7 @@ def is_onnx_file(model: str) -> bool:
 
 
 def read_onnx_facts(path: str | Path) -> OnnxGraphFacts:
-    """The graph's one image input and one output, or one line saying why this file cannot be used."""
+    """The graph's one image input and its outputs, or one line saying why this file cannot be used."""
     import onnx
 
     path = Path(path)
@@ -42,11 +66,7 @@ def read_onnx_facts(path: str | Path) -> OnnxGraphFacts:
     if len(inputs) != 1:
         raise UserError(f"{path} has {len(inputs)} inputs ({', '.join(i.name for i in inputs)}); optiserve serves "
                         f"models with one image input [N, C, H, W]")
-    outputs = list(proto.graph.output)
-    if len(outputs) != 1:
-        raise UserError(f"{path} has {len(outputs)} outputs ({', '.join(o.name for o in outputs)}); optiserve serves "
-                        f"models with one output so far")
-    in_shape, out_shape = _shape(inputs[0]), _shape(outputs[0])
+    in_shape = _shape(inputs[0])
     if len(in_shape) != 4:
         raise UserError(f"{path}: input {inputs[0].name!r} has shape {show_shape(in_shape)}; expected an image batch "
                         f"[N, C, H, W]")
@@ -54,7 +74,31 @@ def read_onnx_facts(path: str | Path) -> OnnxGraphFacts:
         raise UserError(f"{path}: the batch dimension of input {inputs[0].name!r} is fixed at {in_shape[0]}; export "
                         f"it with a dynamic batch axis (torch.onnx.export(..., dynamic_shapes=...) or dynamic_axes)")
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return OnnxGraphFacts(inputs[0].name, in_shape, outputs[0].name, out_shape, opset)
+    return OnnxGraphFacts(inputs[0].name, in_shape, _outputs(proto, path), opset)
+
+
+def _outputs(proto, path: Path) -> tuple[OnnxOutput, ...]:
+    """Every output, each with a batch axis first (a row per image is what a batch is split into)."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    outputs = []
+    for o in proto.graph.output:
+        if not o.type.tensor_type.HasField("shape"):
+            raise UserError(f"{path}: output {o.name!r} declares no shape; give the graph its shapes (onnx.shape_inference"
+                            f".infer_shapes, or export again) so that its batch axis is known")
+        shape = _shape(o)
+        if not shape or shape[0] not in (None, -1):
+            raise UserError(f"{path}: output {o.name!r} has shape {show_shape(shape)}; every output needs a dynamic "
+                            f"batch axis first (one row per image)")
+        try:
+            dtype = OUTPUT_DTYPES.get(str(tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type)))
+        except KeyError:
+            dtype = None
+        if dtype is None:
+            raise UserError(f"{path}: output {o.name!r} has an element type optiserve cannot serve; it serves "
+                            f"{', '.join(sorted(set(OUTPUT_DTYPES)))}")
+        outputs.append(OnnxOutput(o.name, shape, dtype))
+    return tuple(outputs)
 
 
 def _shape(value_info) -> tuple[int | None, ...]:

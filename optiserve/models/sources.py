@@ -40,6 +40,7 @@ class BuiltModel:
     output_width: int | None = None        # where the source knows it without running the model
     file: Path | None = None               # the model file itself, where the optimizer starts from it
     task: str | None = None                # the task, where the source says it (a segmentation builder)
+    outputs: tuple | None = None           # a model file's outputs (onnx_file.OnnxOutput), in its order
 
 
 ImageSize = tuple[int, int]  # (H, W)
@@ -267,9 +268,9 @@ def _build_onnx(model: str, num_classes: int | None, image_size: ImageSize | Non
         spec = InputSpec((c, h, w), mean, std)
     width = facts.output_shape[1] if len(facts.output_shape) == 2 else None
     return BuiltModel(None, spec, None, weights="in the file", output_width=width, file=Path(model),
-                      facts={"sha256": sha256_file(model), "input_name": facts.input_name,
-                             "output_name": facts.output_name, "opset": facts.opset,
-                             "onnx_input_shape": list(facts.input_shape), "onnx_output_shape": list(facts.output_shape)})
+                      outputs=facts.outputs,
+                      facts={"sha256": sha256_file(model), "input_name": facts.input_name, "opset": facts.opset,
+                             "onnx_input_shape": list(facts.input_shape)})
 
 
 # --- a TorchScript file ------------------------------------------------------------------------------

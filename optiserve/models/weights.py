@@ -80,6 +80,7 @@ class LoadedModel:
     output_width: int | None = None  # one image's output size along its first axis (K classes, D dimensions)
     file: Path | None = None         # an ONNX file the optimizer starts from; `model` is then None
     output_shape: tuple[int, ...] | None = None  # one image's output shape ([K], [D], [K, H, W])
+    outputs: list[dict] | None = None  # a model file's outputs ({name, dtype, shape}), the one the task reads first
 
     def __post_init__(self):
         if self.output_width is None:
@@ -105,14 +106,18 @@ class LoadedModel:
 
 def load_model(name: str, weights: str | None = None, num_classes: int | None = None,
                input_spec: InputSpec | None = None, overrides: InputOverrides = InputOverrides(),
-               labels: list[str] | None = None, task: str | None = None) -> LoadedModel:
+               labels: list[str] | None = None, task: str | None = None,
+               task_output: str | None = None) -> LoadedModel:
     """Build MODEL `name` from its source and load `weights` (default: the model's default weights);
     `overrides` and `labels` say what the user knows of its input and classes, `task` what its
-    output means (default: classification for one [N, K] output)."""
+    output means (default: classification for one [N, K] output) and, for a model file with several
+    outputs, `task_output` which one it reads (default: the first)."""
     if task is not None and task not in list_tasks():
         raise UserError(f"unknown task {task!r}; use {' | '.join(list_tasks())}")
     if not is_registered(name):
-        return _ready(_load_from_source(name, weights, num_classes, overrides, labels, task))
+        return _ready(_load_from_source(name, weights, num_classes, overrides, labels, task, task_output))
+    if task_output is not None:
+        raise UserError(f"--task-output is for a model file with several outputs; {name} has one")
     if task not in (None, "classification"):
         raise UserError(f"the registered model {name} is a classifier; --task {task} is for other sources")
     entry = get_model_entry(name)
@@ -140,7 +145,7 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
 
 
 def _load_from_source(name: str, weights: str | None, num_classes: int | None, overrides: InputOverrides,
-                      labels: list[str] | None, task: str | None) -> LoadedModel:
+                      labels: list[str] | None, task: str | None, task_output: str | None = None) -> LoadedModel:
     """A torchvision, timm, user-code or file model: built by its source, weights from a state dict
     file unless the model file holds its own."""
     source = find_source(name)
@@ -152,7 +157,9 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
     if built.weights == "in the file" and weights not in (None, "random"):
         raise UserError(f"{name} holds its weights; drop --weights")
     if built.module is None:
-        return _file_model(name, built, spec, labels, task)
+        return _file_model(name, built, spec, labels, task, task_output)
+    if task_output is not None:
+        raise UserError(f"--task-output is for a model file with several outputs; {name} returns one tensor")
     model = built.module.eval()
     if weights == "imagenet":
         raise UserError(f"--weights imagenet is for the registered models; for {name} pass a weights file "
@@ -197,22 +204,44 @@ def _forms() -> str:
     return ", ".join(f"{get_task(t).output_form} ({t})" for t in list_tasks())
 
 
-def _file_model(name: str, built, spec: InputSpec, labels: list[str] | None, task: str | None) -> LoadedModel:
-    """A model file that holds its own weights (ONNX): checked against the input, not run here."""
+def _file_model(name: str, built, spec: InputSpec, labels: list[str] | None, task: str | None,
+                task_output: str | None) -> LoadedModel:
+    """A model file that holds its own weights (ONNX): checked against the input, not run here. The
+    task reads `task_output` (default: the first output); every other output is served beside it
+    under its own name."""
     onnx_shape = built.facts.get("onnx_input_shape") or []
     for given, fixed in zip(spec.shape, onnx_shape[1:]):
         if fixed is not None and given != fixed:
             raise UserError(f"--input-shape {','.join(map(str, spec.shape))} does not fit {name}, whose input is "
                             f"{show_shape(['N', *onnx_shape[1:]])}")
-    out_shape = built.facts.get("onnx_output_shape") or []
+    outputs = _task_output_first(list(built.outputs), task_output, name)
+    out_shape = outputs[0].shape
+    if not outputs[0].dtype.startswith("float"):
+        raise UserError(f"{name}: output {outputs[0].name!r} holds {outputs[0].dtype}; the task reads floating-point "
+                        f"scores" + (", name that output with --task-output" if len(outputs) > 1 else ""))
     if len(out_shape) < 2 or any(not isinstance(v, int) for v in out_shape[1:]):
-        raise UserError(f"{name} returns shape {show_shape(out_shape)}; optiserve takes models whose output is one "
-                        f"tensor with a fixed size after the batch axis: {_forms()}")
+        which = f"output {outputs[0].name!r}" if len(outputs) > 1 else "its output"
+        raise UserError(f"{name}: {which} has shape {show_shape(out_shape)}; the task reads one tensor with a fixed "
+                        f"size after the batch axis: {_forms()}")
     shape = tuple(out_shape[1:])
     task = _output_task(task, shape, name)
+    clash = [o.name for o in outputs[1:] if o.name in get_task(task).outputs]
+    if clash:
+        raise UserError(f"{name}: output {clash[0]!r} has the name the protocol gives the {task} output it derives "
+                        f"from {outputs[0].name!r}; rename it in the graph, or pass --task-output {clash[0]}")
     return LoadedModel(name, None, spec, _task_classes(task, labels, None, shape[0], name),
                        {"weights": built.weights, "source": "onnx", **built.facts}, task, shape[0], file=built.file,
-                       output_shape=shape)
+                       output_shape=shape, outputs=[o.to_dict() for o in outputs])
+
+
+def _task_output_first(outputs: list, task_output: str | None, name: str) -> list:
+    """A model file's outputs with the one the task reads (`task_output`, else the first) leading."""
+    if task_output is None:
+        return outputs
+    names = [o.name for o in outputs]
+    if task_output not in names:
+        raise UserError(f"--task-output {task_output!r}: {name} has no such output; its outputs: {', '.join(names)}")
+    return [outputs[names.index(task_output)], *(o for o in outputs if o.name != task_output)]
 
 
 def _with_state_dict(name, model, spec, path, labels) -> LoadedModel:

@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labels", default=None, metavar="FILE", help="class names, one a line, in output order")
     p.add_argument("--task", default=None, choices=list_tasks(),
                    help="what the model's output means (default: classification for one [N, K] output)")
+    p.add_argument("--task-output", default=None, metavar="NAME",
+                   help="a model file with several outputs: the one the task reads (default: the first); every "
+                        "output is served under its own name")
     p.add_argument("--min-cosine", type=float, default=DEFAULTS.min_cosine, metavar="C",
                    help=f"embedding: reject variants whose mean cosine similarity to fp32's vectors is below C "
                         f"(default {DEFAULTS.min_cosine:g})")
@@ -115,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         calib_size=args.calib_size, calib_method=args.calib_method, int8_recipe=args.int8_recipe,
         max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
-        num_classes=args.num_classes, labels=args.labels, task=args.task, min_cosine=args.min_cosine,
+        num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, min_cosine=args.min_cosine,
         min_miou=args.min_miou, input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),
     )
     manifest = run_optimize(cfg)

@@ -23,7 +23,7 @@ from optiserve.models.sources import is_registered
 from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
 from optiserve.optimize.architecture import RECIPES, QuantRecipe, recipe_for_module, recipe_for_onnx
 from optiserve.optimize.calibrate import calibration_batches
-from optiserve.optimize.export_onnx import OPSET, export_onnx
+from optiserve.optimize.export_onnx import OPSET, OUTPUT_NAME, export_onnx
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.progress import PassLog
@@ -74,6 +74,7 @@ class OptimizeConfig:
     input: InputOverrides = field(default_factory=InputOverrides)  # --input-shape, --mean, --std
     labels: str | None = None         # a file with one class name a line
     task: str | None = None           # None: classification for one [N, K] output
+    task_output: str | None = None    # a model file with several outputs: the one the task reads (None: the first)
     min_cosine: float = 0.99          # embedding: the least mean cosine similarity to fp32 accepted
     min_miou: float = 0.90            # segmentation: the least mIoU against fp32's masks accepted
 
@@ -158,7 +159,8 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
     weights = cfg.weights
     labels = read_labels(cfg.labels) if cfg.labels else None
     if not is_registered(cfg.model):
-        return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task)
+        return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task,
+                          task_output=cfg.task_output)
     if weights is None and cfg.dataset == "digits":
         ckpt = default_checkpoint(cfg.model, "digits")
         if not ckpt.is_file():
@@ -168,7 +170,8 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
                      f"(optiserve train {cfg.model} --dataset digits)")
             train(TrainConfig(model=cfg.model, dataset="digits", out=str(ckpt), progress=cfg.progress))
         weights = str(ckpt)
-    return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task)
+    return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task,
+                          task_output=cfg.task_output)
 
 
 def class_mapping(model_classes: list[str], data_classes: list[str]) -> list[int] | None:
@@ -442,12 +445,18 @@ def _fuse(loaded: LoadedModel) -> tuple[torch.nn.Module, str]:
                    f"({count_batchnorms(fused)} left); max |Δ| on random inputs {diff:.1e}")
 
 
+def _session_manifest(loaded) -> dict:
+    """What the runtime needs of the manifest to load a variant before the manifest is written."""
+    return {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict(), "task": loaded.task,
+            **({"outputs": loaded.outputs} if loaded.outputs else {})}
+
+
 def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: OptimizeConfig, why_not: str, log):
     """fp32 file, int8 file, settings -> settings: re-quantizes an ONNX INT8 model that misses its
     task's gate with its most sensitive layers (measured on validation images) kept in float."""
     if not cfg.accuracy_aware or why_not:
         return lambda fp32, int8, settings: settings
-    base_manifest = {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict()}
+    base_manifest = _session_manifest(loaded)
     options = RuntimeOptions(device="cpu", extra={"spin": False})
     task = get_task(loaded.task)
 
@@ -591,8 +600,7 @@ class Timed:
 
 def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, why_not: str,
               baseline_name: str = BASELINE) -> tuple[list[dict], Timed]:
-    base_manifest = {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict(),
-                     "task": loaded.task}
+    base_manifest = _session_manifest(loaded)
     options = RuntimeOptions(device=cfg.device, extra={"spin": False})  # an idle session must not slow the next
     batch1 = evalset.images[:1]
     batch_n = np.resize(evalset.images, (cfg.latency_batch, *evalset.images.shape[1:])).astype(np.float32)
@@ -662,6 +670,8 @@ def _manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_eval) -
         "classes": loaded.classes,
         "output_width": loaded.output_width,
         "output_shape": list(loaded.output_shape),
+        # every output the model serves, the one the task reads first (served under the task's names)
+        "outputs": loaded.outputs or [{"name": OUTPUT_NAME, "dtype": "float32", "shape": list(loaded.output_shape)}],
         "source": {"model": loaded.name, **loaded.source},
         "dataset": {"name": data.name, "eval_split": "test", "eval_images": n_eval, "calibration_split": "train"},
         "accuracy_meaningful": not why_not,

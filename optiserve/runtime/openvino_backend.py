@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from optiserve.errors import UserError
-from optiserve.runtime.registry import Backend, RuntimeOptions, register_backend
+from optiserve.runtime.registry import Backend, RuntimeOptions, output_dtypes, output_names, register_backend
 
 PRECISIONS = {"f32": "f32", "bf16": "bf16"}
 
@@ -51,7 +51,7 @@ class OpenVinoSession:
     backend = "openvino"
     device = "cpu"
 
-    def __init__(self, path: Path, variant: dict, options: RuntimeOptions):
+    def __init__(self, path: Path, variant: dict, manifest: dict, options: RuntimeOptions):
         precision = (variant.get("settings") or {}).get("inference_precision", "f32")
         if precision not in PRECISIONS:
             raise UserError(f"variant {variant['name']!r}: unknown OpenVINO inference precision {precision!r}")
@@ -70,16 +70,37 @@ class OpenVinoSession:
         self.compiled = core().compile_model(model, "CPU", config)
         self.request = self.compiled.create_infer_request()
         self.precision = precision
+        self.outputs = self._outputs_in_manifest_order(path, manifest)
+        self.dtypes = [np.dtype(d) for d in output_dtypes(manifest)] or [np.float32] * len(self.outputs)
+
+    def _outputs_in_manifest_order(self, path: Path, manifest: dict) -> list[int]:
+        """The compiled model's output indices in the manifest's order (the IR keeps the ONNX names)."""
+        names = output_names(manifest)
+        if len(names) <= 1:
+            return [0]
+        held = [set(o.get_names()) for o in self.compiled.outputs]
+        order = [next((i for i, n in enumerate(held) if name in n), None) for name in names]
+        if None in order:
+            raise UserError(f"{path.name} has outputs {', '.join(sorted(set().union(*held)))}; the manifest lists "
+                            f"{', '.join(names)}")
+        return order
 
     def run(self, batch: np.ndarray) -> np.ndarray:
+        return self._run(batch)[0].astype(np.float32, copy=False)
+
+    def run_outputs(self, batch: np.ndarray) -> list[np.ndarray]:
+        return self._run(batch)
+
+    def _run(self, batch: np.ndarray) -> list[np.ndarray]:
         x = np.ascontiguousarray(batch, dtype=np.float32)
         result = self.request.infer({0: x}, share_inputs=True)
-        return np.array(result[0], dtype=np.float32, copy=True)  # the request reuses its output buffer
+        # copies: the request reuses its output buffers
+        return [np.array(result[i], dtype=d, copy=True) for i, d in zip(self.outputs, self.dtypes)]
 
 
 def _unavailable() -> str | None:
     return None if importlib.util.find_spec("openvino") else "the openvino package is not installed (pip install openvino)"
 
 
-register_backend(Backend("openvino", lambda p, v, m, o: OpenVinoSession(p, v, o), _unavailable,
+register_backend(Backend("openvino", lambda p, v, m, o: OpenVinoSession(p, v, m, o), _unavailable,
                          "OpenVINO (CPU), explicit f32/bf16 inference precision"))

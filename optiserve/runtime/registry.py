@@ -26,12 +26,26 @@ class RuntimeOptions:
 
 
 class Session(Protocol):
-    """A loaded variant. `run` maps a float32 [N, C, H, W] normalized batch to float32 [N, classes] logits."""
+    """A loaded variant. `run` maps a float32 [N, C, H, W] normalized batch to the float32 output the
+    task reads ([N, classes] logits, ...); `run_outputs` to every output of the model, in the
+    manifest's order (that one first), each in its own dtype. Both cost one run of the model."""
 
     backend: str
     device: str
 
     def run(self, batch: np.ndarray) -> np.ndarray: ...
+
+    def run_outputs(self, batch: np.ndarray) -> list[np.ndarray]: ...
+
+
+def output_names(manifest: dict) -> list[str]:
+    """The model's outputs as the manifest lists them, the one the task reads first; [] for a
+    manifest written before it listed them (one output)."""
+    return [o["name"] for o in manifest.get("outputs") or []]
+
+
+def output_dtypes(manifest: dict) -> list[str]:
+    return [o.get("dtype", "float32") for o in manifest.get("outputs") or []]
 
 
 Loader = Callable[[Path, dict, dict, RuntimeOptions], Session]

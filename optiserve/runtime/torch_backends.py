@@ -44,11 +44,16 @@ class TorchSession:
         self.module, self.backend, self.device = module, backend, str(device)
         self._device, self.dtype = device, dtype
 
-    @torch.inference_mode()
     def run(self, batch: np.ndarray) -> np.ndarray:
+        return self.run_outputs(batch)[0].astype(np.float32, copy=False)
+
+    @torch.inference_mode()
+    def run_outputs(self, batch: np.ndarray) -> list[np.ndarray]:
+        """Every tensor the module returns (one, a tuple or list, or a dict's values), in its order."""
         x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self._device, self.dtype)
         out = self.module(x)
-        return out.float().cpu().numpy()
+        tensors = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else (out,)
+        return [(t.float() if t.is_floating_point() else t).cpu().numpy() for t in tensors]
 
 
 def _load_eager(path: Path, variant: dict, manifest: dict, options: RuntimeOptions) -> TorchSession:

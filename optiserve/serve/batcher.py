@@ -124,15 +124,24 @@ class Result:
     """A request's rows, answered. A request whose rows ran in several batches is timed by the last
     of them, the one that completed it: its rows' wait, its compute time and its size."""
 
-    logits: np.ndarray
+    logits: np.ndarray      # the output the task reads
     queue_s: float          # how long the rows of the batch that completed the request waited
     compute_s: float        # that batch's compute time
     batch_size: int         # that batch's size
     batch_sizes: list[int] = field(default_factory=list)  # every batch its rows ran in, in the order they ran
+    extra: tuple[np.ndarray, ...] = ()  # the model's other outputs, where `run_batch` returns several
+
+    @property
+    def outputs(self) -> tuple[np.ndarray, ...]:
+        """Every output, the one the task reads first."""
+        return (self.logits, *self.extra)
 
 
 class DynamicBatcher:
-    def __init__(self, run_batch: Callable[[np.ndarray], np.ndarray], max_batch_size: int = 16,
+    """Queues images and runs them in batches through `run_batch`, which returns one array of rows
+    or a list of them (a model with several outputs, the one the task reads first)."""
+
+    def __init__(self, run_batch: Callable[[np.ndarray], np.ndarray | list[np.ndarray]], max_batch_size: int = 16,
                  max_delay_ms: float = 5.0, max_queue: int = 256, name: str = "",
                  on_batch: Callable[[BatchRecord], None] | None = None,
                  thread_initializer: Callable[[], None] | None = None, row_shape: tuple[int, ...] | None = None):
@@ -178,7 +187,7 @@ class DynamicBatcher:
 
     async def submit(self, images: np.ndarray, timeout: float | None = None,
                      reservation: Reservation | None = None) -> Result:
-        """Queue `images` [k, C, H, W]; returns their logits [k, classes] in order.
+        """Queue `images` [k, C, H, W]; returns their outputs (logits [k, classes], ...) in order.
 
         A `reservation` from `reserve` is used up here: its room counts towards these rows.
         Raises QueueFull at once when there is no room, TimeoutError when the rows have not run
@@ -212,11 +221,12 @@ class DynamicBatcher:
         errors = [d for d in done if isinstance(d, BaseException)]
         if errors:
             raise errors[0]
-        logits = np.stack([d[0] for d in done])
+        outputs = [np.stack([d[0][i] for d in done]) for i in range(len(done[0][0]))]
         # the rows were queued together, so the longer a row waited, the later its batch started
         by_start = sorted(done, key=lambda d: d[1])
         last = by_start[-1]
-        return Result(logits, last[1], last[2], last[3], list(dict.fromkeys(d[3] for d in by_start)))
+        return Result(outputs[0], last[1], last[2], last[3], list(dict.fromkeys(d[3] for d in by_start)),
+                      tuple(outputs[1:]))
 
     async def close(self, timeout: float | None = None) -> bool:
         """Stop accepting and answer everything already queued, waiting at most `timeout` seconds;
@@ -284,8 +294,9 @@ class DynamicBatcher:
                 for _ in batch:
                     self._queue.task_done()
 
-    def _stack_and_run(self, images: list[np.ndarray]) -> np.ndarray:
-        return self.run_batch(stack_rows(images))
+    def _stack_and_run(self, images: list[np.ndarray]) -> list[np.ndarray]:
+        out = self.run_batch(stack_rows(images))
+        return [out] if isinstance(out, np.ndarray) else list(out)
 
     async def _run(self, batch: list[_Row]) -> None:
         """Drop rows whose caller gave up or whose deadline passed, run the rest, hand out the rows."""
@@ -305,10 +316,11 @@ class DynamicBatcher:
         self._running = live
         try:
             # joined into one array on the inference thread: megabytes of copying kept off the event loop
-            logits = await asyncio.get_running_loop().run_in_executor(self._executor, self._stack_and_run,
-                                                                      [r.image for r in live])
-            if len(logits) != len(live):
-                raise RuntimeError(f"the model returned {len(logits)} rows for {len(live)} images")
+            outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self._stack_and_run,
+                                                                       [r.image for r in live])
+            rows = {len(o) for o in outputs}
+            if rows != {len(live)}:
+                raise RuntimeError(f"the model returned {', '.join(map(str, sorted(rows)))} rows for {len(live)} images")
         except Exception as e:  # a failing batch fails only its own requests
             self.on_batch(BatchRecord(len(live), waits, time.perf_counter() - t0, False))
             for r in live:
@@ -317,6 +329,6 @@ class DynamicBatcher:
             return
         compute = time.perf_counter() - t0
         self.on_batch(BatchRecord(len(live), waits, compute, True))
-        for r, wait, row in zip(live, waits, logits):
+        for i, (r, wait) in enumerate(zip(live, waits)):
             if not r.future.done():
-                r.future.set_result((row, wait, compute, len(live)))
+                r.future.set_result((tuple(o[i] for o in outputs), wait, compute, len(live)))

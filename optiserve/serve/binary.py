@@ -41,4 +41,4 @@ def encode_response(response: dict, binary: list[tuple[dict, np.ndarray]]) -> tu
     head = json.dumps(response).encode()
     if not binary:
         return head, None
-    return head + b"".join(a.astype("<f4", copy=False).tobytes() for _, a in binary), len(head)
+    return head + b"".join(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes() for _, a in binary), len(head)

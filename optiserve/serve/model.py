@@ -66,6 +66,9 @@ class ServedModel:
         self.classes: list[str] = self.manifest["classes"]
         self.task = get_task(self.manifest.get("task"))  # what the output means: answers, outputs, agreement
         self.output_width = self.task.width(self.manifest)
+        # the model's outputs beside the one the task reads, served under their own names
+        self.extra_outputs: list[dict] = list(self.manifest.get("outputs") or [])[1:]
+        self.protocol_outputs = (*self.task.outputs, *(o["name"] for o in self.extra_outputs))
         names = [e["name"] for e in self.entries]
         self.router = Router(parse_ab(ab, names))
         self.traffic_source = "--ab" if ab else "default"  # what set the split: --ab, default, fastest, api
@@ -95,7 +98,8 @@ class ServedModel:
                     stats.record_batch(rec.size)
                     metrics.record_batch(model, variant, rec.size, rec.queue_s, rec.compute_s)
 
-                batcher = DynamicBatcher(loaded.session.run, batching.max_batch_size, batching.max_delay_ms,
+                run = loaded.session.run_outputs if self.extra_outputs else loaded.session.run
+                batcher = DynamicBatcher(run, batching.max_batch_size, batching.max_delay_ms,
                                          batching.max_queue, name=f"{self.name}/{loaded.name}", on_batch=on_batch,
                                          thread_initializer=batching.thread_initializer,
                                          row_shape=tuple(self.spec.shape))

@@ -11,6 +11,10 @@ from optiserve.serve.model import ServedModel
 from optiserve.serve.server import ApiError, Server
 
 EXTENSIONS = ["binary_tensor_data", "model_repository"]
+# numpy's element types as the protocol names them (the ones a model's output may have: models.onnx_file)
+DATATYPES = {"float32": "FP32", "float64": "FP64", "int8": "INT8", "int16": "INT16", "int32": "INT32",
+             "int64": "INT64", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64",
+             "bool": "BOOL"}
 
 
 def server_metadata() -> dict:
@@ -36,7 +40,10 @@ def model_metadata(model: ServedModel, version: str | None) -> dict:
             **({"version": version} if version else {}),
             "inputs": [{"name": model.manifest.get("input_name", "input"), "datatype": "FP32", "shape": [-1, c, h, w]}],
             "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, *model.task.output_shape(model.manifest)]}
-                        for name in model.task.outputs]}
+                        for name in model.task.outputs]
+            + [{"name": o["name"], "datatype": DATATYPES[o["dtype"]], "shape": [-1, *(-1 if d is None else d
+                                                                                  for d in o["shape"])]}
+               for o in model.extra_outputs]}
 
 
 def model_ready(server: Server, name: str, version: str | None = None) -> bool:
@@ -49,10 +56,23 @@ def model_ready(server: Server, name: str, version: str | None = None) -> bool:
     return server.model_reports_ready and model is not None and (version is None or version in model.variants)
 
 
-def output_tensor(model: ServedModel, name: str, raw: np.ndarray) -> np.ndarray:
-    """The named protocol output of a batch's raw model output, float32, as the model's task defines
-    it (a classifier's logits or probabilities, an embedding's vectors)."""
-    return model.task.protocol_output(name, raw)
+def output_tensor(model: ServedModel, name: str, outputs: tuple[np.ndarray, ...]) -> np.ndarray:
+    """The named protocol output of a batch's model outputs: one the task derives from the output it
+    reads (a classifier's logits or probabilities, an embedding's vectors; float32), or another of
+    the model's outputs, as it is."""
+    if name in model.task.outputs:
+        return model.task.protocol_output(name, outputs[0])
+    return outputs[1 + [o["name"] for o in model.extra_outputs].index(name)]
+
+
+def datatype(data: np.ndarray) -> str:
+    """The protocol's name for an output's element type."""
+    return DATATYPES[data.dtype.name]
+
+
+def little_endian(data: np.ndarray) -> np.ndarray:
+    """The protocol's byte order for binary tensor data."""
+    return data.astype(data.dtype.newbyteorder("<"), copy=False)
 
 
 def timing_parameters(timing: dict) -> dict[str, int]:

@@ -59,7 +59,7 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                 if "variant" not in query:
                     server.reroute(admission, parsed.variant, request)
                 images, k = parsed.images, k or parsed.top_k
-            logits, timing = await server.infer(admission, images, request=request)
+            (logits, *_), timing = await server.infer(admission, images, request=request)
         answer = model.task.answer(logits, model.manifest, {"top_k": k or min(cfg.top_k, len(model.classes)),
                                                             "normalize": normalize, "sizes": sizes})
         variant = admission.variant.name

@@ -62,13 +62,13 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
             binary_header = request.headers.get(BINARY_HEADER)  # binary tensor bytes may hold any byte, commas too
             body = await server.read_body(request, admission, json_values=binary_header is None)
             parsed = await server.decode(infer_request, body, binary_header, model.spec,
-                                         cfg.max_queue, admission.hold_json, model.task.outputs)
-            logits, timing = await server.infer(admission, parsed.images, request=request)
+                                         cfg.max_queue, admission.hold_json, model.protocol_outputs)
+            tensors, timing = await server.infer(admission, parsed.images, request=request)
         variant = admission.variant.name
         outputs, binary = [], []
         for out_name, as_binary in parsed.outputs:
-            data = oip.output_tensor(model, out_name, logits)
-            entry = {"name": out_name, "datatype": "FP32", "shape": list(data.shape)}
+            data = oip.output_tensor(model, out_name, tensors)
+            entry = {"name": out_name, "datatype": oip.datatype(data), "shape": list(data.shape)}
             if as_binary:
                 binary.append((entry, data))
             else:
@@ -80,7 +80,7 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
             response["id"] = parsed.id
         content, header_length = encode_response(response, binary)
         headers = {VARIANT_HEADER: variant}
-        background = server.shadow.task(admission, parsed.images, logits)
+        background = server.shadow.task(admission, parsed.images, tensors[0])
         if header_length is None:
             return Response(content, media_type="application/json", headers=headers, background=background)
         return Response(content, media_type="application/octet-stream",

@@ -297,8 +297,9 @@ class Server:
         return ApiError(429, f"overloaded: {e}; retry later", {"Retry-After": "1", VARIANT_HEADER: variant.name})
 
     async def infer(self, admission: Admission, images: np.ndarray, deadline_s: float | None = None,
-                    request: Request | None = None) -> tuple[np.ndarray, dict]:
-        """Run `images` through the admitted variant's batcher, within --timeout-ms or the caller's
+                    request: Request | None = None) -> tuple[tuple[np.ndarray, ...], dict]:
+        """Run `images` through the admitted variant's batcher: every output of the model, the one the
+        task reads first, and the request's timing. Within --timeout-ms or the caller's
         own `deadline_s` if sooner; maps every failure to the right status. With an HTTP `request`,
         a client that hangs up meanwhile takes its rows out of the queue (ClientGone)."""
         t0 = time.perf_counter()
@@ -322,7 +323,7 @@ class Server:
             raise ApiError(503, str(e), served) from None
         seconds = time.perf_counter() - t0
         self._record(model, variant, "ok", seconds, len(images))
-        return result.logits, {"server_ms": 1000 * seconds, "queue_ms": 1000 * result.queue_s,
+        return result.outputs, {"server_ms": 1000 * seconds, "queue_ms": 1000 * result.queue_s,
                                "compute_ms": 1000 * result.compute_s, "batch_size": result.batch_size,
                                "batch_sizes": result.batch_sizes}
 
