@@ -203,28 +203,38 @@ def test_a_segmentation_int8_model_that_misses_its_gate_keeps_sensitive_layers_i
                                      "miou_fp32": int8["accuracy"]["miou_fp32"], "status": "accepted"}
 
 
-def test_a_segmentation_onnx_file_is_served_under_its_own_input_name_as_onnx_runtime_computes_it(
+def test_a_segmentation_onnx_file_of_any_size_is_served_at_the_size_given_as_onnx_runtime_computes_it(
         ink_net, digit_images, tmp_path):
+    """A fully convolutional file exported with a dynamic H and W (at 32x32) is built for and served
+    at --input-shape's 48x48, under its own input name."""
     ort = pytest.importorskip("onnxruntime")
     _, model = ink_net
     path = tmp_path / "ink.onnx"
+    dims = {0: torch.export.Dim("batch", min=1, max=1024), 2: torch.export.Dim("height", min=8, max=512),
+            3: torch.export.Dim("width", min=8, max=512)}
     with torch.no_grad():
         torch.onnx.export(model, (torch.zeros(2, 3, 32, 32),), str(path), input_names=["pixel_values"],
-                          output_names=["masks"], dynamo=True, external_data=False,
-                          dynamic_shapes={"input": {0: torch.export.Dim("batch", min=1, max=1024)}})
-    with pytest.raises(UserError, match=r"returns shape \[N, 2, 32, 32\]; say what it means: pass --task segmentation"):
+                          output_names=["masks"], dynamo=True, external_data=False, dynamic_shapes={"input": dims})
+    with pytest.raises(UserError, match="does not say what input it takes: give --input-shape C,H,W"):
         load_model(str(path))
+    with pytest.raises(UserError, match=r"returns shape \[N, 2, 48, 48\]; say what it means: pass --task segmentation"):
+        load_model(str(path), overrides=InputOverrides((3, 48, 48)))
     out = tmp_path / "art"
     manifest = run_optimize(OptimizeConfig(str(path), task="segmentation", dataset=f"imagefolder:{digit_images}",
-                                           int8=True, openvino=False, out=str(out), progress=False))
+                                           int8=True, input=InputOverrides((3, 48, 48)), out=str(out),
+                                           progress=False))
     assert manifest["baseline"] == "onnx-fp32" and manifest["input_name"] == "pixel_values"
-    assert manifest["input"]["resize"] == "stretch" and manifest["output_shape"] == [2, 32, 32]
+    assert manifest["input"]["resize"] == "stretch" and manifest["output_shape"] == [2, 48, 48]
     by_name = {v["name"]: v for v in manifest["variants"]}
+    assert {"onnx-int8", "openvino-fp32", "openvino-int8"} <= set(by_name)
     assert by_name["onnx-int8"]["status"] == ("accepted" if by_name["onnx-int8"]["accuracy"]["miou_fp32"] >= 0.9
                                               else "rejected")
-    images = np.random.default_rng(9).standard_normal((2, 3, 32, 32), dtype=np.float32)
+    assert by_name["openvino-fp32"]["accuracy"]["pixel_agreement"] > 0.999
+    images = np.random.default_rng(9).standard_normal((2, 3, 48, 48), dtype=np.float32)
     expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"pixel_values": images})[0]
-    with serving(out, "--variants", "onnx-fp32") as (base, _):
-        logits, data = infer_json(base, "ink", "pixel_values", images)
-    assert logits["name"] == "logits" and logits["shape"] == [2, 2, 32, 32]
+    with serving(out, "--variants", "onnx-fp32,openvino-fp32") as (base, _):
+        logits, data = infer_json(base, "ink/versions/onnx-fp32", "pixel_values", images)
+        _, openvino = infer_json(base, "ink/versions/openvino-fp32", "pixel_values", images)
+    assert logits["name"] == "logits" and logits["shape"] == [2, 2, 48, 48]
     np.testing.assert_allclose(data, expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(openvino, expected, rtol=1e-3, atol=1e-3)

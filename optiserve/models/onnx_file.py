@@ -77,6 +77,24 @@ def read_onnx_facts(path: str | Path) -> OnnxGraphFacts:
     return OnnxGraphFacts(inputs[0].name, in_shape, _outputs(proto, path), opset)
 
 
+def at_input_size(path: str | Path, facts: OnnxGraphFacts, chw: tuple[int, int, int]) -> tuple[OnnxOutput, ...]:
+    """The outputs with the sizes they have for a [N, C, H, W] input of `chw`: a graph with a dynamic H
+    and W (a fully convolutional segmentation model) leaves them symbolic, so the file is run once on a
+    zero image of that size (ONNX Runtime, on the CPU) to learn them."""
+    if all(d is not None for o in facts.outputs for d in o.shape[1:]):
+        return facts.outputs
+    import numpy as np
+    import onnxruntime as ort
+
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        values = session.run([o.name for o in facts.outputs], {facts.input_name: np.zeros((1, *chw), np.float32)})
+    except Exception as e:
+        raise UserError(f"{path} fails on an input of shape {show_shape([None, *chw])} ({first_line(e, True, 200)}); "
+                        f"give the input it takes with --input-shape C,H,W") from None
+    return tuple(OnnxOutput(o.name, (None, *v.shape[1:]), o.dtype) for o, v in zip(facts.outputs, values))
+
+
 def _outputs(proto, path: Path) -> tuple[OnnxOutput, ...]:
     """Every output, each with a batch axis first (a row per image is what a batch is split into)."""
     from onnx.helper import tensor_dtype_to_np_dtype

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from optiserve.errors import UserError, first_line
-from optiserve.models.onnx_file import is_onnx_file, read_onnx_facts
+from optiserve.models.onnx_file import OnnxGraphFacts, is_onnx_file, read_onnx_facts
 from optiserve.models.registry import CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, InputSpec, create_model, list_models
 
 
@@ -40,7 +40,7 @@ class BuiltModel:
     output_width: int | None = None        # where the source knows it without running the model
     file: Path | None = None               # the model file itself, where the optimizer starts from it
     task: str | None = None                # the task, where the source says it (a segmentation builder)
-    outputs: tuple | None = None           # a model file's outputs (onnx_file.OnnxOutput), in its order
+    graph: OnnxGraphFacts | None = None    # an ONNX file's input and outputs, as its graph declares them
 
 
 ImageSize = tuple[int, int]  # (H, W)
@@ -268,7 +268,7 @@ def _build_onnx(model: str, num_classes: int | None, image_size: ImageSize | Non
         spec = InputSpec((c, h, w), mean, std)
     width = facts.output_shape[1] if len(facts.output_shape) == 2 else None
     return BuiltModel(None, spec, None, weights="in the file", output_width=width, file=Path(model),
-                      outputs=facts.outputs,
+                      graph=facts,
                       facts={"sha256": sha256_file(model), "input_name": facts.input_name, "opset": facts.opset,
                              "onnx_input_shape": list(facts.input_shape)})
 

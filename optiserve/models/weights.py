@@ -17,7 +17,7 @@ from torch import nn
 from optiserve.checkpoint import NotACheckpoint, read_checkpoint
 from optiserve.errors import UserError, first_line
 from optiserve.files import sha256_file
-from optiserve.models.onnx_file import show_shape
+from optiserve.models.onnx_file import at_input_size, show_shape
 from optiserve.models.registry import CROP_FRACTION, InputSpec, create_model, get_model_entry
 from optiserve.models.sources import OutputOf, default_input, find_source, is_registered
 from optiserve.models.state_dicts import load_state_dict_readably, read_state_dict
@@ -214,7 +214,7 @@ def _file_model(name: str, built, spec: InputSpec, labels: list[str] | None, tas
         if fixed is not None and given != fixed:
             raise UserError(f"--input-shape {','.join(map(str, spec.shape))} does not fit {name}, whose input is "
                             f"{show_shape(['N', *onnx_shape[1:]])}")
-    outputs = _task_output_first(list(built.outputs), task_output, name)
+    outputs = _task_output_first(list(at_input_size(built.file, built.graph, spec.shape)), task_output, name)
     out_shape = outputs[0].shape
     if not outputs[0].dtype.startswith("float"):
         raise UserError(f"{name}: output {outputs[0].name!r} holds {outputs[0].dtype}; the task reads floating-point "

@@ -6,12 +6,24 @@ import os
 from pathlib import Path
 
 
-def export_openvino(onnx_path: str | os.PathLike, xml_path: str | os.PathLike) -> dict:
+def image_size_fixed(model, chw: tuple[int, int, int] | None):
+    """`model` with its input's C, H and W fixed at `chw` and the batch left dynamic: a file with a
+    dynamic H and W (served at one size) then compiles for that size instead of for any."""
+    if chw is not None:
+        import openvino as ov
+
+        model.reshape({model.input(0).get_any_name(): ov.PartialShape([-1, *chw])})
+    return model
+
+
+def export_openvino(onnx_path: str | os.PathLike, xml_path: str | os.PathLike,
+                    chw: tuple[int, int, int] | None = None) -> dict:
     """Convert `onnx_path` to IR at `xml_path` (+ `.bin` beside it), weights kept in fp32 (no fp16
-    compression: precision is chosen at load time, explicitly). Returns the settings for the manifest."""
+    compression: precision is chosen at load time, explicitly), for inputs of `chw`. Returns the
+    settings for the manifest."""
     import openvino as ov
 
-    model = ov.convert_model(str(onnx_path))
+    model = image_size_fixed(ov.convert_model(str(onnx_path)), chw)
     ov.save_model(model, str(xml_path), compress_to_fp16=False)
     return {"ir_from": Path(onnx_path).name, "openvino": ov.get_version().split("-")[0],
             "weights_compressed_to_fp16": False}
@@ -30,7 +42,7 @@ def quantize_openvino_nncf(onnx_path: str | os.PathLike, xml_path: str | os.Path
     import openvino as ov
 
     nncf.set_log_level(logging.ERROR)
-    model = ov.Core().read_model(str(onnx_path))
+    model = image_size_fixed(ov.Core().read_model(str(onnx_path)), tuple(batches[0].shape[1:]))
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
         quantized = nncf.quantize(model, nncf.Dataset(list(batches)), subset_size=len(batches),
                                   model_type=nncf.ModelType(model_type) if model_type else None)

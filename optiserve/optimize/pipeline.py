@@ -320,7 +320,7 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
                 variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8",
                                         {**settings, **recipe.settings()}))
     if openvino:
-        _openvino_variants(stage, variants, skipped, cfg, log, batches if cfg.int8 else [], recipe)
+        _openvino_variants(stage, variants, skipped, cfg, log, batches if cfg.int8 else [], recipe, loaded.input.shape)
     if cfg.prune is not None:
         name = f"sparse{round(100 * cfg.prune)}"
         with log.step(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)"):
@@ -349,7 +349,7 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
             if openvino:
                 with log.step(f"OpenVINO IR of {name}-int8 -> openvino-{name}-int8"):
                     ir = f"model.{name}.int8.openvino.xml"
-                    ov = export_openvino(stage / f"model.{name}.int8.onnx", stage / ir)
+                    ov = export_openvino(stage / f"model.{name}.int8.onnx", stage / ir, loaded.input.shape)
                     variants.append(Variant(f"openvino-{name}-int8", ir, "openvino", "int8",
                                             {**q, **ov, "inference_precision": "f32", "pruning": settings},
                                             [companion_bin(Path(ir)).name]))
@@ -387,7 +387,7 @@ def _onnx_file_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, e
         _onnx_int8(stage, batches, _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log), cfg, log,
                    variants, recipe)
     if cfg.openvino:
-        _openvino_variants(stage, variants, skipped, cfg, log, batches, recipe)
+        _openvino_variants(stage, variants, skipped, cfg, log, batches, recipe, loaded.input.shape)
     return name
 
 
@@ -488,12 +488,13 @@ OPENVINO_INT8_CANDIDATE = "openvino-int8-nncf"  # validated beside openvino-int8
 
 
 def _openvino_variants(stage: Path, variants: list[Variant], skipped: list[dict], cfg: OptimizeConfig, log,
-                       batches: list, recipe: QuantRecipe | None) -> None:
-    """openvino-fp32 and, where the CPU has bf16, openvino-bf16 (one IR, the precision set at load);
+                       batches: list, recipe: QuantRecipe | None, chw: tuple[int, int, int]) -> None:
+    """openvino-fp32 and, where the CPU has bf16, openvino-bf16 (one IR, the precision set at load),
+    compiled for inputs of `chw`;
     with --int8, two openvino-int8 candidates: the ONNX Runtime QDQ file read by OpenVINO, and NNCF's
     own post-training quantization on the same calibration images (see `_pick_openvino_int8`)."""
     with log.step("OpenVINO IR (fp32 weights; f32 and bf16 inference)"):
-        ov = export_openvino(stage / "model.onnx", stage / "model.openvino.xml")
+        ov = export_openvino(stage / "model.onnx", stage / "model.openvino.xml", chw)
         bin_name = companion_bin(Path("model.openvino.xml")).name
         variants.append(Variant("openvino-fp32", "model.openvino.xml", "openvino", "fp32",
                                 {**ov, "inference_precision": "f32"}, [bin_name]))
@@ -505,7 +506,7 @@ def _openvino_variants(stage: Path, variants: list[Variant], skipped: list[dict]
     if cfg.int8 and any(v.name == "onnx-int8" for v in variants):
         with log.step("OpenVINO IR of the INT8 QDQ model -> openvino-int8"):
             q = next(v for v in variants if v.name == "onnx-int8").settings
-            ov = export_openvino(stage / "model.int8.onnx", stage / "model.int8.openvino.xml")
+            ov = export_openvino(stage / "model.int8.onnx", stage / "model.int8.openvino.xml", chw)
             variants.append(Variant("openvino-int8", "model.int8.openvino.xml", "openvino", "int8",
                                     {**q, **ov, "inference_precision": "f32",
                                      "flow": "qdq", "flow_description": "the ONNX Runtime QDQ file (same "
