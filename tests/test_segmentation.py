@@ -107,8 +107,60 @@ def test_a_segmentation_model_is_judged_by_its_masks_against_fp32(ink_artifact):
     low, high = int8["miou_fp32_ci95"]
     assert low <= int8["miou_fp32"] <= high and int8["pixel_agreement"] > 0.9  # a trained net keeps its masks
     assert by_name["onnx-int8"]["status"] == ("accepted" if int8["miou_fp32"] >= 0.9 else "rejected")
+    assert "miou" not in int8  # no true masks: judged against fp32's alone
     report = (ink_artifact / "report.md").read_text()
     assert "mIoU vs fp32 [95% CI]" in report and "pixel agree fp32" in report
+
+
+@pytest.fixture(scope="module")
+def masked_digits(tmp_path_factory) -> tuple[Path, Path]:
+    """300 digits straight in a folder with their true masks (ink where the pixel is at least INK, a
+    border of 255: not scored) in a folder beside it, and 5 more images that have no mask."""
+    root = tmp_path_factory.mktemp("masked")
+    images, masks = root / "images", root / "masks"
+    images.mkdir(), masks.mkdir()
+    digits = load_digits()
+    for i, image in enumerate(digits.images[600:905]):
+        pixels = (image * 255 / 16).astype(np.uint8)
+        Image.fromarray(pixels).save(images / f"digit-{i}.png")
+        if i < 300:
+            mask = (pixels >= 255 * INK).astype(np.uint8)
+            mask[0, :] = 255
+            Image.fromarray(mask).save(masks / f"digit-{i}.png")
+    return images, masks
+
+
+def test_a_segmentation_model_is_judged_by_miou_against_true_masks_when_given(ink_net, masked_digits, tmp_path):
+    folder, _ = ink_net
+    images, masks = masked_digits
+    common = dict(task="segmentation", weights=str(folder / "ink_net.pt"), dataset=f"imagefolder:{images}",
+                  input=InputOverrides((3, 32, 32)), progress=False)
+    manifest = run_optimize(OptimizeConfig(f"{folder}/ink_net.py:build", int8=True, openvino=False, masks=str(masks),
+                                           out=str(tmp_path / "art"), **common))
+    assert manifest["dataset"]["eval_images"] == 60  # 20% of the 300 with a mask; the 5 without are left out
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    fp32 = by_name["fp32"]["accuracy"]
+    assert fp32["miou"] > 0.7 and fp32["miou_ci95"][0] <= fp32["miou"] <= fp32["miou_ci95"][1]  # trained on ink
+    int8 = by_name["onnx-int8"]["accuracy"]
+    drop = 100 * (fp32["miou"] - int8["miou"])
+    assert int8["vs_baseline"]["points"] == pytest.approx(-drop)
+    low, high = int8["vs_baseline"]["ci95"]
+    assert low <= -drop <= high
+    assert by_name["onnx-int8"]["status"] == ("accepted" if drop <= manifest["max_accuracy_drop"] else "rejected")
+    assert "mIoU masks" in (tmp_path / "art" / "report.md").read_text()
+    wrong = tmp_path / "wrong-masks"
+    wrong.mkdir()
+    for i in range(12):
+        Image.fromarray(np.full((8, 8), 7, np.uint8)).save(wrong / f"digit-{i}.png")
+    for mask_dir, message in ((wrong, "a mask holds class id 7 but the model has 2 classes"),
+                              (tmp_path / "none", "--masks .*none does not exist")):
+        with pytest.raises(UserError, match=message):
+            run_optimize(OptimizeConfig(f"{folder}/ink_net.py:build", masks=str(mask_dir), **common))
+    (tmp_path / "linear.py").write_text("from torch import nn\n\ndef build():\n"
+                                        "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 2))\n")
+    with pytest.raises(UserError, match="--masks scores segmentation masks; .* is a classification model"):
+        run_optimize(OptimizeConfig(f"{tmp_path}/linear.py:build", masks=str(masks),
+                                    **{**common, "task": None, "weights": None}))
 
 
 def test_a_served_segmentation_model_answers_a_mask_at_the_uploaded_size(ink_artifact, ink_net):

@@ -1,6 +1,7 @@
 """A user's own images: labelled in torchvision's ImageFolder layout, PATH/CLASS/IMAGE (or
 PATH/{train,val,test}/CLASS/IMAGE), or unlabelled, PATH/IMAGE (images straight in the folder, no
-class subfolders), for calibration and for judging variants against fp32's own answers."""
+class subfolders), for calibration and for judging variants against fp32's own answers; or images
+straight in the folder with a segmentation mask each (MASKS/<the image's name>.png, class ids)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,63 @@ class UnlabelledImages(Dataset):
         return self.transform(image), -1
 
 
+def read_mask(path: Path, size: tuple[int, int], ignore_index: int) -> np.ndarray:
+    """A mask PNG of class ids (grayscale, 16-bit or palette: the palette index is the class) resized
+    to `size` (W, H) by nearest class, as int64 with `ignore_index` pixels as -1 (not scored)."""
+    try:
+        with Image.open(path) as im:
+            if im.mode not in ("L", "P", "I;16", "I"):
+                raise UserError(f"mask {path} is a {im.mode} image; a mask holds class ids (a grayscale, 16-bit or "
+                                f"palette PNG), not colours")
+            mask = im.resize(size, Image.NEAREST) if im.size != size else im.copy()
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001  Pillow raises many kinds on a bad file
+        raise UserError(f"cannot read mask {path}: {first_line(e, with_type=True)}") from None
+    ids = np.asarray(mask, dtype=np.int64)
+    return np.where(ids == ignore_index, -1, ids)
+
+
+class MaskedImages(Dataset):
+    """Images with a segmentation mask each: (input, mask [H, W] at the input's size) — the image
+    stretched to the input as segmentation serves it, the mask resized to match."""
+
+    def __init__(self, files: list[Path], masks: list[Path], transform, spec: InputSpec, ignore_index: int):
+        self.images = UnlabelledImages(files, transform)
+        self.masks, self.size, self.ignore_index = masks, (spec.shape[2], spec.shape[1]), ignore_index
+
+    def __len__(self) -> int:
+        return len(self.masks)
+
+    def __getitem__(self, i: int):
+        image, _ = self.images[i]
+        return image, read_mask(self.masks[i], self.size, self.ignore_index)
+
+
+def _masked_splits(root: Path, masks_dir: Path, spec: InputSpec, seed: int, ignore_index: int) -> DatasetSplits:
+    """The images straight in `root` that have a mask of the same name in `masks_dir`, split at random
+    (deterministically) in SPLIT_FRACTIONS proportions; the rest are left out."""
+    if not masks_dir.is_dir():
+        raise UserError(f"--masks {masks_dir} does not exist or is not a folder")
+    files = [f for f in image_files(root) if (masks_dir / f"{f.stem}.png").is_file()]
+    if len(files) < 10:
+        raise UserError(f"{root}: {len(files)} images with a mask in {masks_dir} (a mask is named after its image: "
+                        f"IMAGE.jpg -> {masks_dir}/IMAGE.png); at least 10 are needed to split into calibration "
+                        f"and held-out images")
+    masks = [masks_dir / f"{f.stem}.png" for f in files]
+    with Image.open(files[0]) as im, Image.open(masks[0]) as mask:
+        if im.size != mask.size:
+            raise UserError(f"mask {masks[0]} is {mask.size[0]}x{mask.size[1]} but its image {files[0]} is "
+                            f"{im.size[0]}x{im.size[1]}; a mask labels its image's pixels")
+    order = np.random.default_rng(seed).permutation(len(files))
+    n_train, n_val = int(len(files) * SPLIT_FRACTIONS[0]), int(len(files) * SPLIT_FRACTIONS[1])
+    tr, va, te = np.sort(order[:n_train]), np.sort(order[n_train:n_train + n_val]), np.sort(order[n_train + n_val:])
+    full = MaskedImages(files, masks, EvalPreprocess(spec), spec, ignore_index)
+    return DatasetSplits(f"imagefolder:{root} with masks {masks_dir}", Subset(full, tr), Subset(full, va),
+                         Subset(full, te), [], spec, calib=Subset(full, tr), labelled=False, in_memory=False,
+                         masks=True, left_out=len(image_files(root)) - len(files))
+
+
 def image_files(root: Path) -> list[Path]:
     """The images straight in `root` (not in subfolders), sorted by name."""
     return sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS)
@@ -81,12 +139,16 @@ def _unlabelled_splits(root: Path, files: list[Path], spec: InputSpec, seed: int
                          [], spec, calib=Subset(full_eval, tr), labelled=False, in_memory=False)
 
 
-def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0) -> DatasetSplits:
+def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0, masks: str | None = None,
+                            ignore_index: int = 255) -> DatasetSplits:
     """Use PATH/train, PATH/val and PATH/test when present; otherwise split PATH deterministically, stratified;
-    images straight in PATH with no class subfolders are an unlabelled set."""
+    images straight in PATH with no class subfolders are an unlabelled set, or with `masks` (a folder
+    of class-id PNGs named after the images) a segmentation set."""
     root = Path(path).expanduser()
     if not root.is_dir():
         raise UserError(f"dataset path {root} does not exist or is not a folder (use imagefolder:PATH/TO/IMAGES)")
+    if masks is not None:
+        return _masked_splits(root, Path(masks).expanduser(), spec, seed, ignore_index)
     loose = image_files(root)
     if loose and not any(p.is_dir() for p in root.iterdir()):
         return _unlabelled_splits(root, loose, spec, seed)

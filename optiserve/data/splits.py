@@ -28,6 +28,8 @@ class DatasetSplits:
     labelled: bool = True    # False: labels are placeholders; variants are judged against fp32's answers
     real_images: bool = True  # False: random tensors (synthetic), on which no answer means anything
     in_memory: bool = True   # True: samples are tensors already, DataLoader workers would only add IPC
+    masks: bool = False      # True: each sample's label is a mask [H, W] of class ids (-1: not scored)
+    left_out: int = 0        # images the data holds but cannot use (no mask), for the report to say
 
     def calibration_set(self) -> Dataset:
         return self.calib if self.calib is not None else self.train

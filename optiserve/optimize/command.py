@@ -65,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-miou", type=float, default=DEFAULTS.min_miou, metavar="M",
                    help=f"segmentation: reject variants whose mIoU against fp32's masks is below M "
                         f"(default {DEFAULTS.min_miou:g})")
+    p.add_argument("--masks", default=None, metavar="DIR",
+                   help="segmentation: the true masks of --dataset imagefolder:PATH's images (DIR/IMAGE.png, "
+                        "class ids); variants are then judged by mIoU against them")
+    p.add_argument("--ignore-index", type=int, default=DEFAULTS.ignore_index, metavar="N",
+                   help=f"the mask value of pixels not to score (default {DEFAULTS.ignore_index})")
     p.add_argument("--dataset", default=DEFAULTS.dataset, metavar="NAME",
                    help=f"calibration and evaluation data: {DATASET_CHOICES} (default {DEFAULTS.dataset})")
     p.add_argument("--int8", action="store_true", help="add INT8 variants (ONNX Runtime static QDQ)")
@@ -119,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
         num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, min_cosine=args.min_cosine,
-        min_miou=args.min_miou, input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),
+        min_miou=args.min_miou, masks=args.masks, ignore_index=args.ignore_index,
+        input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),
     )
     manifest = run_optimize(cfg)
     print(format_table(summary_header(manifest), summary_rows(manifest)))

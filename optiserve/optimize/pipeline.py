@@ -77,6 +77,8 @@ class OptimizeConfig:
     task_output: str | None = None    # a model file with several outputs: the one the task reads (None: the first)
     min_cosine: float = 0.99          # embedding: the least mean cosine similarity to fp32 accepted
     min_miou: float = 0.90            # segmentation: the least mIoU against fp32's masks accepted
+    masks: str | None = None          # segmentation: a folder of the images' true masks (class-id PNGs)
+    ignore_index: int = 255           # a mask's value for pixels not to score
 
     @property
     def gate_limits(self) -> GateLimits:
@@ -202,6 +204,14 @@ def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> tuple[str, li
     return "", class_mapping(loaded.classes, data.classes)
 
 
+def _check_mask_classes(masks: np.ndarray, classes: list[str], cfg: OptimizeConfig) -> None:
+    """One line when a mask holds a class id the model does not have (other than --ignore-index)."""
+    top = int(masks.max(initial=-1))
+    if top >= len(classes):
+        raise UserError(f"--masks {cfg.masks}: a mask holds class id {top} but the model has {len(classes)} classes "
+                        f"(0..{len(classes) - 1}); pixels not to score take --ignore-index (now {cfg.ignore_index})")
+
+
 def _judged_by_agreement(loaded: LoadedModel, data: DatasetSplits, why_not: str, mapping) -> list[str]:
     """The note that says a classifier is judged without labels, and why."""
     if why_not or loaded.task != "classification" or mapping is not None:
@@ -225,11 +235,19 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     with log.step(f"load {cfg.model} ({cfg.weights or 'default weights'})"):
         loaded = resolve_weights(cfg, log)
     with log.step(f"load dataset {cfg.dataset}"):
-        data = load_dataset(cfg.dataset, loaded.input, len(loaded.classes))
+        if cfg.masks is not None and loaded.task != "segmentation":
+            raise UserError(f"--masks scores segmentation masks; {cfg.model} is a {loaded.task} model "
+                            f"(--task segmentation, if it segments)")
+        data = load_dataset(cfg.dataset, loaded.input, len(loaded.classes), masks=cfg.masks,
+                            ignore_index=cfg.ignore_index)
         why_not, mapping = _check_compatible(loaded, data)
-        evalset = materialize(data.test, data.labelled)
-        evalset.labels = None if mapping is None else np.asarray(mapping)[evalset.labels]
-    log.note(f"{len(evalset.images)} held-out test images; calibration draws from the train split")
+        evalset = materialize(data.test, data.labelled, data.masks)
+        if data.masks:
+            _check_mask_classes(evalset.labels, loaded.classes, cfg)
+        else:
+            evalset.labels = None if mapping is None else np.asarray(mapping)[evalset.labels]
+    log.note(f"{len(evalset.images)} held-out test images; calibration draws from the train split"
+             + (f"; {data.left_out} images without a mask left out" if data.left_out else ""))
 
     torch.manual_seed(0)
     example = torch.from_numpy(evalset.images[:4])

@@ -17,16 +17,17 @@ CLASSIFICATION = get_task("classification")
 
 @dataclass
 class EvalSet:
-    """Held-out images as one float32 array; `labels` is None when the data has none."""
+    """Held-out images as one float32 array; `labels` ([N] classes, or [N, H, W] masks) is None when
+    the data has none."""
 
     images: np.ndarray
     labels: np.ndarray | None
 
 
-def materialize(dataset: Dataset, labelled: bool) -> EvalSet:
+def materialize(dataset: Dataset, labelled: bool, masks: bool = False) -> EvalSet:
     images, labels = zip(*(dataset[i] for i in range(len(dataset))))
     x = np.stack([np.asarray(im, dtype=np.float32) for im in images])
-    y = np.asarray([int(v) for v in labels]) if labelled else None
+    y = np.stack(labels) if masks else np.asarray([int(v) for v in labels]) if labelled else None
     return EvalSet(x, y)
 
 

@@ -1,6 +1,6 @@
 """Segmentation: [N, K, H, W] class scores per pixel. Judged against fp32's own masks (pixel
-agreement, and mIoU with fp32's masks as the truth, each with a 95% interval over images);
-answered with the mask as a PNG of class ids at the uploaded image's size and each class's share
+agreement, and mIoU with fp32's masks as the truth, each with a 95% interval over images), and
+where the images have true masks by mIoU against them (the paired difference from fp32's); answered with the mask as a PNG of class ids at the uploaded image's size and each class's share
 of the pixels."""
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ def masks(raw: np.ndarray) -> np.ndarray:
 
 def overlaps(out: np.ndarray, reference: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Per image and class, the pixels both masks give the class (intersection) and either does
-    (union): two [N, K] arrays, so mIoU over any resample of images is a sum and a division."""
+    (union): two [N, K] arrays, so mIoU over any resample of images is a sum and a division. Pixels
+    the reference marks -1 (a true mask's ignored pixels) count for neither."""
     n = len(out)
     a, b = out.reshape(n, -1).astype(np.int64), reference.reshape(n, -1).astype(np.int64)
-    rows = np.arange(n)[:, None] * k  # image i's class c counts at i * k + c
-    count = lambda ids: np.bincount(ids.ravel(), minlength=n * k).reshape(n, k)  # noqa: E731
-    inter = count((rows + a)[a == b])
-    union = count(rows + a) + count(rows + b) - inter
+    rows = np.broadcast_to(np.arange(n)[:, None] * k, a.shape)  # image i's class c counts at i * k + c
+    scored = b >= 0
+    count = lambda ids: np.bincount(ids, minlength=n * k).reshape(n, k)  # noqa: E731
+    inter = count((rows + a)[scored & (a == b)])
+    union = count((rows + a)[scored]) + count((rows + b)[scored]) - inter
     return inter, union
 
 
@@ -46,6 +48,21 @@ def bootstrap(n: int, statistic, resamples: int = 1000, seed: int = 0) -> list[f
     rng = np.random.default_rng(seed)
     values = [statistic(rng.integers(0, n, n)) for _ in range(resamples)]
     return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+
+
+def paired_miou_difference(ours: tuple[np.ndarray, np.ndarray], fp32: tuple[np.ndarray, np.ndarray],
+                           resamples: int = 1000, seed: int = 0) -> dict:
+    """mIoU against the true masks of a variant minus fp32's, in points (x100), with a 95% interval
+    from the same bootstrap resamples of images for both; significant when it excludes 0."""
+    rng = np.random.default_rng(seed)
+    n = len(ours[0])
+    diffs = []
+    for _ in range(resamples):
+        idx = rng.integers(0, n, n)
+        diffs.append(mean_iou(ours[0][idx], ours[1][idx]) - mean_iou(fp32[0][idx], fp32[1][idx]))
+    low, high = (100 * float(q) for q in np.percentile(diffs, [2.5, 97.5]))
+    return {"points": 100 * (mean_iou(*ours) - mean_iou(*fp32)), "ci95": [low, high], "images": n,
+            "significant": not (low <= 0.0 <= high)}
 
 
 def png_of(mask: np.ndarray) -> bytes:
@@ -87,34 +104,60 @@ class Segmentation(Task):
         return masks(raw)
 
     def metrics(self, out, reference, labels) -> dict:
-        """`out` and `reference` are masks (`reduce`); image-level labels do not judge masks."""
+        """`out` and `reference` are masks (`reduce`); `labels`, where given, the true masks [N, H, W]
+        (-1: not scored): mIoU against them and its paired difference from fp32's. Image-level class
+        labels do not judge masks."""
         n = len(out)
-        k = int(max(out.max(initial=0), reference.max(initial=0))) + 1
+        truth = labels if labels is not None and labels.ndim == 3 else None
+        k = int(max(out.max(initial=0), reference.max(initial=0),
+                    truth.max(initial=0) if truth is not None else 0)) + 1
         agree = (out.reshape(n, -1) == reference.reshape(n, -1)).mean(1)
         inter, union = overlaps(out, reference, k)
-        return {"pixel_agreement": float(agree.mean()),
-                "pixel_agreement_ci95": mean_interval(agree),
-                "miou_fp32": mean_iou(inter, union),
-                "miou_fp32_ci95": bootstrap(n, lambda idx: mean_iou(inter[idx], union[idx])),
-                "images": n}
+        metrics = {"pixel_agreement": float(agree.mean()),
+                   "pixel_agreement_ci95": mean_interval(agree),
+                   "miou_fp32": mean_iou(inter, union),
+                   "miou_fp32_ci95": bootstrap(n, lambda idx: mean_iou(inter[idx], union[idx])),
+                   "images": n}
+        if truth is not None:
+            ours = overlaps(out, truth, k)
+            metrics["miou"] = mean_iou(*ours)
+            metrics["miou_ci95"] = bootstrap(n, lambda idx: mean_iou(ours[0][idx], ours[1][idx]))
+            if out is not reference:
+                metrics["vs_baseline"] = paired_miou_difference(ours, overlaps(reference, truth, k))
+        return metrics
 
     def headline(self, metrics) -> dict:
-        return {"miou_fp32": metrics["miou_fp32"]}
+        return {"miou": metrics["miou"]} if "miou" in metrics else {"miou_fp32": metrics["miou_fp32"]}
 
     def gate(self, metrics, baseline, limits: GateLimits, why_not: str = "") -> tuple[str, str | None]:
+        """With true masks, mIoU against them may fall at most `max_accuracy_drop` points (x100) below
+        fp32's; without them, mIoU against fp32's masks must reach `min_miou`."""
         if why_not:
             return "unvalidated", why_not
+        if "miou" in metrics and "miou" in baseline:
+            drop = 100 * (baseline["miou"] - metrics["miou"])
+            if drop > limits.max_accuracy_drop:
+                return "rejected", (f"mIoU against the true masks fell {drop:.2f} points "
+                                    f"(limit {limits.max_accuracy_drop:g})")
+            return "accepted", None
         if metrics["miou_fp32"] < limits.min_miou:
             return "rejected", (f"mIoU against fp32's masks {metrics['miou_fp32']:.4f} is below "
                                 f"{limits.min_miou:g}")
         return "accepted", None
 
     def columns(self) -> list[str]:
-        return ["pixel agree fp32 [95% CI]", "mIoU vs fp32 [95% CI]"]
+        return ["mIoU masks", "Δ mIoU [95% CI]", "pixel agree fp32 [95% CI]", "mIoU vs fp32 [95% CI]"]
 
     def cells(self, metrics, baseline) -> list[str]:
         (a_low, a_high), (m_low, m_high) = metrics["pixel_agreement_ci95"], metrics["miou_fp32_ci95"]
-        return [f"{100 * metrics['pixel_agreement']:.2f}% [{100 * a_low:.2f}, {100 * a_high:.2f}]",
+        truth, delta = "—", "—"
+        if "miou" in metrics:
+            truth = f"{metrics['miou']:.4f}"
+            if metrics.get("vs_baseline"):
+                d = metrics["vs_baseline"]
+                delta = (f"{d['points']:+.2f} [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}]"
+                         + ("" if d["significant"] else " n.s."))
+        return [truth, delta, f"{100 * metrics['pixel_agreement']:.2f}% [{100 * a_low:.2f}, {100 * a_high:.2f}]",
                 f"{metrics['miou_fp32']:.4f} [{m_low:.4f}, {m_high:.4f}]"]
 
     def protocol_output(self, name, raw) -> np.ndarray:
