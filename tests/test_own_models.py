@@ -270,7 +270,7 @@ def test_weights_in_the_usual_containers_are_found(user_code, tmp_path):
      "--labels names 2 classes but .* has 10 outputs"),
     ("torchvision:resnet1", {}, "torchvision has no model 'resnet1'; similar: .*resnet18"),
     ("torchvision:ssdlite320_mobilenet_v3_large", {"overrides": InputOverrides((3, 64, 64))},
-     "returns a list; optiserve takes models whose output is one tensor: .*\\[N, K, H, W\\] \\(segmentation\\)"),
+     "returns a list; optiserve takes a model that returns a tensor, or a tuple or dict of tensors"),
     ("nonsense model", {}, "unknown model 'nonsense model': use resnet18 .*torchvision:NAME"),
 ])
 def test_models_that_cannot_be_used_are_refused_in_one_line(user_code, model, kwargs, message):
@@ -379,6 +379,79 @@ def test_task_mistakes_are_refused_in_one_line(user_code):
                    labels=NAMES)
     with pytest.raises(UserError, match="the registered model resnet18 is a classifier"):
         load_model("resnet18", "random", task="embedding")
+
+
+DIGIT_HEADS = textwrap.dedent('''
+    from digit_net import DigitNet
+
+    class DigitHeads(DigitNet):
+        """DigitNet (the same weights) answering its scores and the features under its head."""
+
+        def forward(self, x):
+            features = self.features(x).flatten(1)
+            return {"scores": self.head(features), "features": features}
+
+    class DigitTuple(DigitNet):
+        def forward(self, x):
+            features = self.features(x).flatten(1)
+            return self.head(features), features, self.head(features).argmax(1)
+
+    def build(num_classes=10):
+        return DigitHeads(num_classes)
+
+    def build_tuple(num_classes=10):
+        return DigitTuple(num_classes)
+''')
+
+
+def test_a_torch_model_that_returns_several_tensors_serves_every_one(user_code, lightning_checkpoint, digit_images,
+                                                                      tmp_path):
+    """A dict's entries by their keys, a tuple's as output_0, output_1 ...; the task reads the first
+    (or --task-output); every variant, torch and exported alike, answers all of them."""
+    from optiserve.runtime import load_session
+
+    (user_code / "digit_heads.py").write_text(DIGIT_HEADS)
+    shape = InputOverrides((3, 16, 16))
+    tuple_model = load_model(f"{user_code}/digit_heads.py:build_tuple", overrides=shape)
+    assert [(o["name"], o["dtype"]) for o in tuple_model.outputs] == [
+        ("output_0", "float32"), ("output_1", "float32"), ("output_2", "int64")]
+    as_embedding = load_model(f"{user_code}/digit_heads.py:build", overrides=shape, task="embedding",
+                              task_output="features")
+    assert [o["name"] for o in as_embedding.outputs] == ["features", "scores"] and as_embedding.output_shape == (32,)
+    out = tmp_path / "heads"
+    manifest = run_optimize(OptimizeConfig(f"{user_code}/digit_heads.py:build", weights=str(lightning_checkpoint),
+                                           dataset=f"imagefolder:{digit_images}", int8=True, openvino=False,
+                                           out=str(out), input=shape, labels=str(user_code / "labels.txt"),
+                                           progress=False))
+    assert manifest["outputs"] == [{"name": "scores", "dtype": "float32", "shape": [10]},
+                                   {"name": "features", "dtype": "float32", "shape": [32]}]
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert {"fp32", "onnx-fp32", "onnx-int8", "torch-int8"} <= set(by_name)
+    assert by_name["onnx-fp32"]["accuracy"]["top1"] > 0.7  # judged by the scores
+    images = np.random.default_rng(6).standard_normal((3, 3, 16, 16), dtype=np.float32)
+    expected = _import_by_hand(user_code, "digit_heads.py").build()
+    expected.load_state_dict(_user_module(user_code, lightning_checkpoint).state_dict())
+    with torch.no_grad():
+        want = expected.eval()(torch.from_numpy(images))
+    for variant in ("fp32", "onnx-fp32"):
+        entry = by_name[variant]
+        scores, features = load_session(out / entry["file"], entry, manifest).run_outputs(images)
+        np.testing.assert_allclose(scores, want["scores"].numpy(), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(features, want["features"].numpy(), rtol=1e-4, atol=1e-4)
+    int8 = by_name["torch-int8"]
+    int8_features = load_session(out / int8["file"], int8, manifest).run_outputs(images)[1]
+    with serving(out, "--variants", "fp32,torch-int8") as (base, _):
+        def infer(variant):
+            body = {"inputs": [{"name": "input", "shape": list(images.shape), "datatype": "FP32",
+                                "data": images.ravel().tolist()}]}
+            answer = httpx.post(f"{base}/v2/models/digit_heads-build/versions/{variant}/infer", json=body).json()
+            return {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in answer["outputs"]}
+
+        fp32, served_int8 = infer("fp32"), infer("torch-int8")
+    assert set(fp32) == {"logits", "probabilities", "features"}
+    np.testing.assert_allclose(fp32["logits"], want["scores"].numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(fp32["features"], want["features"].numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(served_int8["features"], int8_features, rtol=1e-5, atol=1e-5)
 
 
 def _export_foreign_onnx(model: torch.nn.Module, path: Path, dynamic_batch: bool = True,
@@ -517,7 +590,7 @@ def test_a_model_file_with_several_outputs_says_which_one_its_task_reads(onnx_ar
     with pytest.raises(UserError, match="--task-output 'logits': .* has no such output; its outputs: scores, "
                                         "features, predicted"):
         load_model(str(original), task_output="logits")
-    with pytest.raises(UserError, match="--task-output is for a model file with several outputs"):
+    with pytest.raises(UserError, match="--task-output is for a model with several outputs"):
         load_model(f"{user_code}/digit_net.py:build", task_output="features",
                    overrides=InputOverrides((3, 16, 16)))
     net = _user_module(user_code, lightning_checkpoint)

@@ -20,7 +20,9 @@ OUTPUT_DTYPES = {"float32": "float32", "float16": "float32", "float64": "float64
 
 
 @dataclass(frozen=True)
-class OnnxOutput:
+class ModelOutput:
+    """One output of a model: an ONNX graph's, or one tensor of what a torch module returns."""
+
     name: str
     shape: tuple[int | None, ...]          # [N, ...]; None where the dimension is symbolic
     dtype: str                             # the numpy dtype it is served as
@@ -34,7 +36,7 @@ class OnnxOutput:
 class OnnxGraphFacts:
     input_name: str
     input_shape: tuple[int | None, ...]    # [N, C, H, W]; None where the dimension is symbolic
-    outputs: tuple[OnnxOutput, ...]        # every output of the graph, in its order
+    outputs: tuple[ModelOutput, ...]        # every output of the graph, in its order
     opset: int
 
     @property
@@ -77,7 +79,7 @@ def read_onnx_facts(path: str | Path) -> OnnxGraphFacts:
     return OnnxGraphFacts(inputs[0].name, in_shape, _outputs(proto, path), opset)
 
 
-def at_input_size(path: str | Path, facts: OnnxGraphFacts, chw: tuple[int, int, int]) -> tuple[OnnxOutput, ...]:
+def at_input_size(path: str | Path, facts: OnnxGraphFacts, chw: tuple[int, int, int]) -> tuple[ModelOutput, ...]:
     """The outputs with the sizes they have for a [N, C, H, W] input of `chw`: a graph with a dynamic H
     and W (a fully convolutional segmentation model) leaves them symbolic, so the file is run once on a
     zero image of that size (ONNX Runtime, on the CPU) to learn them."""
@@ -92,10 +94,10 @@ def at_input_size(path: str | Path, facts: OnnxGraphFacts, chw: tuple[int, int, 
     except Exception as e:
         raise UserError(f"{path} fails on an input of shape {show_shape([None, *chw])} ({first_line(e, True, 200)}); "
                         f"give the input it takes with --input-shape C,H,W") from None
-    return tuple(OnnxOutput(o.name, (None, *v.shape[1:]), o.dtype) for o, v in zip(facts.outputs, values))
+    return tuple(ModelOutput(o.name, (None, *v.shape[1:]), o.dtype) for o, v in zip(facts.outputs, values))
 
 
-def _outputs(proto, path: Path) -> tuple[OnnxOutput, ...]:
+def _outputs(proto, path: Path) -> tuple[ModelOutput, ...]:
     """Every output, each with a batch axis first (a row per image is what a batch is split into)."""
     from onnx.helper import tensor_dtype_to_np_dtype
 
@@ -115,7 +117,7 @@ def _outputs(proto, path: Path) -> tuple[OnnxOutput, ...]:
         if dtype is None:
             raise UserError(f"{path}: output {o.name!r} has an element type optiserve cannot serve; it serves "
                             f"{', '.join(sorted(set(OUTPUT_DTYPES)))}")
-        outputs.append(OnnxOutput(o.name, shape, dtype))
+        outputs.append(ModelOutput(o.name, shape, dtype))
     return tuple(outputs)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from optiserve.checkpoint import NotACheckpoint, read_checkpoint
 from optiserve.errors import UserError, first_line
 from optiserve.files import sha256_file
-from optiserve.models.onnx_file import at_input_size, show_shape
+from optiserve.models.onnx_file import OUTPUT_DTYPES, ModelOutput, at_input_size, show_shape
 from optiserve.models.registry import CROP_FRACTION, InputSpec, create_model, get_model_entry
 from optiserve.models.sources import OutputOf, default_input, find_source, is_registered
 from optiserve.models.state_dicts import load_state_dict_readably, read_state_dict
@@ -117,7 +117,7 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
     if not is_registered(name):
         return _ready(_load_from_source(name, weights, num_classes, overrides, labels, task, task_output))
     if task_output is not None:
-        raise UserError(f"--task-output is for a model file with several outputs; {name} has one")
+        raise UserError(f"--task-output is for a model with several outputs; {name} has one")
     if task not in (None, "classification"):
         raise UserError(f"the registered model {name} is a classifier; --task {task} is for other sources")
     entry = get_model_entry(name)
@@ -158,8 +158,6 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
         raise UserError(f"{name} holds its weights; drop --weights")
     if built.module is None:
         return _file_model(name, built, spec, labels, task, task_output)
-    if task_output is not None:
-        raise UserError(f"--task-output is for a model file with several outputs; {name} returns one tensor")
     model = built.module.eval()
     if weights == "imagenet":
         raise UserError(f"--weights imagenet is for the registered models; for {name} pass a weights file "
@@ -168,10 +166,16 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
         facts = {"weights": "random" if weights else built.weights, "sha256": None}
     else:
         facts = _load_weights_file(model.model if isinstance(model, OutputOf) else model, weights)
-    shape = _probe_outputs(model, spec, name)
-    task = _output_task(task, shape, name)
+    probed, keys = _probe_outputs(model, spec, name)
+    if keys is None and task_output is not None:
+        raise UserError(f"--task-output is for a model with several outputs; {name} returns one tensor")
+    task, outputs = _task_reads(probed, task, task_output, name)
+    shape = tuple(outputs[0].shape[1:])
+    if keys is not None:  # several tensors: a tuple of them, the task's first, for every pass and exporter
+        model = OutputsInOrder(model, [keys[probed.index(o)] for o in outputs]).eval()
     return LoadedModel(name, model, spec, _task_classes(task, labels, built.classes, shape[0], name),
-                       {**facts, "source": source.name, **built.facts}, task, shape[0], output_shape=shape)
+                       {**facts, "source": source.name, **built.facts}, task, shape[0], output_shape=shape,
+                       outputs=None if keys is None else [o.to_dict() for o in outputs])
 
 
 def _task_input(spec: InputSpec, task: str | None, overrides: InputOverrides) -> InputSpec:
@@ -214,40 +218,46 @@ def _file_model(name: str, built, spec: InputSpec, labels: list[str] | None, tas
         if fixed is not None and given != fixed:
             raise UserError(f"--input-shape {','.join(map(str, spec.shape))} does not fit {name}, whose input is "
                             f"{show_shape(['N', *onnx_shape[1:]])}")
-    outputs = _task_output_first(list(at_input_size(built.file, built.graph, spec.shape)), task_output, name)
-    out_shape = outputs[0].shape
-    if not outputs[0].dtype.startswith("float"):
-        raise UserError(f"{name}: output {outputs[0].name!r} holds {outputs[0].dtype}; the task reads floating-point "
-                        f"scores" + (", name that output with --task-output" if len(outputs) > 1 else ""))
-    if len(out_shape) < 2 or any(not isinstance(v, int) for v in out_shape[1:]):
-        which = f"output {outputs[0].name!r}" if len(outputs) > 1 else "its output"
-        raise UserError(f"{name}: {which} has shape {show_shape(out_shape)}; the task reads one tensor with a fixed "
-                        f"size after the batch axis: {_forms()}")
-    shape = tuple(out_shape[1:])
-    task = _output_task(task, shape, name)
-    clash = [o.name for o in outputs[1:] if o.name in get_task(task).outputs]
-    if clash:
-        raise UserError(f"{name}: output {clash[0]!r} has the name the protocol gives the {task} output it derives "
-                        f"from {outputs[0].name!r}; rename it in the graph, or pass --task-output {clash[0]}")
+    outputs = list(at_input_size(built.file, built.graph, spec.shape))
+    task, outputs = _task_reads(outputs, task, task_output, name)
+    shape = tuple(outputs[0].shape[1:])
     return LoadedModel(name, None, spec, _task_classes(task, labels, None, shape[0], name),
                        {"weights": built.weights, "source": "onnx", **built.facts}, task, shape[0], file=built.file,
                        output_shape=shape, outputs=[o.to_dict() for o in outputs])
 
 
-def _task_output_first(outputs: list, task_output: str | None, name: str) -> list:
-    """A model file's outputs with the one the task reads (`task_output`, else the first) leading."""
-    if task_output is None:
-        return outputs
-    names = [o.name for o in outputs]
-    if task_output not in names:
-        raise UserError(f"--task-output {task_output!r}: {name} has no such output; its outputs: {', '.join(names)}")
-    return [outputs[names.index(task_output)], *(o for o in outputs if o.name != task_output)]
+def _task_reads(outputs: list[ModelOutput], task: str | None, task_output: str | None,
+                name: str) -> tuple[str, list[ModelOutput]]:
+    """The task and the model's outputs with the one it reads (`task_output`, else the first) leading,
+    checked: floating-point scores of a fixed size after the batch axis, and no other output named
+    like one the task serves."""
+    if task_output is not None:
+        names = [o.name for o in outputs]
+        if task_output not in names:
+            raise UserError(f"--task-output {task_output!r}: {name} has no such output; its outputs: "
+                            f"{', '.join(names)}")
+        outputs = [outputs[names.index(task_output)], *(o for o in outputs if o.name != task_output)]
+    read = outputs[0]
+    which = f"output {read.name!r}" if len(outputs) > 1 else "its output"
+    if not read.dtype.startswith("float"):
+        raise UserError(f"{name}: {which} holds {read.dtype}; the task reads floating-point scores"
+                        + (", name that output with --task-output" if len(outputs) > 1 else ""))
+    if len(read.shape) < 2 or any(not isinstance(v, int) for v in read.shape[1:]):
+        raise UserError(f"{name}: {which} has shape {show_shape(read.shape)}; the task reads one tensor with a fixed "
+                        f"size after the batch axis: {_forms()}")
+    task = _output_task(task, tuple(read.shape[1:]), name)
+    clash = [o.name for o in outputs[1:] if o.name in get_task(task).outputs]
+    if clash:
+        raise UserError(f"{name}: output {clash[0]!r} has the name the protocol gives the {task} output it derives "
+                        f"from {read.name!r}; rename it, or pass --task-output {clash[0]}")
+    return task, outputs
 
 
 def _with_state_dict(name, model, spec, path, labels) -> LoadedModel:
     facts = _load_weights_file(model, path)
-    shape = _probe_outputs(model.eval(), spec, name)
-    _output_task("classification", shape, name)
+    probed, _ = _probe_outputs(model.eval(), spec, name)
+    _task_reads(probed[:1], "classification", None, name)
+    shape = probed[0].shape[1:]
     return LoadedModel(name, model, spec, _classes(labels, None, shape[0], name), facts)
 
 
@@ -267,19 +277,50 @@ def _task_classes(task: str, labels: list[str] | None, known: list[str] | None, 
     return []
 
 
-def _probe_outputs(model: nn.Module, spec: InputSpec, name: str) -> tuple[int, ...]:
-    """One image's output shape, from the model run on a zero batch of its input; one line when it
-    fails or its output is not one tensor."""
+class OutputsInOrder(nn.Module):
+    """A module that returns several tensors (a tuple, a list or a dict) as a tuple in the order the
+    manifest lists them, the task's first: what tracing, quantization and the exporters take."""
+
+    def __init__(self, model: nn.Module, keys: list):
+        super().__init__()
+        self.model, self.keys = model, list(keys)
+
+    def forward(self, x):
+        out = self.model(x)
+        return tuple(out[k] for k in self.keys)
+
+
+def _probe_outputs(model: nn.Module, spec: InputSpec, name: str) -> tuple[list[ModelOutput], list | None]:
+    """What the model returns for a zero batch of its input: its outputs (named by a dict's keys, a
+    tuple's `output_0`, `output_1` ...) and the keys that pick them from what it returns (None for
+    one tensor); one line when it fails or returns something else."""
     try:
         with torch.no_grad():
             out = model.eval()(torch.zeros(2, *spec.shape))
     except Exception as e:
         raise UserError(f"{name} fails on a batch of input {list(spec.shape)} ({first_line(e, True, 200)}); "
                         f"give the input it takes with --input-shape C,H,W") from None
-    if not isinstance(out, torch.Tensor) or out.ndim < 2:
-        what = f"a {type(out).__name__}" if not isinstance(out, torch.Tensor) else f"shape {list(out.shape)}"
-        raise UserError(f"{name} returns {what}; optiserve takes models whose output is one tensor: {_forms()}")
-    return tuple(int(v) for v in out.shape[1:])
+    if isinstance(out, torch.Tensor):
+        items, keys = [("output", out)], None
+    elif isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out):
+        items, keys = [(f"output_{i}", t) for i, t in enumerate(out)], list(range(len(out)))
+    elif (isinstance(out, dict) and out and all(isinstance(k, str) for k in out)
+          and all(isinstance(t, torch.Tensor) for t in out.values())):
+        items, keys = list(out.items()), list(out)
+    else:
+        raise UserError(f"{name} returns a {type(out).__name__}; optiserve takes a model that returns a tensor, or "
+                        f"a tuple or dict of tensors with the batch axis first: {_forms()}")
+    outputs = []
+    for key, t in items:
+        if t.ndim < 1 or t.shape[0] != 2:
+            which = "its output" if keys is None else f"output {key!r}"
+            raise UserError(f"{name}: {which} has shape {list(t.shape)} for a batch of 2; every output needs the "
+                            f"batch axis first (one row per image): {_forms()}")
+        dtype = OUTPUT_DTYPES.get(str(t.dtype).removeprefix("torch."), "float32" if t.is_floating_point() else None)
+        if dtype is None:
+            raise UserError(f"{name}: output {key!r} holds {t.dtype}, which optiserve cannot serve")
+        outputs.append(ModelOutput(key, (None, *(int(v) for v in t.shape[1:])), dtype))
+    return outputs, keys
 
 
 def _classes(labels: list[str] | None, known: list[str] | None, n: int, name: str) -> list[str]:

@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default=None, choices=list_tasks(),
                    help="what the model's output means (default: classification for one [N, K] output)")
     p.add_argument("--task-output", default=None, metavar="NAME",
-                   help="a model file with several outputs: the one the task reads (default: the first); every "
+                   help="a model with several outputs: the one the task reads (default: the first); every "
                         "output is served under its own name")
     p.add_argument("--min-cosine", type=float, default=DEFAULTS.min_cosine, metavar="C",
                    help=f"embedding: reject variants whose mean cosine similarity to fp32's vectors is below C "

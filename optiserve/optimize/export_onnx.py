@@ -8,12 +8,12 @@ import os
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import onnx
 import torch
 from torch import nn
 
 from optiserve.files import atomic_write
+from optiserve.optimize.outputs import max_abs_diff
 
 OPSET = 18
 INPUT_NAME, OUTPUT_NAME = "input", "logits"
@@ -24,22 +24,24 @@ class ExportMismatch(RuntimeError):
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor, path: str | os.PathLike, opset: int = OPSET,
-                atol: float = 1e-3) -> float:
-    """Export eval-mode `model` to `path`; returns max |Δ| between ONNX Runtime and eager on `example`."""
+                atol: float = 1e-3, output_names: list[str] | None = None) -> float:
+    """Export eval-mode `model` to `path` with its outputs named `output_names` (default: one,
+    `logits`); returns max |Δ| between ONNX Runtime and eager on `example` over every output."""
     import onnxruntime as ort
 
     model = model.eval()
+    names = output_names or [OUTPUT_NAME]
     batch = torch.export.Dim("batch", min=1, max=4096)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp) / "model.onnx"
         with contextlib.redirect_stdout(io.StringIO()):  # the exporter narrates every stage on stdout
             if isinstance(model, torch.jit.ScriptModule):  # a user's TorchScript file: only the TorchScript exporter reads it
                 torch.onnx.export(model, (example,), str(tmp_path), input_names=[INPUT_NAME],
-                                  output_names=[OUTPUT_NAME], opset_version=opset, dynamo=False,
-                                  dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
+                                  output_names=names, opset_version=opset, dynamo=False,
+                                  dynamic_axes={INPUT_NAME: {0: "batch"}, **{n: {0: "batch"} for n in names}})
             else:
                 torch.onnx.export(model, (example,), str(tmp_path), input_names=[INPUT_NAME],
-                                  output_names=[OUTPUT_NAME], opset_version=opset, dynamo=True,
+                                  output_names=names, opset_version=opset, dynamo=True,
                                   external_data=False, dynamic_shapes={_forward_arg(model): {0: batch}})
         proto = onnx.load(str(tmp_path))
     onnx.checker.check_model(proto, full_check=True)
@@ -48,10 +50,9 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: str | os.PathLike
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     x = torch.cat([example, example.flip(0)])  # a second batch size proves the batch axis is dynamic
-    got = session.run(None, {INPUT_NAME: x.numpy()})[0]
+    got = session.run(names, {INPUT_NAME: x.numpy()})
     with torch.no_grad():
-        expected = model(x).numpy()
-    diff = float(np.abs(got - expected).max())
+        diff = max_abs_diff(model(x), got)
     if diff > atol:
         raise ExportMismatch(f"ONNX export differs from eager by {diff:.2e} (> {atol:g})")
     return diff

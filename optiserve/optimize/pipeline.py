@@ -24,6 +24,7 @@ from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
 from optiserve.optimize.architecture import RECIPES, QuantRecipe, recipe_for_module, recipe_for_onnx
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, OUTPUT_NAME, export_onnx
+from optiserve.optimize.outputs import max_abs_diff
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.progress import PassLog
@@ -74,7 +75,7 @@ class OptimizeConfig:
     input: InputOverrides = field(default_factory=InputOverrides)  # --input-shape, --mean, --std
     labels: str | None = None         # a file with one class name a line
     task: str | None = None           # None: classification for one [N, K] output
-    task_output: str | None = None    # a model file with several outputs: the one the task reads (None: the first)
+    task_output: str | None = None    # a model with several outputs: the one the task reads (None: the first)
     min_cosine: float = 0.99          # embedding: the least mean cosine similarity to fp32 accepted
     min_miou: float = 0.90            # segmentation: the least mIoU against fp32's masks accepted
     masks: str | None = None          # segmentation: a folder of the images' true masks (class-id PNGs)
@@ -234,6 +235,9 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     log = PassLog(steps, enabled=cfg.progress)
     with log.step(f"load {cfg.model} ({cfg.weights or 'default weights'})"):
         loaded = resolve_weights(cfg, log)
+        if cfg.prune_channels is not None and loaded.outputs:
+            raise UserError(f"--prune-channels fine-tunes a classifier's one output; {cfg.model} returns several "
+                            f"({', '.join(o['name'] for o in loaded.outputs)}): use --prune (unstructured) instead")
     with log.step(f"load dataset {cfg.dataset}"):
         if cfg.masks is not None and loaded.task != "segmentation":
             raise UserError(f"--masks scores segmentation masks; {cfg.model} is a {loaded.task} model "
@@ -285,6 +289,7 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
     """The variants of a torch module: fp32, conv+BN fusion, TorchScript, ONNX, INT8, OpenVINO,
     pruning, TensorRT, as `cfg` asks; returns the baseline's name."""
     openvino = cfg.openvino and cfg.onnx
+    names = [o["name"] for o in loaded.outputs] if loaded.outputs else None  # the exported graph's outputs
     with log.step("fp32 baseline (" + ("eager state dict)" if loaded.rebuildable else "traced TorchScript)")):
         variants.append(_baseline_variant(loaded, stage, example, torch.from_numpy(evalset.images[-4:])))
     with log.step("fuse conv+BN"):
@@ -308,7 +313,7 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
                                      "weights": "bfloat16"}))
     if cfg.onnx:
         with log.step(f"ONNX export (opset {OPSET}, dynamic batch)"):
-            export_diff = export_onnx(fused, example, stage / "model.onnx")
+            export_diff = export_onnx(fused, example, stage / "model.onnx", output_names=names)
             variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
                                     {"opset": OPSET, "fused_conv_bn": True, "graph_optimization": "all"}))
             notes.append(f"ONNX export parity with eager: max |Δ| {export_diff:.1e}")
@@ -343,7 +348,7 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
         name = f"sparse{round(100 * cfg.prune)}"
         with log.step(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)"):
             sparse, sparsity = prune_unstructured(fused, cfg.prune)
-            export_onnx(sparse, example, stage / f"model.{name}.onnx")
+            export_onnx(sparse, example, stage / f"model.{name}.onnx", output_names=names)
             variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32",
                                     {"sparsity": cfg.prune, "measured_sparsity": sparsity["overall"],
                                      "layer_sparsity": sparsity["layers"], "method": "global L1 unstructured"}))
@@ -458,7 +463,7 @@ def _fuse(loaded: LoadedModel) -> tuple[torch.nn.Module, str]:
                 f"conv+BN fusion skipped: the model does not trace symbolically ({first_line(e, True, 200)})")
     probe = torch.randn(8, *loaded.input.shape)
     with torch.no_grad():
-        diff = (fused(probe) - loaded.model(probe)).abs().max().item()
+        diff = max_abs_diff(fused(probe), loaded.model(probe))
     return fused, (f"conv+BN fusion folded {count_batchnorms(loaded.model)} BatchNorms "
                    f"({count_batchnorms(fused)} left); max |Δ| on random inputs {diff:.1e}")
 

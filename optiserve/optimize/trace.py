@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from optiserve.files import atomic_write
+from optiserve.optimize.outputs import max_abs_diff
 from optiserve.runtime.torch_backends import jit_quietly
 
 
@@ -32,7 +33,7 @@ def trace_torchscript(model: nn.Module, example: torch.Tensor, check_inputs: tup
     with jit_quietly(), torch.no_grad():
         traced = torch.jit.trace(model, example, check_trace=False)
         frozen = torch.jit.freeze(traced)
-        diff = max((model(x) - frozen(x)).abs().max().item() for x in (example, *check_inputs))
+        diff = max(max_abs_diff(model(x), frozen(x)) for x in (example, *check_inputs))
     if diff > atol:
         raise TraceMismatch(f"traced module differs from eager by {diff:.2e} (> {atol:g}); the model has "
                             f"data-dependent control flow that tracing cannot capture")
