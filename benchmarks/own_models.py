@@ -98,7 +98,7 @@ def fine_tune(model: torch.nn.Module, work: Path, size: int, epochs: int, lr: fl
     """A few epochs on the folder's train split (prepared as the optimizer prepares it), outputs in
     NAMES order: a model whose answers mean something, as a user's would."""
     from optiserve.data import load_dataset
-    from optiserve.models.registry import IMAGENET_MEAN, IMAGENET_STD, InputSpec
+    from optiserve.input_spec import IMAGENET_MEAN, IMAGENET_STD, InputSpec
 
     data = load_dataset(f"imagefolder:{work / 'digits'}", InputSpec((3, size, size), IMAGENET_MEAN, IMAGENET_STD), 10)
     to_output = torch.tensor([NAMES.index(c) for c in data.classes])
@@ -127,7 +127,7 @@ def fine_tune_segmentation(model: torch.nn.Module, work: Path, size: int, epochs
     their running statistics by 1% a step, too slowly for a few epochs: they are recomputed over
     the train split at the end (else the eval-mode model answers background everywhere)."""
     from optiserve.data import load_dataset
-    from optiserve.models.registry import IMAGENET_MEAN, IMAGENET_STD, InputSpec
+    from optiserve.input_spec import IMAGENET_MEAN, IMAGENET_STD, InputSpec
 
     spec = InputSpec((3, size, size), IMAGENET_MEAN, IMAGENET_STD, "stretch")
     data = load_dataset(f"imagefolder:{work / 'digits'}", spec, 10)

@@ -28,18 +28,26 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given the command line `argv`, only its command's module is imported and its
+    arguments added (`optiserve serve` must not import the trainer's torch and torchvision: seconds
+    of start-up, and a serving image may not have them), otherwise every command's."""
     parser = OneLineErrorParser(prog="optiserve", description="Train, optimize, serve and measure vision models.")
     parser.add_argument("--version", action="version", version=f"optiserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((a for a in argv or [] if not a.startswith("-")), None)
     for name, module_name in COMMANDS.items():
+        if chosen in COMMANDS and name != chosen:
+            sub.add_parser(name)  # not the command being run: nothing of it is needed
+            continue
         module = importlib.import_module(module_name)
         module.add_arguments(sub.add_parser(name, help=module.HELP))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command])
     try:

@@ -10,7 +10,7 @@ from optiserve.data import load_dataset
 from optiserve.data.splits import stratified_split
 from optiserve.errors import UserError
 from optiserve.models import get_model_entry
-from optiserve.models.registry import InputSpec
+from optiserve.input_spec import InputSpec
 
 IMAGENET_INPUT = get_model_entry("resnet18").input
 

@@ -57,3 +57,18 @@ def test_the_artifact_folder_format_is_read_from_below_the_layers_that_use_it():
     readers = [p for layer in ("serve", "bench", "runtime") for p in (PACKAGE / layer).rglob("*.py")
                if any(m == "optiserve.artifacts" for m, _ in _imports(p))]
     assert readers, "serve, bench and runtime read artifact folders through optiserve.artifacts"
+
+
+def test_the_server_and_the_load_generator_start_without_torch():
+    """Serving ONNX Runtime and OpenVINO variants and `optiserve serve`/`bench` themselves import no
+    torch, torchvision or scikit-learn (seconds of start-up; a serving image may lack them): the torch
+    backends and the dataset loaders are imported when a torch variant or a dataset is loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys, optiserve.cli as cli, optiserve.serve.app, optiserve.serve.grpc_service, "
+            "optiserve.serve.ray_deployment, optiserve.bench.command; cli.build_parser(['serve']); "
+            "cli.build_parser(['bench']); print(sorted(m for m in ('torch', 'torchvision', 'sklearn') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent)
+    assert out.stdout.strip() == "[]", out.stdout

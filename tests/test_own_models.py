@@ -19,7 +19,7 @@ from conftest import free_port, serving
 from optiserve.data import load_dataset
 from optiserve.errors import UserError
 from optiserve.models import InputOverrides, load_model, model_slug
-from optiserve.models.registry import InputSpec
+from optiserve.input_spec import InputSpec
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
 DIGIT_NET = textwrap.dedent('''

@@ -14,7 +14,7 @@ from sklearn.datasets import load_digits
 
 from optiserve.data import png_pixels
 from optiserve.data.png_pixels import decode_png_pixels, png_header
-from optiserve.models.registry import InputSpec
+from optiserve.input_spec import InputSpec
 from optiserve.serve.preprocess import BadInput, ImageLimits, decode_image
 
 RGB_224 = InputSpec((3, 224, 224), (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))

@@ -20,7 +20,7 @@ from conftest import serving
 from optiserve.data import load_dataset
 from optiserve.errors import UserError
 from optiserve.models import InputOverrides, load_model
-from optiserve.models.registry import InputSpec
+from optiserve.input_spec import InputSpec
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
 INK_NET = textwrap.dedent('''

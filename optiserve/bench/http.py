@@ -14,7 +14,7 @@ from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run, make_results
 from optiserve.bench.senders import PROTOCOLS, BinaryTensorSender, GrpcSender, PredictSender, Sender
 from optiserve.errors import UserError
-from optiserve.models import InputSpec
+from optiserve.input_spec import InputSpec
 
 
 def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0, model: str | None = None) -> dict:

@@ -10,7 +10,7 @@ from PIL import Image
 
 from optiserve.data.image_input import channel_mode, image_to_input
 from optiserve.errors import UserError
-from optiserve.models import InputSpec
+from optiserve.input_spec import InputSpec
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
 DATASETS = ("digits", "synthetic")

@@ -1,14 +1,17 @@
-"""Datasets by name: `digits` (bundled, offline default), `imagefolder:PATH`, `synthetic`."""
+"""Datasets by name: `digits` (bundled, offline default), `imagefolder:PATH`, `synthetic`.
+
+The loaders (torch, torchvision, scikit-learn) are imported when a dataset is loaded: the server
+imports `optiserve.data.image_input` and `png_pixels` from this package, and must not pay for them."""
 
 from __future__ import annotations
 
-from optiserve.data.digits import load_digits_splits
-from optiserve.data.imagefolder import load_imagefolder_splits
-from optiserve.data.loader import default_workers, make_loader
-from optiserve.data.splits import DatasetSplits
-from optiserve.data.synthetic import load_synthetic_splits
+from typing import TYPE_CHECKING
+
 from optiserve.errors import UserError
-from optiserve.models.registry import InputSpec
+from optiserve.input_spec import InputSpec
+
+if TYPE_CHECKING:
+    from optiserve.data.splits import DatasetSplits
 
 DATASET_CHOICES = "digits | imagefolder:PATH | synthetic"
 
@@ -23,15 +26,34 @@ def load_dataset(name: str, model_input: InputSpec, num_classes: int, seed: int 
     if masks is not None and not name.startswith("imagefolder:"):
         raise UserError(f"--masks labels the images of --dataset imagefolder:PATH, not {name}")
     if name == "digits":
+        from optiserve.data.digits import load_digits_splits
+
         return load_digits_splits(seed=seed)
     if name == "synthetic":
+        from optiserve.data.synthetic import load_synthetic_splits
+
         return load_synthetic_splits(model_input, num_classes, seed=seed)
     if name.startswith("imagefolder:"):
+        from optiserve.data.imagefolder import load_imagefolder_splits
+
         path = name.split(":", 1)[1]
         if not path:
             raise UserError("imagefolder needs a path: --dataset imagefolder:PATH/TO/IMAGES")
         return load_imagefolder_splits(path, model_input, seed=seed, masks=masks, ignore_index=ignore_index)
     raise UserError(f"unknown dataset {name!r}; use {DATASET_CHOICES}")
+
+
+def __getattr__(name: str):
+    """`DatasetSplits`, `default_workers` and `make_loader`, imported on first use (they need torch)."""
+    if name == "DatasetSplits":
+        from optiserve.data.splits import DatasetSplits
+
+        return DatasetSplits
+    if name in ("default_workers", "make_loader"):
+        from optiserve.data import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["DATASET_CHOICES", "DatasetSplits", "default_workers", "load_dataset", "make_loader"]

@@ -6,7 +6,7 @@ import torch
 from sklearn.datasets import load_digits
 
 from optiserve.data.splits import DatasetSplits, TensorImageDataset, stratified_split
-from optiserve.models.registry import InputSpec
+from optiserve.input_spec import InputSpec
 
 DIGITS_SIZE = 16  # upsampled from 8x8: the small-input ResNet-18 keeps a 2x2 map after its three downsamplings
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from optiserve.models.registry import InputSpec
+from optiserve.input_spec import InputSpec
 
 SMALL_SIDE = 64
 

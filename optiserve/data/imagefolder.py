@@ -17,7 +17,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from optiserve.data.image_input import image_to_input
 from optiserve.data.splits import SPLIT_FRACTIONS, DatasetSplits, stratified_split
 from optiserve.errors import UserError, first_line
-from optiserve.models.registry import InputSpec
+from optiserve.input_spec import InputSpec
 
 
 class EvalPreprocess:

@@ -9,7 +9,7 @@ import torch
 from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset
 
-from optiserve.models.registry import InputSpec
+from optiserve.input_spec import InputSpec
 
 SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # train / val / test
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from optiserve.data.splits import DatasetSplits
-from optiserve.models.registry import InputSpec
+from optiserve.input_spec import InputSpec
 
 
 def load_synthetic_splits(spec: InputSpec, num_classes: int, seed: int = 0, size: int = 256) -> DatasetSplits:

@@ -24,7 +24,8 @@ from torch import nn
 
 from optiserve.errors import UserError, first_line
 from optiserve.models.onnx_file import OnnxGraphFacts, is_onnx_file, read_onnx_facts
-from optiserve.models.registry import CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, InputSpec, create_model, list_models
+from optiserve.input_spec import CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, InputSpec
+from optiserve.models.registry import create_model, list_models
 
 
 @dataclass

@@ -18,7 +18,8 @@ from optiserve.checkpoint import NotACheckpoint, read_checkpoint
 from optiserve.errors import UserError, first_line
 from optiserve.files import sha256_file
 from optiserve.models.onnx_file import OUTPUT_DTYPES, ModelOutput, at_input_size, show_shape
-from optiserve.models.registry import CROP_FRACTION, InputSpec, create_model, get_model_entry
+from optiserve.input_spec import CROP_FRACTION, InputSpec
+from optiserve.models.registry import create_model, get_model_entry
 from optiserve.models.sources import OutputOf, default_input, find_source, is_registered
 from optiserve.models.state_dicts import load_state_dict_readably, read_state_dict
 from optiserve.tasks import get_task, list_tasks

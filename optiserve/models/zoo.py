@@ -5,7 +5,8 @@ from __future__ import annotations
 import torchvision
 from torch import nn
 
-from optiserve.models.registry import IMAGENET_MEAN, IMAGENET_STD, InputSpec, ModelEntry, register_model
+from optiserve.input_spec import IMAGENET_MEAN, IMAGENET_STD, InputSpec
+from optiserve.models.registry import ModelEntry, register_model
 
 IMAGENET_INPUT = InputSpec((3, 224, 224), IMAGENET_MEAN, IMAGENET_STD)
 SMALL_INPUT_MAX_SIDE = 64  # images this small get the small-input ResNet stem (CIFAR-style)

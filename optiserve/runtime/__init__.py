@@ -2,7 +2,7 @@
 
 from optiserve.runtime.registry import (Backend, RuntimeOptions, Session, get_backend, list_backends, load_session,
                                         register_backend)
-from optiserve.runtime import onnxruntime_backend, openvino_backend, torch_backends  # noqa: F401  register the backends
+from optiserve.runtime import onnxruntime_backend, openvino_backend, torch_entries  # noqa: F401  register the backends
 
 __all__ = ["Backend", "RuntimeOptions", "Session", "get_backend", "list_backends", "load_session",
            "register_backend"]

@@ -1,4 +1,5 @@
-"""PyTorch backends: eager modules rebuilt from a state dict, and TorchScript modules."""
+"""PyTorch backends: eager modules rebuilt from a state dict, TorchScript modules and TensorRT
+programs (registered by runtime/torch_entries.py, which imports this module only to load one)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from optiserve.errors import UserError
 from optiserve.models import InputSpec, create_model
-from optiserve.runtime.registry import Backend, RuntimeOptions, register_backend
+from optiserve.runtime.registry import RuntimeOptions
 
 
 @contextlib.contextmanager
@@ -112,7 +113,3 @@ def tensorrt_unavailable() -> str | None:
         return "TensorRT needs a CUDA GPU and none is available here"
     return None
 
-
-register_backend(Backend("tensorrt", _load_tensorrt, tensorrt_unavailable, "TensorRT via torch-tensorrt (CUDA)"))
-register_backend(Backend("torch", _load_eager, lambda: None, "eager PyTorch from a state dict"))
-register_backend(Backend("torchscript", _load_torchscript, lambda: None, "TorchScript (traced, frozen)"))

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from optiserve.models import InputSpec
+from optiserve.input_spec import InputSpec
 from optiserve.serve.binary import DTYPES, HEADER, BinaryFormatError, split_body
 from optiserve.serve.preprocess import BadInput, ImageLimits, decode_base64_image, tensor_batch
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from optiserve.tasks import get_task
 from optiserve.artifacts import read_manifest_versioned
-from optiserve.models import InputSpec
+from optiserve.input_spec import InputSpec
 from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.fastest import choose_fastest
 from optiserve.runtime.variants import LoadedVariant, load_verified, select_variants, warm_up

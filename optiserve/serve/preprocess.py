@@ -13,7 +13,7 @@ from PIL import Image
 
 from optiserve.data.image_input import channel_mode, image_to_input, pixels_to_input
 from optiserve.data.png_pixels import decode_png_pixels, libspng_decodes, png_header
-from optiserve.models import InputSpec
+from optiserve.input_spec import InputSpec
 from optiserve.serve.config import MAX_IMAGE_PIXELS
 
 

@@ -18,7 +18,6 @@ import numpy as np
 from starlette.requests import ClientDisconnect, Request
 
 from optiserve.runtime import RuntimeOptions
-from optiserve.runtime.torch_backends import torch_device
 from optiserve.serve import VARIANT_HEADER
 from optiserve.serve.api_error import ApiError, ClientGone
 from optiserve.serve.batcher import BatchFailed, DaemonExecutor, QueueFull, Reservation, ShuttingDown
@@ -58,7 +57,10 @@ class Server:
     def __init__(self, cfg: ServeConfig):
         cfg.validate()
         self.cfg = cfg
-        torch_device(cfg.device)  # --device cuda without a GPU: a clear error now, not a server never ready
+        if cfg.device == "cuda":  # without a GPU: a clear error now, not a server never ready
+            from optiserve.runtime.torch_backends import torch_device
+
+            torch_device(cfg.device)
         self.metrics = ServerMetrics()
         niced = functools.partial(inference_thread, cfg.inference_nice)
         # sessions are created on a lowered-priority thread, so their runtimes' worker threads inherit
