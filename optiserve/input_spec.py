@@ -12,9 +12,26 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # How an image of another size becomes the model's H x W: "crop" is torchvision's eval recipe (the
 # shorter side to the input's side / crop_fraction, 224/256 unless the model says otherwise, then
 # the center crop; inputs of at most 64 px are resized straight), "stretch" resizes the whole image
-# to H x W (segmentation: every pixel gets a class).
-RESIZE_MODES = ("crop", "stretch")
+# to H x W (segmentation: every pixel gets a class), "letterbox" resizes it to fit H x W with its
+# aspect ratio kept and pads the rest with the mean colour (detection: boxes keep their shape).
+RESIZE_MODES = ("crop", "stretch", "letterbox")
 CROP_FRACTION = 224 / 256
+SMALL_SIDE = 64  # with "crop", inputs of at most this side are resized straight
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an uploaded image lands on the model's input: resized to `width` x `height`, its top
+    left corner at (`left`, `top`) of the input (negative where a crop cut it)."""
+
+    width: int
+    height: int
+    left: int
+    top: int
+
+    def to_upload(self, x: float, y: float, upload: tuple[int, int]) -> tuple[float, float]:
+        """Input pixel coordinates (x, y) -> the uploaded image's, of size `upload` (width, height)."""
+        return (x - self.left) * upload[0] / self.width, (y - self.top) * upload[1] / self.height
 
 
 @dataclass(frozen=True)
@@ -54,3 +71,19 @@ class InputSpec:
         return cls(tuple(int(v) for v in d["shape"]), tuple(float(v) for v in d["mean"]),
                    tuple(float(v) for v in d["std"]), d.get("resize", "crop"),
                    float(d.get("crop_fraction", CROP_FRACTION)))
+
+
+def placement(spec: InputSpec, width: int, height: int) -> Placement:
+    """How an image of `width` x `height` becomes `spec`'s input (the one rule `image_to_input`
+    resizes by, and a detection's boxes are mapped back by)."""
+    h, w = spec.size
+    if (width, height) == (w, h) or spec.resize == "stretch" or (spec.resize == "crop" and max(h, w) <= SMALL_SIDE):
+        return Placement(w, h, 0, 0)
+    if spec.resize == "letterbox":
+        scale = min(w / width, h / height)
+        rw, rh = min(w, max(1, round(width * scale))), min(h, max(1, round(height * scale)))
+        return Placement(rw, rh, (w - rw) // 2, (h - rh) // 2)
+    short = int(round(max(h, w) / spec.crop_fraction))
+    scale = short / min(width, height)
+    rw, rh = max(w, round(width * scale)), max(h, round(height * scale))
+    return Placement(rw, rh, -((rw - w) // 2), -((rh - h) // 2))

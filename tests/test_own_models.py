@@ -38,6 +38,15 @@ DIGIT_NET = textwrap.dedent('''
 
     def build(num_classes=10):
         return DigitNet(num_classes)
+
+    class PerImage(nn.Module):
+        """One dict per image, of its own size, as a two-stage detector answers."""
+
+        def forward(self, x):
+            return [{"boxes": image[0, :1, :4]} for image in x]
+
+    def per_image():
+        return PerImage()
 ''')
 BLOCKS = textwrap.dedent('''
     from torch import nn
@@ -269,7 +278,7 @@ def test_weights_in_the_usual_containers_are_found(user_code, tmp_path):
     ("DIGIT:build", {"overrides": InputOverrides((3, 16, 16)), "labels": ["a", "b"]},
      "--labels names 2 classes but .* has 10 outputs"),
     ("torchvision:resnet1", {}, "torchvision has no model 'resnet1'; similar: .*resnet18"),
-    ("torchvision:ssdlite320_mobilenet_v3_large", {"overrides": InputOverrides((3, 64, 64))},
+    ("DIGIT:per_image", {"overrides": InputOverrides((3, 16, 16))},
      "returns a list; optiserve takes a model that returns a tensor, or a tuple or dict of tensors"),
     ("nonsense model", {}, "unknown model 'nonsense model': use resnet18 .*torchvision:NAME"),
 ])

@@ -2,9 +2,10 @@
 scored offline on exactly the pixels it will be served.
 
 The image is converted to the model's channels (grayscale or RGB) and resized as the spec's
-`resize` says: "stretch" straight to H x W; "crop" the ImageNet recipe (short side to the input's
-side / crop_fraction, 256 for 224 by default, then the center crop), except for small-input models (side <= 64, e.g. digits at 16x16), resized
-straight. Then it is scaled to [0, 1] and normalized with the spec's mean and std.
+`resize` says (`input_spec.placement`): "stretch" straight to H x W; "crop" the ImageNet recipe
+(short side to the input's side / crop_fraction, 256 for 224 by default, then the center crop),
+except for small-input models (side <= 64, e.g. digits at 16x16), resized straight; "letterbox"
+fitted inside H x W, the rest the mean colour. Then it is scaled to [0, 1] and normalized with the spec's mean and std.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from optiserve.input_spec import InputSpec
-
-SMALL_SIDE = 64
+from optiserve.input_spec import InputSpec, placement
 
 
 def channel_mode(spec: InputSpec) -> str:
@@ -28,15 +27,15 @@ def image_to_input(image: Image.Image, spec: InputSpec, out: np.ndarray | None =
         image = image.convert(channel_mode(spec))
     h, w = spec.size
     if image.size != (w, h):
-        if max(h, w) <= SMALL_SIDE or spec.resize == "stretch":
-            image = image.resize((w, h), Image.BILINEAR)
-        else:
-            short = int(round(max(h, w) / spec.crop_fraction))
-            scale = short / min(image.size)
-            image = image.resize((max(w, round(image.width * scale)), max(h, round(image.height * scale))),
-                                 Image.BILINEAR)
-            left, top = (image.width - w) // 2, (image.height - h) // 2
-            image = image.crop((left, top, left + w, top + h))
+        place = placement(spec, *image.size)
+        image = image.resize((place.width, place.height), Image.BILINEAR)
+        if spec.resize == "letterbox":
+            fill = tuple(round(255 * m) for m in spec.mean)
+            canvas = Image.new(image.mode, (w, h), fill[0] if len(fill) == 1 else fill)
+            canvas.paste(image, (place.left, place.top))
+            image = canvas
+        elif (place.left, place.top) != (0, 0) or image.size != (w, h):
+            image = image.crop((-place.left, -place.top, -place.left + w, -place.top + h))
     return pixels_to_input(np.asarray(image), spec, out)
 
 

@@ -133,6 +133,9 @@ def _build_torchvision(model: str, num_classes: int | None, image_size: ImageSiz
     if segmentation:
         module = OutputOf(module, "out")  # its forward returns {"out": masks, "aux": ...}
     spec, categories = None, None
+    detection = builder.__module__.startswith("torchvision.models.detection")
+    if detection:
+        module, spec = _single_shot_detector(name, module, image_size)
     try:
         weights = torchvision.models.get_model_weights(name).DEFAULT
     except (ValueError, KeyError):
@@ -140,15 +143,31 @@ def _build_torchvision(model: str, num_classes: int | None, image_size: ImageSiz
     if weights is not None:
         transforms = weights.transforms()
         crop, resize = getattr(transforms, "crop_size", None), getattr(transforms, "resize_size", None)
-        if crop:
+        if crop and not detection:
             fraction = min(1.0, crop[0] / resize[0]) if resize else CROP_FRACTION
             spec = InputSpec((3, crop[0], crop[-1]), tuple(transforms.mean), tuple(transforms.std), "crop", fraction)
         elif segmentation and getattr(transforms, "resize_size", None):
             side = transforms.resize_size[0]  # torchvision resizes the shorter side; here the whole image
             spec = InputSpec((3, side, side), tuple(transforms.mean), tuple(transforms.std), "stretch")
         categories = list(weights.meta.get("categories") or []) or None
+    if categories and detection and num_classes is not None and num_classes != len(categories):
+        categories = None
     return BuiltModel(module, spec, categories, facts={"torchvision": torchvision.__version__},
-                      task="segmentation" if segmentation else None)
+                      task="segmentation" if segmentation else "detection" if detection else None)
+
+
+def _single_shot_detector(name: str, detector: nn.Module, image_size: ImageSize | None) -> tuple[nn.Module, InputSpec]:
+    """A torchvision SSD/SSDlite as a module of fixed [N, D, 6] detections for `image_size` (default:
+    the size its transform resizes to), and that input: its normalization, stretched as it does."""
+    from optiserve.models.detection import SingleShotDetections, detector_input, is_single_shot
+
+    if not is_single_shot(detector):
+        raise UserError(f"torchvision:{name}: optiserve serves torchvision's single-shot detectors "
+                        f"(ssd300_vgg16, ssdlite320_mobilenet_v3_large); two-stage and anchor-free detectors "
+                        f"are not supported yet")
+    fixed, mean, std = detector_input(detector)
+    size = image_size or fixed
+    return SingleShotDetections(detector.eval(), size), InputSpec((3, *size), mean, std, "stretch")
 
 
 class OutputOf(nn.Module):

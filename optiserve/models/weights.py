@@ -180,12 +180,14 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
 
 
 def _task_input(spec: InputSpec, task: str | None, overrides: InputOverrides) -> InputSpec:
-    """A segmentation model sees the whole image (its mask answers every pixel): stretched, not cropped."""
-    if task != "segmentation" or spec.resize == "stretch":
+    """A segmentation or detection model sees the whole image (a mask answers every pixel, a box may
+    lie anywhere): stretched, or for detection letterboxed where --resize says so; never cropped."""
+    allowed = {"segmentation": ("stretch",), "detection": ("stretch", "letterbox")}.get(task or "")
+    if allowed is None or spec.resize in allowed:
         return spec
-    if overrides.resize not in (None, "stretch"):
-        raise UserError("segmentation answers a mask of the whole image: use --resize stretch (the default "
-                        "for segmentation), not crop")
+    if overrides.resize not in (None, *allowed):
+        raise UserError(f"{task} answers for the whole image: use --resize {' or '.join(allowed)} (stretch is the "
+                        f"default for {task}), not {overrides.resize}")
     return dataclasses.replace(spec, resize="stretch")
 
 
@@ -202,6 +204,9 @@ def _output_task(task: str | None, shape: tuple[int, ...], name: str) -> str:
     form = get_task(task).output_form
     if len(shape) + 1 != form.count(",") + 1:
         raise UserError(f"{name} returns shape {show_shape(['N', *shape])}; --task {task} takes one {form} tensor")
+    wrong = get_task(task).check_output(shape)
+    if wrong:
+        raise UserError(f"{name} returns shape {show_shape(['N', *shape])}; {wrong}")
     return task
 
 
@@ -273,6 +278,8 @@ def _task_classes(task: str, labels: list[str] | None, known: list[str] | None, 
     and refuse --labels."""
     if get_task(task).has_classes:
         return _classes(labels, known, width, name)
+    if get_task(task).class_ids:  # the output holds class ids: names from --labels or the source
+        return list(labels or known or [])
     if labels:
         raise UserError(f"--labels names classes; {task} models have none")
     return []

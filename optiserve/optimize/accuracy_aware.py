@@ -32,26 +32,29 @@ def quantized_nodes(int8_path: Path) -> list[str]:
 def layer_sensitivity(fp32_path: Path, int8_path: Path, batches: list[np.ndarray], method: str,
                       val_images: np.ndarray, logits: Logits, work: Path,
                       op_types: list[str] | None = None,
-                      float_outputs_of: list[str] | None = None) -> list[tuple[str, float]]:
+                      float_outputs_of: list[str] | None = None, error=None) -> list[tuple[str, float]]:
     """(node, error with that node in float) for every quantized node, most sensitive first; the
-    error is the mean squared logit difference from fp32 on `val_images`."""
+    error (`error(out, reference)`, default the mean squared output difference) from fp32 on `val_images`."""
+    error = error or (lambda out, ref: float(np.mean((out - ref) ** 2)))
     reference = logits(fp32_path, val_images)
     out = []
     for node in quantized_nodes(int8_path):
         trial = work / "sensitivity.onnx"
         quantize_onnx_static(fp32_path, trial, batches, method, nodes_to_exclude=[node], op_types=op_types,
                              float_outputs_of=float_outputs_of)
-        out.append((node, float(np.mean((logits(trial, val_images) - reference) ** 2))))
+        out.append((node, float(error(logits(trial, val_images), reference))))
     return sorted(out, key=lambda item: item[1])
 
 
 def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: list[np.ndarray], method: str,
                                    val_images: Callable[[], np.ndarray], logits: Logits, gate: Gate,
-                                   settings: dict, max_float_layers: int) -> dict:
+                                   settings: dict, max_float_layers: int, error=None,
+                                   error_name: str = "mean squared logit difference from fp32") -> dict:
     """If `int8_path` fails `gate`, re-quantize with the most sensitive layers in float (adding one
     at a time, at most `max_float_layers`) until it passes; rewrites `int8_path` with the first that
     passes, or with the last try, quantizing as `settings` says (its recipe's op types). Returns
-    `settings` with what was done (`float_layers` etc.).
+    `settings` with what was done (`float_layers` etc.). Layers are ranked by `error` (see
+    `layer_sensitivity`), which `error_name` names in the settings.
     `val_images` is called only then: a variant that passes costs no validation images."""
     status, reason, measure = gate(int8_path)
     if status != "rejected":
@@ -61,7 +64,7 @@ def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: li
     work.mkdir(exist_ok=True)
     try:
         ranked = layer_sensitivity(fp32_path, int8_path, batches, method, val_images(), logits, work, op_types,
-                                   float_outputs_of)
+                                   float_outputs_of, error)
         kept: list[str] = []
         tries = []
         for node, _ in ranked[:max_float_layers]:
@@ -81,6 +84,5 @@ def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: li
     return {**settings, "accuracy_aware": {
         "plain_int8": {**measure, "reason": reason},
         "float_layers": kept, "tries": tries, "max_float_layers": max_float_layers,
-        "sensitivity": {"images": "validation split", "metric": "mean squared logit difference from fp32 "
-                                                                  "with only that layer in float",
+        "sensitivity": {"images": "validation split", "metric": f"{error_name} with only that layer in float",
                         "ranking": [{"node": n, "error": e} for n, e in ranked]}}}

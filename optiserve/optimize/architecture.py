@@ -1,7 +1,8 @@
 """Which INT8 recipe suits a model: convolutional networks take each quantizer's defaults; a
 transformer gets INT8 where it pays — its MatMul/Gemm (attention and MLP) and the patch-embedding
 Conv — and keeps LayerNorm, Softmax, GELU and the residual Adds in float, where quantization costs
-accuracy and saves little time.
+accuracy and saves little time; a detector whose graph ends in non-maximum suppression gets INT8
+in its network and keeps its post-processing in float.
 
 A model counts as a transformer when it has attention: a Softmax computed (through scaling, masking
 or casts) from a MatMul of two activations, as in scaled dot-product attention. That is read from
@@ -47,7 +48,18 @@ TRANSFORMER = QuantRecipe(
     "Softmax (and the attention scores it reads), GELU and residual Adds in float")
 
 
-RECIPES = {recipe.architecture: recipe for recipe in (CONVOLUTIONAL, TRANSFORMER)}
+DETECTOR = QuantRecipe(
+    "detector", ("Conv", "MatMul", "Gemm"), (), None, "static",
+    "INT8 Conv/MatMul/Gemm (backbone and head); box decoding, scores, top-k and NMS in float — "
+    "one INT8 scale across boxes in pixels and scores in [0, 1] would erase the scores")
+
+
+RECIPES = {recipe.architecture: recipe for recipe in (CONVOLUTIONAL, TRANSFORMER, DETECTOR)}
+
+
+def has_nms(graph: onnx.GraphProto) -> bool:
+    """A NonMaxSuppression node: the graph post-processes detections."""
+    return any(node.op_type == "NonMaxSuppression" for node in graph.node)
 
 
 def has_attention(graph: onnx.GraphProto) -> bool:
@@ -79,7 +91,7 @@ def recipe_for_onnx(path: str | os.PathLike, asked: str = "auto") -> QuantRecipe
     if asked != "auto":
         return RECIPES[asked]
     graph = onnx.load(str(path), load_external_data=False).graph
-    return TRANSFORMER if has_attention(graph) else CONVOLUTIONAL
+    return TRANSFORMER if has_attention(graph) else DETECTOR if has_nms(graph) else CONVOLUTIONAL
 
 
 def recipe_for_module(module: nn.Module, asked: str = "auto") -> QuantRecipe:

@@ -49,10 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-channel mean the pixels (scaled to [0, 1]) are normalized with (default: the source's, "
                         "else ImageNet's for 3 channels)")
     p.add_argument("--std", type=_floats, default=None, metavar="S[,S,S]", help="per-channel std, as --mean")
-    p.add_argument("--resize", default=None, type=_resize, metavar="{crop,stretch,SIDE}",
+    p.add_argument("--resize", default=None, type=_resize, metavar="{crop,stretch,letterbox,SIDE}",
                    help="how an image of another size becomes the input: crop (the shorter side resized as the "
                         "model's source says, else 256 for 224, then the center crop), SIDE (crop, the shorter "
-                        "side resized to SIDE pixels) or stretch (the whole image; segmentation's default)")
+                        "side resized to SIDE pixels), stretch (the whole image; segmentation's and detection's "
+                        "default) or letterbox (the whole image, its aspect kept, padded with the mean colour; "
+                        "detection)")
     p.add_argument("--labels", default=None, metavar="FILE", help="class names, one a line, in output order")
     p.add_argument("--task", default=None, choices=list_tasks(),
                    help="what the model's output means (default: classification for one [N, K] output)")
@@ -65,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-miou", type=float, default=DEFAULTS.min_miou, metavar="M",
                    help=f"segmentation: reject variants whose mIoU against fp32's masks is below M "
                         f"(default {DEFAULTS.min_miou:g})")
+    p.add_argument("--min-map", type=float, default=DEFAULTS.min_map, metavar="M",
+                   help=f"detection: reject variants whose mAP@0.5 against fp32's boxes is below M "
+                        f"(default {DEFAULTS.min_map:g})")
     p.add_argument("--masks", default=None, metavar="DIR",
                    help="segmentation: the true masks of --dataset imagefolder:PATH's images (DIR/IMAGE.png, "
                         "class ids); variants are then judged by mIoU against them")
@@ -124,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
         num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, min_cosine=args.min_cosine,
-        min_miou=args.min_miou, masks=args.masks, ignore_index=args.ignore_index,
+        min_miou=args.min_miou, min_map=args.min_map, masks=args.masks, ignore_index=args.ignore_index,
         input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),
     )
     manifest = run_optimize(cfg)

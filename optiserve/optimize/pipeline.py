@@ -24,7 +24,7 @@ from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
 from optiserve.optimize.architecture import RECIPES, QuantRecipe, recipe_for_module, recipe_for_onnx
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, OUTPUT_NAME, export_onnx
-from optiserve.optimize.outputs import max_abs_diff
+from optiserve.optimize.outputs import detections_differ, max_abs_diff
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.progress import PassLog
@@ -78,13 +78,14 @@ class OptimizeConfig:
     task_output: str | None = None    # a model with several outputs: the one the task reads (None: the first)
     min_cosine: float = 0.99          # embedding: the least mean cosine similarity to fp32 accepted
     min_miou: float = 0.90            # segmentation: the least mIoU against fp32's masks accepted
+    min_map: float = 0.90             # detection: the least mAP@0.5 against fp32's boxes accepted
     masks: str | None = None          # segmentation: a folder of the images' true masks (class-id PNGs)
     ignore_index: int = 255           # a mask's value for pixels not to score
 
     @property
     def gate_limits(self) -> GateLimits:
         return GateLimits(max_accuracy_drop=self.max_accuracy_drop, min_cosine=self.min_cosine,
-                          min_miou=self.min_miou)
+                          min_miou=self.min_miou, min_map=self.min_map)
 
     def validate(self) -> None:
         find_source(self.model)
@@ -94,6 +95,8 @@ class OptimizeConfig:
             raise UserError(f"--min-cosine must be in [-1, 1], got {self.min_cosine}")
         if not 0.0 <= self.min_miou <= 1.0:
             raise UserError(f"--min-miou must be in [0, 1], got {self.min_miou}")
+        if not 0.0 <= self.min_map <= 1.0:
+            raise UserError(f"--min-map must be in [0, 1], got {self.min_map}")
         if self.num_classes is not None and self.num_classes < 1:
             raise UserError(f"--num-classes must be at least 1, got {self.num_classes}")
         if self.calib_method not in CALIB_METHODS:
@@ -254,7 +257,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
              + (f"; {data.left_out} images without a mask left out" if data.left_out else ""))
 
     torch.manual_seed(0)
-    example = torch.from_numpy(evalset.images[:4])
+    example, check = torch.from_numpy(evalset.images[:4]), torch.from_numpy(evalset.images[-4:])
     out = cfg.out_path
     with artifacts.staging_folder(out) as stage:
         variants: list[Variant] = []
@@ -263,11 +266,11 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         if loaded.from_file:
             baseline = _onnx_file_variants(stage, loaded, data, evalset, cfg, why_not, log, variants, notes, skipped)
         else:
-            baseline = _torch_variants(stage, loaded, data, evalset, example, cfg, why_not, log, variants, notes,
-                                       skipped)
+            baseline = _torch_variants(stage, loaded, data, evalset, (example, check), cfg, why_not, log, variants,
+                                       notes, skipped)
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
-            entries, timed = _validate(variants, stage, loaded, evalset, cfg, why_not, baseline)
+            entries, timed = _validate(variants, stage, loaded, evalset, cfg, why_not, baseline, skipped)
             entries, picked = _pick_openvino_int8(entries, stage, cfg.latency_batch, timed)
             notes += picked
             recommended = _recommend(entries, timed, cfg.latency_batch)
@@ -283,21 +286,43 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     return manifest
 
 
-def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evalset: EvalSet, example: torch.Tensor,
-                    cfg: OptimizeConfig, why_not: str, log: PassLog, variants: list[Variant], notes: list[str],
-                    skipped: list[dict]) -> str:
+def _parity(loaded: LoadedModel, atol: float) -> dict:
+    """How a traced or exported copy is held to eager: max |Δ| within `atol`, or for a detector (whose
+    boxes swap places when they score alike) mAP@0.5 against eager's boxes of at least 0.99."""
+    if loaded.task == "detection":
+        return {"atol": 0.01, "difference": detections_differ}
+    return {"atol": atol}
+
+
+def _sensitivity(loaded: LoadedModel) -> dict:
+    """How the accuracy-aware fallback ranks layers: by mean squared output difference from fp32, or
+    for a detector by 1 - mAP@0.5 against fp32's boxes (its rows reorder as scores move)."""
+    if loaded.task == "detection":
+        return {"error": lambda out, reference: detections_differ(reference, out),
+                "error_name": "1 - mAP@0.5 against fp32's boxes"}
+    return {}
+
+
+def _parity_measure(loaded: LoadedModel) -> str:
+    return "1 - mAP@0.5 against eager's boxes" if loaded.task == "detection" else "max |Δ|"
+
+
+def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evalset: EvalSet,
+                    parity: tuple[torch.Tensor, torch.Tensor], cfg: OptimizeConfig, why_not: str, log: PassLog,
+                    variants: list[Variant], notes: list[str], skipped: list[dict]) -> str:
     """The variants of a torch module: fp32, conv+BN fusion, TorchScript, ONNX, INT8, OpenVINO,
     pruning, TensorRT, as `cfg` asks; returns the baseline's name."""
+    example, check = parity
     openvino = cfg.openvino and cfg.onnx
     names = [o["name"] for o in loaded.outputs] if loaded.outputs else None  # the exported graph's outputs
     with log.step("fp32 baseline (" + ("eager state dict)" if loaded.rebuildable else "traced TorchScript)")):
-        variants.append(_baseline_variant(loaded, stage, example, torch.from_numpy(evalset.images[-4:])))
+        variants.append(_baseline_variant(loaded, stage, example, check))
     with log.step("fuse conv+BN"):
         fused, note = _fuse(loaded)
         notes.append(note)
     with log.step("TorchScript (trace, check, freeze)"):
-        check = torch.from_numpy(evalset.images[-4:])
-        save_torchscript(trace_torchscript(fused, example, (check,)), stage / "torchscript.pt")
+        save_torchscript(trace_torchscript(fused, example, (check,), **_parity(loaded, 1e-4)),
+                         stage / "torchscript.pt")
         variants.append(Variant("torchscript", "torchscript.pt", "torchscript", "fp32",
                                 {"fused_conv_bn": True, "frozen": True, "optimize_for_inference": True}))
     with log.step("TorchScript bf16 (where the device computes in bf16)"):
@@ -313,10 +338,11 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
                                      "weights": "bfloat16"}))
     if cfg.onnx:
         with log.step(f"ONNX export (opset {OPSET}, dynamic batch)"):
-            export_diff = export_onnx(fused, example, stage / "model.onnx", output_names=names)
+            export_diff = export_onnx(fused, example, stage / "model.onnx", output_names=names,
+                                      **_parity(loaded, 1e-3))
             variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
                                     {"opset": OPSET, "fused_conv_bn": True, "graph_optimization": "all"}))
-            notes.append(f"ONNX export parity with eager: max |Δ| {export_diff:.1e}")
+            notes.append(f"ONNX export parity with eager: {_parity_measure(loaded)} {export_diff:.1e}")
     recipe = None
     if cfg.int8:
         recipe = (recipe_for_onnx(stage / "model.onnx", cfg.int8_recipe) if cfg.onnx else
@@ -418,10 +444,11 @@ def _recipe_note(recipe: QuantRecipe, asked: bool) -> list[str]:
     """The report's line on a recipe other than the quantizers' defaults."""
     if recipe.onnx_op_types is None:
         return []
-    why = "--int8-recipe" if asked else "attention found in the graph"
-    return [f"INT8 recipe for a {recipe.architecture} ({why}): {recipe.description}; "
-            f"torch-int8 is {recipe.torch_mode} quantization of nn.Linear, openvino-int8 NNCF's "
-            f"model_type={recipe.nncf_model_type}"]
+    why = "--int8-recipe" if asked else {"transformer": "attention found in the graph",
+                                          "detector": "non-maximum suppression found in the graph"}[recipe.architecture]
+    tail = (f"; torch-int8 is dynamic quantization of nn.Linear, openvino-int8 NNCF's model_type="
+            f"{recipe.nncf_model_type}" if recipe.torch_mode == "dynamic" else "")
+    return [f"INT8 recipe for a {recipe.architecture} ({why}): {recipe.description}{tail}"]
 
 
 def _onnx_int8(stage: Path, batches: list, accuracy_aware, cfg: OptimizeConfig, log: PassLog,
@@ -445,7 +472,7 @@ def _baseline_variant(loaded: LoadedModel, stage: Path, example: torch.Tensor, c
         torch.save(loaded.model.state_dict(), stage / "fp32.pt")
         return Variant(BASELINE, "fp32.pt", "torch", "fp32")
     try:
-        traced = trace_torchscript(loaded.model, example, (check,))
+        traced = trace_torchscript(loaded.model, example, (check,), **_parity(loaded, 1e-4))
     except Exception as e:
         raise UserError(f"{loaded.name} cannot be traced to TorchScript, which its fp32 variant needs "
                         f"({first_line(e, True, 200)})") from None
@@ -462,10 +489,11 @@ def _fuse(loaded: LoadedModel) -> tuple[torch.nn.Module, str]:
         return (copy.deepcopy(loaded.model).eval(),
                 f"conv+BN fusion skipped: the model does not trace symbolically ({first_line(e, True, 200)})")
     probe = torch.randn(8, *loaded.input.shape)
+    difference = _parity(loaded, 0.0).get("difference", max_abs_diff)
     with torch.no_grad():
-        diff = max_abs_diff(fused(probe), loaded.model(probe))
+        diff = difference(loaded.model(probe), fused(probe))
     return fused, (f"conv+BN fusion folded {count_batchnorms(loaded.model)} BatchNorms "
-                   f"({count_batchnorms(fused)} left); max |Δ| on random inputs {diff:.1e}")
+                   f"({count_batchnorms(fused)} left); {_parity_measure(loaded)} on random inputs {diff:.1e}")
 
 
 def _session_manifest(loaded) -> dict:
@@ -497,7 +525,8 @@ def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: O
 
         out = keep_sensitive_layers_in_float(stage / fp32, stage / int8, batches, cfg.calib_method,
                                              lambda: materialize(data.val, data.labelled).images,
-                                             logits, gate_on_test, settings, cfg.max_float_layers)
+                                             logits, gate_on_test, settings, cfg.max_float_layers,
+                                             **_sensitivity(loaded))
         if "accuracy_aware" in out:
             kept = out["accuracy_aware"]["float_layers"]
             log.note(f"{int8}: plain INT8 missed the accuracy gate ({out['accuracy_aware']['plain_int8']['reason']}); "
@@ -547,6 +576,10 @@ def _pick_openvino_int8(entries: list[dict], stage: Path, n: int, timed: Timed) 
     """Of the two openvino-int8 candidates keep the one that passes the gate and is faster at batch
     n (the QDQ one when neither passes); it is published as openvino-int8 and the other is deleted."""
     by_name = {e["name"]: e for e in entries}
+    if OPENVINO_INT8_CANDIDATE in by_name and "openvino-int8" not in by_name:  # the QDQ one did not run
+        by_name[OPENVINO_INT8_CANDIDATE]["name"] = "openvino-int8"
+        timed.rename(OPENVINO_INT8_CANDIDATE, "openvino-int8")
+        return entries, ["openvino-int8: the nncf flow's, the only one OpenVINO runs"]
     if OPENVINO_INT8_CANDIDATE not in by_name or "openvino-int8" not in by_name:
         return entries, []
     qdq, nncf_ = by_name["openvino-int8"], by_name[OPENVINO_INT8_CANDIDATE]
@@ -623,7 +656,10 @@ class Timed:
 
 
 def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, why_not: str,
-              baseline_name: str = BASELINE) -> tuple[list[dict], Timed]:
+              baseline_name: str = BASELINE, skipped: list[dict] | None = None) -> tuple[list[dict], Timed]:
+    """Each variant loaded through the runtime, judged by its task's gate against the baseline and
+    timed; one its engine cannot run goes to `skipped` with the reason."""
+    skipped = [] if skipped is None else skipped
     base_manifest = _session_manifest(loaded)
     options = RuntimeOptions(device=cfg.device, extra={"spin": False})  # an idle session must not slow the next
     batch1 = evalset.images[:1]
@@ -641,9 +677,19 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
         if v.companions:
             entry["companions"] = {f: artifacts.file_facts(stage / f) for f in v.companions}
             entry["size_bytes"] += sum(c["size_bytes"] for c in entry["companions"].values())
-        session = load_session(stage / v.file, entry, base_manifest, options)
+        try:
+            session = load_session(stage / v.file, entry, base_manifest, options)
+            logits = predict(session, evalset.images, keep=task.reduce)
+        except Exception as e:  # built, but its engine cannot run it: said in the report, not fatal
+            if v.name == baseline_name:
+                raise
+            flow = v.settings.get("flow")
+            skipped.append({"name": f"{v.name} ({flow} flow)" if flow else v.name,
+                            "reason": f"built, but {v.backend} cannot run it ({first_line(e, True, 200)})"})
+            for f in (v.file, *v.companions):
+                (stage / f).unlink(missing_ok=True)
+            continue
         entry["device"] = session.device  # torch-int8 runs on the CPU even where the others use CUDA
-        logits = predict(session, evalset.images, keep=task.reduce)
         if reference is None:
             reference = logits
         entry["accuracy"] = task.metrics(logits, reference, evalset.labels)
@@ -658,7 +704,7 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
              for b, x in batches.items()}
     for name, entry in entries.items():
         entry["latency_ms"] = {b: statistics.median(times[b][name]) for b in times}
-    return [entries[v.name] for v in variants], Timed(sessions, batches, times)
+    return [entries[v.name] for v in variants if v.name in entries], Timed(sessions, batches, times)
 
 
 def _device_note(entries: list[dict]) -> list[str]:
@@ -703,6 +749,8 @@ def _manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_eval) -
         "baseline": BASELINE,
         "max_accuracy_drop": cfg.max_accuracy_drop,
         "min_cosine": cfg.min_cosine,
+        "min_miou": cfg.min_miou,
+        "min_map": cfg.min_map,
         "latency_batch": cfg.latency_batch,
         "versions": artifacts.versions(),
         "machine": _machine(entries),
@@ -805,15 +853,7 @@ def render_report(manifest: dict) -> str:
     rejected = [v for v in manifest["variants"] if v["status"] == "rejected"]
     if rejected:
         lines += [""] + [f"- **{v['name']} rejected**: {v['reason']}; not served by default." for v in rejected]
-    if get_task(manifest.get("task")).name == "classification":
-        lines += ["", "Δ top-1 is in points against fp32 on the same images, with a 95% paired-bootstrap interval; "
-                      "n.s.: no significant accuracy difference (the interval contains 0, or an exact McNemar test "
-                      "on the images only one of the two gets right does not reject at 5%)."]
-    else:
-        lines += ["", "Cosine similarity of each image's vector to fp32's for the same image: the mean with its 95% "
-                      "bootstrap interval, and the 1st percentile; NN agree: how often an image's nearest neighbour "
-                      f"among the held-out images is the one fp32's vectors give. A variant is accepted when the mean "
-                      f"is at least {manifest.get('min_cosine', 0.99):g} (--min-cosine)."]
+    lines += ["", get_task(manifest.get("task")).legend(manifest)]
     lines += ["", recommendation_line(manifest)]
     lines += ["", "Notes:"] + [f"- {n}" for n in manifest["notes"]]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items()), ""]

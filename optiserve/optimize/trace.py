@@ -23,17 +23,18 @@ class TraceMismatch(RuntimeError):
 
 
 def trace_torchscript(model: nn.Module, example: torch.Tensor, check_inputs: tuple[torch.Tensor, ...] = (),
-                      atol: float = 1e-4) -> torch.jit.ScriptModule:
+                      atol: float = 1e-4, difference=max_abs_diff) -> torch.jit.ScriptModule:
     """Traced and frozen copy of eval-mode `model`.
 
-    Raises TraceMismatch if the frozen trace disagrees with eager on `example` or on any of
-    `check_inputs` (other real inputs catch control flow that the trace baked in).
+    Raises TraceMismatch if the frozen trace disagrees with eager (by `difference`, default max |Δ|)
+    on `example` or on any of `check_inputs` (other real inputs catch control flow that the trace
+    baked in).
     """
     model = model.eval()
     with jit_quietly(), torch.no_grad():
         traced = torch.jit.trace(model, example, check_trace=False)
         frozen = torch.jit.freeze(traced)
-        diff = max(max_abs_diff(model(x), frozen(x)) for x in (example, *check_inputs))
+        diff = max(difference(model(x), frozen(x)) for x in (example, *check_inputs))
     if diff > atol:
         raise TraceMismatch(f"traced module differs from eager by {diff:.2e} (> {atol:g}); the model has "
                             f"data-dependent control flow that tracing cannot capture")

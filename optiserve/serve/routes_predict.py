@@ -1,5 +1,6 @@
 """/predict: an image upload (multipart or a raw image body) or JSON, answered as the model's task
-says: the top classes (classification), the vector (embedding), the mask (segmentation)."""
+says: the top classes (classification), the vector (embedding), the mask (segmentation), the boxes
+(detection)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
             model = admission.model
             k = top_k(query.get("top_k"), len(model.classes))
             normalize = _flag(query.get("normalize"), "normalize")
+            threshold = _fraction(query.get("score_threshold"), "score_threshold")
             if ctype == "multipart/form-data":
                 boundary = boundary_of(request.headers["content-type"])
                 form = parse_form(await server.read_body(request, admission), boundary)
@@ -61,7 +63,8 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                 images, k = parsed.images, k or parsed.top_k
             (logits, *_), timing = await server.infer(admission, images, request=request)
         answer = model.task.answer(logits, model.manifest, {"top_k": k or min(cfg.top_k, len(model.classes)),
-                                                            "normalize": normalize, "sizes": sizes})
+                                                            "normalize": normalize, "sizes": sizes,
+                                                            "score_threshold": threshold})
         variant = admission.variant.name
         return FastJSONResponse({"model": model.name, "variant": variant, **answer,
                                  "latency_ms": timing}, headers={VARIANT_HEADER: variant},
@@ -79,6 +82,19 @@ def _flag(value: str | None, name: str) -> bool:
     if value.lower() in ("false", "0"):
         return False
     raise ApiError(400, f"{name} must be true or false, got {value[:40]!r}")
+
+
+def _fraction(value: str | None, name: str) -> float | None:
+    """A number in [0, 1] from the query string (absent: None)."""
+    if value is None:
+        return None
+    try:
+        number = float(value[:40])
+    except ValueError:
+        number = float("nan")
+    if not 0.0 <= number <= 1.0:  # nan fails too
+        raise ApiError(400, f"{name} must be a number from 0 to 1, got {value[:40]!r}")
+    return number
 
 
 def _query(name: str, description: str, schema: dict) -> dict:
@@ -104,7 +120,9 @@ PREDICT_OPERATION = {
     "parameters": [_query("model", "the model (needed when several are served)", {"type": "string"}),
                    _query("variant", "the variant (default: the traffic split)", {"type": "string"}),
                    _query("top_k", "classes per image (classification)", {"type": "integer", "minimum": 1}),
-                   _query("normalize", "L2-normalize the vectors (embedding)", {"type": "boolean"})],
+                   _query("normalize", "L2-normalize the vectors (embedding)", {"type": "boolean"}),
+                   _query("score_threshold", "the least score of a box answered (detection; default 0.5)",
+                          {"type": "number", "minimum": 0, "maximum": 1})],
     "requestBody": {"required": True, "content": {
         "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
             "file": {"type": "string", "format": "binary"}, "variant": {"type": "string"}}}},
@@ -115,7 +133,9 @@ PREDICT_OPERATION = {
     "responses": {"200": {"description": "per image the model's task's answer (classification: `predictions`, "
                                          "the top classes; embedding: `embedding`, the vector; segmentation: "
                                          "`segmentation`, the mask as a PNG of class ids at the uploaded "
-                                         "image's size and each class's share of the pixels), the variant "
+                                         "image's size and each class's share of the pixels; detection: "
+                                         "`detections`, boxes in the uploaded image's pixels with score and "
+                                         "class), the variant "
                                          "that answered, timings",
                           "content": {"application/json": {"schema": {"type": "object", "properties": {
                               "model": {"type": "string"}, "variant": {"type": "string"},

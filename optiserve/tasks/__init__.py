@@ -2,6 +2,6 @@
 the server's answers."""
 
 from optiserve.tasks.registry import GateLimits, Task, get_task, list_tasks, register_task
-from optiserve.tasks import classification, embedding, segmentation  # noqa: F401  registers the built-in tasks
+from optiserve.tasks import classification, detection, embedding, segmentation  # noqa: F401  registers the built-in tasks
 
 __all__ = ["GateLimits", "Task", "get_task", "list_tasks", "register_task"]

@@ -77,6 +77,11 @@ class Classification(Task):
             agree += f" [{100 * low:.1f}, {100 * high:.1f}]"
         return [top1, agree, delta]
 
+    def legend(self, manifest) -> str:
+        return ("Δ top-1 is in points against fp32 on the same images, with a 95% paired-bootstrap interval; "
+                "n.s.: no significant accuracy difference (the interval contains 0, or an exact McNemar test "
+                "on the images only one of the two gets right does not reject at 5%).")
+
     def protocol_output(self, name, raw) -> np.ndarray:
         return (raw if name == "logits" else softmax(raw)).astype(np.float32, copy=False)
 

@@ -66,6 +66,12 @@ class Embedding(Task):
         return [f"{metrics['cosine_mean']:.4f} [{low:.4f}, {high:.4f}]", f"{metrics['cosine_p1']:.4f}",
                 "—" if nn is None else f"{100 * nn:.1f}%"]
 
+    def legend(self, manifest) -> str:
+        return ("Cosine similarity of each image's vector to fp32's for the same image: the mean with its 95% "
+                "bootstrap interval, and the 1st percentile; NN agree: how often an image's nearest neighbour "
+                "among the held-out images is the one fp32's vectors give. A variant is accepted when the mean "
+                f"is at least {manifest.get('min_cosine', 0.99):g} (--min-cosine).")
+
     def protocol_output(self, name, raw) -> np.ndarray:
         return raw.astype(np.float32, copy=False)
 

@@ -21,6 +21,7 @@ class GateLimits:
     max_accuracy_drop: float = 1.0   # classification: points of top-1
     min_cosine: float = 0.99         # embedding: mean cosine similarity to fp32's vectors
     min_miou: float = 0.90           # segmentation: mIoU against fp32's masks
+    min_map: float = 0.90            # detection: mAP@0.5 with fp32's boxes as the truth
 
 
 class Task:
@@ -31,6 +32,7 @@ class Task:
     description: str = ""
     output_form: str = "[N, K]"          # the model output the task takes, as errors name it
     has_classes: bool = False            # whether the output's K are named classes (--labels)
+    class_ids: bool = False              # whether the output holds class ids, named by --labels or the source
     answers_at_upload_size: bool = False  # whether `answer` needs each uploaded image's (width, height)
 
     def width(self, manifest: dict) -> int:
@@ -40,6 +42,10 @@ class Task:
     def output_shape(self, manifest: dict) -> list[int]:
         """One image's output shape, as the protocol's metadata gives it after the batch axis."""
         return [self.width(manifest)]
+
+    def check_output(self, shape: tuple) -> str | None:
+        """What is wrong with one image's output `shape` (axes already checked against `output_form`), or None."""
+        return None
 
     def reduce(self, raw: np.ndarray) -> np.ndarray:
         """What validation keeps of a batch's raw output to judge it (the output itself, or less)."""
@@ -62,6 +68,10 @@ class Task:
         raise NotImplementedError
 
     def cells(self, metrics: dict, baseline: dict) -> list[str]:
+        raise NotImplementedError
+
+    def legend(self, manifest: dict) -> str:
+        """The report's paragraph on what its columns measure and when a variant is accepted."""
         raise NotImplementedError
 
     def protocol_output(self, name: str, raw: np.ndarray) -> np.ndarray:

@@ -160,6 +160,14 @@ class Segmentation(Task):
         return [truth, delta, f"{100 * metrics['pixel_agreement']:.2f}% [{100 * a_low:.2f}, {100 * a_high:.2f}]",
                 f"{metrics['miou_fp32']:.4f} [{m_low:.4f}, {m_high:.4f}]"]
 
+    def legend(self, manifest) -> str:
+        return ("Pixel agree fp32: the share of pixels whose class is fp32's; mIoU vs fp32: mean intersection over "
+                "union with fp32's masks as the truth, each with a 95% bootstrap interval over images. Where the "
+                "images have true masks (--masks), mIoU masks is against them and Δ mIoU its paired difference from "
+                f"fp32's in points; a variant is then accepted when it falls at most "
+                f"{manifest.get('max_accuracy_drop', 1.0):g} points (--max-accuracy-drop), otherwise when mIoU vs "
+                f"fp32 is at least {manifest.get('min_miou', 0.9):g} (--min-miou).")
+
     def protocol_output(self, name, raw) -> np.ndarray:
         return raw.astype(np.float32, copy=False)
 

@@ -1,0 +1,204 @@
+"""Detection: [N, D, 6] rows of x1, y1, x2, y2 (input pixels), score, class id per image, the best
+first, unused rows all zero. Judged by mAP@0.5 with fp32's own boxes (those scoring at least
+TRUTH_SCORE) as the truth, with a 95% bootstrap interval over images; answered with the boxes
+scoring at least `score_threshold`, in the uploaded image's pixels."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from optiserve.input_spec import InputSpec, placement
+from optiserve.tasks.registry import GateLimits, Task, register_task
+
+TRUTH_SCORE = 0.5   # fp32's boxes scoring at least this are the truth a variant's boxes are matched to
+MATCH_IOU = 0.5     # a box finds its match at this intersection over union or above (mAP@0.5)
+SCORE_THRESHOLD = 0.5  # /predict's default for which boxes to answer
+
+
+def iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Intersection over union of every box in `a` [n, 4] with every box in `b` [m, 4] -> [n, m]."""
+    lt = np.maximum(a[:, None, :2], b[None, :, :2])
+    rb = np.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = np.clip(rb - lt, 0, None).prod(-1)
+    area = lambda x: np.clip(x[:, 2] - x[:, 0], 0, None) * np.clip(x[:, 3] - x[:, 1], 0, None)  # noqa: E731
+    union = area(a)[:, None] + area(b)[None, :] - inter
+    return np.divide(inter, union, out=np.zeros_like(inter), where=union > 0)
+
+
+def match(found: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """For one image's detections `found` [D, 6] (best first) and true boxes `truth` [T, 6]: whether
+    each detection is a true positive — greedily, in score order, the unmatched true box of its
+    class it overlaps most, at MATCH_IOU or above (the PASCAL VOC / COCO rule)."""
+    hits = np.zeros(len(found), dtype=bool)
+    if not len(found) or not len(truth):
+        return hits
+    overlap = iou(found[:, :4], truth[:, :4])
+    overlap[found[:, 5][:, None] != truth[:, 5][None, :]] = 0.0
+    free = np.ones(len(truth), dtype=bool)
+    for i in range(len(found)):
+        candidates = np.where(free, overlap[i], 0.0)
+        j = int(candidates.argmax())
+        if candidates[j] >= MATCH_IOU:
+            hits[i], free[j] = True, False
+    return hits
+
+
+class Matched:
+    """Every image's detections matched to its true boxes once, so mAP over any resample of the
+    images (weights: how often each image is drawn) is a weighted cumulative sum."""
+
+    def __init__(self, found: np.ndarray, truth: list[np.ndarray]):
+        scores, classes, hits, images = [], [], [], []
+        for i, (rows, true) in enumerate(zip(found, truth)):
+            rows = rows[rows[:, 4] > 0]
+            scores.append(rows[:, 4])
+            classes.append(rows[:, 5])
+            hits.append(match(rows, true))
+            images.append(np.full(len(rows), i))
+        order = np.argsort(-np.concatenate(scores), kind="stable")
+        self.classes = np.concatenate(classes)[order].astype(np.int64)
+        self.hits = np.concatenate(hits)[order]
+        self.images = np.concatenate(images)[order]
+        self.n = len(found)
+        self.true_classes = sorted({int(c) for true in truth for c in true[:, 5]})
+        self.true_counts = np.array([[int((true[:, 5] == c).sum()) for c in self.true_classes] for true in truth]
+                                    ).reshape(self.n, len(self.true_classes))
+
+    def mean_ap(self, weights: np.ndarray | None = None) -> float | None:
+        """mAP over the classes with true boxes (None where there are none), each image counted
+        `weights[i]` times (default once)."""
+        w = np.ones(self.n) if weights is None else np.asarray(weights, dtype=np.float64)
+        npos = (self.true_counts * w[:, None]).sum(0)
+        aps = []
+        for c, positives in zip(self.true_classes, npos):
+            if positives <= 0:
+                continue
+            mine = self.classes == c
+            weight = w[self.images[mine]]
+            tp = np.cumsum(weight * self.hits[mine])
+            fp = np.cumsum(weight * ~self.hits[mine])
+            aps.append(average_precision(tp / positives, np.divide(tp, tp + fp, out=np.zeros_like(tp),
+                                                                    where=(tp + fp) > 0)))
+        return float(np.mean(aps)) if aps else None
+
+
+def average_precision(recall: np.ndarray, precision: np.ndarray) -> float:
+    """Area under the precision-recall curve with precision made monotone (all-point interpolation)."""
+    r = np.concatenate([[0.0], recall, [1.0]])
+    p = np.concatenate([[0.0], precision, [0.0]])
+    p = np.maximum.accumulate(p[::-1])[::-1]
+    step = np.where(r[1:] != r[:-1])[0]
+    return float(((r[step + 1] - r[step]) * p[step + 1]).sum())
+
+
+def boxes_at_least(raw: np.ndarray, score: float) -> list[np.ndarray]:
+    """Each image's boxes scoring at least `score` (and above zero: unused rows are zero) that cover
+    some area (a box clipped to the image's edge can be a line, which nothing can overlap)."""
+    return [rows[(rows[:, 4] >= score) & (rows[:, 4] > 0) & (rows[:, 2] > rows[:, 0]) & (rows[:, 3] > rows[:, 1])]
+            for rows in raw]
+
+
+class Detection(Task):
+    name = "detection"
+    outputs = ("detections",)
+    description = "one [N, D, 6] tensor: per image D boxes as x1, y1, x2, y2 (input pixels), score, class id"
+    output_form = "[N, D, 6]"
+    class_ids = True
+    answers_at_upload_size = True
+
+    def width(self, manifest: dict) -> int:
+        return int(manifest["output_shape"][0])
+
+    def output_shape(self, manifest: dict) -> list[int]:
+        return [int(v) for v in manifest["output_shape"]]
+
+    def check_output(self, shape: tuple) -> str | None:
+        if shape[-1] != 6:
+            return f"--task detection takes {self.output_form} rows of x1, y1, x2, y2, score, class id"
+        return None
+
+    def metrics(self, out, reference, labels) -> dict:
+        """mAP@0.5 of `out`'s boxes (all of them, ranked by score) with `reference`'s scoring at
+        least TRUTH_SCORE as the truth; image-level labels do not judge boxes."""
+        truth = boxes_at_least(reference, TRUTH_SCORE)
+        matched = Matched(out, truth)
+        value = matched.mean_ap()
+        metrics = {"map50_fp32": value, "truth_boxes": int(sum(len(t) for t in truth)),
+                   "boxes_per_image": float(np.mean([len(b) for b in boxes_at_least(out, TRUTH_SCORE)])),
+                   "images": len(out)}
+        if value is not None:
+            rng = np.random.default_rng(0)
+            draws = [matched.mean_ap(np.bincount(rng.integers(0, matched.n, matched.n), minlength=matched.n))
+                     for _ in range(500)]
+            draws = [d for d in draws if d is not None]
+            metrics["map50_fp32_ci95"] = [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))]
+        return metrics
+
+    def headline(self, metrics) -> dict:
+        return {"map50_fp32": metrics["map50_fp32"]}
+
+    def gate(self, metrics, baseline, limits: GateLimits, why_not: str = "") -> tuple[str, str | None]:
+        """mAP@0.5 with fp32's boxes as the truth must reach `min_map`."""
+        if why_not:
+            return "unvalidated", why_not
+        if metrics["map50_fp32"] is None:
+            return "unvalidated", (f"fp32 finds no box scoring {TRUTH_SCORE:g} or more on the held-out images: "
+                                   f"nothing to match the variant's boxes to")
+        if metrics["map50_fp32"] < limits.min_map:
+            return "rejected", (f"mAP@0.5 against fp32's boxes {metrics['map50_fp32']:.4f} is below "
+                                f"{limits.min_map:g}")
+        return "accepted", None
+
+    def columns(self) -> list[str]:
+        return ["mAP@0.5 vs fp32 [95% CI]", f"boxes/image ≥{TRUTH_SCORE:g}"]
+
+    def cells(self, metrics, baseline) -> list[str]:
+        value = metrics["map50_fp32"]
+        if value is None:
+            return ["—", f"{metrics['boxes_per_image']:.1f}"]
+        low, high = metrics.get("map50_fp32_ci95") or (value, value)
+        return [f"{value:.4f} [{low:.4f}, {high:.4f}]", f"{metrics['boxes_per_image']:.1f}"]
+
+    def legend(self, manifest) -> str:
+        return (f"mAP@0.5 vs fp32: mean average precision at IoU {MATCH_IOU:g} of each variant's boxes, ranked by "
+                f"score, with fp32's boxes scoring at least {TRUTH_SCORE:g} as the truth, and its 95% bootstrap "
+                f"interval over images; boxes/image: how many a variant finds scoring at least {TRUTH_SCORE:g}. "
+                f"A variant is accepted when mAP@0.5 vs fp32 is at least {manifest.get('min_map', 0.9):g} "
+                f"(--min-map).")
+
+    def protocol_output(self, name, raw) -> np.ndarray:
+        return raw.astype(np.float32, copy=False)
+
+    def answer(self, raw, manifest, params) -> dict:
+        """Each image's boxes scoring at least `score_threshold`, best first, in the uploaded image's
+        pixels where its size is known (else the model input's)."""
+        classes = manifest.get("classes") or []
+        spec = InputSpec.from_dict(manifest["input"])
+        threshold = params.get("score_threshold")
+        threshold = SCORE_THRESHOLD if threshold is None else threshold
+        sizes = params.get("sizes") or [None] * len(raw)
+        answers = []
+        for rows, size in zip(boxes_at_least(raw, threshold), sizes):
+            width, height = size or (spec.size[1], spec.size[0])
+            place = placement(spec, width, height)
+            found = []
+            for x1, y1, x2, y2, score, cls in rows.tolist():
+                (a, b), (c, d) = place.to_upload(x1, y1, (width, height)), place.to_upload(x2, y2, (width, height))
+                box = [round(min(max(v, 0.0), limit), 2) for v, limit in ((a, width), (b, height), (c, width),
+                                                                          (d, height))]
+                k = int(cls)
+                found.append({"box": box, "score": round(score, 6), "class": classes[k] if k < len(classes) else k,
+                              "class_id": k})
+            answers.append(found)
+        return {"detections": answers}
+
+    def agreed(self, answered, shadow) -> int:
+        """Images where the shadow finds the same boxes scoring at least SCORE_THRESHOLD: each of
+        either's matched to one of the other's, same class, at MATCH_IOU or above."""
+        same = 0
+        for a, b in zip(boxes_at_least(answered, SCORE_THRESHOLD), boxes_at_least(shadow, SCORE_THRESHOLD)):
+            same += len(a) == len(b) and bool(match(a, b).all())
+        return same
+
+
+register_task(Detection())

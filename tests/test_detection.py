@@ -1,0 +1,224 @@
+"""Detection: torchvision's SSDlite run batched exactly as torchvision computes it, optimized with each
+variant judged by mAP@0.5 against fp32's boxes, and served as boxes in the uploaded image's pixels."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from sklearn.datasets import load_digits
+
+from conftest import serving
+from optiserve.data.image_input import image_to_input
+from optiserve.errors import UserError
+from optiserve.input_spec import InputSpec, placement
+from optiserve.models import InputOverrides, load_model
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+from optiserve.tasks.detection import Matched, average_precision
+
+torchvision = pytest.importorskip("torchvision")
+
+SSD = "torchvision:ssdlite320_mobilenet_v3_large"
+SIDE = 160
+CLASSES = 4  # background and three
+
+
+def normalize(images: np.ndarray) -> np.ndarray:
+    """[N, 3, H, W] pixels in [0, 1] -> SSDlite's input (mean 0.5, std 0.5)."""
+    return ((images - 0.5) / 0.5).astype(np.float32)
+
+
+def digit_pictures(n: int, start: int = 0) -> np.ndarray:
+    """n of scikit-learn's digits as [n, 3, SIDE, SIDE] pictures in [0, 1]."""
+    digits = load_digits().images[start:start + n] / 16.0
+    x = torch.from_numpy(digits).float()[:, None].expand(n, 3, 8, 8)
+    return torch.nn.functional.interpolate(x, size=(SIDE, SIDE), mode="bilinear").numpy()
+
+
+@pytest.fixture(scope="module")
+def detector(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """An SSDlite whose BatchNorm statistics come from digit pictures and whose head is spread, as a
+    trained detector's is (random weights score every box alike), saved as a plain state dict; and
+    torchvision's own module for it, resizing to SIDE."""
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(SSD.split(":")[1], weights=None, weights_backbone=None, num_classes=CLASSES)
+    model.train()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.momentum = None  # a cumulative average over the pictures
+        model.backbone(torch.from_numpy(normalize(digit_pictures(32, 1000))))
+        for p in model.head.parameters():
+            p.normal_(0, 0.3)
+    model.eval().transform.fixed_size = (SIDE, SIDE)
+    path = tmp_path_factory.mktemp("ssd") / "ssdlite.pth"
+    torch.save(model.state_dict(), path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory) -> Path:
+    """120 digit pictures as RGB PNGs, unlabelled."""
+    root = tmp_path_factory.mktemp("pictures")
+    for i, picture in enumerate(digit_pictures(120)):
+        Image.fromarray((picture.transpose(1, 2, 0) * 255).round().astype(np.uint8)).save(root / f"{i}.png")
+    return root
+
+
+def torchvision_detections(model, pictures: np.ndarray) -> list[dict]:
+    with torch.no_grad():
+        return model(list(torch.from_numpy(pictures)))
+
+
+def as_rows(found: dict) -> np.ndarray:
+    """torchvision's {boxes, scores, labels} of one image as [n, 6] rows."""
+    return np.concatenate([found["boxes"].numpy(), found["scores"].numpy()[:, None],
+                           found["labels"].numpy()[:, None]], axis=1)
+
+
+def assert_twins(rows: np.ndarray, want: np.ndarray, box_atol: float) -> None:
+    """The same detections, best first: each row has a twin in the other (same class, score within
+    1e-4, box within `box_atol`), so rows that score alike may come in either order (a near-tie)."""
+    assert len(rows) == len(want) > 0
+    np.testing.assert_allclose(rows[:, 4], want[:, 4], atol=1e-4)
+    close = ((np.abs(rows[:, None, :4] - want[None, :, :4]).max(-1) <= box_atol)
+             & (np.abs(rows[:, None, 4] - want[None, :, 4]) < 1e-4) & (rows[:, None, 5] == want[None, :, 5]))
+    assert close.any(0).all() and close.any(1).all()
+
+
+def assert_same_detections(rows: np.ndarray, expected: dict, box_atol: float = 1e-4) -> None:
+    """One image's [D, 6] rows hold torchvision's boxes, scores and labels, then zeros."""
+    n = len(expected["scores"])
+    assert (rows[n:] == 0).all()
+    assert_twins(rows[:n], as_rows(expected), box_atol)
+
+
+def test_a_torchvision_detector_runs_batched_as_torchvision_computes_it(detector):
+    path, reference = detector
+    loaded = load_model(SSD, str(path), num_classes=CLASSES, overrides=InputOverrides((3, SIDE, SIDE)))
+    assert loaded.task == "detection" and loaded.input.resize == "stretch"  # from the builder, not flags
+    assert loaded.input.mean == (0.5, 0.5, 0.5) and loaded.output_shape == (300, 6)
+    pictures = digit_pictures(3, 500)
+    with torch.no_grad():
+        batched = loaded.model(torch.from_numpy(normalize(pictures))).numpy()
+        alone = loaded.model(torch.from_numpy(normalize(pictures[1:2]))).numpy()
+    for rows, expected in zip(batched, torchvision_detections(reference, pictures)):
+        assert_same_detections(rows, expected)
+    np.testing.assert_allclose(alone[0], batched[1], atol=1e-3)  # an image's boxes do not depend on its batch
+
+
+def test_map_at_half_iou_scores_found_boxes_against_the_truth():
+    truth = [np.array([[0, 0, 10, 10, 0.9, 1], [20, 20, 40, 40, 0.8, 2]], np.float32)]
+    found = np.zeros((1, 4, 6), np.float32)
+    found[0, :2] = truth[0]
+    assert Matched(found, truth).mean_ap() == 1.0
+    shifted = found.copy()
+    shifted[0, 0, :4] += 6  # IoU 16/184 with its true box: a miss
+    assert Matched(shifted, truth).mean_ap() == pytest.approx(0.5)
+    relabelled = found.copy()
+    relabelled[0, :2, 5] = [2, 1]
+    assert Matched(relabelled, truth).mean_ap() == 0.0
+    assert Matched(found, [truth[0][:0]]).mean_ap() is None  # no true box: nothing to score
+    # a false positive ranked first halves the precision at the one true box's recall
+    assert average_precision(np.array([0.0, 1.0]), np.array([0.0, 0.5])) == pytest.approx(0.5)
+
+
+def test_a_letterboxed_image_keeps_its_aspect_and_boxes_map_back_to_its_pixels():
+    spec = InputSpec((3, 64, 64), (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "letterbox")
+    image = Image.fromarray(np.full((40, 80, 3), 255, np.uint8))  # 80 wide, 40 high: white
+    x = image_to_input(image, spec)
+    place = placement(spec, 80, 40)
+    assert (place.width, place.height, place.left, place.top) == (64, 32, 0, 16)
+    assert np.allclose(x[:, :16], 0.0, atol=0.01) and np.allclose(x[:, 48:], 0.0, atol=0.01)  # the mean colour
+    assert np.allclose(x[:, 16:48], 1.0)  # the image, whole
+    assert place.to_upload(0, 16, (80, 40)) == (0.0, 0.0) and place.to_upload(64, 48, (80, 40)) == (80.0, 40.0)
+    stretch = placement(InputSpec((3, 64, 64), (0.5,) * 3, (0.5,) * 3, "stretch"), 80, 40)
+    assert stretch.to_upload(32, 32, (80, 40)) == (40.0, 20.0)
+
+
+@pytest.fixture(scope="module")
+def ssd_artifact(detector, pictures, tmp_path_factory) -> tuple[Path, dict]:
+    path, _ = detector
+    out = tmp_path_factory.mktemp("ssd-art") / "ssdlite"
+    manifest = run_optimize(OptimizeConfig(SSD, weights=str(path), num_classes=CLASSES, int8=True, calib_size=32,
+                                           latency_batch=2,
+                                           accuracy_aware=False,  # its per-layer search: minutes on 100 convs
+                                           dataset=f"imagefolder:{pictures}", input=InputOverrides((3, SIDE, SIDE)),
+                                           out=str(out), progress=False))
+    return out, manifest
+
+
+def test_a_detector_is_optimized_and_each_variant_judged_by_map_against_fp32(ssd_artifact):
+    out, manifest = ssd_artifact
+    assert manifest["task"] == "detection" and manifest["output_shape"] == [300, 6]
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    fp32 = by_name["fp32"]["accuracy"]
+    assert fp32["map50_fp32"] == pytest.approx(1.0, abs=1e-4) and fp32["truth_boxes"] > 0  # its own boxes
+    assert {"torchscript", "onnx-fp32", "onnx-int8"} <= set(by_name)
+    for variant in manifest["variants"]:
+        accuracy = variant["accuracy"]
+        low, high = accuracy["map50_fp32_ci95"]
+        assert low <= accuracy["map50_fp32"] <= high
+        assert variant["status"] == ("accepted" if accuracy["map50_fp32"] >= manifest["min_map"] else "rejected")
+    assert by_name["onnx-fp32"]["accuracy"]["map50_fp32"] > 0.99  # the same network, another engine
+    assert by_name["onnx-int8"]["settings"]["architecture"] == "detector"  # NMS and decoding stay float
+    skipped = {s["name"]: s["reason"] for s in manifest["skipped"]}
+    assert skipped["torch-int8"].startswith("FX graph mode cannot take this model")
+    report = (out / "report.md").read_text()
+    assert "mAP@0.5 vs fp32 [95% CI]" in report and "(--min-map)" in report
+
+
+def test_a_served_detector_answers_torchvision_s_boxes_and_boxes_in_the_uploaded_pixels(ssd_artifact, detector):
+    httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    out, manifest = ssd_artifact
+    _, reference = detector
+    pictures = digit_pictures(2, 700)
+    upload = Image.fromarray((digit_pictures(1, 900)[0].transpose(1, 2, 0) * 255).astype(np.uint8)).resize((240, 120))
+    buffer = io.BytesIO()
+    upload.save(buffer, format="PNG")
+    model = manifest["model"]
+    with serving(out, "--variants", "fp32,onnx-fp32") as (base, _):
+        client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
+        metadata = client.get_model_metadata(model)
+        infer_input = httpclient.InferInput("input", list(pictures.shape), "FP32")
+        infer_input.set_data_from_numpy(normalize(pictures))
+        served = client.infer(model, [infer_input], model_version="fp32").as_numpy("detections")
+        answer = httpx.post(f"{base}/predict", content=buffer.getvalue(), headers={"content-type": "image/png"},
+                            params={"variant": "fp32"}).json()
+        fewer = httpx.post(f"{base}/predict", content=buffer.getvalue(), headers={"content-type": "image/png"},
+                           params={"variant": "fp32", "score_threshold": "0.7"}).json()
+        wrong = httpx.post(f"{base}/predict", content=buffer.getvalue(), headers={"content-type": "image/png"},
+                           params={"score_threshold": "2"})
+    assert metadata["outputs"] == [{"name": "detections", "datatype": "FP32", "shape": [-1, 300, 6]}]
+    for rows, expected in zip(served, torchvision_detections(reference, pictures)):
+        assert_same_detections(rows, expected, box_atol=0.01)  # served frozen: BatchNorm folded, pixels
+    boxes = answer["detections"][0]
+    spec = InputSpec.from_dict(manifest["input"])
+    seen = image_to_input(upload, spec) * 0.5 + 0.5  # the pixels the model saw, as torchvision takes them
+    expected = torchvision_detections(reference, seen[None])[0]
+    want = as_rows(expected)[expected["scores"].numpy() >= 0.5]
+    want[:, :4] *= [240 / SIDE, 120 / SIDE] * 2  # stretched 240x120 -> 160x160, and back
+    assert_twins(np.array([[*b["box"], b["score"], b["class_id"]] for b in boxes]), want, box_atol=0.05)
+    assert all(b["class"] == b["class_id"] for b in boxes)  # no class names: --labels would give them
+    assert 0 < len(fewer["detections"][0]) <= len(boxes) and all(b["score"] >= 0.7 for b in fewer["detections"][0])
+    assert wrong.status_code == 400 and "score_threshold must be a number from 0 to 1" in wrong.json()["error"]
+
+
+def test_detection_mistakes_are_refused_in_one_line(tmp_path):
+    (tmp_path / "five.py").write_text("import torch\nfrom torch import nn\n\nclass Five(nn.Module):\n"
+                                      "    def forward(self, x):\n        return x.flatten(1)[:, :50].reshape(-1, 10, 5)\n"
+                                      "\ndef build():\n    return Five()\n")
+    with pytest.raises(UserError, match=r"returns shape \[N, 10, 5\]; say what it means: pass --task detection"):
+        load_model(f"{tmp_path}/five.py:build", overrides=InputOverrides((3, 32, 32)))
+    with pytest.raises(UserError, match=r"--task detection takes \[N, D, 6\] rows of x1, y1, x2, y2, score, class id"):
+        load_model(f"{tmp_path}/five.py:build", overrides=InputOverrides((3, 32, 32)), task="detection")
+    with pytest.raises(UserError, match="use --resize stretch or letterbox .*, not crop"):
+        load_model(SSD, num_classes=CLASSES, overrides=InputOverrides((3, SIDE, SIDE), resize="crop"))
+    with pytest.raises(UserError, match="optiserve serves torchvision's single-shot detectors"):
+        load_model("torchvision:fasterrcnn_mobilenet_v3_large_320_fpn", num_classes=CLASSES)
