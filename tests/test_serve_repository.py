@@ -249,9 +249,11 @@ def test_without_ab_a_model_is_served_by_its_fastest_accepted_variant_measured_a
         stats = c.get("/stats").json()["models"]["small_cnn"]
         choice = stats["default_choice"]
         speeds = choice["images_per_s"]
-        # the optimizer's rule: the fastest unless noise cannot separate it from the runner-up
-        assert choice["rule"] == RULE and choice["fastest_by_median"] == max(speeds, key=speeds.get)
+        # the optimizer's rule: the fastest unless noise cannot separate it from the runner-up; two
+        # that tied were timed again, and the others' figures come from the first, shorter stretch
         pair = (choice["fastest_by_median"], choice["runner_up"])
+        contenders = {n: speeds[n] for n in pair} if choice["retimed"] else speeds
+        assert choice["rule"] == RULE and choice["fastest_by_median"] == max(contenders, key=contenders.get)
         if choice["tie_within_noise"]:
             sizes = {v["name"]: v["size_bytes"] for v in read_manifest(small_artifact)["variants"]}
             assert choice["variant"] == min(pair, key=lambda n: (sizes[n], n))
