@@ -14,9 +14,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-DETECTION_FIELDS = ("x1", "y1", "x2", "y2", "score", "class")
-
-
 class SingleShotDetections(nn.Module):
     """An SSD or SSDlite detector's backbone, head and post-processing for inputs of `image_size` (H, W)."""
 

@@ -180,9 +180,10 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
 
 
 def _task_input(spec: InputSpec, task: str | None, overrides: InputOverrides) -> InputSpec:
-    """A segmentation or detection model sees the whole image (a mask answers every pixel, a box may
-    lie anywhere): stretched, or for detection letterboxed where --resize says so; never cropped."""
-    allowed = {"segmentation": ("stretch",), "detection": ("stretch", "letterbox")}.get(task or "")
+    """The input as the task allows it to be resized: a segmentation or detection model sees the whole
+    image (a mask answers every pixel, a box may lie anywhere), stretched unless --resize picks
+    another mode the task allows; never cropped."""
+    allowed = get_task(task).resize_modes if task else None
     if allowed is None or spec.resize in allowed:
         return spec
     if overrides.resize not in (None, *allowed):

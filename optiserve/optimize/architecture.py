@@ -30,6 +30,7 @@ class QuantRecipe:
     nncf_model_type: str | None            # nncf.ModelType's value, None: NNCF's defaults
     torch_mode: str                        # "static" (FX, calibrated) or "dynamic" (nn.Linear weights)
     description: str
+    found_by: str = ""                     # what in a model chooses this recipe
 
     def settings(self) -> dict:
         """What the manifest records of this recipe."""
@@ -45,13 +46,14 @@ CONVOLUTIONAL = QuantRecipe("convolutional", None, (), None, "static", "each qua
 TRANSFORMER = QuantRecipe(
     "transformer", ("MatMul", "Gemm", "Conv"), ("MatMul", "Gemm", "Conv"), "transformer", "dynamic",
     "INT8 MatMul/Gemm (attention, MLP) and patch-embedding Conv, their outputs in float; LayerNorm, "
-    "Softmax (and the attention scores it reads), GELU and residual Adds in float")
+    "Softmax (and the attention scores it reads), GELU and residual Adds in float", "attention found in the graph")
 
 
 DETECTOR = QuantRecipe(
     "detector", ("Conv", "MatMul", "Gemm"), (), None, "static",
     "INT8 Conv/MatMul/Gemm (backbone and head); box decoding, scores, top-k and NMS in float — "
-    "one INT8 scale across boxes in pixels and scores in [0, 1] would erase the scores")
+    "one INT8 scale across boxes in pixels and scores in [0, 1] would erase the scores",
+    "non-maximum suppression found in the graph")
 
 
 RECIPES = {recipe.architecture: recipe for recipe in (CONVOLUTIONAL, TRANSFORMER, DETECTOR)}

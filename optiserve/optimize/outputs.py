@@ -18,15 +18,3 @@ def max_abs_diff(a, b) -> float:
     pairs = list(zip(as_arrays(a), as_arrays(b), strict=True))
     return max(float(np.abs(x.astype(np.float64) - y.astype(np.float64)).max(initial=0.0)) for x, y in pairs)
 
-
-def detections_differ(a, b) -> float:
-    """How far `b`'s detections are from `a`'s: 1 - mAP@0.5 of `b`'s boxes with `a`'s scoring at least
-    0.5 as the truth (0 where neither finds such a box). Element by element two detectors' outputs
-    are not comparable: boxes that score alike swap places under a change in the last bit."""
-    from optiserve.tasks.detection import TRUTH_SCORE, Matched, boxes_at_least
-
-    x, y = as_arrays(a)[0], as_arrays(b)[0]
-    value = Matched(y, boxes_at_least(x, TRUTH_SCORE)).mean_ap()
-    if value is None:
-        return 0.0 if not any(len(rows) for rows in boxes_at_least(y, TRUTH_SCORE)) else 1.0
-    return 1.0 - value

@@ -24,7 +24,7 @@ from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
 from optiserve.optimize.architecture import RECIPES, QuantRecipe, recipe_for_module, recipe_for_onnx
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, OUTPUT_NAME, export_onnx
-from optiserve.optimize.outputs import detections_differ, max_abs_diff
+from optiserve.optimize.outputs import as_arrays, max_abs_diff
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.progress import PassLog
@@ -287,24 +287,27 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
 
 
 def _parity(loaded: LoadedModel, atol: float) -> dict:
-    """How a traced or exported copy is held to eager: max |Δ| within `atol`, or for a detector (whose
-    boxes swap places when they score alike) mAP@0.5 against eager's boxes of at least 0.99."""
-    if loaded.task == "detection":
-        return {"atol": 0.01, "difference": detections_differ}
-    return {"atol": atol}
+    """How a traced or exported copy is held to eager: max |Δ| within `atol`, or the task's own
+    measure within its limit (a detector's boxes swap places when they score alike)."""
+    task = get_task(loaded.task)
+    if task.disagreement_name is None:
+        return {"atol": atol}
+    return {"atol": task.disagreement_limit,
+            "difference": lambda a, b: task.disagreement(as_arrays(a)[0], as_arrays(b)[0])}
 
 
 def _sensitivity(loaded: LoadedModel) -> dict:
     """How the accuracy-aware fallback ranks layers: by mean squared output difference from fp32, or
-    for a detector by 1 - mAP@0.5 against fp32's boxes (its rows reorder as scores move)."""
-    if loaded.task == "detection":
-        return {"error": lambda out, reference: detections_differ(reference, out),
-                "error_name": "1 - mAP@0.5 against fp32's boxes"}
-    return {}
+    by the task's own measure against fp32's output where it has one."""
+    task = get_task(loaded.task)
+    if task.disagreement_name is None:
+        return {}
+    return {"error": lambda out, reference: task.disagreement(reference, out),
+            "error_name": f"{task.disagreement_name} (fp32's)"}
 
 
 def _parity_measure(loaded: LoadedModel) -> str:
-    return "1 - mAP@0.5 against eager's boxes" if loaded.task == "detection" else "max |Δ|"
+    return get_task(loaded.task).disagreement_name or "max |Δ|"
 
 
 def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evalset: EvalSet,
@@ -444,8 +447,7 @@ def _recipe_note(recipe: QuantRecipe, asked: bool) -> list[str]:
     """The report's line on a recipe other than the quantizers' defaults."""
     if recipe.onnx_op_types is None:
         return []
-    why = "--int8-recipe" if asked else {"transformer": "attention found in the graph",
-                                          "detector": "non-maximum suppression found in the graph"}[recipe.architecture]
+    why = "--int8-recipe" if asked else recipe.found_by
     tail = (f"; torch-int8 is dynamic quantization of nn.Linear, openvino-int8 NNCF's model_type="
             f"{recipe.nncf_model_type}" if recipe.torch_mode == "dynamic" else "")
     return [f"INT8 recipe for a {recipe.architecture} ({why}): {recipe.description}{tail}"]

@@ -72,8 +72,6 @@ def _load_torchscript(path: Path, variant: dict, manifest: dict, options: Runtim
         # Those kernels (x86/fbgemm, qnnpack) exist on the CPU only: moved to CUDA the module
         # crashed the process (a segfault, seen on an H100), so it stays on the CPU on a GPU machine too.
         device = torch.device("cpu")
-    if manifest.get("task") == "detection":
-        import torchvision  # noqa: F401  registers torchvision::nms, which a detector's TorchScript calls
     with jit_quietly():
         module = torch.jit.load(str(path), map_location=device).eval()
         if variant.get("settings", {}).get("optimize_for_inference"):

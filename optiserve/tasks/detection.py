@@ -105,6 +105,9 @@ class Detection(Task):
     output_form = "[N, D, 6]"
     class_ids = True
     answers_at_upload_size = True
+    resize_modes = ("stretch", "letterbox")
+    disagreement_name = "1 - mAP@0.5 against the reference's boxes"
+    disagreement_limit = 0.01
 
     def width(self, manifest: dict) -> int:
         return int(manifest["output_shape"][0])
@@ -116,6 +119,15 @@ class Detection(Task):
         if shape[-1] != 6:
             return f"--task detection takes {self.output_form} rows of x1, y1, x2, y2, score, class id"
         return None
+
+    def disagreement(self, reference, out) -> float:
+        """1 - mAP@0.5 of `out`'s boxes with `reference`'s scoring at least TRUTH_SCORE as the truth (0
+        where neither finds such a box): element by element two runs are not comparable, as boxes
+        that score alike swap places under a change in the last bit."""
+        value = Matched(out, boxes_at_least(reference, TRUTH_SCORE)).mean_ap()
+        if value is None:
+            return 0.0 if not any(len(rows) for rows in boxes_at_least(out, TRUTH_SCORE)) else 1.0
+        return 1.0 - value
 
     def metrics(self, out, reference, labels) -> dict:
         """mAP@0.5 of `out`'s boxes (all of them, ranked by score) with `reference`'s scoring at

@@ -34,6 +34,12 @@ class Task:
     has_classes: bool = False            # whether the output's K are named classes (--labels)
     class_ids: bool = False              # whether the output holds class ids, named by --labels or the source
     answers_at_upload_size: bool = False  # whether `answer` needs each uploaded image's (width, height)
+    resize_modes: tuple[str, ...] | None = None  # the input resize modes the task allows (None: any)
+    # How a traced or exported copy is held to the model it came from: None compares outputs element
+    # by element (max |Δ|); a task whose rows reorder under a change in the last bit names its own
+    # measure, `disagreement`, which a copy must keep within `disagreement_limit`.
+    disagreement_name: str | None = None
+    disagreement_limit: float = 0.0
 
     def width(self, manifest: dict) -> int:
         """The output's size along its first axis after the batch (classes, dimensions)."""
@@ -46,6 +52,11 @@ class Task:
     def check_output(self, shape: tuple) -> str | None:
         """What is wrong with one image's output `shape` (axes already checked against `output_form`), or None."""
         return None
+
+    def disagreement(self, reference: np.ndarray, out: np.ndarray) -> float:
+        """How far `out` is from `reference` (two raw outputs for the same images), where
+        `disagreement_name` says what that is."""
+        raise NotImplementedError
 
     def reduce(self, raw: np.ndarray) -> np.ndarray:
         """What validation keeps of a batch's raw output to judge it (the output itself, or less)."""

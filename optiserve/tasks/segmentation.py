@@ -93,6 +93,7 @@ class Segmentation(Task):
     output_form = "[N, K, H, W]"
     has_classes = True
     answers_at_upload_size = True
+    resize_modes = ("stretch",)
 
     def width(self, manifest: dict) -> int:
         return len(manifest["classes"])
