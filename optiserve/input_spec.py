@@ -33,6 +33,10 @@ class Placement:
         """Input pixel coordinates (x, y) -> the uploaded image's, of size `upload` (width, height)."""
         return (x - self.left) * upload[0] / self.width, (y - self.top) * upload[1] / self.height
 
+    def to_input(self, x: float, y: float, upload: tuple[int, int]) -> tuple[float, float]:
+        """The uploaded image's pixel coordinates (x, y), of size `upload` -> the input's."""
+        return x * self.width / upload[0] + self.left, y * self.height / upload[1] + self.top
+
 
 @dataclass(frozen=True)
 class InputSpec:

@@ -222,3 +222,135 @@ def test_detection_mistakes_are_refused_in_one_line(tmp_path):
         load_model(SSD, num_classes=CLASSES, overrides=InputOverrides((3, SIDE, SIDE), resize="crop"))
     with pytest.raises(UserError, match="optiserve serves torchvision's single-shot detectors"):
         load_model("torchvision:fasterrcnn_mobilenet_v3_large_320_fpn", num_classes=CLASSES)
+
+
+INK_BOXES = '''
+import torch
+from torch import nn
+
+
+class InkBoxes(nn.Module):
+    """Finds the one bright patch on a dark picture: the box around the pixels whose smoothed
+    brightness is above the threshold, scored by the brightest, as class 1; rows 1.. unused."""
+
+    def __init__(self, rows: int = 4):
+        super().__init__()
+        self.smooth = nn.Conv2d(3, 1, 3, padding=1, bias=False)
+        nn.init.constant_(self.smooth.weight, 1 / 27)
+        self.rows = rows
+
+    def forward(self, x):
+        ink = self.smooth(x)[:, 0]
+        on = (ink > 0.2).float()
+        cols, lines = on.amax(1), on.amax(2)
+        width, height = float(cols.shape[1]), float(lines.shape[1])
+        x1, x2 = cols.argmax(1).float(), width - cols.flip(1).argmax(1).float()
+        y1, y2 = lines.argmax(1).float(), height - lines.flip(1).argmax(1).float()
+        score = torch.sigmoid(4 * ink.amax((1, 2)))
+        best = torch.stack([x1, y1, x2, y2, score, torch.ones_like(score)], 1)
+        return torch.cat([best[:, None], torch.zeros_like(best)[:, None].expand(-1, self.rows - 1, -1)], 1)
+
+
+def build():
+    return InkBoxes()
+'''
+
+
+@pytest.fixture(scope="module")
+def boxed_pictures(tmp_path_factory) -> tuple[Path, Path, list[list[float]]]:
+    """80 dark 96x64 pictures, each with a digit (24x24) somewhere on it, and 4 pictures no file
+    annotates, in a folder; a COCO-format file with each digit's ink box (category 1); the boxes."""
+    root = tmp_path_factory.mktemp("boxed")
+    images = root / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    coco = {"images": [], "annotations": [], "categories": [{"id": 1, "name": "digit"}]}
+    boxes = []
+    for i, digit in enumerate(load_digits().images[:84]):
+        canvas = np.zeros((64, 96), np.uint8)
+        left, top = int(rng.integers(0, 96 - 24)), int(rng.integers(0, 64 - 24))
+        canvas[top:top + 24, left:left + 24] = np.kron(digit * 255 / 16, np.ones((3, 3))).astype(np.uint8)
+        Image.fromarray(np.repeat(canvas[..., None], 3, 2)).save(images / f"{i}.png")
+        if i >= 80:
+            continue
+        ys, xs = np.nonzero(canvas >= 128)
+        box = [float(xs.min()), float(ys.min()), float(xs.max() + 1 - xs.min()), float(ys.max() + 1 - ys.min())]
+        coco["images"].append({"id": i, "file_name": f"images/{i}.png", "width": 96, "height": 64})
+        coco["annotations"].append({"id": i, "image_id": i, "bbox": box, "category_id": 1, "iscrowd": 0})
+        boxes.append(box)
+    (root / "boxes.json").write_text(json.dumps(coco))
+    (root / "ink_boxes.py").write_text(INK_BOXES)
+    return images, root / "boxes.json", boxes
+
+
+def test_a_detector_is_judged_by_map_against_true_boxes_when_given(boxed_pictures, tmp_path):
+    images, boxes, _ = boxed_pictures
+    model = f"{boxes.parent}/ink_boxes.py:build"
+    common = dict(task="detection", dataset=f"imagefolder:{images}", boxes=str(boxes), progress=False,
+                  input=InputOverrides((3, 64, 64), (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), resize="letterbox"))
+    manifest = run_optimize(OptimizeConfig(model, int8=True, openvino=False, calib_size=16, latency_batch=2,
+                                           out=str(tmp_path / "art"), **common))
+    assert manifest["dataset"]["eval_images"] == 16  # 20% of the 80 annotated; the 4 others are left out
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    fp32 = by_name["fp32"]["accuracy"]
+    # letterboxed 96x64 -> 64x43 at row 10: true boxes mapped the same way, so the model finds them
+    assert fp32["map50"] > 0.9 and fp32["true_boxes"] == 16 and "vs_baseline" not in fp32
+    for name in ("onnx-fp32", "onnx-int8"):
+        accuracy = by_name[name]["accuracy"]
+        drop = 100 * (fp32["map50"] - accuracy["map50"])
+        assert accuracy["vs_baseline"]["points"] == pytest.approx(-drop)
+        low, high = accuracy["vs_baseline"]["ci95"]
+        assert low <= -drop + 1e-9 and -drop - 1e-9 <= high
+        assert by_name[name]["status"] == ("accepted" if drop <= manifest["max_accuracy_drop"] else "rejected")
+    report = (tmp_path / "art" / "report.md").read_text()
+    assert "mAP@0.5 boxes [95% CI]" in report and "(--boxes)" in report
+    assert "4 images that --boxes does not annotate left out" in report
+
+
+def test_true_boxes_are_placed_on_the_input_as_the_image_is():
+    from optiserve.data.boxes import boxes_on_input
+
+    rows = np.array([[0, 0, 96, 64, 1, 1], [48, 32, 72, 48, 0, 3]], np.float32)  # the whole image; a crowd region
+    letterbox = InputSpec((3, 64, 64), (0.5,) * 3, (0.5,) * 3, "letterbox")
+    np.testing.assert_allclose(boxes_on_input(rows, letterbox, 96, 64)[:, :4],
+                               [[0, 10, 64, 53], [32, 31.5, 48, 42.25]], atol=1e-4)  # 43 rows from row 10
+    stretch = InputSpec((3, 64, 64), (0.5,) * 3, (0.5,) * 3, "stretch")
+    np.testing.assert_allclose(boxes_on_input(rows, stretch, 96, 64)[1], [32, 32, 48, 48, 0, 3])
+
+
+def test_a_detection_in_a_crowd_region_is_neither_right_nor_wrong():
+    truth = [np.array([[0, 0, 10, 10, 1, 1], [50, 50, 90, 90, 0, 1]], np.float32)]  # one box, one crowd region
+    found = np.zeros((1, 3, 6), np.float32)
+    found[0, 0] = [55, 55, 90, 90, 0.9, 1]  # in the crowd, ranked first: not scored
+    found[0, 1] = [0, 0, 10, 10, 0.8, 1]
+    assert Matched(found, truth).mean_ap() == 1.0
+    found[0, 0, :4] = [20, 20, 40, 40]  # outside it: an ordinary false positive, ranked first
+    assert Matched(found, truth).mean_ap() == pytest.approx(0.5)
+
+
+def test_true_box_mistakes_are_refused_in_one_line(boxed_pictures, tmp_path):
+    images, boxes, _ = boxed_pictures
+    model = f"{boxes.parent}/ink_boxes.py:build"
+    common = dict(task="detection", dataset=f"imagefolder:{images}", progress=False, openvino=False,
+                  input=InputOverrides((3, 64, 64), (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), resize="letterbox"))
+    bad = tmp_path / "bad.json"
+    for content, message in (("{", "is not a JSON file"),
+                             ('{"images": []}', "is not in COCO's format"),
+                             ('{"images": [{"id": 1, "file_name": "0.png"}], "annotations": '
+                              '[{"image_id": 1, "bbox": [1, 2, 3], "category_id": 1}]}', r"COCO's bbox is \[x, y"),
+                             ('{"images": [{"id": 1, "file_name": "0.png"}], "annotations": []}',
+                              "1 of its images are in --boxes")):
+        bad.write_text(content)
+        with pytest.raises(UserError, match=message):
+            run_optimize(OptimizeConfig(model, boxes=str(bad), **common))
+    coco = json.loads(boxes.read_text())
+    coco["images"][0]["width"] = 100
+    bad.write_text(json.dumps(coco))
+    with pytest.raises(UserError, match="says 0.png is 100x64 but it is 96x64"):
+        run_optimize(OptimizeConfig(model, boxes=str(bad), **common))
+    with pytest.raises(UserError, match="--boxes labels the images of --dataset imagefolder:PATH, not synthetic"):
+        run_optimize(OptimizeConfig(model, boxes=str(boxes), **{**common, "dataset": "synthetic"}))
+    (tmp_path / "linear.py").write_text("from torch import nn\n\ndef build():\n"
+                                        "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 64 * 64, 2))\n")
+    with pytest.raises(UserError, match="--boxes scores a detection model's answers; .* is a classification model"):
+        run_optimize(OptimizeConfig(f"{tmp_path}/linear.py:build", boxes=str(boxes), **{**common, "task": None}))

@@ -158,7 +158,7 @@ def test_a_segmentation_model_is_judged_by_miou_against_true_masks_when_given(in
             run_optimize(OptimizeConfig(f"{folder}/ink_net.py:build", masks=str(mask_dir), **common))
     (tmp_path / "linear.py").write_text("from torch import nn\n\ndef build():\n"
                                         "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 2))\n")
-    with pytest.raises(UserError, match="--masks scores segmentation masks; .* is a classification model"):
+    with pytest.raises(UserError, match="--masks scores a segmentation model's answers; .* is a classification model"):
         run_optimize(OptimizeConfig(f"{tmp_path}/linear.py:build", masks=str(masks),
                                     **{**common, "task": None, "weights": None}))
 

@@ -17,14 +17,18 @@ DATASET_CHOICES = "digits | imagefolder:PATH | synthetic"
 
 
 def load_dataset(name: str, model_input: InputSpec, num_classes: int, seed: int = 0, masks: str | None = None,
-                 ignore_index: int = 255) -> DatasetSplits:
+                 ignore_index: int = 255, boxes: str | None = None) -> DatasetSplits:
     """Load dataset `name` for a model whose native input is `model_input`.
 
     `digits` brings its own input spec (1x16x16); the others are prepared for the model's. `masks`
-    (imagefolder only) is a folder of segmentation masks named after the images.
+    (imagefolder only) is a folder of segmentation masks named after the images; `boxes` a COCO-format
+    file of the images' true boxes.
     """
-    if masks is not None and not name.startswith("imagefolder:"):
-        raise UserError(f"--masks labels the images of --dataset imagefolder:PATH, not {name}")
+    for flag, given in (("--masks", masks), ("--boxes", boxes)):
+        if given is not None and not name.startswith("imagefolder:"):
+            raise UserError(f"{flag} labels the images of --dataset imagefolder:PATH, not {name}")
+    if masks is not None and boxes is not None:
+        raise UserError("--masks and --boxes label the images for different tasks; give the one for your model's")
     if name == "digits":
         from optiserve.data.digits import load_digits_splits
 
@@ -39,6 +43,16 @@ def load_dataset(name: str, model_input: InputSpec, num_classes: int, seed: int 
         path = name.split(":", 1)[1]
         if not path:
             raise UserError("imagefolder needs a path: --dataset imagefolder:PATH/TO/IMAGES")
+        if boxes is not None:
+            from pathlib import Path
+
+            from optiserve.data.boxes import load_boxed_splits
+
+            root = Path(path).expanduser()
+            if not root.is_dir():
+                raise UserError(f"dataset path {root} does not exist or is not a folder "
+                                f"(use imagefolder:PATH/TO/IMAGES)")
+            return load_boxed_splits(root, Path(boxes).expanduser(), model_input, seed)
         return load_imagefolder_splits(path, model_input, seed=seed, masks=masks, ignore_index=ignore_index)
     raise UserError(f"unknown dataset {name!r}; use {DATASET_CHOICES}")
 

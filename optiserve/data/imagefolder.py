@@ -15,7 +15,7 @@ from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from optiserve.data.image_input import image_to_input
-from optiserve.data.splits import SPLIT_FRACTIONS, DatasetSplits, stratified_split
+from optiserve.data.splits import DatasetSplits, random_split, stratified_split
 from optiserve.errors import UserError, first_line
 from optiserve.input_spec import InputSpec
 
@@ -112,13 +112,11 @@ def _masked_splits(root: Path, masks_dir: Path, spec: InputSpec, seed: int, igno
         if im.size != mask.size:
             raise UserError(f"mask {masks[0]} is {mask.size[0]}x{mask.size[1]} but its image {files[0]} is "
                             f"{im.size[0]}x{im.size[1]}; a mask labels its image's pixels")
-    order = np.random.default_rng(seed).permutation(len(files))
-    n_train, n_val = int(len(files) * SPLIT_FRACTIONS[0]), int(len(files) * SPLIT_FRACTIONS[1])
-    tr, va, te = np.sort(order[:n_train]), np.sort(order[n_train:n_train + n_val]), np.sort(order[n_train + n_val:])
+    tr, va, te = random_split(len(files), seed)
     full = MaskedImages(files, masks, EvalPreprocess(spec), spec, ignore_index)
     return DatasetSplits(f"imagefolder:{root} with masks {masks_dir}", Subset(full, tr), Subset(full, va),
                          Subset(full, te), [], spec, calib=Subset(full, tr), labelled=False, in_memory=False,
-                         masks=True, left_out=len(image_files(root)) - len(files))
+                         truth="masks", left_out=len(image_files(root)) - len(files))
 
 
 def image_files(root: Path) -> list[Path]:
@@ -131,9 +129,7 @@ def _unlabelled_splits(root: Path, files: list[Path], spec: InputSpec, seed: int
     if len(files) < 10:
         raise UserError(f"{root}: {len(files)} images; an unlabelled folder needs at least 10 to split into "
                         f"calibration and held-out images")
-    order = np.random.default_rng(seed).permutation(len(files))
-    n_train, n_val = int(len(files) * SPLIT_FRACTIONS[0]), int(len(files) * SPLIT_FRACTIONS[1])
-    tr, va, te = np.sort(order[:n_train]), np.sort(order[n_train:n_train + n_val]), np.sort(order[n_train + n_val:])
+    tr, va, te = random_split(len(files), seed)
     full_eval, full_train = UnlabelledImages(files, EvalPreprocess(spec)), UnlabelledImages(files, train_transform(spec))
     return DatasetSplits(f"imagefolder:{root}", Subset(full_train, tr), Subset(full_eval, va), Subset(full_eval, te),
                          [], spec, calib=Subset(full_eval, tr), labelled=False, in_memory=False)

@@ -28,11 +28,21 @@ class DatasetSplits:
     labelled: bool = True    # False: labels are placeholders; variants are judged against fp32's answers
     real_images: bool = True  # False: random tensors (synthetic), on which no answer means anything
     in_memory: bool = True   # True: samples are tensors already, DataLoader workers would only add IPC
-    masks: bool = False      # True: each sample's label is a mask [H, W] of class ids (-1: not scored)
-    left_out: int = 0        # images the data holds but cannot use (no mask), for the report to say
+    # What each sample's label is: "classes" (a class index), "masks" (a mask [H, W] of class ids, -1:
+    # not scored) or "boxes" (the image's true boxes [T, 6] in input pixels: x1, y1, x2, y2, 1 or 0
+    # for a crowd region not scored, class id).
+    truth: str = "classes"
+    left_out: int = 0        # images the data holds but cannot use (no mask, not annotated), for the report to say
 
     def calibration_set(self) -> Dataset:
         return self.calib if self.calib is not None else self.train
+
+
+def random_split(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Deterministic random train/val/test indices of n unlabelled samples in SPLIT_FRACTIONS proportions."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_train, n_val = int(n * SPLIT_FRACTIONS[0]), int(n * SPLIT_FRACTIONS[1])
+    return np.sort(order[:n_train]), np.sort(order[n_train:n_train + n_val]), np.sort(order[n_train + n_val:])
 
 
 def stratified_split(labels: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--masks", default=None, metavar="DIR",
                    help="segmentation: the true masks of --dataset imagefolder:PATH's images (DIR/IMAGE.png, "
                         "class ids); variants are then judged by mIoU against them")
+    p.add_argument("--boxes", default=None, metavar="FILE",
+                   help="detection: the true boxes of --dataset imagefolder:PATH's images, a COCO-format JSON file "
+                        "(category ids are the model's class ids); variants are then judged by mAP@0.5 against them")
     p.add_argument("--ignore-index", type=int, default=DEFAULTS.ignore_index, metavar="N",
                    help=f"the mask value of pixels not to score (default {DEFAULTS.ignore_index})")
     p.add_argument("--dataset", default=DEFAULTS.dataset, metavar="NAME",
@@ -108,8 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "GELU in float; convolutional = each quantizer's defaults; auto (default) picks "
                         "transformer where the graph has attention")
     p.add_argument("--max-accuracy-drop", type=float, default=DEFAULTS.max_accuracy_drop, metavar="PCT",
-                   help="reject variants whose top-1 falls more than this many points below fp32 "
-                        f"(default {DEFAULTS.max_accuracy_drop:g})")
+                   help="reject variants whose top-1 (mIoU x 100 against --masks, mAP@0.5 x 100 against --boxes) "
+                        f"falls more than this many points below fp32's (default {DEFAULTS.max_accuracy_drop:g})")
     p.add_argument("--latency-batch", type=int, default=DEFAULTS.latency_batch, metavar="N",
                    help=f"the larger batch size latency is measured at, beside batch 1 (default "
                         f"{DEFAULTS.latency_batch})")
@@ -129,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
         num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, min_cosine=args.min_cosine,
-        min_miou=args.min_miou, min_map=args.min_map, masks=args.masks, ignore_index=args.ignore_index,
+        min_miou=args.min_miou, min_map=args.min_map, masks=args.masks, ignore_index=args.ignore_index, boxes=args.boxes,
         input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),
     )
     manifest = run_optimize(cfg)

@@ -81,6 +81,7 @@ class OptimizeConfig:
     min_map: float = 0.90             # detection: the least mAP@0.5 against fp32's boxes accepted
     masks: str | None = None          # segmentation: a folder of the images' true masks (class-id PNGs)
     ignore_index: int = 255           # a mask's value for pixels not to score
+    boxes: str | None = None          # detection: a COCO-format file of the images' true boxes
 
     @property
     def gate_limits(self) -> GateLimits:
@@ -216,6 +217,18 @@ def _check_mask_classes(masks: np.ndarray, classes: list[str], cfg: OptimizeConf
                         f"(0..{len(classes) - 1}); pixels not to score take --ignore-index (now {cfg.ignore_index})")
 
 
+LEFT_OUT = {"masks": "without a mask", "boxes": "that --boxes does not annotate", "classes": "unusable"}
+
+
+def _check_box_classes(boxes: np.ndarray, classes: list[str], cfg: OptimizeConfig) -> None:
+    """One line when a true box's category id is not a class of the model (where it names its classes)."""
+    top = max((int(rows[:, 5].max()) for rows in boxes if len(rows)), default=-1)
+    if classes and top >= len(classes):
+        raise UserError(f"--boxes {cfg.boxes}: a box has category_id {top} but the model has {len(classes)} classes "
+                        f"(0..{len(classes) - 1}); a category id is the model's class id (as torchvision's "
+                        f"COCO detectors number them)")
+
+
 def _judged_by_agreement(loaded: LoadedModel, data: DatasetSplits, why_not: str, mapping) -> list[str]:
     """The note that says a classifier is judged without labels, and why."""
     if why_not or loaded.task != "classification" or mapping is not None:
@@ -242,26 +255,30 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             raise UserError(f"--prune-channels fine-tunes a classifier's one output; {cfg.model} returns several "
                             f"({', '.join(o['name'] for o in loaded.outputs)}): use --prune (unstructured) instead")
     with log.step(f"load dataset {cfg.dataset}"):
-        if cfg.masks is not None and loaded.task != "segmentation":
-            raise UserError(f"--masks scores segmentation masks; {cfg.model} is a {loaded.task} model "
-                            f"(--task segmentation, if it segments)")
+        for flag, given, task in (("--masks", cfg.masks, "segmentation"), ("--boxes", cfg.boxes, "detection")):
+            if given is not None and loaded.task != task:
+                raise UserError(f"{flag} scores a {task} model's answers; {cfg.model} is a {loaded.task} model "
+                                f"(--task {task}, if it is one)")
         data = load_dataset(cfg.dataset, loaded.input, len(loaded.classes), masks=cfg.masks,
-                            ignore_index=cfg.ignore_index)
+                            ignore_index=cfg.ignore_index, boxes=cfg.boxes)
         why_not, mapping = _check_compatible(loaded, data)
-        evalset = materialize(data.test, data.labelled, data.masks)
-        if data.masks:
+        evalset = materialize(data.test, data.labelled, data.truth)
+        if data.truth == "masks":
             _check_mask_classes(evalset.labels, loaded.classes, cfg)
+        elif data.truth == "boxes":
+            _check_box_classes(evalset.labels, loaded.classes, cfg)
         else:
             evalset.labels = None if mapping is None else np.asarray(mapping)[evalset.labels]
+    left_out = [f"dataset {data.name}: {data.left_out} images {LEFT_OUT[data.truth]} left out"] if data.left_out else []
     log.note(f"{len(evalset.images)} held-out test images; calibration draws from the train split"
-             + (f"; {data.left_out} images without a mask left out" if data.left_out else ""))
+             + (f"; {data.left_out} images {LEFT_OUT[data.truth]} left out" if data.left_out else ""))
 
     torch.manual_seed(0)
     example, check = torch.from_numpy(evalset.images[:4]), torch.from_numpy(evalset.images[-4:])
     out = cfg.out_path
     with artifacts.staging_folder(out) as stage:
         variants: list[Variant] = []
-        notes: list[str] = _judged_by_agreement(loaded, data, why_not, mapping)
+        notes: list[str] = left_out + _judged_by_agreement(loaded, data, why_not, mapping)
         skipped: list[dict] = []  # variants this machine cannot run fast, with the reason: rows of their own
         if loaded.from_file:
             baseline = _onnx_file_variants(stage, loaded, data, evalset, cfg, why_not, log, variants, notes, skipped)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from optiserve.errors import first_line
 from optiserve.files import atomic_write
 
 CALIB_METHODS = ("minmax", "entropy", "percentile")
@@ -73,7 +74,13 @@ def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLi
         pre = Path(tmp) / "pre.onnx"
         out_tmp = Path(tmp) / "int8.onnx"
         with contextlib.redirect_stdout(io.StringIO()), _root_warnings_muted():
-            quant_pre_process(str(fp32_path), str(pre), skip_symbolic_shape=False)
+            try:
+                quant_pre_process(str(fp32_path), str(pre), skip_symbolic_shape=False)
+                shapes = "symbolic"
+            except Exception as e:  # noqa: BLE001  its symbolic shape inference fails on some graphs (a Slice with
+                # negative steps, as torch.flip exports); ONNX's own shape inference then gives the shapes
+                quant_pre_process(str(fp32_path), str(pre), skip_symbolic_shape=True)
+                shapes = f"onnx (ONNX Runtime's symbolic shape inference failed: {first_line(e, with_type=True)})"
             quantize_static(
                 str(pre), str(out_tmp), _BatchReader(input_name, batches), quant_format=QuantFormat.QDQ,
                 per_channel=per_channel, reduce_range=reduce_range, activation_type=QuantType.QUInt8,
@@ -86,7 +93,7 @@ def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLi
             f.write(out_tmp.read_bytes())
     settings = {"format": "QDQ", "activations": "uint8", "weights": "int8", "per_channel": per_channel,
                 "reduce_range": reduce_range, "calibration": method,
-                "calibration_images": int(sum(len(b) for b in batches))}
+                "calibration_images": int(sum(len(b) for b in batches)), "shape_inference": shapes}
     if op_types:
         settings["quantized_op_types"] = list(op_types)
     if float_outputs_of:

@@ -17,17 +17,24 @@ CLASSIFICATION = get_task("classification")
 
 @dataclass
 class EvalSet:
-    """Held-out images as one float32 array; `labels` ([N] classes, or [N, H, W] masks) is None when
-    the data has none."""
+    """Held-out images as one float32 array; `labels` ([N] classes, [N, H, W] masks, or [N] objects
+    each an image's [T, 6] true boxes) is None when the data has none."""
 
     images: np.ndarray
     labels: np.ndarray | None
 
 
-def materialize(dataset: Dataset, labelled: bool, masks: bool = False) -> EvalSet:
+def materialize(dataset: Dataset, labelled: bool, truth: str = "classes") -> EvalSet:
+    """The dataset's images and labels as arrays; `truth` says what a label is (DatasetSplits.truth)."""
     images, labels = zip(*(dataset[i] for i in range(len(dataset))))
     x = np.stack([np.asarray(im, dtype=np.float32) for im in images])
-    y = np.stack(labels) if masks else np.asarray([int(v) for v in labels]) if labelled else None
+    if truth == "masks":
+        y = np.stack(labels)
+    elif truth == "boxes":
+        y = np.empty(len(labels), dtype=object)
+        y[:] = [np.asarray(rows, dtype=np.float32) for rows in labels]
+    else:
+        y = np.asarray([int(v) for v in labels]) if labelled else None
     return EvalSet(x, y)
 
 

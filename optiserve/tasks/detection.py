@@ -1,6 +1,7 @@
 """Detection: [N, D, 6] rows of x1, y1, x2, y2 (input pixels), score, class id per image, the best
 first, unused rows all zero. Judged by mAP@0.5 with fp32's own boxes (those scoring at least
-TRUTH_SCORE) as the truth, with a 95% bootstrap interval over images; answered with the boxes
+TRUTH_SCORE) as the truth, with a 95% bootstrap interval over images, and where the images have
+true boxes by mAP@0.5 against them (the paired difference from fp32's); answered with the boxes
 scoring at least `score_threshold`, in the uploaded image's pixels."""
 
 from __future__ import annotations
@@ -29,18 +30,28 @@ def match(found: np.ndarray, truth: np.ndarray) -> np.ndarray:
     """For one image's detections `found` [D, 6] (best first) and true boxes `truth` [T, 6]: whether
     each detection is a true positive — greedily, in score order, the unmatched true box of its
     class it overlaps most, at MATCH_IOU or above (the PASCAL VOC / COCO rule)."""
-    hits = np.zeros(len(found), dtype=bool)
+    return match_scored(found, truth)[0]
+
+
+def match_scored(found: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`match`, where a true row whose column 4 is 0 is a region not scored (COCO's crowd): a detection
+    that finds no true box but overlaps such a region of its class at MATCH_IOU or above is neither
+    right nor wrong. Returns (hits, not scored), one flag each per detection."""
+    hits, ignored = np.zeros(len(found), dtype=bool), np.zeros(len(found), dtype=bool)
     if not len(found) or not len(truth):
-        return hits
+        return hits, ignored
     overlap = iou(found[:, :4], truth[:, :4])
     overlap[found[:, 5][:, None] != truth[:, 5][None, :]] = 0.0
-    free = np.ones(len(truth), dtype=bool)
+    scored = truth[:, 4] > 0
+    free = scored.copy()
     for i in range(len(found)):
         candidates = np.where(free, overlap[i], 0.0)
         j = int(candidates.argmax())
         if candidates[j] >= MATCH_IOU:
             hits[i], free[j] = True, False
-    return hits
+        elif (~scored).any() and overlap[i, ~scored].max() >= MATCH_IOU:
+            ignored[i] = True
+    return hits, ignored
 
 
 class Matched:
@@ -51,17 +62,20 @@ class Matched:
         scores, classes, hits, images = [], [], [], []
         for i, (rows, true) in enumerate(zip(found, truth)):
             rows = rows[rows[:, 4] > 0]
+            hit, ignored = match_scored(rows, true)
+            rows, hit = rows[~ignored], hit[~ignored]
             scores.append(rows[:, 4])
             classes.append(rows[:, 5])
-            hits.append(match(rows, true))
+            hits.append(hit)
             images.append(np.full(len(rows), i))
         order = np.argsort(-np.concatenate(scores), kind="stable")
         self.classes = np.concatenate(classes)[order].astype(np.int64)
         self.hits = np.concatenate(hits)[order]
         self.images = np.concatenate(images)[order]
         self.n = len(found)
-        self.true_classes = sorted({int(c) for true in truth for c in true[:, 5]})
-        self.true_counts = np.array([[int((true[:, 5] == c).sum()) for c in self.true_classes] for true in truth]
+        scored = [true[true[:, 4] > 0] for true in truth]
+        self.true_classes = sorted({int(c) for true in scored for c in true[:, 5]})
+        self.true_counts = np.array([[int((true[:, 5] == c).sum()) for c in self.true_classes] for true in scored]
                                     ).reshape(self.n, len(self.true_classes))
 
     def mean_ap(self, weights: np.ndarray | None = None) -> float | None:
@@ -80,6 +94,30 @@ class Matched:
             aps.append(average_precision(tp / positives, np.divide(tp, tp + fp, out=np.zeros_like(tp),
                                                                     where=(tp + fp) > 0)))
         return float(np.mean(aps)) if aps else None
+
+
+def bootstrap_interval(n: int, mean_ap, resamples: int = 500, seed: int = 0) -> list[float] | None:
+    """95% bootstrap interval of `mean_ap(weights)` over resamples of the n images (weights: how
+    often each is drawn); None when no resample has a true box."""
+    rng = np.random.default_rng(seed)
+    draws = [mean_ap(np.bincount(rng.integers(0, n, n), minlength=n)) for _ in range(resamples)]
+    draws = [d for d in draws if d is not None]
+    return [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))] if draws else None
+
+
+def paired_map_difference(ours: Matched, fp32: Matched, resamples: int = 500, seed: int = 0) -> dict:
+    """mAP@0.5 against the true boxes of a variant minus fp32's, in points (x100), with a 95% interval
+    from the same bootstrap resamples of images for both; significant when it excludes 0."""
+    rng = np.random.default_rng(seed)
+    diffs = []
+    for _ in range(resamples):
+        weights = np.bincount(rng.integers(0, ours.n, ours.n), minlength=ours.n)
+        a, b = ours.mean_ap(weights), fp32.mean_ap(weights)
+        if a is not None and b is not None:
+            diffs.append(a - b)
+    low, high = (100 * float(q) for q in np.percentile(diffs, [2.5, 97.5]))
+    return {"points": 100 * (ours.mean_ap() - fp32.mean_ap()), "ci95": [low, high], "images": ours.n,
+            "significant": not (low <= 0.0 <= high)}
 
 
 def average_precision(recall: np.ndarray, precision: np.ndarray) -> float:
@@ -131,7 +169,9 @@ class Detection(Task):
 
     def metrics(self, out, reference, labels) -> dict:
         """mAP@0.5 of `out`'s boxes (all of them, ranked by score) with `reference`'s scoring at
-        least TRUTH_SCORE as the truth; image-level labels do not judge boxes."""
+        least TRUTH_SCORE as the truth; where `labels` holds each image's true boxes ([N] objects,
+        [T, 6] each), also mAP@0.5 against them and its paired difference from fp32's. Image-level
+        class labels do not judge boxes."""
         truth = boxes_at_least(reference, TRUTH_SCORE)
         matched = Matched(out, truth)
         value = matched.mean_ap()
@@ -139,20 +179,35 @@ class Detection(Task):
                    "boxes_per_image": float(np.mean([len(b) for b in boxes_at_least(out, TRUTH_SCORE)])),
                    "images": len(out)}
         if value is not None:
-            rng = np.random.default_rng(0)
-            draws = [matched.mean_ap(np.bincount(rng.integers(0, matched.n, matched.n), minlength=matched.n))
-                     for _ in range(500)]
-            draws = [d for d in draws if d is not None]
-            metrics["map50_fp32_ci95"] = [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))]
+            metrics["map50_fp32_ci95"] = bootstrap_interval(matched.n, matched.mean_ap)
+        if labels is not None and labels.dtype == object:
+            ours = Matched(out, list(labels))
+            metrics["map50"] = ours.mean_ap()
+            metrics["true_boxes"] = int(ours.true_counts.sum())
+            if metrics["map50"] is not None:
+                metrics["map50_ci95"] = bootstrap_interval(ours.n, ours.mean_ap)
+                if out is not reference:
+                    metrics["vs_baseline"] = paired_map_difference(ours, Matched(reference, list(labels)))
         return metrics
 
     def headline(self, metrics) -> dict:
+        if metrics.get("map50") is not None:
+            return {"map50": metrics["map50"]}
         return {"map50_fp32": metrics["map50_fp32"]}
 
     def gate(self, metrics, baseline, limits: GateLimits, why_not: str = "") -> tuple[str, str | None]:
-        """mAP@0.5 with fp32's boxes as the truth must reach `min_map`."""
+        """With true boxes, mAP@0.5 against them may fall at most `max_accuracy_drop` points (x100)
+        below fp32's; without them, mAP@0.5 with fp32's boxes as the truth must reach `min_map`."""
         if why_not:
             return "unvalidated", why_not
+        if "map50" in baseline:
+            if baseline["map50"] is None:
+                return "unvalidated", "the held-out images have no true box to match the variant's boxes to"
+            drop = 100 * (baseline["map50"] - metrics["map50"])
+            if drop > limits.max_accuracy_drop:
+                return "rejected", (f"mAP@0.5 against the true boxes fell {drop:.2f} points "
+                                    f"(limit {limits.max_accuracy_drop:g})")
+            return "accepted", None
         if metrics["map50_fp32"] is None:
             return "unvalidated", (f"fp32 finds no box scoring {TRUTH_SCORE:g} or more on the held-out images: "
                                    f"nothing to match the variant's boxes to")
@@ -162,21 +217,31 @@ class Detection(Task):
         return "accepted", None
 
     def columns(self) -> list[str]:
-        return ["mAP@0.5 vs fp32 [95% CI]", f"boxes/image ≥{TRUTH_SCORE:g}"]
+        return ["mAP@0.5 boxes [95% CI]", "Δ mAP [95% CI]", "mAP@0.5 vs fp32 [95% CI]", f"boxes/image ≥{TRUTH_SCORE:g}"]
 
     def cells(self, metrics, baseline) -> list[str]:
-        value = metrics["map50_fp32"]
-        if value is None:
-            return ["—", f"{metrics['boxes_per_image']:.1f}"]
-        low, high = metrics.get("map50_fp32_ci95") or (value, value)
-        return [f"{value:.4f} [{low:.4f}, {high:.4f}]", f"{metrics['boxes_per_image']:.1f}"]
+        def with_interval(value, interval) -> str:
+            if value is None:
+                return "—"
+            low, high = interval or (value, value)
+            return f"{value:.4f} [{low:.4f}, {high:.4f}]"
+
+        delta = "—"
+        if metrics.get("vs_baseline"):
+            d = metrics["vs_baseline"]
+            delta = f"{d['points']:+.2f} [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}]" + ("" if d["significant"] else " n.s.")
+        return [with_interval(metrics.get("map50"), metrics.get("map50_ci95")), delta,
+                with_interval(metrics["map50_fp32"], metrics.get("map50_fp32_ci95")),
+                f"{metrics['boxes_per_image']:.1f}"]
 
     def legend(self, manifest) -> str:
         return (f"mAP@0.5 vs fp32: mean average precision at IoU {MATCH_IOU:g} of each variant's boxes, ranked by "
                 f"score, with fp32's boxes scoring at least {TRUTH_SCORE:g} as the truth, and its 95% bootstrap "
                 f"interval over images; boxes/image: how many a variant finds scoring at least {TRUTH_SCORE:g}. "
-                f"A variant is accepted when mAP@0.5 vs fp32 is at least {manifest.get('min_map', 0.9):g} "
-                f"(--min-map).")
+                f"Where the images have true boxes (--boxes), mAP@0.5 boxes is against them (crowd regions not "
+                f"scored) and Δ mAP its paired difference from fp32's in points; a variant is then accepted when "
+                f"it falls at most {manifest.get('max_accuracy_drop', 1.0):g} points (--max-accuracy-drop), "
+                f"otherwise when mAP@0.5 vs fp32 is at least {manifest.get('min_map', 0.9):g} (--min-map).")
 
     def protocol_output(self, name, raw) -> np.ndarray:
         return raw.astype(np.float32, copy=False)
