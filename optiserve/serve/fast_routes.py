@@ -4,7 +4,7 @@ A request to any FastAPI route passes about ten ASGI layers before its endpoint:
 middleware, FastAPI's telemetry and body-limit layers, the app's own middleware, the exception
 middleware, an exit stack, the router's match against every route, and the endpoint wrapper. For an
 admin route that is nothing; for /predict, answered hundreds of times a second beside a model that
-needs the same CPU, it was 0.06-0.08 core-ms a request of the event loop (README, request path).
+needs the same CPU, it was 0.06-0.08 core-ms a request of the event loop (docs/performance.md, the request path).
 `ServingApp` sends the hot routes past all of it but what they need: the app's own middleware
 (body limit, JSON 500s, closing connections while draining, any header a deployment adds) and the
 app's exception handlers, looked up as Starlette's exception middleware does. Every other request
