@@ -15,7 +15,7 @@ COPY pyproject.toml README.md ./
 COPY optiserve ./optiserve
 # ONNX Runtime here is the CPU build: the ONNX variants run on the CPU, the PyTorch and TensorRT
 # variants on the GPU (onnxruntime-gpu cannot be installed beside onnxruntime: same module).
-RUN pip install ".[tensorrt]" && useradd --uid 1000 --create-home optiserve
+RUN pip install ".[all,tensorrt]" && useradd --uid 1000 --create-home optiserve
 USER 1000
 WORKDIR /home/optiserve
 

@@ -21,6 +21,24 @@ COMMANDS = {
 }
 
 
+# what each extra adds that a serve-only install lacks (import names), and the extra of each command
+EXTRAS = {"train": {"torch", "torchvision", "sklearn", "tqdm"},
+          "optimize": {"torch", "torchvision", "sklearn", "tqdm", "onnx", "onnxscript", "nncf"},
+          "bench": {"aiohttp", "matplotlib", "sklearn"}}
+EXTRA_OF_COMMAND = {"train": "train", "optimize": "optimize", "bench": "bench", "compare": "bench"}
+
+
+def missing_extra(command: str, error: ModuleNotFoundError) -> str | None:
+    """The one line for a command that needs a package this install lacks, or None."""
+    package = (error.name or "").split(".")[0]
+    own = EXTRA_OF_COMMAND.get(command)
+    extra = own if own and package in EXTRAS[own] else next((e for e, held in EXTRAS.items() if package in held), None)
+    if extra is None:
+        return None
+    return (f"optiserve {command}: error: needs {package}, which is not installed (a serve-only install): "
+            f"pip install 'optiserve[{extra}]'")
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """Bad command lines get one line naming the problem and where help is, not a usage dump."""
 
@@ -47,11 +65,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), "")
+    try:
+        parser = build_parser(argv)
+    except ModuleNotFoundError as e:
+        if (line := missing_extra(chosen, e)) is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command])
     try:
         return module.run(args)
+    except ModuleNotFoundError as e:
+        if (line := missing_extra(args.command, e)) is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
     except UserError as e:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one line rather than one per process
             print(f"optiserve {args.command}: error: {e}", file=sys.stderr)

@@ -18,7 +18,16 @@ def _loader(name: str):
     return load
 
 
+def _torch_unavailable() -> str | None:
+    """Why the torch variants cannot load here: a serve-only install has no torch."""
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("torchvision") is None:
+        return "torch is not installed (pip install 'optiserve[optimize]')"
+    return None
+
+
 def _tensorrt_unavailable() -> str | None:
+    if (why := _torch_unavailable()) is not None:
+        return why
     if importlib.util.find_spec("torch_tensorrt") is None:
         return "torch-tensorrt is not installed (pip install 'optiserve[tensorrt]')"
     from optiserve.runtime.torch_backends import tensorrt_unavailable
@@ -28,5 +37,6 @@ def _tensorrt_unavailable() -> str | None:
 
 register_backend(Backend("tensorrt", _loader("_load_tensorrt"), _tensorrt_unavailable,
                          "TensorRT via torch-tensorrt (CUDA)"))
-register_backend(Backend("torch", _loader("_load_eager"), lambda: None, "eager PyTorch from a state dict"))
-register_backend(Backend("torchscript", _loader("_load_torchscript"), lambda: None, "TorchScript (traced, frozen)"))
+register_backend(Backend("torch", _loader("_load_eager"), _torch_unavailable, "eager PyTorch from a state dict"))
+register_backend(Backend("torchscript", _loader("_load_torchscript"), _torch_unavailable,
+                         "TorchScript (traced, frozen)"))

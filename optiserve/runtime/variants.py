@@ -34,8 +34,15 @@ def select_variants(manifest: dict, names: list[str] | None) -> list[dict]:
                             entry.get("reason") or "no reason given")
             chosen.append(entry)
         return chosen
-    chosen = [v for v in manifest["variants"]
-              if v["status"] == "accepted" and get_backend(v["backend"]).unavailable() is None]
+    chosen = []
+    for v in manifest["variants"]:
+        if v["status"] != "accepted":
+            continue
+        why = get_backend(v["backend"]).unavailable()
+        if why:
+            log.info("not serving %s: %s", v["name"], why)
+        else:
+            chosen.append(v)
     if not chosen:
         statuses = ", ".join(f"{v['name']}={v['status']}" for v in manifest["variants"])
         raise UserError(f"no accepted variant can run here ({statuses}); name the ones to serve with --variants")
