@@ -338,6 +338,10 @@ def test_true_box_mistakes_are_refused_in_one_line(boxed_pictures, tmp_path):
                              ('{"images": []}', "is not in COCO's format"),
                              ('{"images": [{"id": 1, "file_name": "0.png"}], "annotations": '
                               '[{"image_id": 1, "bbox": [1, 2, 3], "category_id": 1}]}', r"COCO's bbox is \[x, y"),
+                             ('{"images": [{"id": [1], "file_name": "0.png"}], "annotations": []}',
+                              "an entry of `images` has no id"),
+                             ('{"images": [{"id": 1, "file_name": "0.png"}], "annotations": [{"image_id": {}}]}',
+                              "an entry of `annotations` has no image_id"),
                              ('{"images": [{"id": 1, "file_name": "0.png"}], "annotations": []}',
                               "1 of its images are in --boxes")):
         bad.write_text(content)

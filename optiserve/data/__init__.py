@@ -43,17 +43,8 @@ def load_dataset(name: str, model_input: InputSpec, num_classes: int, seed: int 
         path = name.split(":", 1)[1]
         if not path:
             raise UserError("imagefolder needs a path: --dataset imagefolder:PATH/TO/IMAGES")
-        if boxes is not None:
-            from pathlib import Path
-
-            from optiserve.data.boxes import load_boxed_splits
-
-            root = Path(path).expanduser()
-            if not root.is_dir():
-                raise UserError(f"dataset path {root} does not exist or is not a folder "
-                                f"(use imagefolder:PATH/TO/IMAGES)")
-            return load_boxed_splits(root, Path(boxes).expanduser(), model_input, seed)
-        return load_imagefolder_splits(path, model_input, seed=seed, masks=masks, ignore_index=ignore_index)
+        return load_imagefolder_splits(path, model_input, seed=seed, masks=masks, ignore_index=ignore_index,
+                                       boxes=boxes)
     raise UserError(f"unknown dataset {name!r}; use {DATASET_CHOICES}")
 
 

@@ -33,6 +33,10 @@ def _number(value, what: str, path: Path) -> float:
     return float(value)
 
 
+def _is_id(value) -> bool:
+    return isinstance(value, (int, str)) and not isinstance(value, bool)
+
+
 def read_coco_boxes(path: Path) -> dict[str, Annotated]:
     """Each image's true boxes, by the image's file name (without folders), from a COCO-format file.
     Boxes without area are left out; a crowd region (`iscrowd` 1) is kept as a region not scored."""
@@ -48,16 +52,18 @@ def read_coco_boxes(path: Path) -> dict[str, Annotated]:
                         f"width, height) and an `annotations` list (image_id, bbox, category_id)")
     by_id: dict = {}
     for image in data["images"]:
-        if not isinstance(image, dict) or "id" not in image or not isinstance(image.get("file_name"), str):
-            raise UserError(f"--boxes {path}: an entry of `images` has no id or file_name: {str(image)[:80]}")
+        if not isinstance(image, dict) or not _is_id(image.get("id")) or not isinstance(image.get("file_name"), str):
+            raise UserError(f"--boxes {path}: an entry of `images` has no id (a number or a string) or file_name: "
+                            f"{str(image)[:80]}")
         size = None
         if "width" in image and "height" in image:
             size = (int(_number(image["width"], "an image's width", path)),
                     int(_number(image["height"], "an image's height", path)))
         by_id[image["id"]] = (Path(image["file_name"]).name, size, [])
     for note in data["annotations"]:
-        if not isinstance(note, dict) or "image_id" not in note:
-            raise UserError(f"--boxes {path}: an entry of `annotations` has no image_id: {str(note)[:80]}")
+        if not isinstance(note, dict) or not _is_id(note.get("image_id")):
+            raise UserError(f"--boxes {path}: an entry of `annotations` has no image_id (a number or a string): "
+                            f"{str(note)[:80]}")
         if note["image_id"] not in by_id:
             continue
         bbox = note.get("bbox")
@@ -98,22 +104,18 @@ class BoxedImages(Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
-    def size(self, i: int) -> tuple[int, int]:
-        """Image i's (width, height), which the file must state truly where it states it."""
-        try:
-            with Image.open(self.files[i]) as im:
-                size = im.size
-        except Exception as e:  # noqa: BLE001  Pillow raises many kinds on a bad file
-            raise UserError(f"cannot read image {self.files[i]}: {first_line(e, with_type=True)}") from None
+    def open(self, i: int) -> Image.Image:
+        """Image i, decoded; its size must be the one the file states, where it states one."""
+        image = self.images.open(i)
         stated = self.annotated[i].size
-        if stated is not None and stated != size:
+        if stated is not None and stated != image.size:
             raise UserError(f"--boxes {self.boxes_file} says {self.files[i].name} is {stated[0]}x{stated[1]} but it is "
-                            f"{size[0]}x{size[1]}; boxes label the image's own pixels")
-        return size
+                            f"{image.size[0]}x{image.size[1]}; boxes label the image's own pixels")
+        return image
 
     def __getitem__(self, i: int):
-        image, _ = self.images[i]
-        return image, boxes_on_input(self.annotated[i].rows, self.spec, *self.size(i))
+        image = self.open(i)
+        return self.images.transform(image), boxes_on_input(self.annotated[i].rows, self.spec, *image.size)
 
 
 def load_boxed_splits(root: Path, boxes_file: Path, spec: InputSpec, seed: int) -> DatasetSplits:
@@ -126,7 +128,7 @@ def load_boxed_splits(root: Path, boxes_file: Path, spec: InputSpec, seed: int) 
         raise UserError(f"{root}: {len(files)} of its images are in --boxes {boxes_file} (matched by file name); "
                         f"at least 10 are needed to split into calibration and held-out images")
     full = BoxedImages(files, [annotations[f.name] for f in files], spec, boxes_file)
-    full.size(0)  # a file about other images, or at another size, is refused before any work
+    full.open(0)  # a file about other images, or at another size, is refused before any work
     tr, va, te = random_split(len(files), seed)
     return DatasetSplits(f"imagefolder:{root} with boxes {boxes_file}", Subset(full, tr), Subset(full, va),
                          Subset(full, te), [], spec, calib=Subset(full, tr), labelled=False, in_memory=False,

@@ -55,13 +55,16 @@ class UnlabelledImages(Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
-    def __getitem__(self, i: int):
+    def open(self, i: int) -> Image.Image:
+        """Image i, decoded (grayscale or RGB); one line if it cannot be read."""
         try:
             with Image.open(self.files[i]) as im:
-                image = im.convert("RGB") if im.mode not in ("L", "RGB") else im.copy()
+                return im.convert("RGB") if im.mode not in ("L", "RGB") else im.copy()
         except Exception as e:  # noqa: BLE001  Pillow raises many kinds on a bad file
             raise UserError(f"cannot read image {self.files[i]}: {first_line(e, with_type=True)}") from None
-        return self.transform(image), -1
+
+    def __getitem__(self, i: int):
+        return self.transform(self.open(i)), -1
 
 
 def read_mask(path: Path, size: tuple[int, int], ignore_index: int) -> np.ndarray:
@@ -136,15 +139,20 @@ def _unlabelled_splits(root: Path, files: list[Path], spec: InputSpec, seed: int
 
 
 def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0, masks: str | None = None,
-                            ignore_index: int = 255) -> DatasetSplits:
+                            ignore_index: int = 255, boxes: str | None = None) -> DatasetSplits:
     """Use PATH/train, PATH/val and PATH/test when present; otherwise split PATH deterministically, stratified;
     images straight in PATH with no class subfolders are an unlabelled set, or with `masks` (a folder
-    of class-id PNGs named after the images) a segmentation set."""
+    of class-id PNGs named after the images) a segmentation set, or with `boxes` (a COCO-format file)
+    a detection set."""
     root = Path(path).expanduser()
     if not root.is_dir():
         raise UserError(f"dataset path {root} does not exist or is not a folder (use imagefolder:PATH/TO/IMAGES)")
     if masks is not None:
         return _masked_splits(root, Path(masks).expanduser(), spec, seed, ignore_index)
+    if boxes is not None:
+        from optiserve.data.boxes import load_boxed_splits  # it builds on this module's readers
+
+        return load_boxed_splits(root, Path(boxes).expanduser(), spec, seed)
     loose = image_files(root)
     if loose and not any(p.is_dir() for p in root.iterdir()):
         return _unlabelled_splits(root, loose, spec, seed)

@@ -269,16 +269,17 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             _check_box_classes(evalset.labels, loaded.classes, cfg)
         else:
             evalset.labels = None if mapping is None else np.asarray(mapping)[evalset.labels]
-    left_out = [f"dataset {data.name}: {data.left_out} images {LEFT_OUT[data.truth]} left out"] if data.left_out else []
-    log.note(f"{len(evalset.images)} held-out test images; calibration draws from the train split"
-             + (f"; {data.left_out} images {LEFT_OUT[data.truth]} left out" if data.left_out else ""))
+    left_out = [f"{data.left_out} images {LEFT_OUT[data.truth]} left out"] if data.left_out else []
+    log.note("; ".join([f"{len(evalset.images)} held-out test images; calibration draws from the train split",
+                        *left_out]))
 
     torch.manual_seed(0)
     example, check = torch.from_numpy(evalset.images[:4]), torch.from_numpy(evalset.images[-4:])
     out = cfg.out_path
     with artifacts.staging_folder(out) as stage:
         variants: list[Variant] = []
-        notes: list[str] = left_out + _judged_by_agreement(loaded, data, why_not, mapping)
+        notes: list[str] = [f"dataset {data.name}: {n}" for n in left_out] + _judged_by_agreement(loaded, data, why_not,
+                                                                                                    mapping)
         skipped: list[dict] = []  # variants this machine cannot run fast, with the reason: rows of their own
         if loaded.from_file:
             baseline = _onnx_file_variants(stage, loaded, data, evalset, cfg, why_not, log, variants, notes, skipped)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 from optiserve.input_spec import InputSpec, placement
+from optiserve.intervals import bootstrap_interval, format_difference, paired_bootstrap_difference
 from optiserve.tasks.registry import GateLimits, Task, register_task
 
 TRUTH_SCORE = 0.5   # fp32's boxes scoring at least this are the truth a variant's boxes are matched to
+RESAMPLES = 500     # bootstrap resamples of the images for an interval (each computes mAP afresh)
 MATCH_IOU = 0.5     # a box finds its match at this intersection over union or above (mAP@0.5)
 SCORE_THRESHOLD = 0.5  # /predict's default for which boxes to answer
 
@@ -95,29 +97,9 @@ class Matched:
                                                                     where=(tp + fp) > 0)))
         return float(np.mean(aps)) if aps else None
 
-
-def bootstrap_interval(n: int, mean_ap, resamples: int = 500, seed: int = 0) -> list[float] | None:
-    """95% bootstrap interval of `mean_ap(weights)` over resamples of the n images (weights: how
-    often each is drawn); None when no resample has a true box."""
-    rng = np.random.default_rng(seed)
-    draws = [mean_ap(np.bincount(rng.integers(0, n, n), minlength=n)) for _ in range(resamples)]
-    draws = [d for d in draws if d is not None]
-    return [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))] if draws else None
-
-
-def paired_map_difference(ours: Matched, fp32: Matched, resamples: int = 500, seed: int = 0) -> dict:
-    """mAP@0.5 against the true boxes of a variant minus fp32's, in points (x100), with a 95% interval
-    from the same bootstrap resamples of images for both; significant when it excludes 0."""
-    rng = np.random.default_rng(seed)
-    diffs = []
-    for _ in range(resamples):
-        weights = np.bincount(rng.integers(0, ours.n, ours.n), minlength=ours.n)
-        a, b = ours.mean_ap(weights), fp32.mean_ap(weights)
-        if a is not None and b is not None:
-            diffs.append(a - b)
-    low, high = (100 * float(q) for q in np.percentile(diffs, [2.5, 97.5]))
-    return {"points": 100 * (ours.mean_ap() - fp32.mean_ap()), "ci95": [low, high], "images": ours.n,
-            "significant": not (low <= 0.0 <= high)}
+    def resampled_map(self, indices: np.ndarray) -> float | None:
+        """mAP over the images drawn as `indices` (a bootstrap resample: an image drawn twice counts twice)."""
+        return self.mean_ap(np.bincount(indices, minlength=self.n))
 
 
 def average_precision(recall: np.ndarray, precision: np.ndarray) -> float:
@@ -179,15 +161,17 @@ class Detection(Task):
                    "boxes_per_image": float(np.mean([len(b) for b in boxes_at_least(out, TRUTH_SCORE)])),
                    "images": len(out)}
         if value is not None:
-            metrics["map50_fp32_ci95"] = bootstrap_interval(matched.n, matched.mean_ap)
+            metrics["map50_fp32_ci95"] = bootstrap_interval(matched.n, matched.resampled_map, RESAMPLES)
         if labels is not None and labels.dtype == object:
             ours = Matched(out, list(labels))
             metrics["map50"] = ours.mean_ap()
             metrics["true_boxes"] = int(ours.true_counts.sum())
             if metrics["map50"] is not None:
-                metrics["map50_ci95"] = bootstrap_interval(ours.n, ours.mean_ap)
+                metrics["map50_ci95"] = bootstrap_interval(ours.n, ours.resampled_map, RESAMPLES)
                 if out is not reference:
-                    metrics["vs_baseline"] = paired_map_difference(ours, Matched(reference, list(labels)))
+                    fp32 = Matched(reference, list(labels))
+                    metrics["vs_baseline"] = paired_bootstrap_difference(ours.n, ours.resampled_map,
+                                                                         fp32.resampled_map, RESAMPLES)
         return metrics
 
     def headline(self, metrics) -> dict:
@@ -226,10 +210,7 @@ class Detection(Task):
             low, high = interval or (value, value)
             return f"{value:.4f} [{low:.4f}, {high:.4f}]"
 
-        delta = "—"
-        if metrics.get("vs_baseline"):
-            d = metrics["vs_baseline"]
-            delta = f"{d['points']:+.2f} [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}]" + ("" if d["significant"] else " n.s.")
+        delta = format_difference(metrics["vs_baseline"]) if metrics.get("vs_baseline") else "—"
         return [with_interval(metrics.get("map50"), metrics.get("map50_ci95")), delta,
                 with_interval(metrics["map50_fp32"], metrics.get("map50_fp32_ci95")),
                 f"{metrics['boxes_per_image']:.1f}"]

@@ -10,7 +10,7 @@ import io
 
 import numpy as np
 
-from optiserve.intervals import mean_interval
+from optiserve.intervals import bootstrap_interval, format_difference, mean_interval, paired_bootstrap_difference
 from optiserve.tasks.registry import GateLimits, Task, register_task
 
 AGREE_PIXELS = 0.99  # a shadow's mask agrees with the answer's when at least this share of pixels match
@@ -40,29 +40,6 @@ def mean_iou(inter: np.ndarray, union: np.ndarray) -> float:
     i, u = inter.sum(0), union.sum(0)
     present = u > 0
     return float((i[present] / u[present]).mean()) if present.any() else 1.0
-
-
-def bootstrap(n: int, statistic, resamples: int = 1000, seed: int = 0) -> list[float]:
-    """95% bootstrap interval of `statistic(indices)` over resamples of n images (mIoU is a ratio of
-    sums over the resampled images, not a mean of per-image values: `mean_interval` cannot give it)."""
-    rng = np.random.default_rng(seed)
-    values = [statistic(rng.integers(0, n, n)) for _ in range(resamples)]
-    return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
-
-
-def paired_miou_difference(ours: tuple[np.ndarray, np.ndarray], fp32: tuple[np.ndarray, np.ndarray],
-                           resamples: int = 1000, seed: int = 0) -> dict:
-    """mIoU against the true masks of a variant minus fp32's, in points (x100), with a 95% interval
-    from the same bootstrap resamples of images for both; significant when it excludes 0."""
-    rng = np.random.default_rng(seed)
-    n = len(ours[0])
-    diffs = []
-    for _ in range(resamples):
-        idx = rng.integers(0, n, n)
-        diffs.append(mean_iou(ours[0][idx], ours[1][idx]) - mean_iou(fp32[0][idx], fp32[1][idx]))
-    low, high = (100 * float(q) for q in np.percentile(diffs, [2.5, 97.5]))
-    return {"points": 100 * (mean_iou(*ours) - mean_iou(*fp32)), "ci95": [low, high], "images": n,
-            "significant": not (low <= 0.0 <= high)}
 
 
 def png_of(mask: np.ndarray) -> bytes:
@@ -117,14 +94,16 @@ class Segmentation(Task):
         metrics = {"pixel_agreement": float(agree.mean()),
                    "pixel_agreement_ci95": mean_interval(agree),
                    "miou_fp32": mean_iou(inter, union),
-                   "miou_fp32_ci95": bootstrap(n, lambda idx: mean_iou(inter[idx], union[idx])),
+                   "miou_fp32_ci95": bootstrap_interval(n, lambda idx: mean_iou(inter[idx], union[idx])),
                    "images": n}
         if truth is not None:
             ours = overlaps(out, truth, k)
             metrics["miou"] = mean_iou(*ours)
-            metrics["miou_ci95"] = bootstrap(n, lambda idx: mean_iou(ours[0][idx], ours[1][idx]))
+            metrics["miou_ci95"] = bootstrap_interval(n, lambda idx: mean_iou(ours[0][idx], ours[1][idx]))
             if out is not reference:
-                metrics["vs_baseline"] = paired_miou_difference(ours, overlaps(reference, truth, k))
+                fp32 = overlaps(reference, truth, k)
+                metrics["vs_baseline"] = paired_bootstrap_difference(
+                    n, lambda idx: mean_iou(ours[0][idx], ours[1][idx]), lambda idx: mean_iou(fp32[0][idx], fp32[1][idx]))
         return metrics
 
     def headline(self, metrics) -> dict:
@@ -155,9 +134,7 @@ class Segmentation(Task):
         if "miou" in metrics:
             truth = f"{metrics['miou']:.4f}"
             if metrics.get("vs_baseline"):
-                d = metrics["vs_baseline"]
-                delta = (f"{d['points']:+.2f} [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}]"
-                         + ("" if d["significant"] else " n.s."))
+                delta = format_difference(metrics["vs_baseline"])
         return [truth, delta, f"{100 * metrics['pixel_agreement']:.2f}% [{100 * a_low:.2f}, {100 * a_high:.2f}]",
                 f"{metrics['miou_fp32']:.4f} [{m_low:.4f}, {m_high:.4f}]"]
 
