@@ -2,9 +2,12 @@
 layers in floating point, one at a time, until it passes or a limit is reached.
 
 A layer's sensitivity is measured on validation images (never the test images the gate uses): the
-model is quantized with that one layer left in float, and the better its outputs then match fp32's
-(mean squared difference: logits, vectors, per-pixel scores), the more that layer's quantization cost. This takes one quantization
-per layer, so it runs only for a variant that failed.
+model is quantized with only that layer in INT8 (its inputs, weights and output), and the further its
+outputs then stray from fp32's (mean squared difference: logits, vectors, per-pixel scores), the
+more sensitive it is. Measured this way, every layer that quantizes a badly-scaled tensor shows it
+(a producer, a pass-through pooling, the consumer); leaving one layer at a time in float would not,
+as its neighbours still quantize the same tensor. This takes one quantization per layer, so it runs
+only for a variant that failed.
 """
 
 from __future__ import annotations
@@ -33,17 +36,18 @@ def layer_sensitivity(fp32_path: Path, int8_path: Path, batches: list[np.ndarray
                       val_images: np.ndarray, logits: Logits, work: Path,
                       op_types: list[str] | None = None,
                       float_outputs_of: list[str] | None = None, error=None) -> list[tuple[str, float]]:
-    """(node, error with that node in float) for every quantized node, most sensitive first; the
-    error (`error(out, reference)`, default the mean squared output difference) from fp32 on `val_images`."""
+    """(node, error with only that node quantized) for every quantized node, most sensitive (largest
+    error) first; the error (`error(out, reference)`, default the mean squared output difference)
+    from fp32 on `val_images`."""
     error = error or (lambda out, ref: float(np.mean((out - ref) ** 2)))
     reference = logits(fp32_path, val_images)
     out = []
     for node in quantized_nodes(int8_path):
         trial = work / "sensitivity.onnx"
-        quantize_onnx_static(fp32_path, trial, batches, method, nodes_to_exclude=[node], op_types=op_types,
+        quantize_onnx_static(fp32_path, trial, batches, method, only_nodes=[node], op_types=op_types,
                              float_outputs_of=float_outputs_of)
         out.append((node, float(error(logits(trial, val_images), reference))))
-    return sorted(out, key=lambda item: item[1])
+    return sorted(out, key=lambda item: -item[1])
 
 
 def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: list[np.ndarray], method: str,
@@ -84,5 +88,5 @@ def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: li
     return {**settings, "accuracy_aware": {
         "plain_int8": {**measure, "reason": reason},
         "float_layers": kept, "tries": tries, "max_float_layers": max_float_layers,
-        "sensitivity": {"images": "validation split", "metric": f"{error_name} with only that layer in float",
+        "sensitivity": {"images": "validation split", "metric": f"{error_name} with only that layer quantized",
                         "ranking": [{"node": n, "error": e} for n, e in ranked]}}}

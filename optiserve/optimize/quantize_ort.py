@@ -54,10 +54,11 @@ def _root_warnings_muted():
 def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike, batches: list[np.ndarray],
                          method: str = "minmax", per_channel: bool = True, reduce_range: bool = True,
                          nodes_to_exclude: list[str] | None = None, op_types: list[str] | None = None,
-                         float_outputs_of: list[str] | None = None) -> dict:
+                         float_outputs_of: list[str] | None = None, only_nodes: list[str] | None = None) -> dict:
     """Pre-process (shape inference, graph optimization), calibrate on `batches`, write the QDQ INT8 model;
-    `op_types` limits quantization to those ONNX op types (ONNX Runtime's own list when None), and the
-    outputs of `float_outputs_of` op types stay float (their consumers read them unquantized).
+    `op_types` limits quantization to those ONNX op types (ONNX Runtime's own list when None), the
+    outputs of `float_outputs_of` op types stay float (their consumers read them unquantized), and
+    `only_nodes`, when given, quantizes those nodes and no others.
 
     Returns the settings used, for the manifest.
     """
@@ -87,7 +88,8 @@ def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLi
                 weight_type=QuantType.QInt8, calibrate_method=calib,
                 extra_options={"CalibTensorRangeSymmetric": False, "CalibMovingAverage": False,
                                "OpTypesToExcludeOutputQuantization": list(float_outputs_of or [])},
-                nodes_to_exclude=nodes_to_exclude or [], op_types_to_quantize=list(op_types) if op_types else None,
+                nodes_to_exclude=nodes_to_exclude or [], nodes_to_quantize=list(only_nodes or []),
+                op_types_to_quantize=list(op_types) if op_types else None,
             )
         with atomic_write(out_path) as f:
             f.write(out_tmp.read_bytes())
