@@ -27,7 +27,7 @@ FORMAT = "optiserve.manifest/1"
 
 def versions() -> dict:
     out = {"python": platform.python_version()}
-    for pkg in ("optiserve", "torch", "torchvision", "onnx", "onnxruntime", "torch-tensorrt"):
+    for pkg in ("optiserve", "torch", "torchvision", "onnx", "onnxruntime", "openvino", "torch-tensorrt"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             out[pkg] = metadata.version(pkg)
     return out

@@ -103,6 +103,8 @@ def test_container_args_are_accepted_by_the_real_parser_and_fit_the_probes(path)
     assert parsed.port == port
     assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    # the start-up probe covers loading: /live answers before the models are loaded, /ready after
+    assert container["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     if doc["kind"] == "ServingRuntime":
         assert container["name"] == "kserve-container" and port == 8080 and args[1] == "/mnt/models"
         assert doc["spec"]["protocolVersions"] == ["v2", "grpc-v2"]

@@ -30,10 +30,10 @@ def _load(base: str, stop: threading.Event, log: list) -> None:
                 time.sleep(0.05)
 
 
-def _watch_ready(base: str, stop: threading.Event, log: list) -> None:
+def _watch_ready(base: str, stop: threading.Event, log: list, path: str = "/v2/health/ready") -> None:
     while not stop.is_set():
         try:
-            r = httpx.get(f"{base}/v2/health/ready", timeout=2)
+            r = httpx.get(f"{base}{path}", timeout=2)
             log.append((time.monotonic(), r.status_code, r.json()))
         except httpx.TransportError as e:
             log.append((time.monotonic(), type(e).__name__, None))
@@ -43,11 +43,14 @@ def _watch_ready(base: str, stop: threading.Event, log: list) -> None:
 def test_sigterm_under_load_reports_not_ready_while_answering_then_drains_and_exits(small_artifact):
     requests: list = []
     readiness: list = []
+    model_readiness: list = []
     stop = threading.Event()
     with serving(small_artifact, "--variants", "onnx-int8", "--max-batch-size", "4",
                  drain_seconds=DRAIN_S) as (base, proc):
         threads = [threading.Thread(target=_load, args=(base, stop, requests)) for _ in range(4)]
         threads.append(threading.Thread(target=_watch_ready, args=(base, stop, readiness)))
+        threads.append(threading.Thread(target=_watch_ready, args=(base, stop, model_readiness,
+                                                                   "/v2/models/small_cnn/ready")))
         for t in threads:
             t.start()
         time.sleep(1.0)
@@ -69,6 +72,10 @@ def test_sigterm_under_load_reports_not_ready_while_answering_then_drains_and_ex
     ready_in_window = [(code, body) for t, code, body in readiness if window[0] <= t <= window[1]]
     assert ready_in_window and all(code == 503 for code, _ in ready_in_window), ready_in_window
     assert "draining" in ready_in_window[0][1]["error"]
+    model_in_window = [(code, body) for t, code, body in model_readiness if window[0] <= t <= window[1]]
+    assert model_in_window and all(code == 503 for code, _ in model_in_window), model_in_window
+    assert model_in_window[0][1]["error"].startswith("shutting down: draining"), model_in_window[0]
+    assert all(code == 200 for t, code, _ in model_readiness if t < sigterm - 0.05)
     assert all(code == 200 for t, code, _ in readiness if t < sigterm - 0.05)
     answered_in_window = [o for sent, _, o in requests if window[0] <= sent <= window[1]]
     assert len(answered_in_window) >= 10 and set(answered_in_window) == {200}, answered_in_window

@@ -103,4 +103,4 @@ def _unavailable() -> str | None:
 
 
 register_backend(Backend("openvino", lambda p, v, m, o: OpenVinoSession(p, v, m, o), _unavailable,
-                         "OpenVINO (CPU), explicit f32/bf16 inference precision"))
+                         "OpenVINO (CPU), explicit f32/bf16 inference precision", packages=("openvino",)))

@@ -57,6 +57,10 @@ class Backend:
     load: Loader                            # (file, variant entry, manifest, options) -> Session
     unavailable: Callable[[], str | None]   # why it cannot run here, or None
     description: str = ""
+    packages: tuple[str, ...] = ()          # the distributions whose version decides its speed
+    warm_up_runs: int = 1                   # runs at each batch size before a session is warm
+    warm_each_batch_size: bool = True       # False: a new batch size costs no more than a warm one once the
+                                            # smallest and largest have run (warm those two only)
 
 
 _BACKENDS: Registry[Backend] = Registry("backend")

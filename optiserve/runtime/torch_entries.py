@@ -36,7 +36,9 @@ def _tensorrt_unavailable() -> str | None:
 
 
 register_backend(Backend("tensorrt", _loader("_load_tensorrt"), _tensorrt_unavailable,
-                         "TensorRT via torch-tensorrt (CUDA)"))
-register_backend(Backend("torch", _loader("_load_eager"), _torch_unavailable, "eager PyTorch from a state dict"))
+                         "TensorRT via torch-tensorrt (CUDA)", packages=("torch", "torch-tensorrt"), warm_up_runs=2))
+register_backend(Backend("torch", _loader("_load_eager"), _torch_unavailable, "eager PyTorch from a state dict",
+                         packages=("torch",)))
 register_backend(Backend("torchscript", _loader("_load_torchscript"), _torch_unavailable,
-                         "TorchScript (traced, frozen)"))
+                         "TorchScript (traced, frozen)", packages=("torch",),
+                         warm_up_runs=2))  # its profiling executor optimizes the graph on the second call

@@ -16,10 +16,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import optiserve
-from optiserve.serve import VARIANT_HEADER
+from optiserve.serve import VARIANT_HEADER, tracing
 from optiserve.serve.admin_auth import AdminAuth
 from optiserve.serve.fast_routes import ServingApp
-from optiserve.serve.middleware import BodyLimit, CloseWhileTerminating, InternalErrors
+from optiserve.serve.logs import configure_logging
+from optiserve.serve.middleware import BodyLimit, CloseWhileTerminating, InternalErrors, RequestIds, Traced
 from optiserve.serve.preprocess import BadInput
 from optiserve.serve.routes_admin import add_admin_routes
 from optiserve.serve.routes_predict import add_predict_routes
@@ -62,12 +63,16 @@ def create_app(cfg: ServeConfig, load_before_start: bool = False) -> ServingApp:
             await grpc_server.stop(cfg.shutdown_timeout_s)
         await draining
         await server.stop()
+        await asyncio.get_running_loop().run_in_executor(None, tracing.flush)
 
     app = ServingApp(title="optiserve", version=optiserve.__version__, lifespan=lifespan)
     app.state.server = server
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
     app.add_middleware(InternalErrors)  # outside BodyLimit, so it also sees BodyLimit's errors
     app.add_middleware(CloseWhileTerminating, server=server)
+    if tracing.enabled():
+        app.add_middleware(Traced)
+    app.add_middleware(RequestIds)  # outermost: every answer, a 500 or a 413 too, carries the ID
 
     def variant_header(request: Request) -> dict:
         name = getattr(request.state, "variant", None)
@@ -75,6 +80,7 @@ def create_app(cfg: ServeConfig, load_before_start: bool = False) -> ServingApp:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
+        log.debug("answered %d: %s", exc.status, exc.message)
         return JSONResponse({"error": exc.message}, status_code=exc.status,
                             headers={**variant_header(request), **exc.headers})
 
@@ -85,6 +91,7 @@ def create_app(cfg: ServeConfig, load_before_start: bool = False) -> ServingApp:
 
     @app.exception_handler(BadInput)
     async def bad_input(request: Request, exc: BadInput):
+        log.debug("answered %d: %s", exc.status, exc)
         return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=variant_header(request))
 
     @app.exception_handler(StarletteHTTPException)  # e.g. a malformed multipart body, an unknown path
@@ -104,15 +111,12 @@ def create_app(cfg: ServeConfig, load_before_start: bool = False) -> ServingApp:
     return app
 
 
-def configure_logging() -> None:
-    """The server's own lines (models loaded, warnings) in uvicorn's style, in every process."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-
-
 def app_from_environment() -> FastAPI:
     """uvicorn factory for `--workers N`: each worker process builds the app from the same config."""
-    configure_logging()  # worker processes are spawned fresh: the parent's logging setup is not inherited
-    return create_app(ServeConfig(**json.loads(os.environ[CONFIG_ENV])))
+    cfg = ServeConfig(**json.loads(os.environ[CONFIG_ENV]))
+    configure_logging(cfg.log_format, cfg.log_level)  # spawned fresh: the parent's logging and tracing are not inherited
+    tracing.configure_tracing(cfg.otlp_endpoint)
+    return create_app(cfg)
 
 
 def config_to_environment(cfg: ServeConfig) -> None:

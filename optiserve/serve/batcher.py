@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from optiserve.serve import tracing
 from optiserve.serve.staging import StagingRows, stack_rows
 
 
@@ -107,6 +108,7 @@ class _Row:
     deadline: float | None
     taken: bool = False       # popped from the queue by the batch loop
     abandoned: bool = False   # its caller gave up while it was still queued
+    trace: object = None      # its request's span context, for the batch's span to link to (when tracing)
 
 
 @dataclass
@@ -202,7 +204,8 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         deadline = now + timeout if timeout else None
-        rows = [_Row(img, loop.create_future(), now, deadline) for img in images]
+        trace = tracing.current_span_context()
+        rows = [_Row(img, loop.create_future(), now, deadline, trace=trace) for img in images]
         for row in rows:
             self._queue.put_nowait(row)
         futures = [r.future for r in rows]
@@ -294,6 +297,13 @@ class DynamicBatcher:
                 for _ in batch:
                     self._queue.task_done()
 
+    def _trace(self, live: list[_Row], cut: float, started: float, error: str | None = None) -> None:
+        """The batch's span (cut at `cut`, run from `started` until now), linked to its requests'."""
+        links = [r.trace for r in live if r.trace is not None]
+        if links:
+            tracing.record_batch(links, cut, started, time.perf_counter(),
+                                 {"optiserve.variant": self.name, "optiserve.batch_size": len(live)}, error)
+
     def _stack_and_run(self, images: list[np.ndarray]) -> list[np.ndarray]:
         out = self.run_batch(stack_rows(images))
         return [out] if isinstance(out, np.ndarray) else list(out)
@@ -323,12 +333,14 @@ class DynamicBatcher:
                 raise RuntimeError(f"the model returned {', '.join(map(str, sorted(rows)))} rows for {len(live)} images")
         except Exception as e:  # a failing batch fails only its own requests
             self.on_batch(BatchRecord(len(live), waits, time.perf_counter() - t0, False))
+            self._trace(live, now, t0, f"{type(e).__name__}: {e}")
             for r in live:
                 if not r.future.done():
                     r.future.set_exception(BatchFailed(f"{type(e).__name__}: {e}"))
             return
         compute = time.perf_counter() - t0
         self.on_batch(BatchRecord(len(live), waits, compute, True))
+        self._trace(live, now, t0)
         for i, (r, wait) in enumerate(zip(live, waits)):
             if not r.future.done():
                 r.future.set_result((tuple(o[i] for o in outputs), wait, compute, len(live)))

@@ -17,7 +17,8 @@ DESCRIPTION = """\
 Load the variants of PATH once, warm them up, and serve them with dynamic batching. PATH is one
 artifact folder (one model, named by its manifest) or a repository: a folder of artifact folders,
 each a model named after its sub-folder. Without --ab a model's traffic goes to its fastest
-accepted variant, timed at start-up on this machine.
+accepted variant: the one optimize recommended when it timed on this kind of machine, else the
+fastest timed at start-up (--choose-seconds).
 
   optiserve serve artifacts/resnet18-digits
   optiserve serve artifacts/resnet18-digits --variants onnx-int8,fp32 --ab onnx-int8=0.9,fp32=0.1
@@ -42,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ab", default=None, metavar="A=W,B=W",
                    help="traffic split for requests that name no variant (default: all to the fastest accepted "
                         "variant, timed at start-up)")
+    p.add_argument("--choose-seconds", type=float, default=DEFAULTS.choose_seconds, metavar="S",
+                   help=f"without --ab, the default variant is the one optimize recommended when this machine "
+                        f"matches the one it timed on (CPU, cores, flags, engine versions); otherwise the variants "
+                        f"are timed at start-up for at most S seconds (default {DEFAULTS.choose_seconds:g}; 0: never "
+                        f"time, take the recommendation whatever machine it came from)")
     p.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size, metavar="N",
                    help=f"largest batch the batcher forms (default {DEFAULTS.max_batch_size}; 1 turns batching off)")
     p.add_argument("--max-delay-ms", type=float, default=DEFAULTS.max_delay_ms, metavar="T",
@@ -101,7 +107,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=None, metavar="N",
                    help="also serve the Open Inference Protocol over gRPC (KServe v2 GRPCInferenceService, as "
                         "tritonclient.grpc calls it) on this port, e.g. 8001 (default: HTTP only)")
+    p.add_argument("--tls-cert-file", default=None, metavar="PEM",
+                   help="serve HTTPS and gRPC over TLS with this certificate (chain); needs --tls-key-file")
+    p.add_argument("--tls-key-file", default=None, metavar="PEM", help="the private key of --tls-cert-file")
+    p.add_argument("--tls-client-ca-file", default=None, metavar="PEM",
+                   help="mutual TLS: accept only clients whose certificate this CA (bundle) signed")
     p.add_argument("--access-log", action="store_true", help="log every request (off: it costs CPU under load)")
+    p.add_argument("--log-format", default=DEFAULTS.log_format, choices=["text", "json"],
+                   help="text: uvicorn's style (default); json: one object a line (time, level, logger, message, "
+                        "request_id), for log collectors")
+    p.add_argument("--log-level", default=DEFAULTS.log_level, choices=["debug", "info", "warning", "error"],
+                   help=f"the least severe lines logged (default {DEFAULTS.log_level})")
+    p.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="OpenTelemetry tracing: send spans (request, admission, queue, batch, inference, response) "
+                        "to this OTLP/gRPC collector, e.g. http://otel-collector:4317; a caller's W3C traceparent "
+                        "is continued. Needs pip install 'optiserve[otel]' (default: off)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes, each with its own copy of every variant (default 1)")
 
@@ -124,13 +144,17 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                       model_control=args.model_control, load_models=args.load_models,
                       poll_seconds=args.poll_seconds, strict_readiness=args.strict_readiness,
                       admin_token_file=args.admin_token_file,
-                      model_name=args.model_name, grpc_port=args.grpc_port, host=args.host)
+                      model_name=args.model_name, grpc_port=args.grpc_port, host=args.host,
+                      choose_seconds=args.choose_seconds, log_format=args.log_format, log_level=args.log_level,
+                      tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file,
+                      tls_client_ca_file=args.tls_client_ca_file, otlp_endpoint=args.otlp_endpoint)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from optiserve.serve.app import config_to_environment, configure_logging, create_app
+    from optiserve.serve.tracing import configure_tracing
 
     cfg = config_from_args(args)
     if args.workers > 1 and (cfg.model_control == "explicit" or cfg.admin_token_file):
@@ -147,19 +171,31 @@ def run(args: argparse.Namespace) -> int:
         if cfg.grpc_port == port:
             raise UserError(f"--grpc-port {cfg.grpc_port} is the HTTP port too: give gRPC a port of its own (e.g. 8001)")
         check_port_free(args.host, cfg.grpc_port, "--grpc-port")
-    configure_logging()
+    configure_logging(cfg.log_format, cfg.log_level)
+    configure_tracing(cfg.otlp_endpoint)
     app = create_app(cfg)  # checks the manifest and the variant choice before anything listens
     # uvicorn's own bound on waiting for open requests: ours plus a margin, so it only acts if ours failed
     graceful = cfg.shutdown_timeout_s + 5
+    # log_config=None: the loggers set up above, uvicorn's included
+    options = dict(host=args.host, port=port, access_log=args.access_log, timeout_graceful_shutdown=graceful,
+                   log_config=None, **tls_options(cfg))
     if args.workers > 1:
         config_to_environment(cfg)
-        uvicorn.run("optiserve.serve.app:app_from_environment", factory=True, host=args.host, port=port,
-                    workers=args.workers, access_log=args.access_log, timeout_graceful_shutdown=graceful)
+        uvicorn.run("optiserve.serve.app:app_from_environment", factory=True, workers=args.workers, **options)
         return 0
-    config = uvicorn.Config(app, host=args.host, port=port, access_log=args.access_log,
-                            timeout_graceful_shutdown=graceful)
+    config = uvicorn.Config(app, **options)
     draining_server(config, app.state.server).run()  # a stuck model's daemon thread cannot hold the exit
     return 0
+
+
+def tls_options(cfg: ServeConfig) -> dict:
+    """uvicorn's TLS settings for --tls-cert-file, --tls-key-file and --tls-client-ca-file."""
+    if not cfg.tls:
+        return {}
+    import ssl
+
+    return {"ssl_certfile": cfg.tls_cert_file, "ssl_keyfile": cfg.tls_key_file, "ssl_ca_certs": cfg.tls_client_ca_file,
+            "ssl_cert_reqs": ssl.CERT_REQUIRED if cfg.tls_client_ca_file else ssl.CERT_NONE}
 
 
 def listening_port(port: int | None) -> int:

@@ -45,6 +45,13 @@ class ServeConfig:
     model_name: str | None = None     # a single folder's model name (default: its manifest's model)
     grpc_port: int | None = None      # also serve the Open Inference Protocol over gRPC on this port
     host: str = "127.0.0.1"           # where HTTP (uvicorn) and gRPC listen
+    tls_cert_file: str | None = None  # HTTPS and gRPC over TLS with this certificate (chain) and key
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # mutual TLS: clients must present a certificate this CA signed
+    log_format: str = "text"          # text (uvicorn's style) or json (one object a line)
+    log_level: str = "info"
+    otlp_endpoint: str | None = None  # OpenTelemetry: send trace spans to this OTLP/gRPC collector
+    choose_seconds: float = 4.0       # longest a model's start may time its variants for the default (0: never)
 
     def queue_bytes(self) -> int:
         """--max-queue-bytes, or by default a quarter of the memory this process may use (its
@@ -54,6 +61,41 @@ class ServeConfig:
         from optiserve.machine import memory_limit_bytes
 
         return max(64 << 20, memory_limit_bytes() // 4)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+    def check_tls(self) -> None:
+        """One line naming the option when the TLS files are incomplete, unreadable or do not load
+        (a key that is not the certificate's, a file that is not PEM), before anything listens."""
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise UserError("--tls-cert-file and --tls-key-file go together: give both (the certificate and its key)")
+        if self.tls_client_ca_file is not None and not self.tls:
+            raise UserError("--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file too")
+        if not self.tls:
+            return
+        import ssl
+
+        for option, path in (("--tls-cert-file", self.tls_cert_file), ("--tls-key-file", self.tls_key_file),
+                             ("--tls-client-ca-file", self.tls_client_ca_file)):
+            if path is not None:
+                try:
+                    with open(path, "rb"):
+                        pass
+                except OSError as e:
+                    raise UserError(f"{option} {path}: cannot read it ({e.strerror})") from None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        except (ssl.SSLError, ValueError) as e:
+            raise UserError(f"--tls-cert-file {self.tls_cert_file} with --tls-key-file {self.tls_key_file}: not a PEM "
+                            f"certificate and its private key ({e})") from None
+        if self.tls_client_ca_file is not None:
+            try:
+                context.load_verify_locations(self.tls_client_ca_file)
+            except (ssl.SSLError, ValueError) as e:
+                raise UserError(f"--tls-client-ca-file {self.tls_client_ca_file}: not PEM CA certificates ({e})") from None
 
     def validate(self) -> None:
         for name, value in (("--max-batch-size", self.max_batch_size), ("--max-queue", self.max_queue),
@@ -73,6 +115,18 @@ class ServeConfig:
                             "every model)")
         if self.grpc_port is not None and not 0 < self.grpc_port < 65536:
             raise UserError(f"--grpc-port must be a port number (1-65535), got {self.grpc_port}")
+        from optiserve.serve.logs import LOG_FORMATS, LOG_LEVELS
+
+        if self.log_format not in LOG_FORMATS or self.log_level not in LOG_LEVELS:
+            raise UserError(f"--log-format must be one of {', '.join(LOG_FORMATS)} and --log-level one of "
+                            f"{', '.join(LOG_LEVELS)}; got {self.log_format!r} and {self.log_level!r}")
+        self.check_tls()
+        if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise UserError(f"--otlp-endpoint is a collector's OTLP/gRPC address, http://HOST:4317 (or https:// "
+                            f"over TLS); got {self.otlp_endpoint[:100]!r}")
+        if self.choose_seconds < 0:
+            raise UserError(f"--choose-seconds must be >= 0 (0: never time, take the manifest's recommendation), "
+                            f"got {self.choose_seconds:g}")
         if self.poll_seconds <= 0:
             raise UserError("--poll-seconds must be positive")
         if self.model_name is not None:

@@ -8,7 +8,9 @@ itself also answers it for a message over the size limit), DEADLINE_EXCEEDED (no
 the client's deadline or --timeout-ms), UNAVAILABLE (not ready, or shutting down), PERMISSION_DENIED
 / UNAUTHENTICATED (the repository RPCs without the admin token). Each inference answer carries the
 variant that served it in its trailing metadata (`x-optiserve-variant`) and its timing in the
-response parameters (`server_us`, `queue_us`, `compute_us`, `batch_size`).
+response parameters (`server_us`, `queue_us`, `compute_us`, `batch_size`). Every call's request ID
+(the caller's `x-request-id` metadata, else a new one) comes back in its initial metadata and is on
+every log line about it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -23,8 +26,9 @@ from google.protobuf.message import DecodeError
 
 from optiserve.grpc_protocol import METHODS, SERVICE, pb
 from optiserve.grpc_protocol.infer_wire import InferMessage, read_infer_request
-from optiserve.serve import VARIANT_HEADER, oip
+from optiserve.serve import VARIANT_HEADER, oip, tracing
 from optiserve.serve.admin_auth import AdminAuth
+from optiserve.serve.logs import REQUEST_ID_KEY, accepted_request_id, request_id
 from optiserve.serve.envelope import MAX_NAME_CHARS, OUTPUTS, InferRequest, check_tensor
 from optiserve.serve.preprocess import BadInput, tensor_batch
 from optiserve.serve.server import ApiError, Server
@@ -128,17 +132,18 @@ class InferenceService:
             # list to convert, which must not hold up the loop
             parsed = parse_infer(*args) if message.raw else await server.decode(parse_infer, *args)
             outputs, timing = await server.infer(admission, parsed.images, _deadline_s(context))
-        response = pb.ModelInferResponse(model_name=name, model_version=admission.variant.name, id=parsed.id or "")
-        for out_name, raw in parsed.outputs:
-            data = oip.output_tensor(admission.model, out_name, outputs)
-            datatype = oip.datatype(data)
-            out = response.outputs.add(name=out_name, datatype=datatype, shape=data.shape)
-            if raw:
-                response.raw_output_contents.append(oip.little_endian(data).tobytes())
-            else:
-                getattr(out.contents, OUTPUT_CONTENTS[datatype]).extend(data.reshape(-1).tolist())
-        for key, value in oip.timing_parameters(timing).items():
-            response.parameters[key].int64_param = value
+        with tracing.span("response"):
+            response = pb.ModelInferResponse(model_name=name, model_version=admission.variant.name, id=parsed.id or "")
+            for out_name, raw in parsed.outputs:
+                data = oip.output_tensor(admission.model, out_name, outputs)
+                datatype = oip.datatype(data)
+                out = response.outputs.add(name=out_name, datatype=datatype, shape=data.shape)
+                if raw:
+                    response.raw_output_contents.append(oip.little_endian(data).tobytes())
+                else:
+                    getattr(out.contents, OUTPUT_CONTENTS[datatype]).extend(data.reshape(-1).tolist())
+            for key, value in oip.timing_parameters(timing).items():
+                response.parameters[key].int64_param = value
         if server.shadow.wanted(admission):
             await server.shadow.start(admission, parsed.images, outputs[0])
         return response
@@ -173,15 +178,27 @@ class InferenceService:
             method = getattr(self, name)
 
             async def call(request, context):
+                metadata = dict(context.invocation_metadata() or ())
+                rid = accepted_request_id(metadata.get(REQUEST_ID_KEY))
+                request_id.set(rid)  # each RPC runs in a task of its own
+                await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
+                with tracing.request_span(f"{SERVICE}/{name}", metadata, {
+                        "rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": name, "optiserve.request_id": rid}):
+                    return await answer(request, context)
+
+            async def answer(request, context):
                 try:
                     if isinstance(request, Undecodable):
                         raise BadInput(request.reason)
                     return await method(request, context)
                 except ApiError as e:
+                    log.debug("answered gRPC %s %s: %s", name, STATUS_CODES.get(e.status, grpc.StatusCode.UNKNOWN).name,
+                              e.message)
                     await context.abort(STATUS_CODES.get(e.status, grpc.StatusCode.UNKNOWN), e.message,
                                         _trailing(context))
                 except BadInput as e:
                     code = grpc.StatusCode.INVALID_ARGUMENT
+                    log.debug("answered gRPC %s %s: %s", name, code.name, e)
                     await context.abort(code, str(e), _trailing(context))
                 except Exception:  # noqa: BLE001  what no handler expected: logged here, never sent
                     if context.done():
@@ -249,17 +266,30 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.so_reuseport", 0)]
 
 
+def tls_credentials(cfg) -> grpc.ServerCredentials:
+    """The server's certificate and key, and with --tls-client-ca-file the CA its clients' must chain to."""
+    def read(path: str | None) -> bytes | None:
+        return None if path is None else Path(path).read_bytes()
+
+    return grpc.ssl_server_credentials([(read(cfg.tls_key_file), read(cfg.tls_cert_file))],
+                                       root_certificates=read(cfg.tls_client_ca_file),
+                                       require_client_auth=cfg.tls_client_ca_file is not None)
+
+
 async def start_grpc(server: Server, auth: AdminAuth, host: str, port: int) -> grpc.aio.Server:
     """A started grpc.aio server on `host`:`port` in the running event loop (the HTTP server's)."""
     grpc_server = grpc.aio.server(options=grpc_options(server.cfg.max_body_bytes))
     grpc_server.add_generic_rpc_handlers((InferenceService(server, auth).handler(),))
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = grpc_server.add_insecure_port(address)
+        bound = grpc_server.add_secure_port(address, tls_credentials(server.cfg)) if server.cfg.tls else \
+            grpc_server.add_insecure_port(address)
     except RuntimeError as e:
         raise RuntimeError(f"gRPC cannot listen on {address}: {e} (is --grpc-port in use?)") from None
     if not bound:
         raise RuntimeError(f"gRPC cannot listen on {address} (is --grpc-port in use?)")
     await grpc_server.start()
-    log.info("gRPC (Open Inference Protocol) listening on %s", address)
+    log.info("gRPC (Open Inference Protocol) listening on %s%s", address,
+             " over TLS" + (" (clients must present a certificate)" if server.cfg.tls_client_ca_file else "")
+             if server.cfg.tls else "")
     return grpc_server

@@ -1,15 +1,66 @@
-"""ASGI middleware around every route: the body-size limit, JSON 500s for the unexpected, and
-closing keep-alive connections while the server drains."""
+"""ASGI middleware around every route: request IDs, tracing spans, the body-size limit, JSON 500s
+for the unexpected, and closing keep-alive connections while the server drains."""
 
 from __future__ import annotations
 
 import json
 import logging
 
-from optiserve.serve import VARIANT_HEADER
+from optiserve.serve import VARIANT_HEADER, tracing
 from optiserve.serve.api_error import ApiError
+from optiserve.serve.logs import REQUEST_ID_HEADER, accepted_request_id, request_id
 
 log = logging.getLogger("optiserve.serve")
+
+
+class RequestIds:
+    """ASGI middleware: every request gets an ID (the caller's `X-Request-ID`, else a new one), set
+    for the log lines about it and answered in the same header."""
+
+    header = REQUEST_ID_HEADER.lower().encode()
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = next((v for k, v in scope.get("headers") or () if k == self.header), None)
+        rid = accepted_request_id(sent)
+        scope.setdefault("state", {})["request_id"] = rid
+        token = request_id.set(rid)
+        try:
+            return await self.app(scope, receive, with_header(send, self.header, rid.encode()))
+        finally:
+            request_id.reset(token)
+
+
+class Traced:
+    """ASGI middleware (installed only when tracing is on): each request runs inside its server
+    span, continuing the caller's `traceparent`, which records the status it was answered."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or ()}
+        method, path = scope.get("method", ""), scope.get("path", "")
+        with tracing.request_span(f"{method} {path}", headers, {
+                "http.request.method": method, "url.path": path,
+                "optiserve.request_id": (scope.get("state") or {}).get("request_id", "")}) as span:
+
+            async def traced_send(message):
+                if message["type"] == "http.response.start":
+                    span.set_attribute("http.response.status_code", message["status"])
+                    if message["status"] >= 500:
+                        from opentelemetry.trace import Status, StatusCode
+
+                        span.set_status(Status(StatusCode.ERROR))
+                await send(message)
+
+            return await self.app(scope, receive, traced_send)
 
 
 class BodyLimit:

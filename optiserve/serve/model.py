@@ -18,6 +18,7 @@ from optiserve.artifacts import read_manifest_versioned
 from optiserve.input_spec import InputSpec
 from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.fastest import choose_fastest
+from optiserve.runtime.recorded import recorded_choice
 from optiserve.runtime.variants import LoadedVariant, load_verified, select_variants, warm_up
 from optiserve.serve.batcher import BatchRecord, DynamicBatcher
 from optiserve.serve.metrics import ServerMetrics
@@ -111,21 +112,35 @@ class ServedModel:
             await self.close(0)
             raise
 
-    def choose_fastest(self, max_batch_size: int) -> dict | None:
+    def choose_fastest(self, max_batch_size: int, seconds: float, threads: int | None) -> dict | None:
         """Send the default traffic to the accepted variant with the highest throughput at
-        `max_batch_size`, timed here and now, by the rule the optimizer recommends with (a tie within
-        noise goes to the smaller file: see runtime.fastest). Blocking: run it off the event loop.
-        None when there is nothing to choose between."""
+        `max_batch_size`, by the rule the optimizer recommends with (a tie within noise goes to the
+        smaller file: see runtime.fastest): the optimizer's own record where this machine matches
+        the one it timed on (runtime.recorded), else timed here and now for at most `seconds`
+        (0: not timed; the record whatever machine it came from, else the first candidate).
+        Blocking: run it off the event loop. None when there is nothing to choose between."""
         accepted = [n for n in self.variants if self.variants[n].loaded.entry.get("status") == "accepted"]
         candidates = accepted or list(self.variants)
         if len(candidates) < 2:
             return None
+        entries = {n: self.variants[n].loaded.entry for n in candidates}
+        devices = {self.variants[n].loaded.session.device for n in candidates}
+        recorded = recorded_choice(self.manifest, entries, devices, max_batch_size, threads, any_machine=seconds <= 0)
+        if recorded.choice is not None:
+            self.choice = recorded.choice
+            return self.choice
+        if seconds <= 0:
+            self.choice = {"variant": candidates[0], "batch_size": max_batch_size, "source": "first",
+                           "why": f"not timed (--choose-seconds 0) and {recorded.reason}: the first candidate"}
+            return self.choice
         batch = np.random.default_rng(0).standard_normal((max_batch_size, *self.spec.shape), dtype=np.float32)
-        sizes = {n: self.variants[n].loaded.entry.get("size_bytes") or 0 for n in candidates}
-        choice = choose_fastest({n: self.variants[n].loaded.session for n in candidates}, batch, sizes)
+        sizes = {n: entries[n].get("size_bytes") or 0 for n in candidates}
+        choice = choose_fastest({n: self.variants[n].loaded.session for n in candidates}, batch, sizes,
+                                max_seconds=seconds * 2 / 3, retime_seconds=seconds / 3)
         throughput = {n: max_batch_size / (ms / 1000) for n, ms in choice.medians_ms.items()}
-        self.choice = {"variant": choice.chosen, "batch_size": max_batch_size,
-                       "why": f"highest throughput at batch {max_batch_size} on this machine: {choice.describe()}",
+        self.choice = {"variant": choice.chosen, "batch_size": max_batch_size, "source": "timed",
+                       "why": f"highest throughput at batch {max_batch_size}, timed at start-up ({recorded.reason}): "
+                              f"{choice.describe()}",
                        "images_per_s": {n: round(t, 1) for n, t in throughput.items()}, **choice.to_dict()}
         return self.choice
 

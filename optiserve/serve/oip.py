@@ -48,12 +48,25 @@ def model_metadata(model: ServedModel, version: str | None) -> dict:
 
 def model_ready(server: Server, name: str, version: str | None = None) -> bool:
     """Whether `name` (and `version`, if given) can answer now; 404 for a model the server does not know."""
+    return model_not_ready_reason(server, name, version) is None
+
+
+def model_not_ready_reason(server: Server, name: str, version: str | None = None) -> str | None:
+    """Why `name` (and `version`, if given) cannot answer now, as its ready endpoint says it; None
+    when it can. 404 for a model the server does not know."""
     if name not in server.models and name not in server.repository.status:
         raise ApiError(404, f"unknown model {name!r}; served: {', '.join(sorted(server.models)) or 'none'}")
     model = server.models.get(name)
     if model is not None:
         check_version(model, version)
-    return server.model_reports_ready and model is not None and (version is None or version in model.variants)
+    if not server.model_reports_ready:
+        return server.not_ready_reason() or "shutting down"
+    if model is None:
+        status = server.repository.status[name]
+        return f"{status.state.lower()}{': ' + status.reason if status.reason else ''}"
+    if version is not None and version not in model.variants:
+        return f"variant {version} is not loaded"
+    return None
 
 
 def output_tensor(model: ServedModel, name: str, outputs: tuple[np.ndarray, ...]) -> np.ndarray:

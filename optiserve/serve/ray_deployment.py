@@ -78,6 +78,9 @@ def build(args: dict):
         raise UserError("--grpc-port does not apply under Ray Serve: replicas sharing a node would contend for the "
                         "port, and Ray's proxy routes HTTP only; use Ray Serve's own gRPC proxy, or serve gRPC "
                         "with `optiserve serve --grpc-port` replicas behind a load balancer (KServe, Kubernetes)")
+    if cfg.tls:
+        raise UserError("--tls-cert-file does not apply under Ray Serve: its HTTP proxy, not the replicas, "
+                        "accepts the connections; set TLS on Ray Serve's proxy (http_options) or on the ingress")
     options = deployment_options(args, cfg.max_batch_size)
 
     @serve.deployment(name="optiserve", **options)
@@ -95,8 +98,10 @@ def build(args: dict):
         def __serve_build_asgi_app__(self):
             from optiserve.serve.app import configure_logging, create_app
             from optiserve.serve.middleware import ResponseHeader
+            from optiserve.serve.tracing import configure_tracing
 
-            configure_logging()
+            configure_logging(self.cfg.log_format, self.cfg.log_level)
+            configure_tracing(self.cfg.otlp_endpoint)
             self.optiserve_app = create_app(self.cfg, load_before_start=True)
             self.optiserve_app.add_middleware(ResponseHeader, name=REPLICA_HEADER, value=self.replica)
             return self.optiserve_app

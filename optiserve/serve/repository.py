@@ -184,7 +184,8 @@ class ModelRepository:
         if old is not None and old.traffic_source == "api" and set(old.router.shares) <= set(model.variants):
             return
         loop = asyncio.get_running_loop()
-        choice = await loop.run_in_executor(self.loader, model.choose_fastest, self.cfg.max_batch_size)
+        choice = await loop.run_in_executor(self.loader, model.choose_fastest, self.cfg.max_batch_size,
+                                            self.cfg.choose_seconds, self.cfg.threads)
         if choice is not None:
             model.set_traffic({choice["variant"]: 1.0}, None, False, source="fastest")
             log.info("model %s: serving %s by default: %s", model.name, choice["variant"], choice["why"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from optiserve.serve import VARIANT_HEADER
+from optiserve.serve import VARIANT_HEADER, tracing
 from optiserve.serve.envelope import MAX_NAME_CHARS, predict_request, top_k
 from optiserve.serve.fast_routes import ServingApp
 from optiserve.serve.multipart import Part, boundary_of, parse_form
@@ -62,13 +62,14 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                     server.reroute(admission, parsed.variant, request)
                 images, k = parsed.images, k or parsed.top_k
             (logits, *_), timing = await server.infer(admission, images, request=request)
-        answer = model.task.answer(logits, model.manifest, {"top_k": k or min(cfg.top_k, len(model.classes)),
-                                                            "normalize": normalize, "sizes": sizes,
-                                                            "score_threshold": threshold})
-        variant = admission.variant.name
-        return FastJSONResponse({"model": model.name, "variant": variant, **answer,
-                                 "latency_ms": timing}, headers={VARIANT_HEADER: variant},
-                                background=server.shadow.task(admission, images, logits))
+        with tracing.span("response"):
+            answer = model.task.answer(logits, model.manifest, {"top_k": k or min(cfg.top_k, len(model.classes)),
+                                                                "normalize": normalize, "sizes": sizes,
+                                                                "score_threshold": threshold})
+            variant = admission.variant.name
+            return FastJSONResponse({"model": model.name, "variant": variant, **answer,
+                                     "latency_ms": timing}, headers={VARIANT_HEADER: variant},
+                                    background=server.shadow.task(admission, images, logits))
 
     app.add_fast_route("/predict", predict, PREDICT_OPERATION)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from optiserve.serve import VARIANT_HEADER, oip
+from optiserve.serve import VARIANT_HEADER, oip, tracing
 from optiserve.serve.binary import HEADER as BINARY_HEADER
 from optiserve.serve.binary import encode_response
 from optiserve.serve.envelope import infer_request
@@ -41,9 +41,10 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
         return oip.model_metadata(oip.served(server, name, version), version)
 
     def readiness(name: str, version: str | None = None) -> JSONResponse:
-        ok = oip.model_ready(server, name, version)
-        body = {"name": name, **({"version": version} if version else {}), "ready": ok}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        why = oip.model_not_ready_reason(server, name, version)
+        body = {"name": name, **({"version": version} if version else {}), "ready": why is None,
+                **({"error": why} if why else {})}
+        return JSONResponse(body, status_code=200 if why is None else 503)
 
     @app.get("/v2/models/{name}/ready")
     async def model_ready(name: str):
@@ -64,27 +65,28 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
             parsed = await server.decode(infer_request, body, binary_header, model.spec,
                                          cfg.max_queue, admission.hold_json, model.protocol_outputs)
             tensors, timing = await server.infer(admission, parsed.images, request=request)
-        variant = admission.variant.name
-        outputs, binary = [], []
-        for out_name, as_binary in parsed.outputs:
-            data = oip.output_tensor(model, out_name, tensors)
-            entry = {"name": out_name, "datatype": oip.datatype(data), "shape": list(data.shape)}
-            if as_binary:
-                binary.append((entry, data))
-            else:
-                entry["data"] = data.reshape(-1).tolist()
-            outputs.append(entry)
-        response = {"model_name": name, "model_version": variant, "outputs": outputs,
-                    "parameters": oip.timing_parameters(timing)}
-        if parsed.id is not None:
-            response["id"] = parsed.id
-        content, header_length = encode_response(response, binary)
-        headers = {VARIANT_HEADER: variant}
-        background = server.shadow.task(admission, parsed.images, tensors[0])
-        if header_length is None:
-            return Response(content, media_type="application/json", headers=headers, background=background)
-        return Response(content, media_type="application/octet-stream",
-                        headers={**headers, BINARY_HEADER: str(header_length)}, background=background)
+        with tracing.span("response"):
+            variant = admission.variant.name
+            outputs, binary = [], []
+            for out_name, as_binary in parsed.outputs:
+                data = oip.output_tensor(model, out_name, tensors)
+                entry = {"name": out_name, "datatype": oip.datatype(data), "shape": list(data.shape)}
+                if as_binary:
+                    binary.append((entry, data))
+                else:
+                    entry["data"] = data.reshape(-1).tolist()
+                outputs.append(entry)
+            response = {"model_name": name, "model_version": variant, "outputs": outputs,
+                        "parameters": oip.timing_parameters(timing)}
+            if parsed.id is not None:
+                response["id"] = parsed.id
+            content, header_length = encode_response(response, binary)
+            headers = {VARIANT_HEADER: variant}
+            background = server.shadow.task(admission, parsed.images, tensors[0])
+            if header_length is None:
+                return Response(content, media_type="application/json", headers=headers, background=background)
+            return Response(content, media_type="application/octet-stream",
+                            headers={**headers, BINARY_HEADER: str(header_length)}, background=background)
 
     # Fast routes (fast_routes.py), not FastAPI endpoints: FastAPI's layers, dependency solving
     # and validation cost CPU the model needs, and these take nothing but the path and the body.

@@ -18,7 +18,7 @@ import numpy as np
 from starlette.requests import ClientDisconnect, Request
 
 from optiserve.runtime import RuntimeOptions
-from optiserve.serve import VARIANT_HEADER
+from optiserve.serve import VARIANT_HEADER, tracing
 from optiserve.serve.api_error import ApiError, ClientGone
 from optiserve.serve.batcher import BatchFailed, DaemonExecutor, QueueFull, Reservation, ShuttingDown
 from optiserve.serve.config import ServeConfig
@@ -164,17 +164,20 @@ class Server:
         overload refusing must cost almost nothing, and only as many requests as there are free
         places may go on to be decoded: both are CPU the accepted requests need. An HTTP `request`
         is told the variant, for the variant header of whatever answer it gets."""
-        self._check_ready()
-        model = self.model(model_name)
-        variant = self._named(model, variant_name) if variant_name is not None else \
-            model.variants[model.router.pick()]
-        if request is not None:
-            request.state.variant = variant.name  # for the variant header, also on unexpected errors
-        try:
-            reservation = variant.batcher.reserve()
-        except QueueFull as e:
-            raise self._overloaded(model, variant, e) from None
-        admission = Admission(model, variant, reservation, self.memory.hold())
+        with tracing.span("admission") as span:
+            self._check_ready()
+            model = self.model(model_name)
+            variant = self._named(model, variant_name) if variant_name is not None else \
+                model.variants[model.router.pick()]
+            if request is not None:
+                request.state.variant = variant.name  # for the variant header, also on unexpected errors
+            if span is not None:
+                span.set_attributes({"optiserve.model": model.name, "optiserve.variant": variant.name})
+            try:
+                reservation = variant.batcher.reserve()
+            except QueueFull as e:
+                raise self._overloaded(model, variant, e) from None
+            admission = Admission(model, variant, reservation, self.memory.hold())
         model.enter()  # the version stays loaded until this request is answered, even if replaced
         try:
             yield admission
@@ -310,6 +313,7 @@ class Server:
         timeout = self.cfg.timeout_ms / 1000 if deadline_s is None else min(self.cfg.timeout_ms / 1000, deadline_s)
         try:
             admission.held.grow(images.nbytes, "its decoded images")
+            queued = time.perf_counter()
             submitted = variant.batcher.submit(images, timeout, admission.reservation)
             result = await (submitted if request is None else self._unless_client_leaves(submitted, request, admission))
         except QueueFull as e:
@@ -324,6 +328,8 @@ class Server:
             self._record(model, variant, "unavailable")
             raise ApiError(503, str(e), served) from None
         seconds = time.perf_counter() - t0
+        tracing.record_span("queue", queued, queued + result.queue_s,
+                            {"optiserve.variant": variant.name, "optiserve.batch_size": result.batch_size})
         self._record(model, variant, "ok", seconds, len(images))
         return result.outputs, {"server_ms": 1000 * seconds, "queue_ms": 1000 * result.queue_s,
                                "compute_ms": 1000 * result.compute_s, "batch_size": result.batch_size,

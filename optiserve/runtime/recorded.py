@@ -1,0 +1,86 @@
+"""The optimizer's recorded choice of the fastest variant, reused where it still holds.
+
+`optimize` times every variant side by side and records the fastest (`recommended`, with its
+evidence) together with the CPU and the library versions it ran on. A server starting on the same
+kind of machine, with the same engines, at the batch size the optimizer timed, would measure the
+same order again; re-timing costs seconds of every start (and of every replica a scaler adds). So
+the record is reused when the fingerprint matches, and the server times afresh only where it does
+not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import metadata
+
+from optiserve.machine import cpu_facts
+from optiserve.runtime.fastest import describe
+from optiserve.runtime.registry import get_backend
+
+MACHINE_KEYS = ("model", "cores", "flags")
+
+
+@dataclass
+class Recorded:
+    """The recorded choice for this server (`choice`, shaped as a fresh measurement is), or None
+    with the reason it does not apply here."""
+
+    choice: dict | None
+    reason: str = ""
+
+
+def installed_version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def fingerprint_differences(manifest: dict, backends: set[str], devices: set[str]) -> list[str]:
+    """How this machine differs from the one the manifest's timings were taken on, for variants of
+    `backends` running on `devices`: the CPU (model, core count, instruction flags), a GPU on either
+    side, and the versions of the engines those backends run on. Empty when they match."""
+    recorded, here = manifest.get("machine") or {}, cpu_facts()
+    differences = [f"CPU {key} {recorded.get(key)!r} there, {here[key]!r} here" for key in MACHINE_KEYS
+                   if recorded.get(key) != here[key]]
+    if recorded.get("gpu") or devices - {"cpu"}:
+        differences.append("timed or served on a GPU (its recorded timings are not compared across devices)")
+    versions = manifest.get("versions") or {}
+    for package in sorted({p for b in backends for p in get_backend(b).packages}):
+        if versions.get(package) != installed_version(package):
+            differences.append(f"{package} {versions.get(package) or 'not recorded'} there, "
+                               f"{installed_version(package) or 'not installed'} here")
+    return differences
+
+
+def recorded_choice(manifest: dict, candidates: dict[str, dict], devices: set[str], batch_size: int,
+                    threads: int | None, any_machine: bool = False) -> Recorded:
+    """The manifest's fastest variant at `batch_size` among `candidates` (name: manifest entry),
+    if the optimizer timed that batch size, on this kind of machine with these engines, with the
+    engines' default threads. `any_machine`: take it whatever the fingerprint (a server told not to
+    time at all)."""
+    rec = manifest.get("recommended")
+    if not rec:
+        return Recorded(None, "the manifest records no recommendation")
+    key = {1: "latency", rec.get("batch"): "throughput"}.get(batch_size)
+    if key is None:
+        return Recorded(None, f"the optimizer timed batch 1 and {rec.get('batch')}, this server batches up to "
+                              f"{batch_size}")
+    chosen = rec.get(key)
+    if chosen not in candidates:
+        return Recorded(None, f"the recommended {chosen} is not among the variants served here")
+    if not any_machine:
+        if threads is not None:
+            return Recorded(None, "--threads differs from the engines' default the optimizer timed with")
+        differences = fingerprint_differences(manifest, {e["backend"] for e in candidates.values()}, devices)
+        if differences:
+            return Recorded(None, "this machine differs from the optimizer's: " + "; ".join(differences))
+    evidence = (rec.get("evidence") or {}).get(key) or {"variant": chosen, "runner_up": None}
+    per_s = {name: round(batch_size / (entry["latency_ms"][str(batch_size)] / 1000), 1)
+             for name, entry in candidates.items() if str(batch_size) in (entry.get("latency_ms") or {})}
+    where = "on this machine" if not any_machine else "possibly on another machine (not re-timed: --choose-seconds 0)"
+    return Recorded({"variant": chosen, "batch_size": batch_size, "source": "manifest",
+                     "why": f"highest throughput at batch {batch_size}, as optimize timed it {where}: "
+                            f"{describe(evidence)}",
+                     "images_per_s": per_s, **{k: v for k, v in evidence.items() if k != "variant"},
+                     "variant": chosen})
