@@ -126,7 +126,7 @@ class InferenceService:
         with server.admitted(name, version) as admission:
             context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
             admission.held.grow(message.size, "its message")  # held by the request until it ends, as a body
-            args = (message, admission.model.spec, server.cfg.max_queue, admission.model.protocol_outputs)
+            args = (message, admission.model.spec, admission.model.settings.max_queue, admission.model.protocol_outputs)
             # raw bytes are a view and a check, cheaper here than a hop to the decode threads (measured:
             # ~0.2 core-ms a request less outside the inference threads); typed contents are a Python
             # list to convert, which must not hold up the loop

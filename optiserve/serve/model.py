@@ -22,6 +22,7 @@ from optiserve.runtime.recorded import recorded_choice
 from optiserve.runtime.variants import LoadedVariant, load_verified, select_variants, warm_up
 from optiserve.serve.batcher import BatchRecord, DynamicBatcher
 from optiserve.serve.metrics import ServerMetrics
+from optiserve.serve.model_settings import SETTINGS_FILE, ModelSettings
 from optiserve.serve.stats import VariantStats
 from optiserve.serve.traffic import Router, Shadow, ShadowStats, parse_ab
 
@@ -58,11 +59,12 @@ class ServedModel:
     """An artifact folder being served. Constructing it reads the manifest and chooses the variants
     (a clear error for a bad folder); `load` creates and warms the sessions and starts the batchers."""
 
-    def __init__(self, name: str, folder: str | Path, variants: list[str] | None = None, ab: str | None = None,
-                 manifest_sha256: str | None = None):
-        self.name, self.folder = name, Path(folder)
+    def __init__(self, name: str, folder: str | Path, settings: ModelSettings, manifest_sha256: str | None = None,
+                 settings_version: str | None = None):
+        self.name, self.folder, self.settings = name, Path(folder), settings
         self.manifest, self.version = read_manifest_versioned(self.folder, manifest_sha256)
-        self.entries = select_variants(self.manifest, variants)
+        self.settings_version = settings_version  # sha256 of the serving.json it was read from (None: none)
+        self.entries = select_variants(self.manifest, settings.variants)
         self.spec = InputSpec.from_dict(self.manifest["input"])
         self.classes: list[str] = self.manifest["classes"]
         self.task = get_task(self.manifest.get("task"))  # what the output means: answers, outputs, agreement
@@ -71,8 +73,10 @@ class ServedModel:
         self.extra_outputs: list[dict] = list(self.manifest.get("outputs") or [])[1:]
         self.protocol_outputs = (*self.task.outputs, *(o["name"] for o in self.extra_outputs))
         names = [e["name"] for e in self.entries]
-        self.router = Router(parse_ab(ab, names))
-        self.traffic_source = "--ab" if ab else "default"  # what set the split: --ab, default, fastest, api
+        ab, origin = settings.ab, "--ab" if settings.sources.get("traffic") != "file" else f"{SETTINGS_FILE} traffic"
+        self.router = Router(parse_ab(ab, names, origin))
+        # what set the split: --ab, serving.json, default, fastest, api
+        self.traffic_source = (origin if origin == "--ab" else SETTINGS_FILE) if ab else "default"
         self.choice: dict | None = None  # why the default split chose its variant, when it was measured
         self.shadow: Shadow | None = None
         self.shadow_stats: dict[str, ShadowStats] = {}

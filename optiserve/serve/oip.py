@@ -34,6 +34,13 @@ def served(server: Server, name: str, version: str | None = None) -> ServedModel
     return model
 
 
+def model_config(model: ServedModel) -> dict:
+    """What GET /v2/models/{model}/config answers: the effective serving settings and their sources."""
+    return {"name": model.name, "manifest_sha256": model.version[:12],
+            "serving_json_sha256": model.settings_version[:12] if model.settings_version else None,
+            "settings": model.settings.described(), "variants": list(model.variants), "traffic": model.traffic()}
+
+
 def model_metadata(model: ServedModel, version: str | None) -> dict:
     c, h, w = model.spec.shape
     return {"name": model.name, "versions": model.entry_names, "platform": "optiserve",

@@ -19,6 +19,7 @@ from optiserve.serve.api_error import ApiError
 from optiserve.serve.config import ServeConfig
 from optiserve.serve.metrics import ServerMetrics
 from optiserve.serve.model import BatchingConfig, ServedModel
+from optiserve.serve.model_settings import model_settings, settings_version
 from optiserve.serve.traffic import Shadow, TrafficError, parse_traffic
 
 log = logging.getLogger("optiserve.serve")
@@ -44,7 +45,7 @@ class ModelStatus:
     state: str
     version: str | None = None
     reason: str = ""
-    failed_version: str | None = None  # the manifest a failed (re)load read: polling does not retry it
+    failed_version: tuple | None = None  # the manifest and serving.json a failed (re)load read: polling does not retry them
 
 
 class ModelRepository:
@@ -74,7 +75,7 @@ class ModelRepository:
             except UserError as e:
                 if not self.is_repository:
                     raise  # one folder: a bad folder or variant choice is one clear line at start-up
-                self._failed(name, str(e), manifest_version(found[name]))
+                self._failed(name, str(e), folder_version(found[name]))
         self._locks: dict[str, list] = {}  # name -> [lock, holders and waiters]
         self._missing: dict[str, int] = {}
         self.poller: asyncio.Task | None = None
@@ -94,8 +95,9 @@ class ModelRepository:
         return list(dict.fromkeys(wanted))
 
     def _prepare(self, name: str, folder: Path) -> ServedModel:
-        cfg = self.cfg
-        return ServedModel(name, folder, cfg.variants, cfg.ab, cfg.manifest_sha256)
+        """The model in `folder`, its manifest and serving.json read and checked (not loaded yet)."""
+        version = settings_version(folder)
+        return ServedModel(name, folder, model_settings(folder, self.cfg), self.cfg.manifest_sha256, version)
 
     def _failed(self, name: str, reason: str, version: str | None) -> None:
         status = self.status.setdefault(name, ModelStatus("UNAVAILABLE"))
@@ -145,7 +147,7 @@ class ModelRepository:
         if old is None:
             status.state, status.reason = "LOADING", ""
         try:
-            await model.load(self.loader, self.options, self.batching, self.metrics)
+            await model.load(self.loader, self.options, model.settings.batching(self.batching), self.metrics)
             await self._measure_default(model, old)
         except asyncio.CancelledError:
             await model.close(0)
@@ -155,7 +157,8 @@ class ModelRepository:
                 await model.close(0)  # loaded but not measured: its batchers must not run on unseen
                 why = f"{type(e).__name__}: {e}" if not isinstance(e, UserError) else str(e)
                 self._failed(name, f"{'reload' if old else 'load'} failed: {why}" +
-                             (f"; version {old.version[:12]} still serves" if old else ""), model.version)
+                             (f"; version {old.version[:12]} still serves" if old else ""),
+                             (model.version, model.settings_version))
                 return False
         if self.stopping:  # shutdown began while it loaded: close it rather than start serving it
             await model.close(0)
@@ -184,7 +187,7 @@ class ModelRepository:
         if old is not None and old.traffic_source == "api" and set(old.router.shares) <= set(model.variants):
             return
         loop = asyncio.get_running_loop()
-        choice = await loop.run_in_executor(self.loader, model.choose_fastest, self.cfg.max_batch_size,
+        choice = await loop.run_in_executor(self.loader, model.choose_fastest, model.settings.max_batch_size,
                                             self.cfg.choose_seconds, self.cfg.threads)
         if choice is not None:
             model.set_traffic({choice["variant"]: 1.0}, None, False, source="fastest")
@@ -253,8 +256,10 @@ class ModelRepository:
             try:
                 model = await _off_loop(self._prepare, name, folder)
             except UserError as e:
-                self._failed(name, f"{'reload' if name in self.models else 'load'} failed: {e}",
-                             await _off_loop(manifest_version, folder))
+                old = self.models.get(name)
+                self._failed(name, f"{'reload' if old else 'load'} failed: {e}" +
+                             (f"; version {old.version[:12]} still serves" if old else ""),
+                             await _off_loop(folder_version, folder))
                 raise ApiError(400, self.status[name].reason) from None
             if not await self._activate(name, model):
                 raise ApiError(400, self.status[name].reason)
@@ -285,7 +290,7 @@ class ModelRepository:
             version = versions[name]
             served = self.models.get(name)
             status = self.status.get(name)
-            if version is None or (served is not None and served.version == version):
+            if version[0] is None or (served is not None and (served.version, served.settings_version) == version):
                 continue
             if status is not None and status.failed_version == version:
                 continue  # this very manifest failed already: wait for a new one
@@ -301,9 +306,9 @@ class ModelRepository:
             self.required.discard(name)  # a start-up model that failed and was then removed from the folder
 
     def _scan_with_versions(self) -> tuple[dict[str, Path], dict[str, str | None]]:
-        """The models and the sha256 of each manifest.json: what a poll compares (blocking: file reads)."""
+        """The models and each one's folder_version: what a poll compares (blocking: file reads)."""
         found = self.find_models()
-        return found, {name: manifest_version(folder) for name, folder in found.items()}
+        return found, {name: folder_version(folder) for name, folder in found.items()}
 
     async def _poll_forever(self) -> None:
         while True:
@@ -371,6 +376,12 @@ class ModelRepository:
         model.set_traffic(shares, shadow, shadow_given)
         log.info("model %s: traffic set to %s", name, model.traffic())
         return model.traffic()
+
+
+def folder_version(folder: Path) -> tuple[str | None, str | None]:
+    """The sha256 of a model folder's manifest.json and of its serving.json (None where missing): a
+    change to either is a new version of the model to load."""
+    return manifest_version(folder), settings_version(folder)
 
 
 async def _off_loop(fn, *args):

@@ -16,7 +16,6 @@ from optiserve.serve.server import Server
 
 
 def add_protocol_routes(app: ServingApp, server: Server) -> None:
-    cfg = server.cfg
 
     @app.get("/v2")
     async def server_metadata():
@@ -39,6 +38,12 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
     @app.get("/v2/models/{name}/versions/{version}")
     async def version_metadata(name: str, version: str):
         return oip.model_metadata(oip.served(server, name, version), version)
+
+    @app.get("/v2/models/{name}/config")
+    async def model_config(name: str):
+        """The settings the model is served with, each with where it came from: its folder's
+        serving.json (`file`), a server flag (`flag`) or the built-in default (`default`)."""
+        return oip.model_config(oip.served(server, name))
 
     def readiness(name: str, version: str | None = None) -> JSONResponse:
         why = oip.model_not_ready_reason(server, name, version)
@@ -63,7 +68,7 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
             binary_header = request.headers.get(BINARY_HEADER)  # binary tensor bytes may hold any byte, commas too
             body = await server.read_body(request, admission, json_values=binary_header is None)
             parsed = await server.decode(infer_request, body, binary_header, model.spec,
-                                         cfg.max_queue, admission.hold_json, model.protocol_outputs)
+                                         model.settings.max_queue, admission.hold_json, model.protocol_outputs)
             tensors, timing = await server.infer(admission, parsed.images, request=request)
         with tracing.span("response"):
             variant = admission.variant.name

@@ -207,7 +207,7 @@ class Server:
         try:
             if admission is None:
                 return await self._within_body_timeout(request.body())
-            limit = max_commas(admission.model.spec, self.cfg.max_queue) if json_values else None
+            limit = max_commas(admission.model.spec, admission.model.settings.max_queue) if json_values else None
             return await self._within_body_timeout(self._read_held(request, admission, limit))
         except ClientDisconnect:
             raise self._client_gone(admission, "while uploading its body") from None
@@ -228,7 +228,7 @@ class Server:
             if comma_limit is not None:
                 commas += chunk.count(b",")
                 if commas > comma_limit:
-                    raise too_many_values(commas, admission.model.spec, self.cfg.max_queue)
+                    raise too_many_values(commas, admission.model.spec, admission.model.settings.max_queue)
             chunks.append(chunk)
             size += len(chunk)
         body = b"".join(chunks)
@@ -310,7 +310,8 @@ class Server:
         t0 = time.perf_counter()
         model, variant = admission.model, admission.variant
         served = {VARIANT_HEADER: variant.name}  # failures say which variant the A/B split chose
-        timeout = self.cfg.timeout_ms / 1000 if deadline_s is None else min(self.cfg.timeout_ms / 1000, deadline_s)
+        own = model.settings.timeout_ms / 1000
+        timeout = own if deadline_s is None else min(own, deadline_s)
         try:
             admission.held.grow(images.nbytes, "its decoded images")
             queued = time.perf_counter()

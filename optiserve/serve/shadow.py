@@ -60,7 +60,7 @@ class ShadowRunner:
         if target is None:
             return
         stats = model.shadow_stats.setdefault(target.name, ShadowStats())
-        limit = self.cfg.max_batch_size
+        limit = model.settings.max_batch_size
         if (self.shutting_down() or target.batcher.depth >= limit or admission.variant.batcher.depth >= limit
                 or not target.batcher.has_room(len(images))):
             stats.dropped += 1
@@ -69,7 +69,7 @@ class ShadowRunner:
         t0 = time.perf_counter()
         model.enter()
         try:
-            result = await target.batcher.submit(images, self.cfg.timeout_ms / 1000)
+            result = await target.batcher.submit(images, model.settings.timeout_ms / 1000)
         except Exception as e:  # a shadow failure is counted, never seen by a caller
             stats.failed += 1
             log.debug("shadow run on %s/%s failed: %s", model.name, target.name, e)

@@ -14,8 +14,9 @@ from optiserve.errors import UserError
 from optiserve.intervals import wilson_interval
 
 
-def parse_ab(spec: str | None, served: list[str]) -> dict[str, float]:
-    """`int8=0.9,fp32=0.1` -> traffic shares summing to 1. Default: everything to the first served variant."""
+def parse_ab(spec: str | None, served: list[str], origin: str = "--ab") -> dict[str, float]:
+    """`int8=0.9,fp32=0.1` -> traffic shares summing to 1. Default: everything to the first served
+    variant. `origin` names where the weights were set, for the error."""
     if not spec:
         return {served[0]: 1.0}
     weights = {}
@@ -27,13 +28,13 @@ def parse_ab(spec: str | None, served: list[str]) -> dict[str, float]:
         except ValueError:
             weight = -1.0
         if not sep or weight < 0:
-            raise UserError(f"--ab takes VARIANT=WEIGHT pairs like int8=0.9,fp32=0.1; got {part!r}")
+            raise UserError(f"{origin} takes VARIANT=WEIGHT pairs like int8=0.9,fp32=0.1; got {part!r}")
         if name not in served:
-            raise UserError(f"--ab names {name!r}, which is not served (served: {', '.join(served)})")
+            raise UserError(f"{origin} names {name!r}, which is not served (served: {', '.join(served)})")
         weights[name] = weight
     total = sum(weights.values())
     if total <= 0:
-        raise UserError("--ab weights must not all be zero")
+        raise UserError(f"{origin} weights must not all be zero")
     return {k: v / total for k, v in weights.items()}
 
 
