@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
-from optiserve.serve.launch import free_port  # noqa: E402
+from optiserve.serve.launch import free_port, stop  # noqa: E402
 
 REQUESTS = 20
 POLL_S = 0.05
@@ -99,12 +99,7 @@ def start_and_measure(command: list[str], ready_url: str, predict_url: str, imag
                     r.raise_for_status()
             return ready_s, rss_bytes(proc.pid)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, 30)
 
 
 def optiserve_command(folder: Path, port: int, *args: str) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -41,6 +42,14 @@ class RecordingSession:
     def run(self, batch):
         self.calls.append(self.name)
         return np.zeros((len(batch), 10), np.float32)
+
+
+def repository_of(artifact: Path, root: Path, names: tuple[str, ...]) -> Path:
+    """A model repository at `root`: a copy of the artifact folder `artifact` under each of `names`."""
+    root.mkdir()
+    for name in names:
+        shutil.copytree(artifact, root / name)
+    return root
 
 
 def until(condition, seconds: float = 60.0, step: float = 0.05) -> None:

@@ -10,10 +10,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import until
-from optiserve.artifacts import read_manifest
+from optiserve.artifacts import read_manifest, versions
 from optiserve.errors import UserError
 from optiserve.machine import cpu_facts
-from optiserve.runtime.recorded import fingerprint_differences, installed_version, recorded_choice
+from optiserve.runtime.recorded import fingerprint_differences, recorded_choice
 from optiserve.serve.app import ServeConfig, create_app
 import optiserve.serve.model as served_model
 from optiserve.runtime.fastest import choose_fastest
@@ -88,7 +88,7 @@ def test_a_recorded_choice_holds_only_for_the_same_cpu_engines_threads_and_batch
     older["versions"]["onnxruntime"] = "1.0.0"
     differs = recorded_choice(older, accepted, {"cpu"}, n, None)
     assert differs.choice is None
-    assert f"onnxruntime 1.0.0 there, {installed_version('onnxruntime')} here" in differs.reason
+    assert f"onnxruntime 1.0.0 there, {versions()['onnxruntime']} here" in differs.reason
 
     fewer_cores = json.loads(json.dumps(manifest))
     fewer_cores["machine"]["cores"] = cpu_facts()["cores"] + 6

@@ -5,14 +5,13 @@ version serving) with the reason in the index."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import until
+from conftest import repository_of, until
 from optiserve.errors import UserError
 from optiserve.serve.app import ServeConfig, create_app
 from optiserve.serve.model_settings import read_settings_file
@@ -22,11 +21,7 @@ ZEROS = np.zeros((1, 1, 16, 16)).tolist()
 
 @pytest.fixture
 def repository(small_artifact, tmp_path) -> Path:
-    repo = tmp_path / "models"
-    repo.mkdir()
-    for name in ("tuned", "plain"):
-        shutil.copytree(small_artifact, repo / name)
-    return repo
+    return repository_of(small_artifact, tmp_path / "models", ("tuned", "plain"))
 
 
 def write_settings(folder: Path, settings) -> None:
@@ -112,3 +107,6 @@ def test_a_serving_json_that_is_not_json_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="serving.json is not valid JSON"):
         read_settings_file(tmp_path)
     assert read_settings_file(tmp_path / "nowhere") == {}
+    (tmp_path / "serving.json").write_text("[" * 200_000)  # under the size limit, past the parser's depth
+    with pytest.raises(UserError, match="serving.json is nested too deeply"):
+        read_settings_file(tmp_path)

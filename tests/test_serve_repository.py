@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from conftest import offline_logits, until
+from conftest import offline_logits, repository_of, until
 from optiserve.artifacts import publish_copy, read_manifest
 from optiserve.bench.http import results_from_server
 from optiserve.bench.report import build_report, render_markdown, report_blocks
@@ -35,11 +35,7 @@ def _ready(client) -> bool:
 @pytest.fixture
 def repository(small_artifact, tmp_path) -> Path:
     """A repository of two models: the same small_cnn artifact under two names."""
-    repo = tmp_path / "models"
-    repo.mkdir()
-    for name in ("digits-a", "digits-b"):
-        shutil.copytree(small_artifact, repo / name)
-    return repo
+    return repository_of(small_artifact, tmp_path / "models", ("digits-a", "digits-b"))
 
 
 @pytest.fixture

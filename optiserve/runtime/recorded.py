@@ -11,8 +11,8 @@ not.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import metadata
 
+from optiserve.artifacts import versions as installed_versions
 from optiserve.machine import cpu_facts
 from optiserve.runtime.fastest import describe
 from optiserve.runtime.registry import get_backend
@@ -29,13 +29,6 @@ class Recorded:
     reason: str = ""
 
 
-def installed_version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def fingerprint_differences(manifest: dict, backends: set[str], devices: set[str]) -> list[str]:
     """How this machine differs from the one the manifest's timings were taken on, for variants of
     `backends` running on `devices`: the CPU (model, core count, instruction flags), a GPU on either
@@ -45,11 +38,11 @@ def fingerprint_differences(manifest: dict, backends: set[str], devices: set[str
                    if recorded.get(key) != here[key]]
     if recorded.get("gpu") or devices - {"cpu"}:
         differences.append("timed or served on a GPU (its recorded timings are not compared across devices)")
-    versions = manifest.get("versions") or {}
+    there, here_versions = manifest.get("versions") or {}, installed_versions()
     for package in sorted({p for b in backends for p in get_backend(b).packages}):
-        if versions.get(package) != installed_version(package):
-            differences.append(f"{package} {versions.get(package) or 'not recorded'} there, "
-                               f"{installed_version(package) or 'not installed'} here")
+        if there.get(package) != here_versions.get(package):
+            differences.append(f"{package} {there.get(package) or 'not recorded'} there, "
+                               f"{here_versions.get(package) or 'not installed'} here")
     return differences
 
 
@@ -82,5 +75,4 @@ def recorded_choice(manifest: dict, candidates: dict[str, dict], devices: set[st
     return Recorded({"variant": chosen, "batch_size": batch_size, "source": "manifest",
                      "why": f"highest throughput at batch {batch_size}, as optimize timed it {where}: "
                             f"{describe(evidence)}",
-                     "images_per_s": per_s, **{k: v for k, v in evidence.items() if k != "variant"},
-                     "variant": chosen})
+                     "images_per_s": per_s, **{k: v for k, v in evidence.items() if k != "variant"}})

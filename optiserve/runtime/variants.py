@@ -86,17 +86,16 @@ def inside_folder(folder: Path, name, variant: str) -> Path:
     return Path(folder) / name
 
 
-def warm_up(variant: LoadedVariant, shape: list[int], batch_sizes: list[int], runs: int | None = None) -> None:
-    """Run the batch sizes the server will form, before reporting ready: `runs` times, by default as
-    many as the backend needs (ONNX Runtime and OpenVINO are warm after one run at a shape, a
-    TorchScript graph after two), each size, or only the smallest and largest where the backend
-    runs a new batch size as fast as a warm one."""
+def warm_up(variant: LoadedVariant, shape: list[int], batch_sizes: list[int]) -> None:
+    """Run the batch sizes the server will form, before reporting ready, as many times as the backend
+    needs (ONNX Runtime and OpenVINO are warm after one run at a shape, a TorchScript graph after
+    two): each size, or only the smallest and largest where the backend runs a new batch size as
+    fast as a warm one."""
     backend = get_backend(variant.entry["backend"])
-    runs = runs if runs is not None else backend.warm_up_runs
     if not backend.warm_each_batch_size:
         batch_sizes = sorted({min(batch_sizes), max(batch_sizes)})
     rng = np.random.default_rng(0)
     for b in batch_sizes:
         x = rng.standard_normal((b, *shape), dtype=np.float32)
-        for _ in range(runs):
+        for _ in range(backend.warm_up_runs):
             variant.session.run(x)

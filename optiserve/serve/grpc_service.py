@@ -182,6 +182,8 @@ class InferenceService:
                 rid = accepted_request_id(metadata.get(REQUEST_ID_KEY))
                 request_id.set(rid)  # each RPC runs in a task of its own
                 await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
+                if not tracing.enabled():
+                    return await answer(request, context)
                 with tracing.request_span(f"{SERVICE}/{name}", metadata, {
                         "rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": name, "optiserve.request_id": rid}):
                     return await answer(request, context)

@@ -41,6 +41,17 @@ def wait_until_ready(base: str, within_s: float, proc: subprocess.Popen | None =
         time.sleep(0.1)
 
 
+def stop(proc: subprocess.Popen, within_s: float) -> None:
+    """SIGTERM `proc` (the server drains and exits), and SIGKILL it if it has not exited within `within_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def served(folder: str | Path, *args: str, port: int | None = None, ready_within_s: float = 300,
            preexec_fn: Callable[[], None] | None = None, drain_seconds: float = 0,
@@ -74,11 +85,5 @@ def served(folder: str | Path, *args: str, port: int | None = None, ready_within
             wait_until_ready(base, ready_within_s, proc, output, verify=verify)
             yield base, proc
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, 60)
             proc.output = output()

@@ -73,10 +73,10 @@ class ServedModel:
         self.extra_outputs: list[dict] = list(self.manifest.get("outputs") or [])[1:]
         self.protocol_outputs = (*self.task.outputs, *(o["name"] for o in self.extra_outputs))
         names = [e["name"] for e in self.entries]
-        ab, origin = settings.ab, "--ab" if settings.sources.get("traffic") != "file" else f"{SETTINGS_FILE} traffic"
-        self.router = Router(parse_ab(ab, names, origin))
+        from_file = settings.sources.get("traffic") == "file"
+        self.router = Router(parse_ab(settings.ab, names, f"{SETTINGS_FILE} traffic" if from_file else "--ab"))
         # what set the split: --ab, serving.json, default, fastest, api
-        self.traffic_source = (origin if origin == "--ab" else SETTINGS_FILE) if ab else "default"
+        self.traffic_source = (SETTINGS_FILE if from_file else "--ab") if settings.ab else "default"
         self.choice: dict | None = None  # why the default split chose its variant, when it was measured
         self.shadow: Shadow | None = None
         self.shadow_stats: dict[str, ShadowStats] = {}

@@ -45,14 +45,15 @@ def _weights(value):
         return 'an object of variant weights, e.g. {"onnx-int8": 0.9, "fp32": 0.1}, not all zero'
 
 
-# key -> (the server flag it overrides, the check of a value: what it must be, or None)
+# key -> (the server flag it overrides, that flag's ServeConfig field, the check of a value: what it
+# must be, or None)
 KEYS = {
-    "max_batch_size": ("--max-batch-size", _count(1)),
-    "max_delay_ms": ("--max-delay-ms", _number(0, inclusive=True)),
-    "max_queue": ("--max-queue", _count(1)),
-    "timeout_ms": ("--timeout-ms", _number(0, inclusive=False)),
-    "variants": ("--variants", _names),
-    "traffic": ("--ab", _weights),
+    "max_batch_size": ("--max-batch-size", "max_batch_size", _count(1)),
+    "max_delay_ms": ("--max-delay-ms", "max_delay_ms", _number(0, inclusive=True)),
+    "max_queue": ("--max-queue", "max_queue", _count(1)),
+    "timeout_ms": ("--timeout-ms", "timeout_ms", _number(0, inclusive=False)),
+    "variants": ("--variants", "variants", _names),
+    "traffic": ("--ab", "ab", _weights),
 }
 _DEFAULTS = ServeConfig(artifact_dir="")
 
@@ -108,6 +109,8 @@ def read_settings_file(folder: str | Path) -> dict:
         raise UserError(f"{SETTINGS_FILE} cannot be read: {e.strerror or e}") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise UserError(f"{SETTINGS_FILE} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise UserError(f"{SETTINGS_FILE} is nested too deeply to be settings") from None
     if not isinstance(data, dict):
         raise UserError(f"{SETTINGS_FILE} must hold a JSON object of settings ({', '.join(KEYS)})")
     unknown = [k for k in data if k not in KEYS]
@@ -115,7 +118,7 @@ def read_settings_file(folder: str | Path) -> dict:
         raise UserError(f"{SETTINGS_FILE}: unknown setting{'s' if len(unknown) > 1 else ''} "
                         f"{', '.join(map(repr, unknown))}; the settings are {', '.join(KEYS)}")
     for key, value in data.items():
-        wrong = KEYS[key][1](value)
+        wrong = KEYS[key][2](value)
         if wrong:
             raise UserError(f"{SETTINGS_FILE}: {key} must be {wrong}; got {json.dumps(value)[:100]}")
     return data
@@ -124,30 +127,11 @@ def read_settings_file(folder: str | Path) -> dict:
 def model_settings(folder: str | Path, cfg: ServeConfig) -> ModelSettings:
     """The settings `folder`'s model is served with: its serving.json over the server's flags."""
     from_file = read_settings_file(folder)
-    flags = {"max_batch_size": cfg.max_batch_size, "max_delay_ms": cfg.max_delay_ms, "max_queue": cfg.max_queue,
-             "timeout_ms": cfg.timeout_ms, "variants": cfg.variants, "traffic": None}
-    defaults = {"max_batch_size": _DEFAULTS.max_batch_size, "max_delay_ms": _DEFAULTS.max_delay_ms,
-                "max_queue": _DEFAULTS.max_queue, "timeout_ms": _DEFAULTS.timeout_ms, "variants": None,
-                "traffic": None}
     values, sources = {}, {}
-    for key in KEYS:
+    for key, (_, attribute, _) in KEYS.items():
         if key in from_file:
             values[key], sources[key] = from_file[key], "file"
-        elif key == "traffic" and cfg.ab:
-            values[key], sources[key] = _ab_weights(cfg.ab), "flag"
         else:
-            values[key] = flags[key]
-            sources[key] = "default" if flags[key] == defaults[key] else "flag"
+            values[key] = getattr(cfg, attribute)
+            sources[key] = "default" if values[key] == getattr(_DEFAULTS, attribute) else "flag"
     return ModelSettings(**values, sources=sources)
-
-
-def _ab_weights(ab: str) -> dict[str, float] | str:
-    """--ab's `a=0.9,b=0.1` as weights, for the config endpoint (checked where it is parsed for routing)."""
-    weights = {}
-    for part in ab.split(","):
-        name, _, value = part.partition("=")
-        try:
-            weights[name.strip()] = float(value)
-        except ValueError:
-            return ab
-    return weights

@@ -45,7 +45,7 @@ class ModelStatus:
     state: str
     version: str | None = None
     reason: str = ""
-    failed_version: tuple | None = None  # the manifest and serving.json a failed (re)load read: polling does not retry them
+    failed_version: tuple | None = None  # the folder_version a failed (re)load read: polling does not retry it
 
 
 class ModelRepository:
@@ -99,7 +99,7 @@ class ModelRepository:
         version = settings_version(folder)
         return ServedModel(name, folder, model_settings(folder, self.cfg), self.cfg.manifest_sha256, version)
 
-    def _failed(self, name: str, reason: str, version: str | None) -> None:
+    def _failed(self, name: str, reason: str, version: tuple | None) -> None:
         status = self.status.setdefault(name, ModelStatus("UNAVAILABLE"))
         if name not in self.models:
             status.state = "UNAVAILABLE"
@@ -305,7 +305,7 @@ class ModelRepository:
         for name in self.required - set(found) - set(self.models):
             self.required.discard(name)  # a start-up model that failed and was then removed from the folder
 
-    def _scan_with_versions(self) -> tuple[dict[str, Path], dict[str, str | None]]:
+    def _scan_with_versions(self) -> tuple[dict[str, Path], dict[str, tuple[str | None, str | None]]]:
         """The models and each one's folder_version: what a poll compares (blocking: file reads)."""
         found = self.find_models()
         return found, {name: folder_version(folder) for name, folder in found.items()}

@@ -329,8 +329,9 @@ class Server:
             self._record(model, variant, "unavailable")
             raise ApiError(503, str(e), served) from None
         seconds = time.perf_counter() - t0
-        tracing.record_span("queue", queued, queued + result.queue_s,
-                            {"optiserve.variant": variant.name, "optiserve.batch_size": result.batch_size})
+        if tracing.enabled():
+            tracing.record_span("queue", queued, queued + result.queue_s,
+                                {"optiserve.variant": variant.name, "optiserve.batch_size": result.batch_size})
         self._record(model, variant, "ok", seconds, len(images))
         return result.outputs, {"server_ms": 1000 * seconds, "queue_ms": 1000 * result.queue_s,
                                "compute_ms": 1000 * result.compute_s, "batch_size": result.batch_size,

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator, Mapping
+from typing import ContextManager, Mapping
 
 from optiserve.errors import UserError
 
 _tracer = None     # the SDK's tracer once configured; None: tracing is off
 _provider = None
 INSTALL = "tracing needs OpenTelemetry: pip install 'optiserve[otel]'"
+_OFF = contextlib.nullcontext()  # what a span is while tracing is off: entering it yields None
 
 
 def configure_tracing(endpoint: str | None = None, exporter=None, service_name: str = "optiserve") -> None:
@@ -64,29 +65,22 @@ def enabled() -> bool:
     return _tracer is not None
 
 
-@contextlib.contextmanager
-def request_span(name: str, carrier: Mapping[str, str], attributes: dict | None = None) -> Iterator[object]:
+def request_span(name: str, carrier: Mapping[str, str], attributes: dict | None = None) -> ContextManager:
     """The server span of one request, current while it is handled; a `traceparent` (and
     `tracestate`) in `carrier` (its headers or gRPC metadata) makes it a child of the caller's span."""
     if _tracer is None:
-        yield None
-        return
+        return _OFF
     from opentelemetry.trace import SpanKind
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     parent = TraceContextTextMapPropagator().extract(carrier)
-    with _tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes) as span:
-        yield span
+    return _tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
 
 
-@contextlib.contextmanager
-def span(name: str, attributes: dict | None = None) -> Iterator[object]:
-    """A child of the current span for the work inside the block."""
-    if _tracer is None:
-        yield None
-        return
-    with _tracer.start_as_current_span(name, attributes=attributes) as current:
-        yield current
+def span(name: str, attributes: dict | None = None) -> ContextManager:
+    """A child of the current span for the work inside the block (entering it yields the span, or
+    None while tracing is off)."""
+    return _OFF if _tracer is None else _tracer.start_as_current_span(name, attributes=attributes)
 
 
 def current_span_context():
