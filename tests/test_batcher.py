@@ -191,7 +191,7 @@ def test_a_request_that_gave_up_no_longer_holds_queue_room(session):
             b.check_room(1)                                # a live row does take the one place
         gate.set()
         await asyncio.gather(running, queued)
-        assert b.depth == 0 and b._abandoned == 0          # the loop dropped the dead rows as it met them
+        assert b.depth == 0 and b._queue.empty()           # the loop dropped the dead rows as it met them
         await b.close()
 
     asyncio.run(main())
@@ -262,5 +262,81 @@ def test_close_with_a_stuck_model_ends_at_its_timeout_and_fails_what_is_left_wit
     drained, took, outcomes, b = asyncio.run(main())
     assert not drained and 0.5 <= took < 3
     assert all(isinstance(o, ShuttingDown) and "shutdown deadline" in str(o) for o in outcomes), outcomes
-    assert b._executor.busy_thread is not None and b._executor.busy_thread.daemon  # abandoned, cannot block exit
+    assert b._executors[0].busy_thread is not None and b._executors[0].busy_thread.daemon  # abandoned, cannot block exit
     stuck.set()
+
+
+def test_higher_priorities_run_first_whatever_order_they_arrived_in(session):
+    gate, slow = _held_until_set(session)
+    order = []
+
+    def recorded(batch):
+        order.extend(int(round(float(x))) for x in batch[:, 0, 0, 0])
+        return slow(batch)
+
+    def tagged(tag):
+        return np.full((1, 1, 16, 16), tag, dtype=np.float32)
+
+    async def main():
+        b = DynamicBatcher(recorded, max_batch_size=1, max_delay_ms=0, max_queue=8, priority_levels=3)
+        b.start()
+        running = asyncio.ensure_future(b.submit(tagged(0), priority=3))
+        await asyncio.sleep(0.05)  # the model is busy with it
+        waiting = [asyncio.ensure_future(b.submit(tagged(tag), priority=p))
+                   for tag, p in ((1, 3), (2, 2), (3, 3), (4, 1), (5, 2))]
+        await asyncio.sleep(0.05)
+        assert b.depths() == [1, 2, 2]
+        gate.set()
+        await asyncio.gather(running, *waiting)
+        await b.close()
+
+    asyncio.run(main())
+    assert order == [0, 4, 2, 5, 1, 3]  # by priority, then by arrival
+
+
+def test_each_priority_level_has_its_own_queue_room(session):
+    gate, slow = _held_until_set(session)
+
+    async def main():
+        b = DynamicBatcher(slow, max_batch_size=1, max_delay_ms=0, max_queue=[1, 3], priority_levels=2)
+        assert b.priority_levels == 2 and b.max_queue == [1, 3]
+        b.start()
+        running = asyncio.ensure_future(b.submit(_images(1), priority=2))
+        await asyncio.sleep(0.05)
+        flood = [asyncio.ensure_future(b.submit(_images(1, i), priority=2)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFull, match="3 images queued at priority 2"):
+            b.reserve(1, priority=2)               # the low level is full...
+        held = b.reserve(1, priority=1)            # ...and the high level's place is still free
+        with pytest.raises(QueueFull, match="at priority 1"):
+            b.reserve(1, priority=1)               # taken by the reservation
+        urgent = asyncio.ensure_future(b.submit(_images(1, 9), reservation=held))
+        gate.set()
+        await asyncio.gather(running, urgent, *flood)
+        assert b.depths() == [0, 0]
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_a_variants_instances_run_batches_side_by_side_each_on_its_own_thread(session):
+    both_running = threading.Barrier(2, timeout=5)  # broken unless two batches run at once
+    threads = set()
+
+    def instance(batch):
+        threads.add(threading.current_thread().name)
+        both_running.wait()
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher([instance, instance], max_batch_size=1, max_delay_ms=0, name="m/v")
+        assert b.instances == 2
+        b.start()
+        results = await asyncio.gather(b.submit(_images(1, 1)), b.submit(_images(1, 2)))
+        await b.close()
+        return results
+
+    first, second = asyncio.run(main())
+    assert threads == {"infer-m/v#0", "infer-m/v#1"}
+    np.testing.assert_allclose(first.logits, session.run(_images(1, 1)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(second.logits, session.run(_images(1, 2)), rtol=1e-5, atol=1e-5)

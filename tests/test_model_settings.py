@@ -30,14 +30,18 @@ def write_settings(folder: Path, settings) -> None:
 
 def test_a_models_serving_json_overrides_the_flags_for_that_model_only(repository):
     write_settings(repository / "tuned", {"max_batch_size": 1, "max_delay_ms": 0, "timeout_ms": 5000,
-                                          "variants": ["onnx-int8", "onnx-fp32"], "traffic": {"onnx-fp32": 1}})
+                                          "variants": ["onnx-int8", "onnx-fp32"], "traffic": {"onnx-fp32": 1},
+                                          "instances": {"onnx-fp32": 2}, "priority_levels": 2,
+                                          "max_queue": [8, 32], "max_queue_bytes": 2 << 20})
     cfg = ServeConfig(str(repository), variants=["onnx-int8"], max_batch_size=8, max_delay_ms=200)
     with TestClient(create_app(cfg)) as c:
         until(lambda: c.get("/v2/health/ready").status_code == 200)
         tuned = c.get("/v2/models/tuned/config").json()
         settings = {k: (v["value"], v["source"]) for k, v in tuned["settings"].items()}
         assert settings == {"max_batch_size": (1, "file"), "max_delay_ms": (0, "file"),
-                            "max_queue": (256, "default"), "timeout_ms": (5000, "file"),
+                            "max_queue": ([8, 32], "file"), "max_queue_bytes": (2 << 20, "file"),
+                            "timeout_ms": (5000, "file"), "instances": ({"onnx-fp32": 2}, "file"),
+                            "priority_levels": (2, "file"), "default_priority": (2, "default"),
                             "variants": (["onnx-int8", "onnx-fp32"], "file"), "traffic": ({"onnx-fp32": 1}, "file")}
         assert tuned["variants"] == ["onnx-int8", "onnx-fp32"] and tuned["serving_json_sha256"]
         assert tuned["traffic"]["weights"] == {"onnx-fp32": 1.0} and tuned["traffic"]["set_by"] == "serving.json"
@@ -45,6 +49,8 @@ def test_a_models_serving_json_overrides_the_flags_for_that_model_only(repositor
         assert plain["settings"]["max_batch_size"] == {"value": 8, "source": "flag", "flag": "--max-batch-size"}
         assert plain["settings"]["max_delay_ms"]["value"] == 200 and plain["variants"] == ["onnx-int8"]
         assert plain["serving_json_sha256"] is None
+        assert plain["settings"]["instances"] == {"value": 1, "source": "default", "flag": "--instances"}
+        assert plain["settings"]["max_queue_bytes"]["source"] == "default"
 
         # the file's batch size holds under concurrent load: every batch of `tuned` is one image
         from concurrent.futures import ThreadPoolExecutor
@@ -54,8 +60,14 @@ def test_a_models_serving_json_overrides_the_flags_for_that_model_only(repositor
         assert {a.json()["variant"] for a in answers} == {"onnx-fp32"}  # the file's traffic
         assert {a.json()["latency_ms"]["batch_size"] for a in answers} == {1}
         server = c.app.state.server
-        assert server.models["tuned"].variants["onnx-fp32"].batcher.max_batch_size == 1
-        assert server.models["plain"].variants["onnx-int8"].batcher.max_batch_size == 8
+        tuned_fp32, tuned_int8 = (server.models["tuned"].variants[v].batcher for v in ("onnx-fp32", "onnx-int8"))
+        plain = server.models["plain"].variants["onnx-int8"].batcher
+        assert tuned_fp32.max_batch_size == 1 and plain.max_batch_size == 8
+        assert (tuned_fp32.instances, tuned_int8.instances, plain.instances) == (2, 1, 1)
+        assert tuned_fp32.max_queue == [8, 32] and plain.max_queue == [256]
+        assert server.models["tuned"].memory.limit == 2 << 20 and server.models["plain"].memory is None
+        stats = c.get("/stats?model=tuned").json()["variants"]["onnx-fp32"]
+        assert stats["instances"] == 2 and stats["queue_depth_by_priority"] == [0, 0]
 
 
 @pytest.mark.parametrize("settings, reason", [
@@ -67,6 +79,12 @@ def test_a_models_serving_json_overrides_the_flags_for_that_model_only(repositor
     ({"traffic": {"onnx-int8": 0}}, "traffic must be an object of variant weights"),
     ({"variants": ["onnx-int8"], "traffic": {"fp32": 1}}, "serving.json traffic names 'fp32', which is not served"),
     ([1, 2], "serving.json must hold a JSON object of settings"),
+    ({"instances": 0}, "instances must be a whole number from 1 to 64 for every variant"),
+    ({"instances": {"fp32": 2}}, "serving.json instances names 'fp32', which is not served (onnx-int8)"),
+    ({"priority_levels": 2, "default_priority": 3}, "default_priority 3 is not one of the priority levels 1..2"),
+    ({"priority_levels": 3, "max_queue": [4, 8]}, "max_queue lists 2 limits for 3 priority levels"),
+    ({"max_queue": [4, 0]}, "max_queue must be a whole number of at least 1"),
+    ({"max_queue_bytes": 1000}, "max_queue_bytes must be a whole number of at least 1048576"),
 ])
 def test_a_bad_serving_json_keeps_its_model_out_with_the_reason_in_the_index(repository, settings, reason):
     write_settings(repository / "tuned", settings)

@@ -252,8 +252,8 @@ def test_a_full_queue_is_answered_429_before_the_body_is_read_and_the_queued_req
     with TestClient(create_app(cfg)) as c:
         _wait_ready(c)
         batcher = c.app.state.server.models["small_cnn"].variants["onnx-int8"].batcher
-        gate, real = threading.Event(), batcher.run_batch
-        batcher.run_batch = lambda batch: (gate.wait(10), real(batch))[1]  # a model stuck on its first batch
+        gate, real = threading.Event(), batcher.runners[0]
+        batcher.runners[0] = lambda batch: (gate.wait(10), real(batch))[1]  # a model stuck on its first batch
         pngs, _ = _digit_pngs(3)
         with ThreadPoolExecutor(3) as pool:
             post = lambda png: pool.submit(c.post, "/predict?variant=onnx-int8", files={"file": ("d.png", png)})  # noqa: E731

@@ -35,14 +35,14 @@ def slow_server(small_artifact, caplog):
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
     variant = app.state.server.models["small_cnn"].variants["onnx-int8"]
-    real_run = variant.batcher.run_batch
+    real_run = variant.batcher.runners[0]
 
     def slow_run(batch):
         time.sleep(SECONDS_PER_BATCH)
         ran.append(len(batch))
         return real_run(batch)
 
-    variant.batcher.run_batch = slow_run
+    variant.batcher.runners[0] = slow_run
     caplog.set_level(logging.INFO, logger="optiserve.serve")
     yield port, app, ran
     server.should_exit = True

@@ -180,8 +180,8 @@ def test_a_full_queue_is_resource_exhausted_and_a_request_past_its_time_is_deadl
     with grpc_server(small_artifact, variants=["fp32"], max_batch_size=1, max_delay_ms=0, max_queue=1,
                      timeout_ms=1500) as (http, _, rpc):
         batcher = http.app.state.server.models["small_cnn"].variants["fp32"].batcher
-        gate, real = threading.Event(), batcher.run_batch
-        batcher.run_batch = lambda batch: (gate.wait(10), real(batch))[1]
+        gate, real = threading.Event(), batcher.runners[0]
+        batcher.runners[0] = lambda batch: (gate.wait(10), real(batch))[1]
         one = _request(IMAGES[:1])
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(rpc.ModelInfer, one, timeout=30)

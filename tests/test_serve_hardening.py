@@ -161,21 +161,21 @@ def test_a_failed_batch_is_500_and_a_request_past_its_timeout_is_504_over_http(s
     with TestClient(create_app(cfg)) as c:
         _wait_ready(c)
         batcher = c.app.state.server.models["small_cnn"].variants["onnx-int8"].batcher
-        real = batcher.run_batch
+        real = batcher.runners[0]
 
         def failing(batch):
             raise RuntimeError("device lost")
 
-        batcher.run_batch = failing
+        batcher.runners[0] = failing
         r = c.post("/predict", json={"inputs": ZEROS})
         assert r.status_code == 500 and "inference failed: RuntimeError: device lost" in r.json()["error"]
         assert r.headers[VARIANT_HEADER] == "onnx-int8"
         gate = threading.Event()
-        batcher.run_batch = lambda batch: (gate.wait(5), real(batch))[1]
+        batcher.runners[0] = lambda batch: (gate.wait(5), real(batch))[1]
         r = c.post("/predict", json={"inputs": ZEROS})
         gate.set()
         assert r.status_code == 504 and "not served within 300 ms" in r.json()["error"]
-        batcher.run_batch = real
+        batcher.runners[0] = real
         assert c.post("/predict", json={"inputs": ZEROS}).status_code == 200
 
 
@@ -197,7 +197,7 @@ def test_a_variant_named_in_the_body_holds_its_queue_place_in_that_variants_queu
         fp32, int8 = (c.app.state.server.models["small_cnn"].variants[n].batcher for n in ("fp32", "onnx-int8"))
         gate = threading.Event()
         for b in (fp32, int8):
-            b.run_batch = (lambda real: lambda batch: (gate.wait(10), real(batch))[1])(b.run_batch)
+            b.runners[0] = (lambda real: lambda batch: (gate.wait(10), real(batch))[1])(b.runners[0])
         with ThreadPoolExecutor(3) as pool:
             running = pool.submit(c.post, "/predict", json={"inputs": ZEROS})                       # fp32, stuck
             _until(lambda: fp32._running)

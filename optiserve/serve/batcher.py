@@ -1,9 +1,12 @@
-"""DynamicBatcher: an asyncio queue per variant that cuts batches and runs them in a worker thread.
+"""DynamicBatcher: an asyncio queue per variant that cuts batches and runs them on its instances.
 
 A batch is cut when it holds `max_batch_size` images or when its oldest image has waited
 `max_delay_ms` (as Triton's dynamic batcher does). Each request's images are queued as separate
 rows and joined again for the caller, so a multi-image request batches like several single ones.
-The event loop only queues and answers; inference runs on one dedicated thread per variant.
+Rows are taken highest priority first (1 is the highest, as in Triton), and each priority level
+has a queue limit of its own, so a flood at a low priority cannot take the room of a higher one.
+The event loop only queues and answers; inference runs on one dedicated thread per instance (a
+session of its own): batches are cut one at a time and run on whichever instance is free.
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ import asyncio
 import contextlib
 import queue
 import threading
+import itertools
 import time
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -24,7 +28,8 @@ from optiserve.serve.staging import StagingRows, stack_rows
 
 
 class QueueFull(Exception):
-    """The queue already holds max_queue images: answer 429 now rather than wait without bound."""
+    """The queue already holds its limit of images at that priority: answer 429 now rather than
+    wait without bound."""
 
 
 class ShuttingDown(Exception):
@@ -43,12 +48,12 @@ class Reservation:
     arriving while the first ones decode, and the surplus would be decoded only to be refused.
     """
 
-    def __init__(self, batcher: "DynamicBatcher", images: int):
-        self.batcher, self.images = batcher, images
+    def __init__(self, batcher: "DynamicBatcher", images: int, priority: int):
+        self.batcher, self.images, self.priority = batcher, images, priority
 
     def release(self) -> None:
         if self.images:
-            self.batcher._reserved -= self.images
+            self.batcher._reserved[self.priority - 1] -= self.images
             self.images = 0
 
 
@@ -106,6 +111,7 @@ class _Row:
     future: asyncio.Future
     enqueued: float
     deadline: float | None
+    priority: int = 1
     taken: bool = False       # popped from the queue by the batch loop
     abandoned: bool = False   # its caller gave up while it was still queued
     trace: object = None      # its request's span context, for the batch's span to link to (when tracing)
@@ -140,74 +146,114 @@ class Result:
 
 
 class DynamicBatcher:
-    """Queues images and runs them in batches through `run_batch`, which returns one array of rows
-    or a list of them (a model with several outputs, the one the task reads first)."""
+    """Queues images and runs them in batches through `run_batch` — one callable, or one per
+    instance, each run on a thread of its own — which returns one array of rows or a list of them
+    (a model with several outputs, the one the task reads first).
 
-    def __init__(self, run_batch: Callable[[np.ndarray], np.ndarray | list[np.ndarray]], max_batch_size: int = 16,
-                 max_delay_ms: float = 5.0, max_queue: int = 256, name: str = "",
-                 on_batch: Callable[[BatchRecord], None] | None = None,
-                 thread_initializer: Callable[[], None] | None = None, row_shape: tuple[int, ...] | None = None):
-        if max_batch_size < 1 or max_queue < 1 or max_delay_ms < 0:
-            raise ValueError("max_batch_size and max_queue must be >= 1 and max_delay_ms >= 0")
-        self.run_batch, self.name = run_batch, name
+    `max_queue` is the images each priority level may queue: one number for every level, or one
+    per level (their count is the number of levels; 1 is the highest priority)."""
+
+    def __init__(self, run_batch: Callable[[np.ndarray], np.ndarray | list[np.ndarray]]
+                 | Sequence[Callable[[np.ndarray], np.ndarray | list[np.ndarray]]],
+                 max_batch_size: int = 16, max_delay_ms: float = 5.0, max_queue: int | Sequence[int] = 256,
+                 name: str = "", on_batch: Callable[[BatchRecord], None] | None = None,
+                 thread_initializer: Callable[[], None] | None = None, row_shape: tuple[int, ...] | None = None,
+                 priority_levels: int = 1):
+        limits = [max_queue] * priority_levels if isinstance(max_queue, int) else list(max_queue)
+        runners = [run_batch] if callable(run_batch) else list(run_batch)
+        if max_batch_size < 1 or not limits or min(limits) < 1 or max_delay_ms < 0 or not runners:
+            raise ValueError("max_batch_size and max_queue must be >= 1, max_delay_ms >= 0, and there must be "
+                             "at least one priority level and one instance")
+        self.runners, self.name = runners, name
         self.max_batch_size, self.max_delay = max_batch_size, max_delay_ms / 1000
-        self.max_queue = max_queue
-        self._reserved = 0  # images admitted at the door (being read and decoded), not yet queued
-        self._abandoned = 0  # queued rows whose caller gave up (timed out, went away): no longer taking room
+        self.max_queue = limits  # images each priority level may queue
+        self._reserved = [0] * len(limits)  # images admitted at the door (being read and decoded), not yet queued
+        self._queued = [0] * len(limits)  # queued rows not yet taken whose caller still waits, per level
         self.on_batch = on_batch or (lambda record: None)
-        self._queue: asyncio.Queue[_Row] = asyncio.Queue()
-        self._executor = DaemonExecutor(f"infer-{name}", thread_initializer)
-        self._running: list[_Row] = []
-        self._task: asyncio.Task | None = None
+        self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()  # (priority, arrival, row)
+        self._arrivals = itertools.count()
+        suffix = (lambda i: "") if len(runners) == 1 else (lambda i: f"#{i}")
+        self._executors = [DaemonExecutor(f"infer-{name}{suffix(i)}", thread_initializer) for i in range(len(runners))]
+        self._cutting = asyncio.Lock()  # one instance cuts a batch at a time; the others are running theirs
+        self._running: dict[int, list[_Row]] = {}
+        self._tasks: list[asyncio.Task] = []
         self._closing = False
         # rows to decode images into, so that a batch of them runs as a view (staging.py)
         self.staging = StagingRows(row_shape, max_batch_size) if row_shape is not None else None
 
     @property
+    def priority_levels(self) -> int:
+        return len(self.max_queue)
+
+    @property
+    def instances(self) -> int:
+        return len(self.runners)
+
+    @property
     def depth(self) -> int:
         """Images waiting for a batch (not counting those whose caller has given up)."""
-        return self._queue.qsize() - self._abandoned
+        return sum(self._queued)
 
-    def has_room(self, images: int = 1) -> bool:
-        return self.depth + self._reserved + images <= self.max_queue
+    def depths(self) -> list[int]:
+        """Images waiting at each priority level, the highest first."""
+        return list(self._queued)
 
-    def check_room(self, images: int = 1) -> None:
-        """Raise QueueFull unless `images` more fit in the queue (room held by reservations counts as taken)."""
-        if not self.has_room(images):
-            raise QueueFull(f"{self.name}: {self.depth} images queued and {self._reserved} arriving "
-                            f"(limit {self.max_queue})")
+    def _level(self, priority: int) -> int:
+        if not 1 <= priority <= len(self.max_queue):
+            raise ValueError(f"priority {priority} is not one of 1..{len(self.max_queue)}")
+        return priority - 1
 
-    def reserve(self, images: int = 1) -> Reservation:
-        """Hold room for `images` rows until `submit` (or `release`); QueueFull if there is none."""
-        self.check_room(images)
-        self._reserved += images
-        return Reservation(self, images)
+    def has_room(self, images: int = 1, priority: int | None = None) -> bool:
+        """Whether `images` more fit at `priority` (the lowest when not given)."""
+        level = self._level(priority or len(self.max_queue))
+        return self._queued[level] + self._reserved[level] + images <= self.max_queue[level]
+
+    def check_room(self, images: int = 1, priority: int | None = None) -> None:
+        """Raise QueueFull unless `images` more fit at `priority` (room held by reservations counts as taken)."""
+        if not self.has_room(images, priority):
+            level = self._level(priority or len(self.max_queue))
+            at = f" at priority {level + 1}" if len(self.max_queue) > 1 else ""
+            raise QueueFull(f"{self.name}: {self._queued[level]} images queued{at} and {self._reserved[level]} "
+                            f"arriving (limit {self.max_queue[level]})")
+
+    def reserve(self, images: int = 1, priority: int | None = None) -> Reservation:
+        """Hold room for `images` rows at `priority` until `submit` (or `release`); QueueFull if there is none."""
+        priority = priority or len(self.max_queue)
+        self.check_room(images, priority)
+        self._reserved[priority - 1] += images
+        return Reservation(self, images, priority)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._loop(i), name=f"batcher-{self.name}-{i}")
+                           for i in range(len(self.runners))]
 
     async def submit(self, images: np.ndarray, timeout: float | None = None,
-                     reservation: Reservation | None = None) -> Result:
-        """Queue `images` [k, C, H, W]; returns their outputs (logits [k, classes], ...) in order.
+                     reservation: Reservation | None = None, priority: int | None = None) -> Result:
+        """Queue `images` [k, C, H, W] at `priority` (the reservation's, else the lowest); returns
+        their outputs (logits [k, classes], ...) in order.
 
         A `reservation` from `reserve` is used up here: its room counts towards these rows.
         Raises QueueFull at once when there is no room, TimeoutError when the rows have not run
         within `timeout` seconds (rows not yet started are dropped), BatchFailed when their batch raised.
         """
         if reservation is not None:
+            priority = reservation.priority
             reservation.release()
+        priority = priority or len(self.max_queue)
         if self._closing:
             raise ShuttingDown("the server is shutting down")
         k = len(images)
-        self.check_room(k)
+        self.check_room(k, priority)
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         deadline = now + timeout if timeout else None
         trace = tracing.current_span_context()
-        rows = [_Row(img, loop.create_future(), now, deadline, trace=trace) for img in images]
+        rows = [_Row(img, loop.create_future(), now, deadline, priority, trace=trace) for img in images]
         for row in rows:
-            self._queue.put_nowait(row)
+            self._queue.put_nowait((priority, next(self._arrivals), row))
+        self._queued[priority - 1] += k
         futures = [r.future for r in rows]
         try:  # cancelled, when the caller goes away (e.g. past a gRPC client's deadline): its rows are dropped
             _, pending = await asyncio.wait(futures, timeout=timeout)
@@ -215,9 +261,9 @@ class DynamicBatcher:
             for r in rows:  # rows still queued are skipped by the loop; running ones finish unobserved
                 if not r.future.done():
                     r.future.cancel()
-                    if not r.taken:
+                    if not r.taken and not r.abandoned:
                         r.abandoned = True
-                        self._abandoned += 1
+                        self._queued[r.priority - 1] -= 1
         if pending:
             raise TimeoutError(f"{self.name}: not served within {timeout * 1000:.0f} ms")
         done = [f.exception() or f.result() for f in futures]
@@ -237,32 +283,38 @@ class DynamicBatcher:
         batch is abandoned on its daemon thread. Returns True when everything was answered in time."""
         self._closing = True
         drained = True
-        if self._task is not None:
+        if self._tasks:
             try:
                 await asyncio.wait_for(self._queue.join(), timeout)
             except asyncio.TimeoutError:
                 drained = False
-                stranded = [*self._running]
+                stranded = [r for rows in self._running.values() for r in rows]
                 while not self._queue.empty():
-                    stranded.append(self._queue.get_nowait())
+                    stranded.append(self._queue.get_nowait()[2])
                 for r in stranded:
                     if not r.future.done():
                         r.future.set_exception(ShuttingDown(f"{self.name}: not served before the shutdown deadline"))
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        self._executor.shutdown(wait=drained)
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        for executor in self._executors:
+            executor.shutdown(wait=drained)
         return drained
 
-    def _take(self, row: _Row) -> _Row:
+    def _take(self, item: tuple[int, int, _Row]) -> _Row:
+        row = item[2]
         row.taken = True
-        if row.abandoned:
-            self._abandoned -= 1
+        if not row.abandoned:
+            self._queued[row.priority - 1] -= 1
         return row
 
     async def _next_batch(self) -> list[_Row]:
+        """The next batch: its first row is the highest-priority, longest-waiting one queued, and the
+        batch fills, highest priorities first, until it is full or that row has waited `max_delay`."""
         first = self._take(await self._queue.get())
         batch = [first]
         cutoff = first.enqueued + self.max_delay
@@ -283,17 +335,19 @@ class DynamicBatcher:
             self.staging.start_block()  # nothing waiting behind this batch: the next rows line up anew
         return batch
 
-    async def _loop(self) -> None:
+    async def _loop(self, instance: int) -> None:
+        """One instance's loop: wait its turn to cut a batch, then run it on its own thread."""
         while True:
-            batch = await self._next_batch()
+            async with self._cutting:
+                batch = await self._next_batch()
             try:
-                await self._run(batch)
+                await self._run(batch, instance)
             except Exception as e:  # never let one batch stop the batcher; its callers get the error
                 for r in batch:
                     if not r.future.done():
                         r.future.set_exception(BatchFailed(f"{type(e).__name__}: {e}"))
             finally:
-                self._running = []
+                self._running.pop(instance, None)
                 for _ in batch:
                     self._queue.task_done()
 
@@ -304,11 +358,11 @@ class DynamicBatcher:
             tracing.record_batch(links, cut, started, time.perf_counter(),
                                  {"optiserve.variant": self.name, "optiserve.batch_size": len(live)}, error)
 
-    def _stack_and_run(self, images: list[np.ndarray]) -> list[np.ndarray]:
-        out = self.run_batch(stack_rows(images))
+    def _stack_and_run(self, instance: int, images: list[np.ndarray]) -> list[np.ndarray]:
+        out = self.runners[instance](stack_rows(images))
         return [out] if isinstance(out, np.ndarray) else list(out)
 
-    async def _run(self, batch: list[_Row]) -> None:
+    async def _run(self, batch: list[_Row], instance: int = 0) -> None:
         """Drop rows whose caller gave up or whose deadline passed, run the rest, hand out the rows."""
         now = time.perf_counter()
         live = []
@@ -323,11 +377,11 @@ class DynamicBatcher:
             return
         waits = [now - r.enqueued for r in live]
         t0 = time.perf_counter()
-        self._running = live
+        self._running[instance] = live
         try:
             # joined into one array on the inference thread: megabytes of copying kept off the event loop
-            outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self._stack_and_run,
-                                                                       [r.image for r in live])
+            outputs = await asyncio.get_running_loop().run_in_executor(
+                self._executors[instance], self._stack_and_run, instance, [r.image for r in live])
             rows = {len(o) for o in outputs}
             if rows != {len(live)}:
                 raise RuntimeError(f"the model returned {', '.join(map(str, sorted(rows)))} rows for {len(live)} images")

@@ -53,7 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-delay-ms", type=float, default=DEFAULTS.max_delay_ms, metavar="T",
                    help=f"longest the oldest queued image waits for a fuller batch (default {DEFAULTS.max_delay_ms:g})")
     p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue, metavar="N",
-                   help=f"queued images per variant beyond which requests get 429 (default {DEFAULTS.max_queue})")
+                   help=f"queued images per variant (and per priority level) beyond which requests get 429 "
+                        f"(default {DEFAULTS.max_queue})")
+    p.add_argument("--priority-levels", type=int, default=DEFAULTS.priority_levels, metavar="N",
+                   help="request priorities 1 (highest) to N, from the protocol's `priority` parameter, the "
+                        "X-Priority header or /predict?priority=; higher ones are served first and each level has "
+                        "its own --max-queue places (default 1: all requests equal)")
+    p.add_argument("--default-priority", type=int, default=None, metavar="P",
+                   help="the priority of a request that names none (default: the lowest, N)")
     p.add_argument("--max-queue-bytes", type=int, default=None, metavar="N",
                    help="bytes that requests may hold in memory at once (bodies being read, JSON being parsed, "
                         "decoded images); past it requests are answered 429, and one that could never fit 413 "
@@ -62,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"per-request limit; past it the answer is 504 (default {DEFAULTS.timeout_ms:g})")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="intra-op threads per variant (default: the runtime's, all cores)")
+    p.add_argument("--instances", type=int, default=DEFAULTS.instances, metavar="N",
+                   help=f"inference workers per variant, each with its own session and a share of the threads, so "
+                        f"one batch runs while the next forms (default {DEFAULTS.instances})")
     p.add_argument("--inference-nice", type=int, default=DEFAULTS.inference_nice, metavar="N",
                    help=f"CPU priority of inference threads below request handling, as a nice value (Linux; "
                         f"default {DEFAULTS.inference_nice}, 0 for equal priority)")
@@ -137,7 +147,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig that `optiserve serve ARGS` runs with (also what the Ray deployment parses)."""
     return ServeConfig(artifact_dir=args.artifact_dir, variants=args.variants, ab=args.ab,
                       max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
-                      max_queue=args.max_queue, max_queue_bytes=args.max_queue_bytes, timeout_ms=args.timeout_ms, threads=args.threads,
+                      max_queue=args.max_queue, max_queue_bytes=args.max_queue_bytes, timeout_ms=args.timeout_ms,
+                      threads=args.threads, instances=args.instances, priority_levels=args.priority_levels,
+                      default_priority=args.default_priority,
                       inference_nice=args.inference_nice, device=args.device, body_timeout_s=args.body_timeout_s,
                       drain_seconds=args.drain_seconds, shutdown_timeout_s=args.shutdown_timeout_s, max_image_pixels=args.max_image_pixels,
                       decode_threads=args.decode_threads, manifest_sha256=args.manifest_sha256,

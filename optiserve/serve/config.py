@@ -26,6 +26,9 @@ class ServeConfig:
     max_queue: int = 256
     timeout_ms: float = 30_000
     threads: int | None = None        # intra-op threads per variant; None: the runtime's default (all cores)
+    instances: int = 1                # inference workers (sessions) per variant, the threads divided between them
+    priority_levels: int = 1          # request priorities 1 (highest) .. this, each with its own queue limit
+    default_priority: int | None = None  # a request's priority when it names none; None: the lowest
     inference_nice: int = 10          # CPU priority of inference threads below the event loop's (Linux); 0: same
     device: str = "auto"
     max_body_bytes: int = 16 << 20
@@ -102,6 +105,15 @@ class ServeConfig:
                             ("--max-image-pixels", self.max_image_pixels), ("--decode-threads", self.decode_threads)):
             if value is not None and value < 1:
                 raise UserError(f"{name} must be at least 1, got {value}")
+        from optiserve.serve.model_settings import MAX_INSTANCES, MAX_PRIORITY_LEVELS
+
+        if not 1 <= self.instances <= MAX_INSTANCES:
+            raise UserError(f"--instances must be from 1 to {MAX_INSTANCES}, got {self.instances}")
+        if not 1 <= self.priority_levels <= MAX_PRIORITY_LEVELS:
+            raise UserError(f"--priority-levels must be from 1 to {MAX_PRIORITY_LEVELS}, got {self.priority_levels}")
+        if self.default_priority is not None and not 1 <= self.default_priority <= self.priority_levels:
+            raise UserError(f"--default-priority must be one of the priority levels 1..{self.priority_levels} "
+                            f"(--priority-levels), got {self.default_priority}")
         if self.max_queue_bytes is not None and self.max_queue_bytes < 1 << 20:
             raise UserError(f"--max-queue-bytes must be at least 1 MiB (1048576), got {self.max_queue_bytes}")
         if self.max_delay_ms < 0 or self.timeout_ms <= 0:

@@ -159,6 +159,7 @@ class InferRequest:
     images: np.ndarray
     outputs: list[tuple[str, bool]]   # (output name, answer it as binary)
     id: str | None
+    priority: object = None           # the request's `parameters.priority` as sent (the server checks it)
 
 
 def check_tensor(shape, datatype, spec: InputSpec, max_images: int) -> tuple[int, np.dtype]:
@@ -221,7 +222,8 @@ def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_i
     if flat.size != count:
         raise BadInput(f"input data has {flat.size} values but shape {shape} needs {count}")
     images = tensor_batch(flat.reshape(shape), spec)
-    return InferRequest(images, _outputs(body.get("outputs"), params, output_names), _id(body.get("id")))
+    return InferRequest(images, _outputs(body.get("outputs"), params, output_names), _id(body.get("id")),
+                        params.get("priority"))
 
 
 def _outputs(requested, params: dict, output_names: tuple[str, ...]) -> list[tuple[str, bool]]:

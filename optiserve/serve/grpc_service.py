@@ -88,6 +88,15 @@ def parse_infer(message: InferMessage, spec, max_images: int, output_names: tupl
                         request.id or None)
 
 
+def requested_priority(request) -> object:
+    """The request's `priority` parameter as sent (tritonclient sends a uint64), or None."""
+    if "priority" not in request.parameters:
+        return None
+    value = request.parameters["priority"]
+    kind = value.WhichOneof("parameter_choice")
+    return getattr(value, kind) if kind else None
+
+
 class InferenceService:
     """The RPCs, each answering from the Server exactly as its HTTP twin does."""
 
@@ -123,10 +132,11 @@ class InferenceService:
         name, version = _required(request.model_name, "model_name"), request.model_version or None
         if version is not None and server.started:
             oip.served(server, name, version)  # NOT_FOUND for an unknown version, before queueing
-        with server.admitted(name, version) as admission:
+        with server.admitted(name, version, priority=(requested_priority(request), "parameters.priority")) \
+                as admission:
             context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
             admission.held.grow(message.size, "its message")  # held by the request until it ends, as a body
-            args = (message, admission.model.spec, admission.model.settings.max_queue, admission.model.protocol_outputs)
+            args = (message, admission.model.spec, admission.model.settings.max_images, admission.model.protocol_outputs)
             # raw bytes are a view and a check, cheaper here than a hop to the decode threads (measured:
             # ~0.2 core-ms a request less outside the inference threads); typed contents are a Python
             # list to convert, which must not hold up the loop

@@ -12,8 +12,8 @@ from optiserve.serve.api_error import ApiError
 class ByteBudget:
     """Bytes held by admitted requests, at most `limit` at once (thread-safe: decode threads take too)."""
 
-    def __init__(self, limit: int):
-        self.limit, self.used = limit, 0
+    def __init__(self, limit: int, setting: str = "--max-queue-bytes"):
+        self.limit, self.used, self.setting = limit, 0, setting  # `setting`: what set the limit, for the errors
         self._lock = threading.Lock()
 
     def hold(self) -> "HeldBytes":
@@ -23,11 +23,11 @@ class ByteBudget:
     def _take(self, n: int, what: str, held: int) -> None:
         if held + n > self.limit:
             raise ApiError(413, f"{what} needs {held + n:,} bytes in memory, over the server's whole budget for "
-                                f"requests (--max-queue-bytes {self.limit:,}): send less in one request")
+                                f"requests ({self.setting} {self.limit:,}): send less in one request")
         with self._lock:
             if self.used + n > self.limit:
                 raise ApiError(429, f"overloaded: requests in progress hold {self.used:,} of the "
-                                    f"{self.limit:,} bytes allowed (--max-queue-bytes); retry later",
+                                    f"{self.limit:,} bytes allowed ({self.setting}); retry later",
                                {"Retry-After": "1"})
             self.used += n
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +22,7 @@ from optiserve.runtime.fastest import choose_fastest
 from optiserve.runtime.recorded import recorded_choice
 from optiserve.runtime.variants import LoadedVariant, load_verified, select_variants, warm_up
 from optiserve.serve.batcher import BatchRecord, DynamicBatcher
+from optiserve.serve.memory_budget import ByteBudget
 from optiserve.serve.metrics import ServerMetrics
 from optiserve.serve.model_settings import SETTINGS_FILE, ModelSettings
 from optiserve.serve.stats import VariantStats
@@ -31,9 +33,10 @@ log = logging.getLogger("optiserve.serve")
 
 @dataclass
 class ServedVariant:
-    loaded: LoadedVariant
+    loaded: LoadedVariant  # its first instance's session (what the default's timing and metadata read)
     batcher: DynamicBatcher
     stats: VariantStats = field(default_factory=VariantStats)
+    instances: list[LoadedVariant] = field(default_factory=list)  # one session per inference worker
 
     @property
     def name(self) -> str:
@@ -46,13 +49,22 @@ class BatchingConfig:
 
     max_batch_size: int
     max_delay_ms: float
-    max_queue: int
+    max_queue: int | list[int]  # images each priority level may queue: one for all, or one per level
     thread_initializer: Callable[[], None] | None = None
 
     @property
     def sizes(self) -> list[int]:
         """The batch sizes the batcher forms often enough to warm up: powers of two and the maximum."""
         return sorted({1, *[2 ** i for i in range(1, 16) if 2 ** i < self.max_batch_size], self.max_batch_size})
+
+
+def instance_options(options: RuntimeOptions, instances: int) -> RuntimeOptions:
+    """The runtime options of one of `instances` workers: the threads (--threads, else the cores
+    this process may run on) divided between them, at least one each."""
+    if instances == 1:
+        return options
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return replace(options, threads=max(1, (options.threads or cores) // instances))
 
 
 class ServedModel:
@@ -65,6 +77,11 @@ class ServedModel:
         self.manifest, self.version = read_manifest_versioned(self.folder, manifest_sha256)
         self.settings_version = settings_version  # sha256 of the serving.json it was read from (None: none)
         self.entries = select_variants(self.manifest, settings.variants)
+        settings.check_variants([e["name"] for e in self.entries])
+        # a model given its own max_queue_bytes holds its requests against a budget of its own; the
+        # others share the server's (None)
+        self.memory = ByteBudget(settings.max_queue_bytes, f"{SETTINGS_FILE} max_queue_bytes") \
+            if settings.sources["max_queue_bytes"] == "file" else None
         self.spec = InputSpec.from_dict(self.manifest["input"])
         self.classes: list[str] = self.manifest["classes"]
         self.task = get_task(self.manifest.get("task"))  # what the output means: answers, outputs, agreement
@@ -95,23 +112,29 @@ class ServedModel:
         loop = asyncio.get_running_loop()
         try:
             for entry in self.entries:
-                loaded = await loop.run_in_executor(loader, load_verified, self.folder, entry, self.manifest, options)
-                await loop.run_in_executor(loader, warm_up, loaded, self.manifest["input"]["shape"], batching.sizes)
+                count = self.settings.instances_of(entry["name"])
+                own = instance_options(options, count)
+                instances = []
+                for _ in range(count):  # one session each: engines' sessions are not run from two threads at once
+                    loaded = await loop.run_in_executor(loader, load_verified, self.folder, entry, self.manifest, own)
+                    await loop.run_in_executor(loader, warm_up, loaded, self.manifest["input"]["shape"], batching.sizes)
+                    instances.append(loaded)
                 stats = VariantStats()
 
-                def on_batch(rec: BatchRecord, stats=stats, model=self.name, variant=loaded.name):
+                def on_batch(rec: BatchRecord, stats=stats, model=self.name, variant=entry["name"]):
                     stats.record_batch(rec.size)
                     metrics.record_batch(model, variant, rec.size, rec.queue_s, rec.compute_s)
 
-                run = loaded.session.run_outputs if self.extra_outputs else loaded.session.run
-                batcher = DynamicBatcher(run, batching.max_batch_size, batching.max_delay_ms,
-                                         batching.max_queue, name=f"{self.name}/{loaded.name}", on_batch=on_batch,
+                runners = [i.session.run_outputs if self.extra_outputs else i.session.run for i in instances]
+                batcher = DynamicBatcher(runners, batching.max_batch_size, batching.max_delay_ms,
+                                         batching.max_queue, name=f"{self.name}/{entry['name']}", on_batch=on_batch,
                                          thread_initializer=batching.thread_initializer,
                                          row_shape=tuple(self.spec.shape))
                 batcher.start()
-                self.variants[loaded.name] = ServedVariant(loaded, batcher, stats)
-                log.info("model %s: variant %s (%s, %s) loaded and warmed up", self.name, loaded.name,
-                         entry["backend"], entry["precision"])
+                self.variants[entry["name"]] = ServedVariant(instances[0], batcher, stats, instances)
+                log.info("model %s: variant %s (%s, %s) loaded and warmed up%s", self.name, entry["name"],
+                         entry["backend"], entry["precision"],
+                         f": {count} instances, {own.threads} threads each" if count > 1 else "")
         except BaseException:
             await self.close(0)
             raise

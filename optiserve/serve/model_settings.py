@@ -15,13 +15,32 @@ from optiserve.serve.config import ServeConfig
 
 SETTINGS_FILE = "serving.json"
 MAX_SETTINGS_BYTES = 1 << 20
+MAX_INSTANCES = 64
+MAX_PRIORITY_LEVELS = 16
 
 
-def _count(minimum: int):
+def _whole(value, minimum: int, maximum: int | None) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum and \
+        (maximum is None or value <= maximum)
+
+
+def _count(minimum: int, maximum: int | None = None):
     def check(value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            return f"a whole number of at least {minimum}"
+        if not _whole(value, minimum, maximum):
+            return f"a whole number of at least {minimum}" + (f" and at most {maximum}" if maximum else "")
     return check
+
+
+def _queue_limit(value):
+    if not (_whole(value, 1, None) or (isinstance(value, list) and value and all(_whole(v, 1, None) for v in value))):
+        return "a whole number of at least 1 (each priority level's limit) or a list of them, one per level"
+
+
+def _instances(value):
+    if not (_whole(value, 1, MAX_INSTANCES) or (isinstance(value, dict) and value and all(
+            isinstance(k, str) and k and _whole(n, 1, MAX_INSTANCES) for k, n in value.items()))):
+        return (f'a whole number from 1 to {MAX_INSTANCES} for every variant, or an object of them per variant, '
+                f'e.g. {{"onnx-int8": 2}}')
 
 
 def _number(minimum: float, inclusive: bool):
@@ -50,8 +69,12 @@ def _weights(value):
 KEYS = {
     "max_batch_size": ("--max-batch-size", "max_batch_size", _count(1)),
     "max_delay_ms": ("--max-delay-ms", "max_delay_ms", _number(0, inclusive=True)),
-    "max_queue": ("--max-queue", "max_queue", _count(1)),
+    "max_queue": ("--max-queue", "max_queue", _queue_limit),
+    "max_queue_bytes": ("--max-queue-bytes", "max_queue_bytes", _count(1 << 20)),
     "timeout_ms": ("--timeout-ms", "timeout_ms", _number(0, inclusive=False)),
+    "instances": ("--instances", "instances", _instances),
+    "priority_levels": ("--priority-levels", "priority_levels", _count(1, MAX_PRIORITY_LEVELS)),
+    "default_priority": ("--default-priority", "default_priority", _count(1, MAX_PRIORITY_LEVELS)),
     "variants": ("--variants", "variants", _names),
     "traffic": ("--ab", "ab", _weights),
 }
@@ -64,11 +87,30 @@ class ModelSettings:
 
     max_batch_size: int
     max_delay_ms: float
-    max_queue: int
+    max_queue: int | list[int]    # images each priority level may queue: one for all, or one per level
+    max_queue_bytes: int          # what its requests may hold in memory at once (see memory_budget)
     timeout_ms: float
+    instances: int | dict[str, int]  # inference workers per variant: one number for all, or per variant
+    priority_levels: int
+    default_priority: int         # a request's priority when it names none
     variants: list[str] | None
     traffic: dict[str, float] | str | None  # from the file: weights; from the flag: --ab as given
     sources: dict[str, str] = field(default_factory=dict)  # key -> file, flag or default
+
+    @property
+    def queue_limits(self) -> list[int]:
+        """Each priority level's queue limit in images, the highest priority first."""
+        return list(self.max_queue) if isinstance(self.max_queue, list) else [self.max_queue] * self.priority_levels
+
+    @property
+    def max_images(self) -> int:
+        """The most images one request may carry: the largest level's queue limit."""
+        return max(self.queue_limits)
+
+    def instances_of(self, variant: str) -> int:
+        if isinstance(self.instances, dict):
+            return self.instances.get(variant, 1)
+        return self.instances
 
     def described(self) -> dict:
         """{key: {"value", "source", "flag"}}: what `GET /v2/models/{model}/config` answers."""
@@ -83,9 +125,18 @@ class ModelSettings:
         return ",".join(f"{k}={w!r}" for k, w in self.traffic.items()) if self.traffic else None
 
     def batching(self, server_wide):
-        """The server's BatchingConfig with this model's batch size, delay and queue."""
+        """The server's BatchingConfig with this model's batch size, delay, queue limits and priority levels."""
         return replace(server_wide, max_batch_size=self.max_batch_size, max_delay_ms=self.max_delay_ms,
-                       max_queue=self.max_queue)
+                       max_queue=self.queue_limits)
+
+    def check_variants(self, served: list[str]) -> None:
+        """A UserError when the instances name a variant that is not served."""
+        if isinstance(self.instances, dict):
+            unknown = [n for n in self.instances if n not in served]
+            if unknown:
+                where = f"{SETTINGS_FILE} instances" if self.sources["instances"] == "file" else "--instances"
+                raise UserError(f"{where} names {', '.join(map(repr, unknown))}, which "
+                                f"{'is' if len(unknown) == 1 else 'are'} not served ({', '.join(served)})")
 
 
 def settings_version(folder: str | Path) -> str | None:
@@ -134,4 +185,16 @@ def model_settings(folder: str | Path, cfg: ServeConfig) -> ModelSettings:
         else:
             values[key] = getattr(cfg, attribute)
             sources[key] = "default" if values[key] == getattr(_DEFAULTS, attribute) else "flag"
+    if values["max_queue_bytes"] is None:
+        values["max_queue_bytes"] = cfg.queue_bytes()
+    levels = values["priority_levels"]
+    if values["default_priority"] is None:  # the lowest: a caller who names a priority goes first
+        values["default_priority"] = levels
+    if values["default_priority"] > levels:
+        where = SETTINGS_FILE if "file" in (sources["default_priority"], sources["priority_levels"]) else "the flags"
+        raise UserError(f"{where}: default_priority {values['default_priority']} is not one of the priority "
+                        f"levels 1..{levels} (priority_levels {levels})")
+    if isinstance(values["max_queue"], list) and len(values["max_queue"]) != levels:
+        raise UserError(f"{SETTINGS_FILE}: max_queue lists {len(values['max_queue'])} limits for "
+                        f"{levels} priority level{'s' if levels > 1 else ''}: give one per level, or one number")
     return ModelSettings(**values, sources=sources)

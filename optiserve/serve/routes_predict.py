@@ -56,7 +56,7 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                 sizes = None  # tensors, and base64 images, are answered at the model's input size
                 body = await server.read_body(request, admission, json_values=True)
                 parsed = await server.decode(predict_request, body, model.spec, len(model.classes),
-                                             model.settings.max_queue, server.image_limits,
+                                             model.settings.max_images, server.image_limits,
                                              admission.hold_json)
                 if "variant" not in query:
                     server.reroute(admission, parsed.variant, request)
@@ -120,6 +120,8 @@ PREDICT_OPERATION = {
     "operationId": "predict",
     "parameters": [_query("model", "the model (needed when several are served)", {"type": "string"}),
                    _query("variant", "the variant (default: the traffic split)", {"type": "string"}),
+                   _query("priority", "1 (highest) to the model's priority levels; 0 or none: its default "
+                          "(also the X-Priority header)", {"type": "integer", "minimum": 0}),
                    _query("top_k", "classes per image (classification)", {"type": "integer", "minimum": 1}),
                    _query("normalize", "L2-normalize the vectors (embedding)", {"type": "boolean"}),
                    _query("score_threshold", "the least score of a box answered (detection; default 0.5)",

@@ -12,12 +12,18 @@ from optiserve.serve.server import Server
 
 
 def model_stats(model: ServedModel, samples: bool) -> dict:
-    variants = {name: {**v.stats.snapshot(samples), "queue_depth": v.batcher.depth, **reported_facts(v.loaded.entry)}
+    variants = {name: {**v.stats.snapshot(samples), "queue_depth": v.batcher.depth, **_levels(v.batcher),
+                       "instances": v.batcher.instances, **reported_facts(v.loaded.entry)}
                 for name, v in list(model.variants.items())}
     shadow = {name: s.snapshot() for name, s in model.shadow_stats.items()}
     return {"model": model.name, "version": model.version[:12], "input": model.manifest["input"],
             "ab": model.router.shares, "traffic": model.traffic(), "default_choice": model.choice,
             "variants": variants, "shadow": shadow}
+
+
+def _levels(batcher) -> dict:
+    """Each priority level's queue depth, the highest first, where the model has several."""
+    return {"queue_depth_by_priority": batcher.depths()} if batcher.priority_levels > 1 else {}
 
 
 def add_stats_routes(app: FastAPI, server: Server) -> None:

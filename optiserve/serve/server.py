@@ -157,13 +157,15 @@ class Server:
         return model.variants[name]
 
     @contextlib.contextmanager
-    def admitted(self, model_name: str | None, variant_name: str | None,
-                 request: Request | None = None) -> Iterator[Admission]:
+    def admitted(self, model_name: str | None, variant_name: str | None, request: Request | None = None,
+                 priority: tuple[object, str] | None = None) -> Iterator[Admission]:
         """Check readiness, the model and the variant, route the request, and hold one image's room
-        in that variant's queue before its body is read — or answer 503, 404 or 429 at once. Under
-        overload refusing must cost almost nothing, and only as many requests as there are free
-        places may go on to be decoded: both are CPU the accepted requests need. An HTTP `request`
-        is told the variant, for the variant header of whatever answer it gets."""
+        in that variant's queue, at the request's priority, before its body is read — or answer 503,
+        404, 400 or 429 at once. Under overload refusing must cost almost nothing, and only as many
+        requests as there are free places may go on to be decoded: both are CPU the accepted
+        requests need. An HTTP `request` is told the variant, for the variant header of whatever
+        answer it gets, and gives its priority by `X-Priority` or `?priority=`; others pass
+        `priority` as (value, where it was given)."""
         with tracing.span("admission") as span:
             self._check_ready()
             model = self.model(model_name)
@@ -171,13 +173,16 @@ class Server:
                 model.variants[model.router.pick()]
             if request is not None:
                 request.state.variant = variant.name  # for the variant header, also on unexpected errors
+                priority = http_priority(request)
+            level = request_priority(model, *(priority or (None, "")))
             if span is not None:
-                span.set_attributes({"optiserve.model": model.name, "optiserve.variant": variant.name})
+                span.set_attributes({"optiserve.model": model.name, "optiserve.variant": variant.name,
+                                     "optiserve.priority": level})
             try:
-                reservation = variant.batcher.reserve()
+                reservation = variant.batcher.reserve(1, level)
             except QueueFull as e:
                 raise self._overloaded(model, variant, e) from None
-            admission = Admission(model, variant, reservation, self.memory.hold())
+            admission = Admission(model, variant, reservation, (model.memory or self.memory).hold())
         model.enter()  # the version stays loaded until this request is answered, even if replaced
         try:
             yield admission
@@ -193,11 +198,27 @@ class Server:
         variant = self._named(admission.model, name)
         request.state.variant = name
         try:
-            reservation = variant.batcher.reserve()
+            reservation = variant.batcher.reserve(1, admission.reservation.priority)
         except QueueFull as e:
             raise self._overloaded(admission.model, variant, e) from None
         admission.reservation.release()
         admission.variant, admission.reservation = variant, reservation
+
+    def reprioritize(self, admission: Admission, given: object, request: Request) -> None:
+        """The body gave a priority (the protocol's `parameters.priority`): move the held queue place
+        to that level (400 not a level, 429 full) — unless X-Priority or ?priority= gave one, which
+        win, so a gateway in front can set a caller's priority whatever the caller sends."""
+        if given is None or http_priority(request)[0] is not None:
+            return
+        level = request_priority(admission.model, given, "parameters.priority")
+        if level == admission.reservation.priority:
+            return
+        try:
+            reservation = admission.variant.batcher.reserve(1, level)
+        except QueueFull as e:
+            raise self._overloaded(admission.model, admission.variant, e) from None
+        admission.reservation.release()
+        admission.reservation = reservation
 
     async def read_body(self, request: Request, admission: Admission | None = None, json_values: bool = False) -> bytes:
         """The request's body; a client that hangs up mid-upload is counted and answered nothing.
@@ -207,7 +228,7 @@ class Server:
         try:
             if admission is None:
                 return await self._within_body_timeout(request.body())
-            limit = max_commas(admission.model.spec, admission.model.settings.max_queue) if json_values else None
+            limit = max_commas(admission.model.spec, admission.model.settings.max_images) if json_values else None
             return await self._within_body_timeout(self._read_held(request, admission, limit))
         except ClientDisconnect:
             raise self._client_gone(admission, "while uploading its body") from None
@@ -228,7 +249,7 @@ class Server:
             if comma_limit is not None:
                 commas += chunk.count(b",")
                 if commas > comma_limit:
-                    raise too_many_values(commas, admission.model.spec, admission.model.settings.max_queue)
+                    raise too_many_values(commas, admission.model.spec, admission.model.settings.max_images)
             chunks.append(chunk)
             size += len(chunk)
         body = b"".join(chunks)
@@ -342,6 +363,36 @@ class Server:
         """One request's outcome, into both /stats and /metrics."""
         variant.stats.record_request(outcome, None if seconds is None else 1000 * seconds, images)
         self.metrics.record_request(model.name, variant.name, outcome, seconds, images)
+
+
+def http_priority(request: Request) -> tuple[str | None, str]:
+    """The priority an HTTP request gives outside its body: (value, where) from the `X-Priority`
+    header or the `priority` query parameter (the header first)."""
+    header = request.headers.get("x-priority")
+    if header is not None:
+        return header, "X-Priority"
+    return request.query_params.get("priority"), "priority"
+
+
+def request_priority(model: ServedModel, given: object, where: str) -> int:
+    """The priority level a request asked for (1 = highest; absent or 0: the model's default), or
+    400 naming the levels the model has."""
+    levels = model.settings.priority_levels
+    if given is None:
+        return model.settings.default_priority
+    value = given
+    if isinstance(given, str):
+        value = int(given) if given.strip().isdigit() and len(given) < 8 else None
+    if isinstance(value, bool) or not isinstance(value, int):
+        value = None
+    if value == 0:
+        return model.settings.default_priority
+    if value is None or not 1 <= value <= levels:
+        shown = repr(given)[:40]
+        raise ApiError(400, f"{where} {shown} is not a priority of model {model.name}: its levels are 1 (highest) "
+                            f"to {levels}" + (" (0 or none: the default)" if levels > 1 else
+                                              "; it serves every request alike (priority_levels in serving.json)"))
+    return value
 
 
 async def _disconnected(request: Request) -> None:
