@@ -198,6 +198,10 @@ class DynamicBatcher:
         """Images waiting at each priority level, the highest first."""
         return list(self._queued)
 
+    def _or_lowest(self, priority: int | None) -> int:
+        """`priority`, or the lowest level when it is not given."""
+        return priority or len(self.max_queue)
+
     def _level(self, priority: int) -> int:
         if not 1 <= priority <= len(self.max_queue):
             raise ValueError(f"priority {priority} is not one of 1..{len(self.max_queue)}")
@@ -205,20 +209,20 @@ class DynamicBatcher:
 
     def has_room(self, images: int = 1, priority: int | None = None) -> bool:
         """Whether `images` more fit at `priority` (the lowest when not given)."""
-        level = self._level(priority or len(self.max_queue))
+        level = self._level(self._or_lowest(priority))
         return self._queued[level] + self._reserved[level] + images <= self.max_queue[level]
 
     def check_room(self, images: int = 1, priority: int | None = None) -> None:
         """Raise QueueFull unless `images` more fit at `priority` (room held by reservations counts as taken)."""
         if not self.has_room(images, priority):
-            level = self._level(priority or len(self.max_queue))
+            level = self._level(self._or_lowest(priority))
             at = f" at priority {level + 1}" if len(self.max_queue) > 1 else ""
             raise QueueFull(f"{self.name}: {self._queued[level]} images queued{at} and {self._reserved[level]} "
                             f"arriving (limit {self.max_queue[level]})")
 
     def reserve(self, images: int = 1, priority: int | None = None) -> Reservation:
         """Hold room for `images` rows at `priority` until `submit` (or `release`); QueueFull if there is none."""
-        priority = priority or len(self.max_queue)
+        priority = self._or_lowest(priority)
         self.check_room(images, priority)
         self._reserved[priority - 1] += images
         return Reservation(self, images, priority)
@@ -241,7 +245,7 @@ class DynamicBatcher:
         if reservation is not None:
             priority = reservation.priority
             reservation.release()
-        priority = priority or len(self.max_queue)
+        priority = self._or_lowest(priority)
         if self._closing:
             raise ShuttingDown("the server is shutting down")
         k = len(images)

@@ -36,7 +36,6 @@ class ServedVariant:
     loaded: LoadedVariant  # its first instance's session (what the default's timing and metadata read)
     batcher: DynamicBatcher
     stats: VariantStats = field(default_factory=VariantStats)
-    instances: list[LoadedVariant] = field(default_factory=list)  # one session per inference worker
 
     @property
     def name(self) -> str:
@@ -131,7 +130,7 @@ class ServedModel:
                                          thread_initializer=batching.thread_initializer,
                                          row_shape=tuple(self.spec.shape))
                 batcher.start()
-                self.variants[entry["name"]] = ServedVariant(instances[0], batcher, stats, instances)
+                self.variants[entry["name"]] = ServedVariant(instances[0], batcher, stats)
                 log.info("model %s: variant %s (%s, %s) loaded and warmed up%s", self.name, entry["name"],
                          entry["backend"], entry["precision"],
                          f": {count} instances, {own.threads} threads each" if count > 1 else "")
