@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": "optiserve.serve.command",
     "bench": "optiserve.bench.command",
     "compare": "optiserve.bench.compare_command",
+    "tune": "optiserve.bench.tune_command",
     "repair": "optiserve.repair_command",
 }
 
@@ -25,7 +26,7 @@ COMMANDS = {
 EXTRAS = {"train": {"torch", "torchvision", "sklearn", "tqdm"},
           "optimize": {"torch", "torchvision", "sklearn", "tqdm", "onnx", "onnxscript", "nncf"},
           "bench": {"aiohttp", "matplotlib", "sklearn"}}
-EXTRA_OF_COMMAND = {"train": "train", "optimize": "optimize", "bench": "bench", "compare": "bench"}
+EXTRA_OF_COMMAND = {"train": "train", "optimize": "optimize", "bench": "bench", "compare": "bench", "tune": "bench"}
 
 
 def missing_extra(command: str, error: ModuleNotFoundError) -> str | None:

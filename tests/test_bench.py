@@ -76,12 +76,12 @@ def test_bench_http_drives_a_real_server_closed_and_open_loop_and_compare_writes
     assert data["sources"][0]["environment"]["torch"] and data["sources"][0]["settings"]["rates"] == [40.0]
 
 
-def test_bench_http_sends_the_same_images_as_uploads_binary_tensors_or_grpc(small_artifact, tmp_path):
+def test_bench_http_sends_the_same_images_as_uploads_raw_bodies_binary_tensors_or_grpc(small_artifact, tmp_path):
     pytest.importorskip("grpc")
     grpc_port = free_port()
     results = {}
     with serving(small_artifact, "--variants", "onnx-int8", "--grpc-port", str(grpc_port)) as (base, _):
-        for protocol in ("predict", "v2-binary", "grpc"):
+        for protocol in ("predict", "predict-raw", "v2-binary", "grpc"):
             out = tmp_path / f"{protocol}.json"
             proc = run_cli("bench", "http", base, "--protocol", protocol, "--concurrency", "2", "--duration", "1",
                            "--warmup", "0.3", "--out", str(out), "--quiet",

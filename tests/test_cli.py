@@ -35,7 +35,7 @@ def test_every_option_of_every_subcommand_is_in_the_cli_reference():
 
 
 def test_help_lists_the_documented_subcommands_and_each_has_working_help(capsys):
-    documented = {"train", "optimize", "serve", "bench", "compare", "repair"}  # the CLI reference
+    documented = {"train", "optimize", "serve", "bench", "compare", "tune", "repair"}  # the CLI reference
     proc = run_cli("--help")
     assert proc.returncode == 0
     section = proc.stdout.split("positional arguments:", 1)[1].split("options:", 1)[0]

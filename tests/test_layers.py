@@ -27,8 +27,9 @@ FORBIDDEN = {
                       "optiserve.train", "optiserve.cli"),
     "data": ("optiserve.runtime", "optiserve.serve", "optiserve.bench", "optiserve.optimize", "optiserve.train"),
 }
-# the one name bench may take from serving: the response header that says which variant answered
-ALLOWED = {("bench", "optiserve.serve", "VARIANT_HEADER")}
+# what bench may take from serving: the response header that says which variant answered, and the
+# launcher that runs `optiserve serve` as a child process for the tuner (a server driven from outside)
+ALLOWED = {("bench", "optiserve.serve", "VARIANT_HEADER"), ("bench", "optiserve.serve.launch", "served")}
 
 
 def _imports(path: Path):

@@ -66,8 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--duration", type=float, default=20.0, metavar="S", help="measured seconds per run (default 20)")
     h.add_argument("--warmup", type=float, default=3.0, metavar="S",
                    help="seconds of load before measuring, not recorded (default 3)")
-    h.add_argument("--protocol", default="predict", choices=["predict", "v2-binary", "grpc"],
-                   help="predict: image uploads to /predict (default); v2-binary: each image's tensor over the Open "
+    h.add_argument("--protocol", default="predict", choices=["predict", "predict-raw", "v2-binary", "grpc"],
+                   help="predict: image uploads to /predict (default); predict-raw: each image as the raw body of a "
+                        "/predict request (content-type image/png, ...); v2-binary: each image's tensor over the Open "
                         "Inference Protocol with binary tensors (as tritonclient.http sends); grpc: the same over gRPC "
                         "ModelInfer with raw tensors (as tritonclient.grpc sends)")
     h.add_argument("--grpc-target", default=None, metavar="HOST:PORT",

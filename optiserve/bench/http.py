@@ -12,7 +12,7 @@ from optiserve.bench.loadgen import Load, generate_load
 from optiserve.bench.payloads import image_tensors
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run, make_results
-from optiserve.bench.senders import PROTOCOLS, BinaryTensorSender, GrpcSender, PredictSender, Sender
+from optiserve.bench.senders import PROTOCOLS, BinaryTensorSender, GrpcSender, PredictSender, RawImageSender, Sender
 from optiserve.errors import UserError
 from optiserve.input_spec import InputSpec
 
@@ -50,10 +50,12 @@ def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0, 
 
 def make_sender(protocol: str, base_url: str, images: list[bytes], facts: dict, variant: str | None,
                 grpc_target: str | None = None) -> Sender:
-    """The sender for `protocol` (predict, v2-binary or grpc) to one model of the server `facts` describe."""
+    """The sender for `protocol` (predict, predict-raw, v2-binary or grpc) to one model of the server `facts` describe."""
     model = facts.get("model")
     if protocol == "predict":
         return PredictSender(base_url, images, model, variant)
+    if protocol == "predict-raw":
+        return RawImageSender(base_url, images, model, variant)
     tensors = image_tensors(images, InputSpec.from_dict(facts["input"]))
     if protocol == "v2-binary":
         return BinaryTensorSender(base_url, tensors, model, variant)

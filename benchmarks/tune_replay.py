@@ -1,0 +1,136 @@
+"""Holds `optiserve tune` to its claim: serve MODEL_DIR as `optiserve serve MODEL_DIR` (with the
+serving.json tune wrote), replay the rate tune.json claims open-loop for 20 s with a client of its
+own (aiohttp, requests sent on a fixed schedule whether or not earlier ones were answered, each
+timed from when it was due), and check that p99 stays within 1.2x the objective with no failures.
+A closed-loop claim (`tune --concurrency-mode closed`) is replayed with its number of callers.
+
+    optiserve tune artifacts/resnet18-digits --slo-p99-ms 50
+    python benchmarks/tune_replay.py artifacts/resnet18-digits
+
+Needs the [bench] extra (aiohttp). Prints the CPU, the claim, what the replay measured, and the
+verdict; exits 1 when the claim does not hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from optiserve.machine import cpu_line  # noqa: E402
+from optiserve.serve.launch import served  # noqa: E402
+
+TOLERANCE = 1.2  # the replay's p99 may be this many times the objective
+PNG = {"content-type": "image/png"}
+
+
+def _images(shape: list[int], count: int = 32) -> list[bytes]:
+    """Random PNGs at the model's input size (what the tuner sends by default), made here."""
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    side = max(shape[1:])
+    out = []
+    for _ in range(count):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+async def replay(base: str, images: list[bytes], seconds: float, rate: float | None = None,
+                 callers: int | None = None, model: str | None = None) -> dict:
+    """Open loop (`rate`): send `rate` requests a second for `seconds` to /predict on schedule,
+    each timed from when it was due. Closed loop (`callers`): that many callers, each sending its
+    next request when the last is answered. Returns p50/p99 (ms), answered and failed counts and
+    the answered rate."""
+    import aiohttp
+
+    latencies, failures = [], []
+    url = f"{base}/predict" + (f"?model={model}" if model else "")
+    connector = aiohttp.TCPConnector(limit=1024)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async def one(i: int, due: float) -> None:
+            try:  # a raw image body: the cheapest request to send, so the client takes little of the CPU
+                async with session.post(url, data=images[i % len(images)], headers=PNG) as r:
+                    await r.read()
+                    if r.status == 200:
+                        latencies.append(time.perf_counter() - due)
+                    else:
+                        failures.append(f"HTTP {r.status}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                failures.append(type(e).__name__)
+
+        start = time.perf_counter() + 0.05
+        end = start + seconds
+        sent = 0
+        if rate is not None:
+            tasks = []
+            for i in range(int(rate * seconds)):
+                due = start + i / rate
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(one(i, due)))
+            sent = len(tasks)
+            await asyncio.gather(*tasks)
+        else:
+            async def caller(c: int) -> None:
+                nonlocal sent
+                i = c
+                while (due := time.perf_counter()) < end:
+                    sent += 1
+                    await one(i, due)
+                    i += callers
+
+            await asyncio.gather(*(caller(c) for c in range(callers)))
+        took = time.perf_counter() - start
+    ms = np.array(latencies) * 1000 if latencies else np.array([float("inf")])
+    return {"sent": sent, "answered": len(latencies), "failed": len(failures), "failures": sorted(set(failures))[:5],
+            "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "answered_per_s": len(latencies) / took}
+
+
+def check_claim(folder: Path, seconds: float = 20.0) -> dict:
+    """Serve `folder` with its serving.json and replay tune.json's claimed rate; the claim, the
+    replay's figures and whether p99 stayed within TOLERANCE x the objective with no failures."""
+    tune = json.loads((folder / "tune.json").read_text())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    winner, objective = tune["winner"], tune["objective"]["slo_p99_ms"]
+    load = {"callers": int(winner["concurrency"])} if winner["mode"] == "closed" else {"rate": winner["rate"]}
+    with served(folder) as (base, _):
+        images = _images(manifest["input"]["shape"])
+        asyncio.run(replay(base, images, 2.0, **load))  # warm the connections and the server
+        measured = asyncio.run(replay(base, images, seconds, **load))
+    holds = measured["failed"] == 0 and measured["p99_ms"] <= TOLERANCE * objective
+    return {"claim": winner, "objective_ms": objective, "replay": measured, "holds": holds}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", help="a folder `optiserve tune` has written serving.json and tune.json into")
+    p.add_argument("--seconds", type=float, default=20.0, help="how long the claimed rate is replayed (default 20)")
+    args = p.parse_args()
+    result = check_claim(Path(args.model_dir), args.seconds)
+    claim, replayed = result["claim"], result["replay"]
+    print(f"machine: {cpu_line()}")
+    print(f"claim: {claim['rate']:.1f} requests/s at p99 {claim['p99_ms']:.1f} ms with {claim['settings']} "
+          f"(objective {result['objective_ms']:g} ms)")
+    print(f"replay, {args.seconds:g} s {claim['mode']} loop: {replayed['answered']}/{replayed['sent']} answered "
+          f"({replayed['answered_per_s']:.1f}/s), p50 {replayed['p50_ms']:.1f} ms, p99 {replayed['p99_ms']:.1f} ms, "
+          f"{replayed['failed']} failed {replayed['failures'] or ''}")
+    ratio = replayed["p99_ms"] / result["objective_ms"]
+    print(f"p99 / objective = {ratio:.2f} (limit {TOLERANCE}): {'holds' if result['holds'] else 'DOES NOT HOLD'}")
+    return 0 if result["holds"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

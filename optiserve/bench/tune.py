@@ -1,0 +1,451 @@
+"""`optiserve tune`: the variant and serving settings (max batch size, batching delay, instances)
+with the highest throughput whose p99 latency meets an objective, measured with the project's own
+load generator against real `optiserve serve` processes — so the rate it claims is one a server
+started with the `serving.json` it writes has sustained here.
+
+Open loop (the default): a point's throughput is the highest request rate whose p99 stays within
+the objective with every request answered and no backlog (the answered rate keeps up with the
+offered one) and which leaves a fifth of the point's capacity spare, found by bracketing from a
+closed-loop estimate of that capacity. Closed loop: the
+highest throughput of 1, 2, 4, ... concurrent callers whose p99 meets the objective.
+
+The search prunes: batch sizes double until doubling stops raising the throughput, and a variant
+whose engine, timed offline by `optimize`, cannot run as fast as the incumbent point is served
+is not measured at all. Every measured point is saved to tune.json as soon as it is known, so
+`--resume` goes on from where an interrupted run stopped.
+
+Short load steps miss what a long run meets (a stall every few seconds, a queue that grows
+slowly near capacity), so the winner is confirmed before anything is claimed: a fresh server
+started with the settings about to be written takes the winner's load for `confirm_s` (20 s by
+default, as long as the replay that holds tune to its claim); where its p99 misses the objective
+the load is lowered by CONFIRM_BACKOFF and tried again. The claim is the load that held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from optiserve.artifacts import read_manifest
+from optiserve.bench.loadgen import Load, generate_load
+from optiserve.bench.progress import ProgressLine
+from optiserve.bench.results import environment
+from optiserve.bench.senders import RawImageSender
+from optiserve.errors import UserError
+from optiserve.files import atomic_write
+
+TUNE_FILE = "tune.json"
+SETTINGS_FILE = "serving.json"
+FORMAT = 1
+MAX_RATE_STEPS = 6        # open-loop rates tried per point
+RATE_PRECISION = 0.08     # stop bracketing once the bracket is this narrow (relative)
+KEEPS_UP = 0.95           # no backlog: the answered rate is at least this share of the offered one
+HEADROOM = 0.8            # open-loop rates are tried only up to this share of the most the point ever answered:
+# at the edge of capacity a queue grows slowly, which a window of seconds does not show and a longer run does
+DOUBLING_GAIN = 1.03      # a doubled batch size must raise the throughput by more than this to go on
+CONFIRM_TRIES = 5         # loads the winner is confirmed at, each CONFIRM_BACKOFF of the one before
+CONFIRM_BACKOFF = 0.85
+TUNED_KEYS = ("variants", "max_batch_size", "max_delay_ms", "instances")
+
+
+@dataclass
+class TuneConfig:
+    folder: Path
+    slo_p99_ms: float
+    max_accuracy_drop: float | None = None  # points of the manifest's accuracy measure below fp32
+    duration_s: float = 10.0                # measured seconds per load step
+    warmup_s: float = 1.0
+    mode: str = "open"                       # open | closed
+    variants: list[str] | None = None
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    delays_ms: list[float] | None = None     # None: 1 ms and a tenth of the objective
+    instances: list[int] | None = None       # None: 1, and 2 where there are 2 cores or more
+    images: list[bytes] = field(default_factory=list)
+    confirm_s: float = 20.0                  # the winner's confirming run
+    resume: bool = False
+    progress: bool = True
+    ready_within_s: float = 300.0
+
+    def objective(self) -> dict:
+        """What a resumed run must share with the tune.json it continues."""
+        return {"slo_p99_ms": self.slo_p99_ms, "mode": self.mode, "duration_s": self.duration_s,
+                "max_accuracy_drop": self.max_accuracy_drop}
+
+
+@dataclass(frozen=True)
+class Point:
+    variant: str
+    max_batch_size: int
+    max_delay_ms: float
+    instances: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.variant} b{self.max_batch_size} d{self.max_delay_ms:g} i{self.instances}"
+
+    def settings(self) -> dict:
+        """The serving.json keys that serve this point."""
+        return {"variants": [self.variant], "max_batch_size": self.max_batch_size,
+                "max_delay_ms": self.max_delay_ms, "instances": self.instances}
+
+
+def candidates(manifest: dict, cfg: TuneConfig) -> tuple[list[str], dict[str, str]]:
+    """The variants worth tuning, fastest offline first, and why each other one was left out."""
+    from optiserve.runtime.variants import select_variants
+
+    entries = {e["name"]: e for e in manifest["variants"]}
+    left_out = {}
+    if cfg.variants:
+        unknown = [n for n in cfg.variants if n not in entries]
+        if unknown:
+            raise UserError(f"--variants: {', '.join(unknown)} not in the manifest; it has {', '.join(entries)}")
+    chosen = [e["name"] for e in select_variants(manifest, cfg.variants)]
+    for name in entries:
+        if name not in chosen:
+            left_out[name] = "not accepted, or cannot run here" if not cfg.variants else "not asked for"
+    if cfg.max_accuracy_drop is not None:
+        for name in list(chosen):
+            drop = accuracy_drop(manifest, entries[name])
+            if drop is not None and drop > cfg.max_accuracy_drop:
+                chosen.remove(name)
+                left_out[name] = f"accuracy {drop:.2f} points below fp32 (--max-accuracy-drop {cfg.max_accuracy_drop:g})"
+    if not chosen:
+        raise UserError("no variant to tune: " + "; ".join(f"{n}: {why}" for n, why in left_out.items()))
+    return sorted(chosen, key=lambda n: -offline_ceiling(entries[n])), left_out
+
+
+def accuracy_drop(manifest: dict, entry: dict) -> float | None:
+    """Points of the task's accuracy measure the variant lost against the fp32 baseline, as the
+    optimizer measured it on held-out data (0 for the baseline); None where it was not measured."""
+    if entry["name"] == manifest.get("baseline"):
+        return 0.0
+    paired = (entry.get("accuracy") or {}).get("vs_baseline") or {}
+    points = paired.get("points")
+    return -points if isinstance(points, (int, float)) else None
+
+
+ACCURACY_MEASURES = {"top1": "top-1", "miou": "mIoU", "map50": "mAP@0.5", "cosine_mean": "cosine to fp32",
+                     "agreement": "agreement with fp32"}
+
+
+def accuracy_text(manifest: dict, entry: dict) -> str:
+    """The variant's accuracy as the manifest records it, for the report."""
+    acc = entry.get("accuracy") or {}
+    parts = [f"{label} {acc[key]:.4f}" if key == "cosine_mean" else f"{label} {100 * acc[key]:.2f}%"
+             for key, label in ACCURACY_MEASURES.items() if isinstance(acc.get(key), (int, float))]
+    drop = accuracy_drop(manifest, entry)
+    if drop and entry["name"] != manifest.get("baseline"):
+        parts.append(f"{-drop:+.2f} points vs {manifest.get('baseline')}")
+    text = ", ".join(parts) or "not measured"
+    return f"{text} ({entry['status']})" if entry.get("status") else text
+
+
+def offline_ceiling(entry: dict) -> float:
+    """Images/s the variant's engine ran at offline when `optimize` timed it (its best batch size):
+    what a server of it cannot beat by much. 0 when it was not timed."""
+    rates = [int(b) * 1000 / ms for b, ms in (entry.get("latency_ms") or {}).items() if ms]
+    return max(rates, default=0.0)
+
+
+def stage_folder(folder: Path, into: Path) -> Path:
+    """A copy of the model folder to serve each point from, with a serving.json of its own per
+    point (`point_settings`); hard-linked where the filesystem allows, else copied."""
+    stage = into / folder.name
+    stage.mkdir()
+    for item in folder.iterdir():
+        if item.name in (SETTINGS_FILE, TUNE_FILE) or item.name.startswith("tune."):
+            continue
+        target = stage / item.name
+        if item.is_dir():
+            shutil.copytree(item, target)
+            continue
+        try:
+            os.link(item, target)
+        except OSError:
+            shutil.copy2(item, target)
+    return stage
+
+
+def own_settings(folder: Path) -> dict:
+    """The folder's serving.json ({} without one, or when it is not a JSON object)."""
+    try:
+        settings = json.loads((folder / SETTINGS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def point_settings(own: dict, point: "Point") -> dict:
+    """What serves `point`: the folder's own settings (queue limits, timeouts, priorities) with the
+    tuned ones replaced, and no traffic split naming variants that are no longer served. The
+    server that measures a point runs with exactly what tune writes for it."""
+    settings = {**own, **point.settings()}
+    if isinstance(settings.get("traffic"), dict) and set(settings["traffic"]) - {point.variant}:
+        del settings["traffic"]
+    return settings
+
+
+def _summary(run, offered: float | None) -> dict:
+    s = run.window_summary() if run.records["ok"] else {"requests": 0, "failed": 0, "rps": 0.0, "p50": float("inf"),
+                                                         "p99": float("inf")}
+    return {"level": run.level, "rps": round(s["rps"], 2), "p50_ms": round(s["p50"], 2), "p99_ms": round(s["p99"], 2),
+            "requests": s["requests"], "failed": s["failed"], **({"offered": offered} if offered else {})}
+
+
+def _meets(step: dict, cfg: TuneConfig) -> bool:
+    keeps_up = "offered" not in step or step["rps"] >= KEEPS_UP * step["offered"]
+    return step["requests"] > 0 and step["failed"] == 0 and step["p99_ms"] <= cfg.slo_p99_ms and keeps_up
+
+
+class Tuner:
+    """Measures points against servers it starts and keeps every result in tune.json."""
+
+    def __init__(self, cfg: TuneConfig):
+        self.cfg = cfg
+        self.manifest = read_manifest(cfg.folder)
+        self.model = self.manifest.get("model")
+        self.own = own_settings(cfg.folder)  # kept in every point's settings, and in what is written
+        self.points: dict[str, dict] = {}
+        self.confirmed_before: dict | None = None  # a resumed tune.json's confirmed winner
+        self.line = ProgressLine(cfg.progress)
+        self.started = time.monotonic()
+        self.done = 0
+        self.total = 0
+        if cfg.resume:
+            self._resume()
+
+    # ---- the search --------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        names, left_out = candidates(self.manifest, cfg)
+        entries = {e["name"]: e for e in self.manifest["variants"]}
+        instances = cfg.instances or ([1, 2] if (os.cpu_count() or 1) >= 2 else [1])
+        delays = cfg.delays_ms or sorted({1.0, round(cfg.slo_p99_ms / 10, 1)})
+        self.total = len(names) * len(instances) * sum(1 if b == 1 else len(delays) for b in cfg.batch_sizes)
+        pruned: dict[str, str] = {}
+        with tempfile.TemporaryDirectory(prefix="optiserve-tune-") as tmp:
+            stage = stage_folder(cfg.folder, Path(tmp))
+            for variant in names:
+                incumbent = self.winner()
+                ceiling = offline_ceiling(entries[variant])
+                if incumbent is not None and ceiling and ceiling < incumbent["rate"]:
+                    pruned[variant] = (f"its engine ran at {ceiling:.0f} images/s offline, below the incumbent's "
+                                       f"{incumbent['rate']:.0f} served")
+                    continue
+                for n in instances:
+                    best_before = None
+                    for b in cfg.batch_sizes:
+                        here = [self._measure(stage, Point(variant, b, 0.0 if b == 1 else d, n))
+                                for d in ([0.0] if b == 1 else delays)]
+                        best = max(r["rate"] for r in here)
+                        if best_before is not None and best <= best_before * DOUBLING_GAIN:
+                            break  # doubling the batch stopped paying
+                        best_before = max(best, best_before or 0.0)
+            winner = self.winner()
+            if winner is None:
+                self.line.done(f"tune: {len(self.points)} points measured in {time.monotonic() - self.started:.0f} s")
+                raise UserError(f"no setting met p99 <= {cfg.slo_p99_ms:g} ms at any load here (closest: "
+                                f"{self._closest()}); loosen --slo-p99-ms or allow another variant")
+            confirmation = self._confirmed_before(winner) or self._confirm(stage, winner)
+        self.line.done(f"tune: {len(self.points)} points measured and the winner confirmed in "
+                       f"{time.monotonic() - self.started:.0f} s")
+        result = self._document(winner, left_out, pruned, confirmation)
+        self._save(result)
+        self._write_settings(winner)
+        return result
+
+    def _measure(self, stage: Path, point: Point) -> dict:
+        if point.key in self.points:
+            return self.points[point.key]
+        self.done += 1
+        self._show(point, "starting")
+        with self._serving(stage, point) as base:
+            steps = self._closed_search(base, point) if self.cfg.mode == "closed" else self._open_search(base, point)
+        capacity = max(s["rps"] for s in steps)
+        good = [s for s in steps if s["meets"]]
+        best = max(good, key=lambda s: s["rps"]) if good else None
+        result = {**asdict(point), "rate": best["rps"] if best else 0.0, "p99_ms": best["p99_ms"] if best else None,
+                  "level": best["level"] if best else None, "meets": best is not None,
+                  "capacity": capacity, "steps": steps}
+        self.points[point.key] = result
+        self._save()
+        return result
+
+    @contextlib.contextmanager
+    def _serving(self, stage: Path, point: Point):
+        """`optiserve serve` of the staged folder with exactly the serving.json `point` would write;
+        yields its base URL."""
+        from optiserve.serve.launch import served  # starts `optiserve serve` as a child process: never imported
+
+        with atomic_write(stage / SETTINGS_FILE, "w") as f:
+            json.dump(point_settings(self.own, point), f)
+        args = ["--choose-seconds", "0", "--log-level", "warning"]
+        if self.model:
+            args += ["--model-name", str(self.model)]
+        with served(stage, *args, ready_within_s=self.cfg.ready_within_s) as (base, _):
+            yield base
+
+    def _confirmed_before(self, winner: dict) -> dict | None:
+        """The confirmation a resumed tune.json holds for this same winner and confirming time, if any."""
+        before = self.confirmed_before or {}
+        confirmation = before.get("confirmation") or {}
+        same = Point(winner["variant"], winner["max_batch_size"], winner["max_delay_ms"], winner["instances"])
+        tries = confirmation.get("tries") or [{}]
+        if before.get("settings") != same.settings() or confirmation.get("seconds") != self.cfg.confirm_s or \
+                not tries[-1].get("meets"):
+            return None
+        held = tries[-1]
+        return {**confirmation, "rate": before["rate"], "p99_ms": held["p99_ms"], "level": held["level"]}
+
+    def _confirm(self, stage: Path, winner: dict) -> dict:
+        """Serve the winner afresh and hold its load for `confirm_s`, lowering it by CONFIRM_BACKOFF
+        until the objective holds: the tries, and the claim (an open loop's rate is the offered one
+        that held, which the replay offers; a closed loop's is the throughput its callers got). UserError
+        (tune.json kept, so --resume only confirms again) when no load held."""
+        cfg = self.cfg
+        point = Point(winner["variant"], winner["max_batch_size"], winner["max_delay_ms"], winner["instances"])
+        level = winner["level"]
+        tries = []
+        with self._serving(stage, point) as base:
+            for _ in range(CONFIRM_TRIES):
+                what = f"{level:g} req/s" if cfg.mode == "open" else f"{level:g} callers"
+                self._show(point, f"confirming {what} for {cfg.confirm_s:g} s")
+                step = self._load(base, cfg.mode, level, point, cfg.confirm_s, max(2.0, cfg.warmup_s))
+                tries.append(step)
+                if step["meets"]:
+                    break
+                level = round(level * CONFIRM_BACKOFF, 1) if cfg.mode == "open" else level - 1
+                if level < (1.0 if cfg.mode == "open" else 1):
+                    break
+        held = tries[-1] if tries[-1]["meets"] else None
+        if held is None:
+            self._save()
+            self.line.done(f"tune: {len(self.points)} points measured, the winner not confirmed")
+            raise UserError(f"the winner ({point.key}) did not hold p99 <= {cfg.slo_p99_ms:g} ms for "
+                            f"{cfg.confirm_s:g} s even at {tries[-1]['level']:g} ({tries[-1]['p99_ms']:.1f} ms): "
+                            f"this machine is too noisy for the objective; loosen --slo-p99-ms, or run "
+                            f"--resume to confirm again")
+        return {"seconds": cfg.confirm_s, "tries": tries,
+                "rate": held["level"] if cfg.mode == "open" else held["rps"], "p99_ms": held["p99_ms"],
+                "level": held["level"]}
+
+    def _load(self, base: str, mode: str, level: float, point: Point, seconds: float | None = None,
+              warmup_s: float | None = None) -> dict:
+        load = Load(mode, level, seconds or self.cfg.duration_s,
+                    self.cfg.warmup_s if warmup_s is None else warmup_s, point.variant, timeout_s=60,
+                    model=self.model)
+        sender = RawImageSender(base, self.cfg.images, self.model, point.variant)
+        run = asyncio.run(generate_load(base, self.cfg.images, load, sender=sender))
+        step = _summary(run, level if mode == "open" else None)
+        step["meets"] = _meets(step, self.cfg)
+        return step
+
+    def _closed_search(self, base: str, point: Point) -> list[dict]:
+        """1, 2, 4, ... callers until the p99 passes the objective or the throughput stops rising."""
+        steps: list[dict] = []
+        concurrency = 1
+        while concurrency <= 4 * point.max_batch_size * point.instances + 4:
+            self._show(point, f"closed loop, {concurrency} callers")
+            step = self._load(base, "closed", concurrency, point)
+            steps.append(step)
+            if not step["meets"] or (len(steps) > 1 and step["rps"] <= steps[-2]["rps"] * DOUBLING_GAIN):
+                break
+            concurrency *= 2
+        return steps
+
+    def _open_search(self, base: str, point: Point) -> list[dict]:
+        """Bracket the highest rate that meets the objective below HEADROOM of the point's capacity
+        (a closed-loop probe's throughput, raised by any step that answered more): the cap first,
+        then halving the bracket between the best rate that held and the lowest that did not."""
+        self._show(point, "estimating capacity")
+        probe = self._load(base, "closed", max(2, 2 * point.max_batch_size * point.instances), point)
+        probe["probe"] = True
+        probe["meets"] = False  # a closed-loop probe sets where to start, it claims nothing
+        steps = [probe]
+        good, bad = 0.0, None
+        rate = max(1.0, HEADROOM * probe["rps"])
+        for _ in range(MAX_RATE_STEPS):
+            self._show(point, f"open loop, {rate:.0f} req/s")
+            step = self._load(base, "open", round(rate, 1), point)
+            steps.append(step)
+            capacity = max(s["rps"] for s in steps)
+            if step["meets"]:
+                good = rate
+            else:
+                bad = rate
+            top = bad if bad is not None else HEADROOM * capacity
+            if top <= good * (1 + RATE_PRECISION):
+                break
+            rate = (good + top) / 2 if good else top / 2
+        return steps
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def winner(self) -> dict | None:
+        """The measured point with the highest throughput that meets the objective (ties: fewer
+        instances, then smaller batches)."""
+        good = [p for p in self.points.values() if p["meets"]]
+        if not good:
+            return None
+        return max(good, key=lambda p: (p["rate"], -p["instances"], -p["max_batch_size"]))
+
+    def _closest(self) -> str:
+        steps = [(s["p99_ms"], p["variant"], s) for p in self.points.values() for s in p["steps"] if s["requests"]]
+        if not steps:
+            return "nothing answered"
+        p99, variant, step = min(steps, key=lambda x: x[0])
+        return f"p99 {p99:.1f} ms, {variant} at {step['level']:g}"
+
+    def _show(self, point: Point, what: str) -> None:
+        elapsed = time.monotonic() - self.started
+        self.line.update(f"tune [{self.done}/{self.total} points at most, {elapsed:.0f} s] {point.key}: {what}",
+                         force=True)
+
+    def _document(self, winner: dict | None, left_out: dict | None = None, pruned: dict | None = None,
+                  confirmation: dict | None = None) -> dict:
+        doc = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": self.model,
+               "objective": self.cfg.objective(), "environment": environment(),
+               "points": list(self.points.values())}
+        if left_out is not None:
+            doc["left_out"], doc["pruned"] = left_out, pruned or {}
+        if winner is not None and confirmation is not None:
+            doc["winner"] = {"settings": Point(winner["variant"], winner["max_batch_size"], winner["max_delay_ms"],
+                                               winner["instances"]).settings(),
+                             "rate": confirmation["rate"], "p99_ms": confirmation["p99_ms"], "mode": self.cfg.mode,
+                             **({"concurrency": confirmation["level"]} if self.cfg.mode == "closed" else {}),
+                             "searched": {"rate": winner["rate"], "p99_ms": winner["p99_ms"]},
+                             "confirmation": {"seconds": confirmation["seconds"], "tries": confirmation["tries"]}}
+        return doc
+
+    def _save(self, doc: dict | None = None) -> None:
+        with atomic_write(self.cfg.folder / TUNE_FILE, "w") as f:
+            json.dump(doc or self._document(None), f, indent=1)
+
+    def _resume(self) -> None:
+        path = self.cfg.folder / TUNE_FILE
+        if not path.exists():
+            raise UserError(f"--resume: there is no {path} to go on from; run without --resume")
+        try:
+            doc = json.loads(path.read_text())
+            objective, points = doc["objective"], doc["points"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--resume: {path} is not a tune.json ({e}); run without --resume to start over") from None
+        if objective != self.cfg.objective():
+            raise UserError(f"--resume: {path} was measured for {objective}, not {self.cfg.objective()}; give the "
+                            f"same objective, or run without --resume to start over")
+        for p in points:
+            point = Point(p["variant"], p["max_batch_size"], p["max_delay_ms"], p["instances"])
+            self.points[point.key] = p
+        self.confirmed_before = doc.get("winner")
+
+    def _write_settings(self, winner: dict) -> None:
+        """serving.json: the settings the winner was measured with."""
+        point = Point(winner["variant"], winner["max_batch_size"], winner["max_delay_ms"], winner["instances"])
+        with atomic_write(self.cfg.folder / SETTINGS_FILE, "w") as f:
+            json.dump(point_settings(self.own, point), f, indent=1)

@@ -1,0 +1,98 @@
+"""`optiserve tune`: the fastest variant and serving settings that meet a p99 latency objective."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HELP = "search variants x batch size x delay x instances for the highest throughput meeting a p99 objective"
+DESCRIPTION = """\
+Serve the model folder's variants with real `optiserve serve` processes under the project's load
+generator, and find the variant, max batch size, batching delay and instances with the highest
+throughput whose p99 latency meets --slo-p99-ms, then confirm the winner on a fresh server for
+--confirm-seconds, lowering its load until the objective holds. Writes serving.json (the winner; the folder's
+other settings kept), tune.json (every point measured, the winner's rate and p99, CPU and
+versions), tune.md and tune.html (the table and a plot of each variant's Pareto front).
+
+  optiserve tune artifacts/resnet18-digits --slo-p99-ms 50
+  optiserve tune artifacts/resnet18-digits --slo-p99-ms 50 --max-accuracy-drop 0.5 --duration 20
+  optiserve tune artifacts/resnet18-digits --slo-p99-ms 50 --resume      (after an interruption)"""
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers like 1,2,4, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected whole numbers of at least 1, got {text!r}")
+    return sorted(set(values))
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,5, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected numbers of at least 0, got {text!r}")
+    return sorted(set(values))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = DESCRIPTION
+    p.add_argument("artifact_dir", metavar="MODEL_DIR", help="a folder written by `optimize`")
+    p.add_argument("--slo-p99-ms", type=float, required=True, metavar="X", help="the p99 latency objective, in ms")
+    p.add_argument("--max-accuracy-drop", type=float, default=None, metavar="PTS",
+                   help="leave out variants whose accuracy (from the manifest) is more than PTS points below fp32")
+    p.add_argument("--duration", type=float, default=10.0, metavar="S",
+                   help="measured seconds per load step (default 10)")
+    p.add_argument("--confirm-seconds", type=float, default=20.0, metavar="S",
+                   help="how long the winner must hold its load on a fresh server before it is claimed; "
+                        "where it does not, the load is lowered until it does (default 20)")
+    p.add_argument("--concurrency-mode", choices=["open", "closed"], default="open",
+                   help="open: the highest request rate meeting the objective without backlog (default); "
+                        "closed: the highest throughput of 1, 2, 4, ... concurrent callers meeting it")
+    p.add_argument("--variants", default=None, metavar="A,B",
+                   help="the variants to tune (default: every accepted variant that can run here)")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32], metavar="1,2,4",
+                   help="max batch sizes tried, in order until doubling stops paying (default 1,2,...,32)")
+    p.add_argument("--delays-ms", type=_floats, default=None, metavar="1,5",
+                   help="batching delays tried above batch size 1 (default: 1 ms and a tenth of the objective)")
+    p.add_argument("--instances", type=_ints, default=None, metavar="1,2",
+                   help="instances per variant tried (default: 1, and 2 with 2 cores or more)")
+    p.add_argument("--images", default=None, metavar="DIR",
+                   help="images to send (default: random PNGs at the model's input size)")
+    p.add_argument("--resume", action="store_true", help="go on from the folder's tune.json, skipping measured points")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def run(args: argparse.Namespace) -> int:
+    from optiserve.artifacts import read_manifest
+    from optiserve.bench.payloads import dataset_images, images_from_folder
+    from optiserve.bench.tune import TuneConfig, Tuner
+    from optiserve.bench.tune_report import write_tune_report
+    from optiserve.errors import UserError
+
+    folder = Path(args.artifact_dir)
+    if args.slo_p99_ms <= 0 or args.duration <= 0 or args.confirm_seconds <= 0:
+        raise UserError("--slo-p99-ms, --duration and --confirm-seconds must be positive")
+    if args.max_accuracy_drop is not None and args.max_accuracy_drop < 0:
+        raise UserError("--max-accuracy-drop is points of accuracy, at least 0")
+    manifest = read_manifest(folder)
+    side = max(manifest["input"]["shape"][1:])
+    images = images_from_folder(args.images) if args.images else dataset_images("synthetic", side, count=64)
+    cfg = TuneConfig(folder, args.slo_p99_ms, args.max_accuracy_drop, args.duration, mode=args.concurrency_mode,
+                     variants=[v for v in args.variants.split(",") if v] if args.variants else None,
+                     batch_sizes=args.batch_sizes, delays_ms=args.delays_ms, instances=args.instances,
+                     images=images, confirm_s=args.confirm_seconds, resume=args.resume, progress=not args.quiet)
+    doc = Tuner(cfg).run()
+    files = write_tune_report(doc, manifest, folder)
+    w = doc["winner"]
+    s = w["settings"]
+    print(f"winner: {s['variants'][0]}, max batch {s['max_batch_size']}, delay {s['max_delay_ms']:g} ms, "
+          f"{s['instances']} instance(s): {w['rate']:.1f} requests/s at p99 {w['p99_ms']:.1f} ms "
+          f"held for {w['confirmation']['seconds']:g} s (objective {args.slo_p99_ms:g} ms)")
+    print(f"wrote {folder / 'serving.json'}, {folder / 'tune.json'}, {files['md']}, {files['html']}")
+    return 0

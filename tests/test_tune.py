@@ -1,0 +1,86 @@
+"""`optiserve tune` on the digits model: it measures real servers, writes serving.json, tune.json and
+its report, and the rate it claims holds when an independent client replays it open-loop against
+`optiserve serve MODEL_DIR` started with that serving.json."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+pytest.importorskip("aiohttp", reason="the load generator is in the [bench] extra")
+from tune_replay import TOLERANCE, check_claim  # noqa: E402
+
+SLO_MS = 60.0
+SMALL_SEARCH = ("--variants", "onnx-int8,openvino-int8", "--batch-sizes", "1,2", "--delays-ms", "2",
+                "--instances", "1", "--duration", "2", "--quiet")
+
+
+@pytest.fixture(scope="module")
+def tuned(small_artifact, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tune") / "digits"
+    shutil.copytree(small_artifact, folder)
+    (folder / "serving.json").write_text(json.dumps({"timeout_ms": 20000, "max_batch_size": 64}))
+    r = run_cli("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "winner:" in r.stdout
+    return folder
+
+
+def test_tune_writes_the_winner_every_point_and_a_report(tuned):
+    tune = json.loads((tuned / "tune.json").read_text())
+    points, winner = tune["points"], tune["winner"]
+    assert {p["variant"] for p in points} == {"onnx-int8", "openvino-int8"}
+    assert all(p["instances"] == 1 and p["max_batch_size"] in (1, 2) for p in points)
+    best = max((p for p in points if p["meets"]), key=lambda p: p["rate"])
+    assert winner["settings"] == {"variants": [best["variant"]], "max_batch_size": best["max_batch_size"],
+                                  "max_delay_ms": best["max_delay_ms"], "instances": best["instances"]}
+    assert winner["searched"] == {"rate": best["rate"], "p99_ms": best["p99_ms"]}
+    held = winner["confirmation"]["tries"][-1]  # the claim is the load a fresh server held for 20 s
+    assert winner["confirmation"]["seconds"] == 20 and held["meets"] and held["failed"] == 0
+    assert winner["rate"] == held["offered"] <= best["level"] and winner["p99_ms"] == held["p99_ms"] <= SLO_MS
+    assert all(not t["meets"] for t in winner["confirmation"]["tries"][:-1])  # lowered only while it missed
+    for p in points:  # a point's claimed rate is one of its own open-loop steps that met the objective
+        if p["meets"]:
+            step = next(s for s in p["steps"] if s["rps"] == p["rate"])
+            assert step["meets"] and "offered" in step and step["p99_ms"] <= SLO_MS and step["failed"] == 0
+    assert tune["objective"] == {"slo_p99_ms": SLO_MS, "mode": "open", "duration_s": 2.0, "max_accuracy_drop": None}
+    assert tune["environment"]["cpu"] and tune["environment"]["onnxruntime"]
+    settings = json.loads((tuned / "serving.json").read_text())
+    assert settings == {**winner["settings"], "timeout_ms": 20000}  # the folder's other settings are kept
+    report = (tuned / "tune.md").read_text()
+    assert "Winner: " in report and "held the claimed load for 20 s" in report and "top-1 " in report and "![" in report and (tuned / "tune.png").stat().st_size
+    assert "data:image/png;base64," in (tuned / "tune.html").read_text()
+
+
+def test_the_claimed_rate_replayed_for_20_s_keeps_p99_within_1_2x_the_objective(tuned):
+    result = check_claim(tuned, seconds=20)
+    replay = result["replay"]
+    assert replay["failed"] == 0, replay
+    assert replay["p99_ms"] <= TOLERANCE * SLO_MS, replay
+    assert result["holds"]
+
+
+def test_resume_goes_on_from_tune_json_and_refuses_another_objective(tuned):
+    before = json.loads((tuned / "tune.json").read_text())["points"]
+    r = run_cli("tune", str(tuned), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH, "--resume", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tuned / "tune.json").read_text())["points"] == before  # nothing measured again
+    r = run_cli("tune", str(tuned), "--slo-p99-ms", "10", *SMALL_SEARCH, "--resume", timeout=300)
+    assert r.returncode != 0 and "was measured for" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_an_objective_nothing_meets_is_one_line_naming_the_closest(small_artifact, tmp_path):
+    folder = tmp_path / "digits"
+    shutil.copytree(small_artifact, folder)
+    r = run_cli("tune", str(folder), "--slo-p99-ms", "0.01", "--variants", "onnx-int8", "--batch-sizes", "1",
+                "--instances", "1", "--duration", "1", "--quiet", timeout=300)
+    assert r.returncode != 0 and "no setting met p99 <= 0.01 ms" in r.stderr and "Traceback" not in r.stderr
+    assert not (folder / "serving.json").exists()
