@@ -44,7 +44,8 @@ def test_tune_writes_the_winner_every_point_and_a_report(tuned):
     assert winner["searched"] == {"rate": best["rate"], "p99_ms": best["p99_ms"]}
     held = winner["confirmation"]["tries"][-1]  # the claim is the load a fresh server held for 20 s
     assert winner["confirmation"]["seconds"] == 20 and held["meets"] and held["failed"] == 0
-    assert winner["rate"] == held["offered"] <= best["level"] and winner["p99_ms"] == held["p99_ms"] <= SLO_MS
+    assert held["offered"] <= best["level"] and winner["p99_ms"] == held["p99_ms"] <= SLO_MS
+    assert winner["rate"] == round(0.9 * held["offered"], 1)  # a tenth of the load that held is kept spare
     assert all(not t["meets"] for t in winner["confirmation"]["tries"][:-1])  # lowered only while it missed
     for p in points:  # a point's claimed rate is one of its own open-loop steps that met the objective
         if p["meets"]:
@@ -55,7 +56,7 @@ def test_tune_writes_the_winner_every_point_and_a_report(tuned):
     settings = json.loads((tuned / "serving.json").read_text())
     assert settings == {**winner["settings"], "timeout_ms": 20000}  # the folder's other settings are kept
     report = (tuned / "tune.md").read_text()
-    assert "Winner: " in report and "held the claimed load for 20 s" in report and "top-1 " in report and "![" in report and (tuned / "tune.png").stat().st_size
+    assert "Winner: " in report and "hold the load for 20 s" in report and "top-1 " in report and "![" in report and (tuned / "tune.png").stat().st_size
     assert "data:image/png;base64," in (tuned / "tune.html").read_text()
 
 

@@ -18,7 +18,8 @@ Short load steps miss what a long run meets (a stall every few seconds, a queue 
 slowly near capacity), so the winner is confirmed before anything is claimed: a fresh server
 started with the settings about to be written takes the winner's load for `confirm_s` (20 s by
 default, as long as the replay that holds tune to its claim); where its p99 misses the objective
-the load is lowered by CONFIRM_BACKOFF and tried again. The claim is the load that held.
+the load is lowered by CONFIRM_BACKOFF and tried again. An open loop claims CLAIM_SHARE of the
+load that held (its p99 the one measured at that higher load); a closed loop, the callers that held.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ HEADROOM = 0.8            # open-loop rates are tried only up to this share of t
 DOUBLING_GAIN = 1.03      # a doubled batch size must raise the throughput by more than this to go on
 CONFIRM_TRIES = 5         # loads the winner is confirmed at, each CONFIRM_BACKOFF of the one before
 CONFIRM_BACKOFF = 0.85
+CLAIM_SHARE = 0.9         # an open loop claims this share of the load that held: near capacity a load that held
+# once can still meet a stall on the next run, and the spare tenth is what lets the queue drain after one
 TUNED_KEYS = ("variants", "max_batch_size", "max_delay_ms", "instances")
 
 
@@ -302,12 +305,13 @@ class Tuner:
                 not tries[-1].get("meets"):
             return None
         held = tries[-1]
-        return {**confirmation, "rate": before["rate"], "p99_ms": held["p99_ms"], "level": held["level"]}
+        rate = round(CLAIM_SHARE * held["level"], 1) if self.cfg.mode == "open" else held["rps"]
+        return {**confirmation, "rate": rate, "p99_ms": held["p99_ms"], "level": held["level"]}
 
     def _confirm(self, stage: Path, winner: dict) -> dict:
         """Serve the winner afresh and hold its load for `confirm_s`, lowering it by CONFIRM_BACKOFF
-        until the objective holds: the tries, and the claim (an open loop's rate is the offered one
-        that held, which the replay offers; a closed loop's is the throughput its callers got). UserError
+        until the objective holds: the tries, and the claim (an open loop's rate is CLAIM_SHARE of the
+        offered one that held; a closed loop's is the throughput its callers got). UserError
         (tune.json kept, so --resume only confirms again) when no load held."""
         cfg = self.cfg
         point = Point(winner["variant"], winner["max_batch_size"], winner["max_delay_ms"], winner["instances"])
@@ -332,9 +336,8 @@ class Tuner:
                             f"{cfg.confirm_s:g} s even at {tries[-1]['level']:g} ({tries[-1]['p99_ms']:.1f} ms): "
                             f"this machine is too noisy for the objective; loosen --slo-p99-ms, or run "
                             f"--resume to confirm again")
-        return {"seconds": cfg.confirm_s, "tries": tries,
-                "rate": held["level"] if cfg.mode == "open" else held["rps"], "p99_ms": held["p99_ms"],
-                "level": held["level"]}
+        return {"seconds": cfg.confirm_s, "tries": tries, "p99_ms": held["p99_ms"], "level": held["level"],
+                "rate": round(CLAIM_SHARE * held["level"], 1) if cfg.mode == "open" else held["rps"]}
 
     def _load(self, base: str, mode: str, level: float, point: Point, seconds: float | None = None,
               warmup_s: float | None = None) -> dict:
