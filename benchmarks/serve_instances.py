@@ -24,19 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_throughput import closed_loop  # noqa: E402
+from serve_throughput import closed_loop_served  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize  # noqa: E402
-from optiserve.bench.payloads import dataset_images  # noqa: E402
-from optiserve.serve.launch import served  # noqa: E402
 
 
 def measure(folder: Path, args, max_batch: int, instances: int) -> dict:
     flags = ["--variants", args.variant, "--max-batch-size", str(max_batch), "--max-delay-ms", str(args.max_delay_ms),
              "--max-queue", "1024", "--instances", str(instances)]
-    with served(folder, *flags) as (base, _):
-        images = dataset_images("synthetic", args.image_size, count=64)
-        return closed_loop(base, images, args.variant, args.concurrency, args.duration, args.warmup)
+    return closed_loop_served(folder, flags, args)
 
 
 def main() -> None:

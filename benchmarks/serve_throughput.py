@@ -69,6 +69,11 @@ def serve_and_measure(folder: Path, args, max_batch: int) -> dict:
              str(args.max_delay_ms), "--max-queue", "1024", "--inference-nice", str(args.inference_nice)]
     flags += ["--threads", str(args.threads)] if args.threads else []
     flags += ["--decode-threads", str(args.decode_threads)] if args.decode_threads else []
+    return closed_loop_served(folder, flags, args)
+
+
+def closed_loop_served(folder: Path, flags: list[str], args) -> dict:
+    """Serve `folder` with `flags` and measure `args.variant` under `args.concurrency` closed-loop clients."""
     with served(folder, *flags) as (base, _):
         images = dataset_images("synthetic", args.image_size, count=64)
         return closed_loop(base, images, args.variant, args.concurrency, args.duration, args.warmup)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import sys
 import time
@@ -25,25 +24,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from optiserve.bench.payloads import dataset_images  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402
 
 TOLERANCE = 1.2  # the replay's p99 may be this many times the objective
 PNG = {"content-type": "image/png"}
-
-
-def _images(shape: list[int], count: int = 32) -> list[bytes]:
-    """Random PNGs at the model's input size (what the tuner sends by default), made here."""
-    from PIL import Image
-
-    rng = np.random.default_rng(1)
-    side = max(shape[1:])
-    out = []
-    for _ in range(count):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buf, format="PNG")
-        out.append(buf.getvalue())
-    return out
 
 
 async def replay(base: str, images: list[bytes], seconds: float, rate: float | None = None,
@@ -107,7 +93,7 @@ def check_claim(folder: Path, seconds: float = 20.0) -> dict:
     winner, objective = tune["winner"], tune["objective"]["slo_p99_ms"]
     load = {"callers": int(winner["concurrency"])} if winner["mode"] == "closed" else {"rate": winner["rate"]}
     with served(folder) as (base, _):
-        images = _images(manifest["input"]["shape"])
+        images = dataset_images("synthetic", max(manifest["input"]["shape"][1:]), count=32)
         asyncio.run(replay(base, images, 2.0, **load))  # warm the connections and the server
         measured = asyncio.run(replay(base, images, seconds, **load))
     holds = measured["failed"] == 0 and measured["p99_ms"] <= TOLERANCE * objective

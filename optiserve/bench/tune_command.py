@@ -19,24 +19,24 @@ versions), tune.md and tune.html (the table and a plot of each variant's Pareto 
   optiserve tune artifacts/resnet18-digits --slo-p99-ms 50 --resume      (after an interruption)"""
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected whole numbers like 1,2,4, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected whole numbers of at least 1, got {text!r}")
-    return sorted(set(values))
+def _number_list(convert, least: float, example: str):
+    """An argparse type for a comma-separated list of numbers of at least `least`, sorted and without repeats."""
+    kind = "whole numbers" if convert is int else "numbers"
+
+    def parse(text: str) -> list:
+        try:
+            values = [convert(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind} like {example}, got {text!r}") from None
+        if not values or min(values) < least:
+            raise argparse.ArgumentTypeError(f"expected {kind} of at least {least:g}, got {text!r}")
+        return sorted(set(values))
+
+    return parse
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,5, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected numbers of at least 0, got {text!r}")
-    return sorted(set(values))
+_ints = _number_list(int, 1, "1,2,4")
+_floats = _number_list(float, 0, "1,5")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
