@@ -85,3 +85,17 @@ def test_an_objective_nothing_meets_is_one_line_naming_the_closest(small_artifac
                 "--instances", "1", "--duration", "1", "--quiet", timeout=300)
     assert r.returncode != 0 and "no setting met p99 <= 0.01 ms" in r.stderr and "Traceback" not in r.stderr
     assert not (folder / "serving.json").exists()
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"objective": {}, "points": {"a": 1}}',
+                                     '{"objective": {"slo_p99_ms": 60.0, "mode": "open", "duration_s": 2.0, '
+                                     '"max_accuracy_drop": null}, "points": [{"variant": "nope", "max_batch_size": 1, '
+                                     '"max_delay_ms": 0, "instances": 1, "rate": 1, "meets": true, "steps": [], '
+                                     '"level": 1, "p99_ms": 1}]}'])
+def test_resume_from_a_damaged_tune_json_is_one_line(small_artifact, tmp_path, content):
+    folder = tmp_path / "digits"
+    shutil.copytree(small_artifact, folder)
+    (folder / "tune.json").write_text(content)
+    r = run_cli("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH, "--resume", timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "is not a tune.json" in r.stderr or "was measured for" in r.stderr

@@ -55,7 +55,7 @@ CONFIRM_TRIES = 5         # loads the winner is confirmed at, each CONFIRM_BACKO
 CONFIRM_BACKOFF = 0.85
 CLAIM_SHARE = 0.9         # an open loop claims this share of the load that held: near capacity a load that held
 # once can still meet a stall on the next run, and the spare tenth is what lets the queue drain after one
-TUNED_KEYS = ("variants", "max_batch_size", "max_delay_ms", "instances")
+MEASURED_KEYS = {"variant", "max_batch_size", "max_delay_ms", "instances", "rate", "meets", "steps", "level", "p99_ms"}
 
 
 @dataclass
@@ -88,6 +88,11 @@ class Point:
     max_batch_size: int
     max_delay_ms: float
     instances: int
+
+    @classmethod
+    def of(cls, measured: dict) -> "Point":
+        """The point a measured result (a tune.json point, or the winner) was measured at."""
+        return cls(measured["variant"], measured["max_batch_size"], measured["max_delay_ms"], measured["instances"])
 
     @property
     def key(self) -> str:
@@ -207,6 +212,17 @@ def _meets(step: dict, cfg: TuneConfig) -> bool:
     return step["requests"] > 0 and step["failed"] == 0 and step["p99_ms"] <= cfg.slo_p99_ms and keeps_up
 
 
+def _is_measured(point, variants: set[str]) -> bool:
+    """Whether a resumed tune.json point has the shape `Tuner._measure` writes, for one of `variants`."""
+    def whole(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+    return isinstance(point, dict) and MEASURED_KEYS <= set(point) and point["variant"] in variants and \
+        whole(point["max_batch_size"]) and whole(point["instances"]) and \
+        isinstance(point["max_delay_ms"], (int, float)) and isinstance(point["meets"], bool) and \
+        isinstance(point["rate"], (int, float)) and isinstance(point["steps"], list)
+
+
 class Tuner:
     """Measures points against servers it starts and keeps every result in tune.json."""
 
@@ -298,15 +314,16 @@ class Tuner:
     def _confirmed_before(self, winner: dict) -> dict | None:
         """The confirmation a resumed tune.json holds for this same winner and confirming time, if any."""
         before = self.confirmed_before or {}
-        confirmation = before.get("confirmation") or {}
-        same = Point(winner["variant"], winner["max_batch_size"], winner["max_delay_ms"], winner["instances"])
-        tries = confirmation.get("tries") or [{}]
-        if before.get("settings") != same.settings() or confirmation.get("seconds") != self.cfg.confirm_s or \
-                not tries[-1].get("meets"):
-            return None
-        held = tries[-1]
-        rate = round(CLAIM_SHARE * held["level"], 1) if self.cfg.mode == "open" else held["rps"]
-        return {**confirmation, "rate": rate, "p99_ms": held["p99_ms"], "level": held["level"]}
+        try:
+            confirmation = before["confirmation"]
+            held = confirmation["tries"][-1]
+            if before["settings"] != Point.of(winner).settings() or confirmation["seconds"] != self.cfg.confirm_s \
+                    or held["meets"] is not True:
+                return None
+            rate = round(CLAIM_SHARE * float(held["level"]), 1) if self.cfg.mode == "open" else float(held["rps"])
+            return {**confirmation, "rate": rate, "p99_ms": float(held["p99_ms"]), "level": held["level"]}
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None  # none recorded, or not in the shape tune writes: confirm again
 
     def _confirm(self, stage: Path, winner: dict) -> dict:
         """Serve the winner afresh and hold its load for `confirm_s`, lowering it by CONFIRM_BACKOFF
@@ -314,7 +331,7 @@ class Tuner:
         offered one that held; a closed loop's is the throughput its callers got). UserError
         (tune.json kept, so --resume only confirms again) when no load held."""
         cfg = self.cfg
-        point = Point(winner["variant"], winner["max_batch_size"], winner["max_delay_ms"], winner["instances"])
+        point = Point.of(winner)
         level = winner["level"]
         tries = []
         with self._serving(stage, point) as base:
@@ -418,8 +435,7 @@ class Tuner:
         if left_out is not None:
             doc["left_out"], doc["pruned"] = left_out, pruned or {}
         if winner is not None and confirmation is not None:
-            doc["winner"] = {"settings": Point(winner["variant"], winner["max_batch_size"], winner["max_delay_ms"],
-                                               winner["instances"]).settings(),
+            doc["winner"] = {"settings": Point.of(winner).settings(),
                              "rate": confirmation["rate"], "p99_ms": confirmation["p99_ms"], "mode": self.cfg.mode,
                              **({"concurrency": confirmation["level"]} if self.cfg.mode == "closed" else {}),
                              "searched": {"rate": winner["rate"], "p99_ms": winner["p99_ms"]},
@@ -437,18 +453,20 @@ class Tuner:
         try:
             doc = json.loads(path.read_text())
             objective, points = doc["objective"], doc["points"]
+            variants = {e["name"] for e in self.manifest["variants"]}
+            measured = {Point.of(p).key: p for p in points if _is_measured(p, variants)}
+            if len(measured) != len(points):
+                raise ValueError("a point is not one tune measured of this folder's variants")
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"--resume: {path} is not a tune.json ({e}); run without --resume to start over") from None
         if objective != self.cfg.objective():
             raise UserError(f"--resume: {path} was measured for {objective}, not {self.cfg.objective()}; give the "
                             f"same objective, or run without --resume to start over")
-        for p in points:
-            point = Point(p["variant"], p["max_batch_size"], p["max_delay_ms"], p["instances"])
-            self.points[point.key] = p
-        self.confirmed_before = doc.get("winner")
+        self.points = measured
+        self.confirmed_before = doc.get("winner") if isinstance(doc.get("winner"), dict) else None
 
     def _write_settings(self, winner: dict) -> None:
         """serving.json: the settings the winner was measured with."""
-        point = Point(winner["variant"], winner["max_batch_size"], winner["max_delay_ms"], winner["instances"])
+        point = Point.of(winner)
         with atomic_write(self.cfg.folder / SETTINGS_FILE, "w") as f:
             json.dump(point_settings(self.own, point), f, indent=1)
