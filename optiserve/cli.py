@@ -9,6 +9,7 @@ import sys
 
 from optiserve import __version__
 from optiserve.errors import UserError
+from optiserve.machine import stated_flags
 
 # subcommand -> module with HELP, add_arguments(parser) and run(args) -> exit code
 COMMANDS = {
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command])
     try:
+        stated_flags()  # a mistyped OPTISERVE_CPU_FLAGS is one line before any work, not an error mid-run
         return module.run(args)
     except ModuleNotFoundError as e:
         if (line := missing_extra(args.command, e)) is None:

@@ -1,16 +1,62 @@
 """The CPU and the instruction-set flags that decide INT8/BF16 speed, printed beside every benchmark
-table and recorded in every manifest: figures from different machines must never be compared as if alike."""
+table and recorded in every manifest: figures from different machines must never be compared as if alike.
+
+Every decision that depends on those flags (is there bf16?) asks this module, and
+`OPTISERVE_CPU_FLAGS` (e.g. `+avx512_bf16,-amx_int8`) states flags instead of detecting them, so
+each hardware path can be run on any machine: PyTorch and OpenVINO compute bf16 where the CPU
+lacks it too (slower, same answers to bf16's precision). A stated set is recorded beside the
+detected one.
+"""
 
 from __future__ import annotations
 
 import os
 import platform
 
+from optiserve.errors import UserError
+
 FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+CPU_FLAGS_ENV = "OPTISERVE_CPU_FLAGS"
+
+
+def stated_flags(text: str | None = None) -> dict[str, bool]:
+    """The flags `OPTISERVE_CPU_FLAGS` states: {flag: present}; `+name` or `name` adds, `-name` removes."""
+    text = os.environ.get(CPU_FLAGS_ENV, "") if text is None else text
+    stated = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        present, name = (item[0] != "-", item[1:]) if item[0] in "+-" else (True, item)
+        if name not in FLAGS:
+            raise UserError(f"{CPU_FLAGS_ENV}={text!r}: unknown flag {name!r}; state +FLAG or -FLAG with FLAG one of "
+                            f"{', '.join(FLAGS)}")
+        stated[name] = present
+    return stated
 
 
 def cpu_facts() -> dict:
-    """{"model": ..., "cores": N, "flags": [the FLAGS present]}; platform.processor() off Linux."""
+    """{"model": ..., "cores": N, "flags": [the FLAGS present]}; platform.processor() off Linux. Where
+    OPTISERVE_CPU_FLAGS states flags, `flags` holds them and `flags_detected` what the CPU has."""
+    detected = _detected()
+    stated = stated_flags()
+    if not stated:
+        return detected
+    flags = [f for f in FLAGS if stated.get(f, f in detected["flags"])]
+    return {**detected, "flags": flags, "flags_detected": detected["flags"],
+            "flags_stated": os.environ[CPU_FLAGS_ENV]}
+
+
+def bf16_missing(facts: dict | None = None) -> str | None:
+    """Why this CPU does not compute bf16 natively (it needs avx512_bf16 or amx_bf16), or None."""
+    flags = (facts or cpu_facts())["flags"]
+    if set(BF16_FLAGS) & set(flags):
+        return None
+    how = f", as {CPU_FLAGS_ENV} states" if os.environ.get(CPU_FLAGS_ENV) else ""
+    return f"this CPU has no bf16 instructions ({' or '.join(BF16_FLAGS)}; it has {' '.join(flags) or 'none'}{how})"
+
+
+def _detected() -> dict:
     model, flags = None, set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -27,9 +73,10 @@ def cpu_facts() -> dict:
 
 
 def cpu_line(facts: dict | None = None) -> str:
-    """E.g. 'AMD EPYC 7B13 (2 cores; avx2 fma)'."""
+    """E.g. 'AMD EPYC 7B13 (2 cores; avx2 fma)', with the flags as stated where they were."""
     facts = facts or cpu_facts()
-    return f"{facts['model']} ({facts['cores']} cores; {' '.join(facts['flags']) or 'no AVX2'})"
+    stated = f", stated by {CPU_FLAGS_ENV}={facts['flags_stated']}" if facts.get("flags_stated") else ""
+    return f"{facts['model']} ({facts['cores']} cores; {' '.join(facts['flags']) or 'no AVX2'}{stated})"
 
 
 def memory_limit_bytes() -> int:

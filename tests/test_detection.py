@@ -144,13 +144,16 @@ def test_a_letterboxed_image_keeps_its_aspect_and_boxes_map_back_to_its_pixels()
 
 @pytest.fixture(scope="module")
 def ssd_artifact(detector, pictures, tmp_path_factory) -> tuple[Path, dict]:
+    """Optimized where the CPU is stated to have bf16, so the bf16 variants are built on any machine."""
     path, _ = detector
     out = tmp_path_factory.mktemp("ssd-art") / "ssdlite"
-    manifest = run_optimize(OptimizeConfig(SSD, weights=str(path), num_classes=CLASSES, int8=True, calib_size=32,
-                                           latency_batch=2,
-                                           accuracy_aware=False,  # its per-layer search: minutes on 100 convs
-                                           dataset=f"imagefolder:{pictures}", input=InputOverrides((3, SIDE, SIDE)),
-                                           out=str(out), progress=False))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("OPTISERVE_CPU_FLAGS", "+avx512_bf16")
+        manifest = run_optimize(OptimizeConfig(SSD, weights=str(path), num_classes=CLASSES, int8=True, calib_size=32,
+                                               latency_batch=2,
+                                               accuracy_aware=False,  # its per-layer search: minutes on 100 convs
+                                               dataset=f"imagefolder:{pictures}", input=InputOverrides((3, SIDE, SIDE)),
+                                               out=str(out), progress=False))
     return out, manifest
 
 
@@ -160,7 +163,8 @@ def test_a_detector_is_optimized_and_each_variant_judged_by_map_against_fp32(ssd
     by_name = {v["name"]: v for v in manifest["variants"]}
     fp32 = by_name["fp32"]["accuracy"]
     assert fp32["map50_fp32"] == pytest.approx(1.0, abs=1e-4) and fp32["truth_boxes"] > 0  # its own boxes
-    assert {"torchscript", "onnx-fp32", "onnx-int8"} <= set(by_name)
+    assert {"torchscript", "torch-bf16", "onnx-fp32", "onnx-int8", "openvino-bf16"} <= set(by_name)
+    assert by_name["torch-bf16"]["accuracy"]["map50_fp32"] > 0.5  # decoding and NMS in float32, boxes kept
     for variant in manifest["variants"]:
         accuracy = variant["accuracy"]
         low, high = accuracy["map50_fp32_ci95"]

@@ -6,7 +6,9 @@ torchvision's own forward takes a list of images and post-processes them one by 
 of it is bound to the batch size it saw; here the same steps (box decoding, per-class top-k above
 the score threshold, non-maximum suppression per image and class, the best D) run on the whole
 batch at once, so TorchScript, the ONNX export and the INT8 flows take any batch. The backbone and
-head are the detector's own modules; its resize and normalization are the input spec's.
+head are the detector's own modules; its resize and normalization are the input spec's. Decoding,
+the scores and NMS always run in float32, whatever precision the backbone and head compute in (a
+bf16 copy keeps box coordinates exact, and torchvision's NMS has no bf16 kernel).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class SingleShotDetections(nn.Module):
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """[N, A, 4] box offsets relative to the anchors -> [N, A, 4] boxes, clipped to the image
         (torchvision's BoxCoder.decode_single and clip_boxes_to_image, over the batch)."""
-        a = self.anchors
+        a = self.anchors.float()
         widths, heights = a[:, 2] - a[:, 0], a[:, 3] - a[:, 1]
         ctr_x, ctr_y = a[:, 0] + 0.5 * widths, a[:, 1] + 0.5 * heights
         wx, wy, ww, wh = self.weights
@@ -53,20 +55,20 @@ class SingleShotDetections(nn.Module):
         from torchvision.ops import nms
 
         out = self.head(list(self.backbone(x).values()))
-        boxes = self.decode(out["bbox_regression"])                         # [N, A, 4]
-        scores = torch.softmax(out["cls_logits"], dim=-1)[..., 1:]           # [N, A, K-1], background dropped
+        boxes = self.decode(out["bbox_regression"].float())                 # [N, A, 4]
+        scores = torch.softmax(out["cls_logits"].float(), dim=-1)[..., 1:]   # [N, A, K-1], background dropped
         n, a, k = scores.shape
         top = min(self.topk_candidates, a)
         best, anchor = scores.transpose(1, 2).topk(top, dim=2)             # [N, K-1, top] per class
         candidates = torch.gather(boxes.unsqueeze(1).expand(n, k, a, 4), 2,
                                   anchor.unsqueeze(-1).expand(n, k, top, 4))  # [N, K-1, top, 4]
-        labels = torch.arange(1, k + 1, device=x.device, dtype=x.dtype).view(1, k, 1).expand(n, k, top)
+        labels = torch.arange(1, k + 1, device=x.device, dtype=scores.dtype).view(1, k, 1).expand(n, k, top)
         best = torch.where(best > self.score_thresh, best, torch.zeros_like(best))
         # One NMS call for every image and class: each (image, class) moved to a place of its own,
         # classes along x, images along y, so boxes of different groups never overlap.
         side = float(max(self.image_size) + 1)
         shift_x = labels * side
-        shift_y = torch.arange(n, device=x.device, dtype=x.dtype).view(n, 1, 1).expand(n, k, top) * side
+        shift_y = torch.arange(n, device=x.device, dtype=scores.dtype).view(n, 1, 1).expand(n, k, top) * side
         shift = torch.stack([shift_x, shift_y, shift_x, shift_y], dim=-1)
         flat_scores = best.reshape(-1)
         keep = nms((candidates + shift).reshape(-1, 4), flat_scores, self.nms_thresh)
@@ -76,7 +78,7 @@ class SingleShotDetections(nn.Module):
         score, index = final.topk(d, dim=1)                                  # [N, D], best first
         box = torch.gather(candidates.reshape(n, k * top, 4), 1, index.unsqueeze(-1).expand(n, d, 4))
         label = torch.gather(labels.reshape(n, k * top), 1, index)
-        found = (score > 0).to(x.dtype)
+        found = (score > 0).to(score.dtype)
         return torch.cat([box * found.unsqueeze(-1), (score * found).unsqueeze(-1),
                           (label * found).unsqueeze(-1)], dim=-1)
 

@@ -8,9 +8,15 @@ import torch
 
 
 def as_arrays(out) -> list[np.ndarray]:
-    """Every output as a numpy array: a tensor, an array, or a tuple/list of them."""
+    """Every output as a numpy array: a tensor, an array, or a tuple/list of them. Floating tensors
+    come back as float32, whatever precision computed them (numpy has no bfloat16)."""
     items = out if isinstance(out, (tuple, list)) else (out,)
-    return [t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t) for t in items]
+    return [_as_array(t) if isinstance(t, torch.Tensor) else np.asarray(t) for t in items]
+
+
+def _as_array(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    return (t.float() if t.is_floating_point() else t).numpy()
 
 
 def max_abs_diff(a, b) -> float:

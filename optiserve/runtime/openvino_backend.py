@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from optiserve.errors import UserError
+from optiserve.machine import bf16_missing
 from optiserve.runtime.registry import Backend, RuntimeOptions, output_dtypes, output_names, register_backend
 
 PRECISIONS = {"f32": "f32", "bf16": "bf16"}
@@ -27,19 +28,12 @@ def core():
     return ov.Core()
 
 
-def cpu_capabilities() -> list[str]:
-    """OpenVINO's view of the CPU: e.g. ['BF16', 'FP32', 'INT8', ...]."""
-    return list(core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
-
-
 def bf16_unavailable() -> str | None:
-    """Why bf16 inference cannot run here, or None (bf16 needs avx512_bf16 or AMX on the CPU)."""
-    why = _unavailable()
-    if why:
-        return why
-    if "BF16" not in cpu_capabilities():
-        return "this CPU has no bf16 support (OpenVINO reports " + ", ".join(cpu_capabilities()) + ")"
-    return None
+    """Why bf16 inference would not run fast here, or None: it needs avx512_bf16 or AMX, as
+    optiserve.machine says (detected, or stated by OPTISERVE_CPU_FLAGS). Where the flags are stated
+    on a CPU without bf16, OpenVINO computes the variant in f32 and the session says so
+    (`OpenVinoSession.precision`)."""
+    return _unavailable() or bf16_missing()
 
 
 def companion_bin(xml: Path) -> Path:
@@ -69,7 +63,8 @@ class OpenVinoSession:
         model = core().read_model(str(path))
         self.compiled = core().compile_model(model, "CPU", config)
         self.request = self.compiled.create_infer_request()
-        self.precision = precision
+        # What OpenVINO really computes in: f32 where bf16 was asked of a CPU without it.
+        self.precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
         self.outputs = self._outputs_in_manifest_order(path, manifest)
         self.dtypes = [np.dtype(d) for d in output_dtypes(manifest)] or [np.float32] * len(self.outputs)
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from optiserve.errors import UserError
+from optiserve.machine import bf16_missing
 from optiserve.models import InputSpec, create_model
 from optiserve.runtime.registry import RuntimeOptions
 
@@ -85,16 +86,12 @@ def _load_torchscript(path: Path, variant: dict, manifest: dict, options: Runtim
 
 
 def bf16_unavailable(device: torch.device) -> str | None:
-    """Why bf16 would not run fast here, or None: on the CPU it needs avx512_bf16 or AMX (elsewhere
-    PyTorch emulates it, slower than fp32); on CUDA, a GPU that supports it."""
+    """Why bf16 would not run fast here, or None: on the CPU it needs avx512_bf16 or AMX as
+    optiserve.machine says (detected, or stated by OPTISERVE_CPU_FLAGS; elsewhere PyTorch emulates
+    it, slower than fp32); on CUDA, a GPU that supports it."""
     if device.type == "cuda":
         return None if torch.cuda.is_bf16_supported() else "this GPU does not support bf16"
-    from optiserve.machine import cpu_facts
-
-    flags = cpu_facts()["flags"]
-    if not {"avx512_bf16", "amx_bf16"} & set(flags):
-        return f"this CPU has no bf16 instructions (avx512_bf16 or amx_bf16; it has {' '.join(flags) or 'none'})"
-    return None
+    return bf16_missing()
 
 
 def _load_tensorrt(path: Path, variant: dict, manifest: dict, options: RuntimeOptions) -> TorchSession:

@@ -11,6 +11,7 @@ import numpy as np
 
 from optiserve.errors import UserError
 from optiserve.files import sha256_file
+from optiserve.machine import bf16_missing
 from optiserve.runtime import RuntimeOptions, Session, get_backend, load_session
 
 log = logging.getLogger("optiserve.runtime")
@@ -26,7 +27,7 @@ def select_variants(manifest: dict, names: list[str] | None) -> list[dict]:
             if name not in by_name:
                 raise UserError(f"unknown variant {name!r}; the manifest has: {', '.join(by_name)}")
             entry = by_name[name]
-            why = get_backend(entry["backend"]).unavailable()
+            why = cannot_run_here(entry)
             if why:
                 raise UserError(f"variant {name!r} cannot run here: {why}")
             if entry["status"] != "accepted":
@@ -38,7 +39,7 @@ def select_variants(manifest: dict, names: list[str] | None) -> list[dict]:
     for v in manifest["variants"]:
         if v["status"] != "accepted":
             continue
-        why = get_backend(v["backend"]).unavailable()
+        why = cannot_run_here(v)
         if why:
             log.info("not serving %s: %s", v["name"], why)
         else:
@@ -47,6 +48,16 @@ def select_variants(manifest: dict, names: list[str] | None) -> list[dict]:
         statuses = ", ".join(f"{v['name']}={v['status']}" for v in manifest["variants"])
         raise UserError(f"no accepted variant can run here ({statuses}); name the ones to serve with --variants")
     return chosen
+
+
+def cannot_run_here(entry: dict) -> str | None:
+    """Why a variant cannot run on this machine, or None: its backend is missing, or it computes in
+    bf16 on a CPU without bf16 (as optiserve.machine says, detected or stated). A variant validated
+    on a GPU is not held to the CPU's flags."""
+    why = get_backend(entry["backend"]).unavailable()
+    if why is None and entry.get("precision") == "bf16" and entry.get("device", "cpu") == "cpu":
+        why = bf16_missing()
+    return why
 
 
 @dataclass
