@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from conftest import offline_logits, run_cli, served
-from optiserve.artifacts import read_manifest
 from optiserve.data import load_dataset
 from optiserve.errors import UserError
 from optiserve.machine import CPU_FLAGS_ENV, bf16_missing, cpu_facts, cpu_line, stated_flags
 from optiserve.models import InputSpec
-from optiserve.optimize import pipeline
+from optiserve.optimize import pipeline, report
 from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.variants import load_verified, select_variants
 
@@ -92,9 +91,9 @@ def test_where_bf16_is_stated_absent_the_report_says_which_variants_were_not_bui
     reasons = {x["name"]: x["reason"] for x in manifest["skipped"]}
     assert set(reasons) == {"openvino-bf16", "torch-bf16"}
     assert all(r.startswith("this CPU has no bf16 instructions") for r in reasons.values())
-    rows = {r[0]: r for r in pipeline.summary_rows(manifest)}
+    rows = {r[0]: r for r in report.summary_rows(manifest)}
     assert rows["torch-bf16"][-1] == f"not built: {reasons['torch-bf16']}"
-    assert len(rows["openvino-bf16"]) == len(pipeline.summary_header(manifest))
+    assert len(rows["openvino-bf16"]) == len(report.summary_header(manifest))
     assert "| openvino-bf16 |" in (tmp_path / "a" / "report.md").read_text()
 
 

@@ -11,6 +11,7 @@ import torch
 from conftest import cache_imagenet_weights, crash_between_publish_renames, run_cli
 from optiserve.files import sha256_file
 from optiserve.optimize import pipeline
+from optiserve.optimize import report as optimize_report
 from optiserve.artifacts import read_manifest
 from optiserve.errors import UserError
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
@@ -84,6 +85,8 @@ def test_every_variant_is_scored_against_fp32_on_the_test_split(artifact, small_
 def test_variants_are_scored_against_fp32_by_name_whatever_order_they_come_in(artifact, small_cnn_checkpoint):
     from optiserve.data import load_dataset
     from optiserve.models import load_model
+    from optiserve.optimize.attempts import Attempts
+    from optiserve.optimize.progress import PassLog
     from optiserve.optimize.validate import materialize
 
     out, manifest = artifact
@@ -93,7 +96,8 @@ def test_variants_are_scored_against_fp32_by_name_whatever_order_they_come_in(ar
     variants = [pipeline.Variant(n, by_name[n]["file"], by_name[n]["backend"], by_name[n]["precision"],
                                  by_name[n]["settings"]) for n in ("onnx-int8", "fp32")]  # fp32 last
     cfg = OptimizeConfig("small_cnn", latency_batch=2, progress=False)
-    entries, timed = pipeline._validate(variants, out, loaded, materialize(data.test, True), cfg, "")
+    attempts = Attempts(PassLog(0, enabled=False), out, [])
+    entries, timed = pipeline._validate(variants, out, loaded, materialize(data.test, True), cfg, "", "fp32", attempts)
     assert [e["name"] for e in entries] == ["onnx-int8", "fp32"]  # the caller's order is kept
     assert set(timed.sessions) == {"onnx-int8", "fp32"} and set(timed.times) == {"1", "2"}  # for the recommendation
     int8, fp32 = entries
@@ -272,7 +276,7 @@ def test_the_manifest_recommends_the_fastest_accepted_variant_and_names_the_cpu_
     report = (out / "report.md").read_text()
     assert f"for latency (batch 1) **{rec['latency']}**" in report and machine["model"] in report
     assert f"Why: batch 1: {describe(rec['evidence']['latency'])}; batch 8: " in report
-    row = next(r for r in pipeline.summary_rows(manifest) if r[0] == rec["latency"])
+    row = next(r for r in optimize_report.summary_rows(manifest) if r[0] == rec["latency"])
     assert "fastest b1" in row[-1]
-    assert not any("fastest" in r[-1] for r in pipeline.summary_rows(manifest)
+    assert not any("fastest" in r[-1] for r in optimize_report.summary_rows(manifest)
                    if r[0] not in (rec["latency"], rec["throughput"]))

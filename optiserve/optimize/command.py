@@ -8,8 +8,8 @@ from optiserve.data import DATASET_CHOICES
 from optiserve.models import RESIZE_MODES, InputOverrides, list_models
 from optiserve.tasks import list_tasks
 from optiserve.models.weights import WEIGHT_CHOICES
-from optiserve.optimize.pipeline import (OptimizeConfig, recommendation_line, run_optimize, summary_header,
-                                         summary_rows)
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+from optiserve.optimize.report import recommendation_line, summary_header, summary_rows
 from optiserve.optimize.architecture import RECIPES
 from optiserve.optimize.quantize_ort import CALIB_METHODS
 

@@ -16,11 +16,12 @@ import torch
 from optiserve import artifacts
 from optiserve.data import DatasetSplits, load_dataset
 from optiserve.errors import UserError, first_line
-from optiserve.machine import cpu_facts, cpu_line
+from optiserve.machine import cpu_facts
 from optiserve.models import InputOverrides, LoadedModel, find_source, load_model, model_slug, read_labels
 from optiserve.models.onnx_file import is_onnx_file
 from optiserve.models.sources import is_registered
 from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
+from optiserve.optimize.attempts import Attempts
 from optiserve.optimize.architecture import RECIPES, QuantRecipe, recipe_for_module, recipe_for_onnx
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, OUTPUT_NAME, export_onnx
@@ -28,6 +29,7 @@ from optiserve.optimize.outputs import as_arrays, max_abs_diff
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.progress import PassLog
+from optiserve.optimize.report import render_report
 from optiserve.optimize.prune import compressed_size, prune_unstructured
 from optiserve.optimize.prune_channels import count_flops, prune_channels
 from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
@@ -39,7 +41,7 @@ from optiserve.tasks import GateLimits, get_task, list_tasks
 from optiserve.runtime import RuntimeOptions, Session, load_session
 from optiserve.runtime.openvino_backend import bf16_unavailable, companion_bin
 from optiserve.runtime.openvino_backend import _unavailable as openvino_unavailable
-from optiserve.runtime.fastest import choose_fastest, describe as describe_choice
+from optiserve.runtime.fastest import choose_fastest
 from optiserve.runtime.timing import interleaved_times
 from optiserve.runtime.torch_backends import TorchSession, bf16_unavailable as torch_bf16_unavailable
 from optiserve.runtime.torch_backends import tensorrt_unavailable, torch_device
@@ -281,14 +283,15 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         notes: list[str] = [f"dataset {data.name}: {n}" for n in left_out] + _judged_by_agreement(loaded, data, why_not,
                                                                                                     mapping)
         skipped: list[dict] = []  # variants this machine cannot run fast, with the reason: rows of their own
+        attempts = Attempts(log, stage, skipped)
         if loaded.from_file:
-            baseline = _onnx_file_variants(stage, loaded, data, evalset, cfg, why_not, log, variants, notes, skipped)
+            baseline = _onnx_file_variants(stage, loaded, data, evalset, cfg, why_not, log, variants, notes, attempts)
         else:
             baseline = _torch_variants(stage, loaded, data, evalset, (example, check), cfg, why_not, log, variants,
-                                       notes, skipped)
+                                       notes, attempts)
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
-            entries, timed = _validate(variants, stage, loaded, evalset, cfg, why_not, baseline, skipped)
+            entries, timed = _validate(variants, stage, loaded, evalset, cfg, why_not, baseline, attempts)
             entries, picked = _pick_openvino_int8(entries, stage, cfg.latency_batch, timed)
             notes += picked
             recommended = _recommend(entries, timed, cfg.latency_batch)
@@ -299,6 +302,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             manifest = _manifest(loaded, data, entries, recommended, cfg, why_not, notes, len(evalset.images))
             manifest["baseline"] = baseline
             manifest["skipped"] = skipped
+            manifest["failed"] = attempts.failed
             artifacts.write_manifest(stage, manifest)
             (stage / "report.md").write_text(render_report(manifest))
     return manifest
@@ -330,9 +334,10 @@ def _parity_measure(loaded: LoadedModel) -> str:
 
 def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evalset: EvalSet,
                     parity: tuple[torch.Tensor, torch.Tensor], cfg: OptimizeConfig, why_not: str, log: PassLog,
-                    variants: list[Variant], notes: list[str], skipped: list[dict]) -> str:
+                    variants: list[Variant], notes: list[str], attempts: Attempts) -> str:
     """The variants of a torch module: fp32, conv+BN fusion, TorchScript, ONNX, INT8, OpenVINO,
-    pruning, TensorRT, as `cfg` asks; returns the baseline's name."""
+    pruning, TensorRT, as `cfg` asks; returns the baseline's name. Every pass after the baseline
+    is an attempt: one that raises is its variants' failed rows, and the run goes on."""
     example, check = parity
     openvino = cfg.openvino and cfg.onnx
     names = [o["name"] for o in loaded.outputs] if loaded.outputs else None  # the exported graph's outputs
@@ -341,15 +346,15 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
     with log.step("fuse conv+BN"):
         fused, note = _fuse(loaded)
         notes.append(note)
-    with log.step("TorchScript (trace, check, freeze)"):
+    with attempts.attempt("TorchScript (trace, check, freeze)", "torchscript"):
         save_torchscript(trace_torchscript(fused, example, (check,), **_parity(loaded, 1e-4)),
                          stage / "torchscript.pt")
         variants.append(Variant("torchscript", "torchscript.pt", "torchscript", "fp32",
                                 {"fused_conv_bn": True, "frozen": True, "optimize_for_inference": True}))
-    with log.step("TorchScript bf16 (where the device computes in bf16)"):
+    with attempts.attempt("TorchScript bf16 (where the device computes in bf16)", "torch-bf16"):
         why = torch_bf16_unavailable(torch_device(cfg.device))
         if why:
-            skipped.append({"name": "torch-bf16", "reason": why})
+            attempts.skipped.append({"name": "torch-bf16", "reason": why})
         else:
             bf16 = copy.deepcopy(fused).to(torch.bfloat16)
             save_torchscript(trace_torchscript(bf16, example.to(torch.bfloat16), atol=float("inf")),
@@ -358,42 +363,43 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
                                     {"fused_conv_bn": True, "frozen": True, "input_dtype": "bfloat16",
                                      "weights": "bfloat16"}))
     if cfg.onnx:
-        with log.step(f"ONNX export (opset {OPSET}, dynamic batch)"):
+        with attempts.attempt(f"ONNX export (opset {OPSET}, dynamic batch)", "onnx-fp32"):
             export_diff = export_onnx(fused, example, stage / "model.onnx", output_names=names,
                                       **_parity(loaded, 1e-3))
             variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
                                     {"opset": OPSET, "fused_conv_bn": True, "graph_optimization": "all"}))
             notes.append(f"ONNX export parity with eager: {_parity_measure(loaded)} {export_diff:.1e}")
-    recipe = None
+    onnx_built = cfg.onnx and not attempts.missing("onnx-fp32")
+    recipe, batches = None, []
     if cfg.int8:
-        recipe = (recipe_for_onnx(stage / "model.onnx", cfg.int8_recipe) if cfg.onnx else
+        recipe = (recipe_for_onnx(stage / "model.onnx", cfg.int8_recipe) if onnx_built else
                   recipe_for_module(fused, cfg.int8_recipe))
         notes += _recipe_note(recipe, cfg.int8_recipe != "auto")
         batches = calibration_batches(data.calibration_set(), cfg.calib_size)
         accuracy_aware = _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log)
         if cfg.onnx:
-            _onnx_int8(stage, batches, accuracy_aware, cfg, log, variants, recipe)
+            _onnx_int8(stage, batches, accuracy_aware, cfg, attempts, variants, recipe)
         how = "dynamic, nn.Linear" if recipe.torch_mode == "dynamic" else f"FX graph mode, {cfg.calib_size} images"
-        with log.step(f"INT8 PyTorch x86 ({how})"):
+        with attempts.attempt(f"INT8 PyTorch x86 ({how})", "torch-int8"):
             try:
                 if recipe.torch_mode == "dynamic":
                     scripted, settings = quantize_torch_dynamic(fused, batches[0])
                 else:
                     scripted, settings = quantize_torch_fx(fused, batches)
             except NothingQuantized as e:
-                skipped.append({"name": "torch-int8", "reason": str(e)})
+                attempts.skipped.append({"name": "torch-int8", "reason": str(e)})
             except Exception as e:  # FX cannot trace every model (data-dependent control flow)
-                skipped.append({"name": "torch-int8", "reason": f"FX graph mode cannot take this model "
-                                                                f"({first_line(e, True, 200)})"})
+                attempts.skipped.append({"name": "torch-int8", "reason": f"FX graph mode cannot take this model "
+                                                                         f"({first_line(e, True, 200)})"})
             else:
                 save_torchscript(scripted, stage / "torch-int8.pt")
                 variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8",
                                         {**settings, **recipe.settings()}))
     if openvino:
-        _openvino_variants(stage, variants, skipped, cfg, log, batches if cfg.int8 else [], recipe, loaded.input.shape)
+        _openvino_variants(stage, variants, attempts, cfg, batches, recipe, loaded.input.shape)
     if cfg.prune is not None:
         name = f"sparse{round(100 * cfg.prune)}"
-        with log.step(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)"):
+        with attempts.attempt(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)", name):
             sparse, sparsity = prune_unstructured(fused, cfg.prune)
             export_onnx(sparse, example, stage / f"model.{name}.onnx", output_names=names)
             variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32",
@@ -402,31 +408,12 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
             notes.append(f"{name}: measured sparsity {sparsity['overall']:.1%} over "
                          f"{len(sparsity['layers'])} conv/linear layers")
     if cfg.prune_channels is not None:
-        name = f"pruned{round(100 * cfg.prune_channels)}"
-        with log.step(f"structured pruning of {cfg.prune_channels:.0%} of channels, fine-tune -> {name} (ONNX)"):
-            pruned_fused, settings = _prune_channels(loaded, data, evalset, example, cfg, why_not, log)
-            export_onnx(pruned_fused, example, stage / f"model.{name}.onnx")
-            variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32", settings))
-            notes.append(_pruning_note(name, settings))
-        if cfg.int8:
-            with log.step(f"INT8 ONNX Runtime of {name} -> {name}-int8"):
-                q = quantize_onnx_static(stage / f"model.{name}.onnx", stage / f"model.{name}.int8.onnx",
-                                         batches, cfg.calib_method, op_types=recipe.onnx_op_types,
-                                         float_outputs_of=list(recipe.onnx_float_outputs_of))
-                q = accuracy_aware(f"model.{name}.onnx", f"model.{name}.int8.onnx", q)
-                variants.append(Variant(f"{name}-int8", f"model.{name}.int8.onnx", "onnxruntime", "int8",
-                                        {**q, "pruning": settings}))
-            if openvino:
-                with log.step(f"OpenVINO IR of {name}-int8 -> openvino-{name}-int8"):
-                    ir = f"model.{name}.int8.openvino.xml"
-                    ov = export_openvino(stage / f"model.{name}.int8.onnx", stage / ir, loaded.input.shape)
-                    variants.append(Variant(f"openvino-{name}-int8", ir, "openvino", "int8",
-                                            {**q, **ov, "inference_precision": "f32", "pruning": settings},
-                                            [companion_bin(Path(ir)).name]))
+        _pruned_channel_variants(stage, loaded, data, evalset, example, cfg, why_not, log, variants, notes, attempts,
+                                 batches, recipe, accuracy_aware if cfg.int8 else None)
     if cfg.tensorrt:
         for fp16 in (False, True)[: 1 + cfg.fp16]:
             name = f"trt-{'fp16' if fp16 else 'fp32'}"
-            with log.step(f"TensorRT engine {name} (torch-tensorrt, batch 1..64)"):
+            with attempts.attempt(f"TensorRT engine {name} (torch-tensorrt, batch 1..64)", name):
                 settings = build_tensorrt_engine(fused, example, stage / f"{name}.ep", fp16=fp16)
                 variants.append(Variant(name, f"{name}.ep", "tensorrt", settings["precision"], settings))
         if cfg.int8:
@@ -436,9 +423,46 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
     return BASELINE
 
 
+def _pruned_channel_variants(stage, loaded, data, evalset, example, cfg: OptimizeConfig, why_not: str, log: PassLog,
+                             variants: list[Variant], notes: list[str], attempts: Attempts, batches: list,
+                             recipe: QuantRecipe | None, accuracy_aware) -> None:
+    """pruned<R> (structured pruning, fine-tuned), and with --int8 its ONNX Runtime and OpenVINO INT8."""
+    name = f"pruned{round(100 * cfg.prune_channels)}"
+    with attempts.attempt(f"structured pruning of {cfg.prune_channels:.0%} of channels, fine-tune -> {name} (ONNX)",
+                          name):
+        pruned_fused, settings = _prune_channels(loaded, data, evalset, example, cfg, why_not, log)
+        export_onnx(pruned_fused, example, stage / f"model.{name}.onnx")
+        variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32", settings))
+        notes.append(_pruning_note(name, settings))
+    if not cfg.int8:
+        return
+    title = f"INT8 ONNX Runtime of {name} -> {name}-int8"
+    if why := attempts.missing(name):
+        attempts.skip(title, why, f"{name}-int8")
+    else:
+        with attempts.attempt(title, f"{name}-int8"):
+            q = quantize_onnx_static(stage / f"model.{name}.onnx", stage / f"model.{name}.int8.onnx",
+                                     batches, cfg.calib_method, op_types=recipe.onnx_op_types,
+                                     float_outputs_of=list(recipe.onnx_float_outputs_of))
+            q = accuracy_aware(f"model.{name}.onnx", f"model.{name}.int8.onnx", q)
+            variants.append(Variant(f"{name}-int8", f"model.{name}.int8.onnx", "onnxruntime", "int8",
+                                    {**q, "pruning": settings}))
+    if cfg.openvino:
+        title = f"OpenVINO IR of {name}-int8 -> openvino-{name}-int8"
+        if why := attempts.missing(name, f"{name}-int8"):
+            attempts.skip(title, why, f"openvino-{name}-int8")
+            return
+        with attempts.attempt(title, f"openvino-{name}-int8"):
+            ir = f"model.{name}.int8.openvino.xml"
+            ov = export_openvino(stage / f"model.{name}.int8.onnx", stage / ir, loaded.input.shape)
+            variants.append(Variant(f"openvino-{name}-int8", ir, "openvino", "int8",
+                                    {**q, **ov, "inference_precision": "f32", "pruning": settings},
+                                    [companion_bin(Path(ir)).name]))
+
+
 def _onnx_file_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evalset: EvalSet, cfg: OptimizeConfig,
                         why_not: str, log: PassLog, variants: list[Variant], notes: list[str],
-                        skipped: list[dict]) -> str:
+                        attempts: Attempts) -> str:
     """The variants of a model that arrives as an ONNX file: the file itself as onnx-fp32 (the
     baseline), INT8 from it, the OpenVINO variants; returns the baseline's name."""
     name = "onnx-fp32"
@@ -454,10 +478,10 @@ def _onnx_file_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, e
         recipe = recipe_for_onnx(stage / "model.onnx", cfg.int8_recipe)
         notes += _recipe_note(recipe, cfg.int8_recipe != "auto")
         batches = calibration_batches(data.calibration_set(), cfg.calib_size)
-        _onnx_int8(stage, batches, _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log), cfg, log,
-                   variants, recipe)
+        _onnx_int8(stage, batches, _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log), cfg,
+                   attempts, variants, recipe)
     if cfg.openvino:
-        _openvino_variants(stage, variants, skipped, cfg, log, batches, recipe, loaded.input.shape)
+        _openvino_variants(stage, variants, attempts, cfg, batches, recipe, loaded.input.shape)
     return name
 
 
@@ -471,11 +495,15 @@ def _recipe_note(recipe: QuantRecipe, asked: bool) -> list[str]:
     return [f"INT8 recipe for a {recipe.architecture} ({why}): {recipe.description}{tail}"]
 
 
-def _onnx_int8(stage: Path, batches: list, accuracy_aware, cfg: OptimizeConfig, log: PassLog,
+def _onnx_int8(stage: Path, batches: list, accuracy_aware, cfg: OptimizeConfig, attempts: Attempts,
                variants: list[Variant], recipe: QuantRecipe) -> None:
     """onnx-int8: ONNX Runtime's static QDQ INT8 of model.onnx as `recipe` says, calibrated on
     `batches`, re-quantized with sensitive layers in float where it misses the gate (`accuracy_aware`)."""
-    with log.step(f"INT8 ONNX Runtime (static QDQ, {cfg.calib_method} calibration, {cfg.calib_size} train images)"):
+    title = f"INT8 ONNX Runtime (static QDQ, {cfg.calib_method} calibration, {cfg.calib_size} train images)"
+    if why := attempts.missing("onnx-fp32"):
+        attempts.skip(title, why, "onnx-int8")
+        return
+    with attempts.attempt(title, "onnx-int8"):
         settings = quantize_onnx_static(stage / "model.onnx", stage / "model.int8.onnx", batches, cfg.calib_method,
                                         op_types=recipe.onnx_op_types,
                                         float_outputs_of=list(recipe.onnx_float_outputs_of))
@@ -559,24 +587,33 @@ def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: O
 OPENVINO_INT8_CANDIDATE = "openvino-int8-nncf"  # validated beside openvino-int8; the better one keeps the name
 
 
-def _openvino_variants(stage: Path, variants: list[Variant], skipped: list[dict], cfg: OptimizeConfig, log,
+def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts, cfg: OptimizeConfig,
                        batches: list, recipe: QuantRecipe | None, chw: tuple[int, int, int]) -> None:
     """openvino-fp32 and, where the CPU has bf16, openvino-bf16 (one IR, the precision set at load),
     compiled for inputs of `chw`;
     with --int8, two openvino-int8 candidates: the ONNX Runtime QDQ file read by OpenVINO, and NNCF's
     own post-training quantization on the same calibration images (see `_pick_openvino_int8`)."""
-    with log.step("OpenVINO IR (fp32 weights; f32 and bf16 inference)"):
-        ov = export_openvino(stage / "model.onnx", stage / "model.openvino.xml", chw)
-        bin_name = companion_bin(Path("model.openvino.xml")).name
-        variants.append(Variant("openvino-fp32", "model.openvino.xml", "openvino", "fp32",
-                                {**ov, "inference_precision": "f32"}, [bin_name]))
-        if why := bf16_unavailable():
-            skipped.append({"name": "openvino-bf16", "reason": why})
-        else:
-            variants.append(Variant("openvino-bf16", "model.openvino.xml", "openvino", "bf16",
-                                    {**ov, "inference_precision": "bf16"}, [bin_name]))
-    if cfg.int8 and any(v.name == "onnx-int8" for v in variants):
-        with log.step("OpenVINO IR of the INT8 QDQ model -> openvino-int8"):
+    title = "OpenVINO IR (fp32 weights; f32 and bf16 inference)"
+    if why := attempts.missing("onnx-fp32"):
+        attempts.skip(title, why, "openvino-fp32", "openvino-bf16")
+    else:
+        with attempts.attempt(title, "openvino-fp32", "openvino-bf16"):
+            ov = export_openvino(stage / "model.onnx", stage / "model.openvino.xml", chw)
+            bin_name = companion_bin(Path("model.openvino.xml")).name
+            variants.append(Variant("openvino-fp32", "model.openvino.xml", "openvino", "fp32",
+                                    {**ov, "inference_precision": "f32"}, [bin_name]))
+            if why := bf16_unavailable():
+                attempts.skipped.append({"name": "openvino-bf16", "reason": why})
+            else:
+                variants.append(Variant("openvino-bf16", "model.openvino.xml", "openvino", "bf16",
+                                        {**ov, "inference_precision": "bf16"}, [bin_name]))
+    if not cfg.int8:
+        return
+    title = "OpenVINO IR of the INT8 QDQ model -> openvino-int8"
+    if why := attempts.missing("onnx-fp32", "onnx-int8"):
+        attempts.skip(title, why, "openvino-int8 (qdq flow)")
+    else:
+        with attempts.attempt(title, "openvino-int8 (qdq flow)"):
             q = next(v for v in variants if v.name == "onnx-int8").settings
             ov = export_openvino(stage / "model.int8.onnx", stage / "model.int8.openvino.xml", chw)
             variants.append(Variant("openvino-int8", "model.int8.openvino.xml", "openvino", "int8",
@@ -584,12 +621,16 @@ def _openvino_variants(stage: Path, variants: list[Variant], skipped: list[dict]
                                      "flow": "qdq", "flow_description": "the ONNX Runtime QDQ file (same "
                                                                         "calibration) read by OpenVINO"},
                                     [companion_bin(Path("model.int8.openvino.xml")).name]))
-        with log.step("OpenVINO INT8 with NNCF post-training quantization (same calibration images)"):
-            settings = quantize_openvino_nncf(stage / "model.onnx", stage / "model.int8.nncf.openvino.xml", batches,
-                                              recipe.nncf_model_type)
-            variants.append(Variant(OPENVINO_INT8_CANDIDATE, "model.int8.nncf.openvino.xml", "openvino", "int8",
-                                    {**settings, **recipe.settings(), "inference_precision": "f32", "flow": "nncf"},
-                                    [companion_bin(Path("model.int8.nncf.openvino.xml")).name]))
+    title = "OpenVINO INT8 with NNCF post-training quantization (same calibration images)"
+    if why := attempts.missing("onnx-fp32"):
+        attempts.skip(title, why, "openvino-int8 (nncf flow)")
+        return
+    with attempts.attempt(title, "openvino-int8 (nncf flow)"):
+        settings = quantize_openvino_nncf(stage / "model.onnx", stage / "model.int8.nncf.openvino.xml", batches,
+                                          recipe.nncf_model_type)
+        variants.append(Variant(OPENVINO_INT8_CANDIDATE, "model.int8.nncf.openvino.xml", "openvino", "int8",
+                                {**settings, **recipe.settings(), "inference_precision": "f32", "flow": "nncf"},
+                                [companion_bin(Path("model.int8.nncf.openvino.xml")).name]))
 
 
 def _pick_openvino_int8(entries: list[dict], stage: Path, n: int, timed: Timed) -> tuple[list[dict], list[str]]:
@@ -676,10 +717,10 @@ class Timed:
 
 
 def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, why_not: str,
-              baseline_name: str = BASELINE, skipped: list[dict] | None = None) -> tuple[list[dict], Timed]:
+              baseline_name: str, attempts: Attempts) -> tuple[list[dict], Timed]:
     """Each variant loaded through the runtime, judged by its task's gate against the baseline and
-    timed; one its engine cannot run goes to `skipped` with the reason."""
-    skipped = [] if skipped is None else skipped
+    timed; one its engine cannot run is not built (with the reason), one whose judging raises has
+    failed; either way its files are deleted and the others go on. The baseline failing ends the run."""
     base_manifest = _session_manifest(loaded)
     options = RuntimeOptions(device=cfg.device, extra={"spin": False})  # an idle session must not slow the next
     batch1 = evalset.images[:1]
@@ -689,6 +730,7 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
     # The baseline by name, validated first: every other variant is scored against it, whatever the order.
     entries, sessions, reference, baseline = {}, {}, None, {}
     task, limits = get_task(loaded.task), cfg.gate_limits
+    alive = list(variants)
     for v in sorted(variants, key=lambda v: v.name != baseline_name):
         entry = {"name": v.name, "file": v.file, "backend": v.backend, "precision": v.precision,
                  **artifacts.file_facts(stage / v.file),
@@ -697,25 +739,32 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
         if v.companions:
             entry["companions"] = {f: artifacts.file_facts(stage / f) for f in v.companions}
             entry["size_bytes"] += sum(c["size_bytes"] for c in entry["companions"].values())
+        flow = v.settings.get("flow")
+        row_name = f"{v.name} ({flow} flow)" if flow else v.name
         try:
             session = load_session(stage / v.file, entry, base_manifest, options)
             logits = predict(session, evalset.images, keep=task.reduce)
         except Exception as e:  # built, but its engine cannot run it: said in the report, not fatal
             if v.name == baseline_name:
                 raise
-            flow = v.settings.get("flow")
-            skipped.append({"name": f"{v.name} ({flow} flow)" if flow else v.name,
-                            "reason": f"built, but {v.backend} cannot run it ({first_line(e, True, 200)})"})
-            for f in (v.file, *v.companions):
-                (stage / f).unlink(missing_ok=True)
+            attempts.skipped.append({"name": row_name,
+                                     "reason": f"built, but {v.backend} cannot run it ({first_line(e, True, 200)})"})
+            _drop(stage, v, alive)
             continue
         entry["device"] = session.device  # torch-int8 runs on the CPU even where the others use CUDA
         if reference is None:
             reference = logits
-        entry["accuracy"] = task.metrics(logits, reference, evalset.labels)
-        if v.name == baseline_name:
-            baseline = entry["accuracy"]
-        entry["status"], entry["reason"] = task.gate(entry["accuracy"], baseline, limits, why_not)
+        try:
+            entry["accuracy"] = task.metrics(logits, reference, evalset.labels)
+            if v.name == baseline_name:
+                baseline = entry["accuracy"]
+            entry["status"], entry["reason"] = task.gate(entry["accuracy"], baseline, limits, why_not)
+        except Exception as e:
+            if v.name == baseline_name:
+                raise
+            attempts.record(f"validate {v.name}", e, row_name)
+            _drop(stage, v, alive)
+            continue
         entries[v.name] = entry
         sessions[v.name] = session
     # Timed together, in interleaved rounds: a variant's figure must not depend on its neighbours.
@@ -725,6 +774,15 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
     for name, entry in entries.items():
         entry["latency_ms"] = {b: statistics.median(times[b][name]) for b in times}
     return [entries[v.name] for v in variants if v.name in entries], Timed(sessions, batches, times)
+
+
+def _drop(stage: Path, v: Variant, alive: list[Variant]) -> None:
+    """A variant that will not be published leaves `alive` and no files behind, but for those
+    another variant still alive uses too (openvino-fp32 and openvino-bf16 share one IR)."""
+    alive.remove(v)
+    shared = {f for other in alive for f in (other.file, *other.companions)}
+    for f in {v.file, *v.companions} - shared:
+        (stage / f).unlink(missing_ok=True)
 
 
 def _device_note(entries: list[dict]) -> list[str]:
@@ -808,73 +866,3 @@ def _recommend(entries: list[dict], timed: Timed, n: int) -> dict | None:
         recommended[key] = choice.chosen
         recommended["evidence"][key] = choice.to_dict()
     return recommended
-
-
-def _marks(manifest: dict, name: str) -> str:
-    rec = manifest.get("recommended") or {}
-    marks = [f"fastest b{b}" for b, key in (("1", "latency"), (str(rec.get("batch")), "throughput"))
-             if rec.get(key) == name]
-    return f" ({', '.join(marks)})" if marks else ""
-
-
-def summary_rows(manifest: dict) -> list[list[str]]:
-    """The table `optimize` prints and report.md shows, one row per variant."""
-    n = str(manifest["latency_batch"])
-    base = next(v for v in manifest["variants"] if v["name"] == manifest["baseline"])
-    rows = []
-    task = get_task(manifest.get("task"))
-    for v in manifest["variants"]:
-        lat1, latn = v["latency_ms"]["1"], v["latency_ms"][n]
-        rows.append([v["name"], v["backend"], v["precision"], *task.cells(v["accuracy"], base["accuracy"]),
-                     _size(v["size_bytes"]), _size(v["size_compressed_bytes"]), f"{lat1:.2f}", f"{latn:.2f}",
-                     f"{base['latency_ms']['1'] / lat1:.2f}× / {base['latency_ms'][n] / latn:.2f}×",
-                     v["status"] + _marks(manifest, v["name"])])
-    for skip in manifest.get("skipped") or []:  # said in the table, not only in a note
-        rows.append([skip["name"], *["—"] * 10, f"not built: {skip['reason']}"])
-    return rows
-
-
-def summary_header(manifest: dict) -> list[str]:
-    n = manifest["latency_batch"]
-    return ["variant", "backend", "precision", *get_task(manifest.get("task")).columns(), "size", "zlib size", "p50 ms b1",
-            f"p50 ms b{n}", f"speedup b1 / b{n}", "status"]
-
-
-def recommendation_line(manifest: dict) -> str:
-    rec = manifest.get("recommended")
-    facts = manifest.get("machine")
-    machine = (cpu_line(facts) + (f" with {facts['gpu']}" if facts.get("gpu") else "")) if facts else "this machine"
-    if not rec:
-        return f"No recommendation: no variant was accepted (measured on {machine})."
-    gated = "" if rec["accuracy_gated"] else " (not accuracy-gated: the accuracy could not be measured)"
-    evidence = rec.get("evidence") or {}
-    why = "; ".join(f"batch {b}: {describe_choice(evidence[key])}" for key, b in
-                    (("latency", 1), ("throughput", rec["batch"])) if evidence.get(key))
-    return (f"Recommended on {machine}: for latency (batch 1) **{rec['latency']}**, for throughput "
-            f"(batch {rec['batch']}) **{rec['throughput']}**{gated}." + (f" Why: {why}." if why else "") +
-            " Timed here, in this run: on another CPU the order can differ.")
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
-
-
-def render_report(manifest: dict) -> str:
-    header, rows = summary_header(manifest), summary_rows(manifest)
-    lines = [f"# optimize report: {manifest['model']} on {manifest['dataset']['name']}", "",
-             f"Weights: `{manifest['source']['weights']}`. Accuracy on {manifest['dataset']['eval_images']} held-out "
-             f"test images; latency is the median of repeated runs after warm-up, through the same runtime "
-             f"layer the server uses.", ""]
-    if not manifest["accuracy_meaningful"]:
-        lines += [f"**Accuracy is not validated here: {manifest['accuracy_note']}.** Agreement and max |Δ| "
-                  f"against fp32 are still measured.", ""]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    rejected = [v for v in manifest["variants"] if v["status"] == "rejected"]
-    if rejected:
-        lines += [""] + [f"- **{v['name']} rejected**: {v['reason']}; not served by default." for v in rejected]
-    lines += ["", get_task(manifest.get("task")).legend(manifest)]
-    lines += ["", recommendation_line(manifest)]
-    lines += ["", "Notes:"] + [f"- {n}" for n in manifest["notes"]]
-    lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items()), ""]
-    return "\n".join(lines)

@@ -28,6 +28,11 @@ class PassLog:
             raise
         self._finish(f"done in {time.perf_counter() - t0:.1f} s")
 
+    def passed_over(self, name: str, why: str) -> None:
+        """A pass counted but not run: `[4/8] name ... not run: why`."""
+        self.i += 1
+        self._print(f"[{self.i}/{self.total}] {name} ... not run: {why}")
+
     def note(self, text: str) -> None:
         if self._line_open:
             self._print("")

@@ -1,0 +1,67 @@
+"""Optional passes run so that one which raises costs its own variants and nothing else: they become
+`failed` rows with the exception's one line, the traceback goes to `optimize.log` in the artifact
+folder, and the passes that need what it would have made are reported as not built."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from pathlib import Path
+
+from optiserve.errors import first_line
+from optiserve.optimize.progress import PassLog
+
+LOG_FILE = "optimize.log"
+
+
+class Attempts:
+    """The passes of one `optimize` run that built nothing: `failed` (name, pass, reason) where a
+    pass raised, `skipped` (name, reason) where it did not apply or needed what failed."""
+
+    def __init__(self, log: PassLog, stage: Path, skipped: list[dict]):
+        self.log, self.stage, self.skipped = log, stage, skipped
+        self.failed: list[dict] = []
+
+    @contextlib.contextmanager
+    def attempt(self, title: str, *names: str):
+        """Run the body as the pass `title`, which builds the variants `names`; an exception in it
+        is recorded against each of them and the run goes on."""
+        try:
+            with self.log.step(title):
+                yield
+        except Exception as e:  # noqa: BLE001  one pass's failure, whatever it is, is that pass's row
+            self.record(title, e, *names)
+
+    def record(self, title: str, e: Exception, *names: str) -> None:
+        """The variants `names` failed in the pass `title` with `e`."""
+        reason = first_line(e, True, 300)
+        self._keep_traceback(title, e)
+        self.failed += [{"name": name, "pass": title, "reason": reason} for name in names]
+        self.log.note(f"{', '.join(names)} failed: {reason} (traceback in {LOG_FILE})")
+
+    def missing(self, *names: str) -> str | None:
+        """Why a pass that needs the variants `names` cannot run (one of them failed or was not
+        built), or None."""
+        not_built = {s["name"] for s in self.skipped}
+        for name in names:
+            if name in self.failed_names:
+                return f"needs {name}, which failed"
+            if name in not_built:
+                return f"needs {name}, which was not built"
+        return None
+
+    def skip(self, title: str, why: str, *names: str) -> None:
+        """A pass that does not run: its variants `names` are not built, with the reason; it is
+        still counted, so the progress adds up."""
+        self.log.passed_over(title, why)
+        self.skipped += [{"name": name, "reason": why} for name in names]
+
+    @property
+    def failed_names(self) -> set[str]:
+        return {f["name"] for f in self.failed}
+
+    def _keep_traceback(self, title: str, e: Exception) -> None:
+        text = "".join(traceback.format_exception(e))
+        with open(self.stage / LOG_FILE, "a") as f:  # inside the staging folder: published with the rest
+            f.write(f"== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {title}\n{text}\n")

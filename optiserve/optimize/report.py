@@ -1,0 +1,84 @@
+"""The table `optimize` prints and report.md: one row per variant, built or not, the
+recommendation and why, read from the manifest alone."""
+
+from __future__ import annotations
+
+from optiserve.machine import cpu_line
+from optiserve.optimize.attempts import LOG_FILE
+from optiserve.runtime.fastest import describe as describe_choice
+from optiserve.tasks import get_task
+
+
+def _marks(manifest: dict, name: str) -> str:
+    rec = manifest.get("recommended") or {}
+    marks = [f"fastest b{b}" for b, key in (("1", "latency"), (str(rec.get("batch")), "throughput"))
+             if rec.get(key) == name]
+    return f" ({', '.join(marks)})" if marks else ""
+
+
+def summary_rows(manifest: dict) -> list[list[str]]:
+    """The table `optimize` prints and report.md shows, one row per variant."""
+    n = str(manifest["latency_batch"])
+    base = next(v for v in manifest["variants"] if v["name"] == manifest["baseline"])
+    rows = []
+    task = get_task(manifest.get("task"))
+    for v in manifest["variants"]:
+        lat1, latn = v["latency_ms"]["1"], v["latency_ms"][n]
+        rows.append([v["name"], v["backend"], v["precision"], *task.cells(v["accuracy"], base["accuracy"]),
+                     _size(v["size_bytes"]), _size(v["size_compressed_bytes"]), f"{lat1:.2f}", f"{latn:.2f}",
+                     f"{base['latency_ms']['1'] / lat1:.2f}× / {base['latency_ms'][n] / latn:.2f}×",
+                     v["status"] + _marks(manifest, v["name"])])
+    for failure in manifest.get("failed") or []:  # said in the table, not only in a note
+        rows.append([failure["name"], *["—"] * 10, f"failed: {failure['reason']}"])
+    for skip in manifest.get("skipped") or []:
+        rows.append([skip["name"], *["—"] * 10, f"not built: {skip['reason']}"])
+    return rows
+
+
+def summary_header(manifest: dict) -> list[str]:
+    n = manifest["latency_batch"]
+    return ["variant", "backend", "precision", *get_task(manifest.get("task")).columns(), "size", "zlib size", "p50 ms b1",
+            f"p50 ms b{n}", f"speedup b1 / b{n}", "status"]
+
+
+def recommendation_line(manifest: dict) -> str:
+    rec = manifest.get("recommended")
+    facts = manifest.get("machine")
+    machine = (cpu_line(facts) + (f" with {facts['gpu']}" if facts.get("gpu") else "")) if facts else "this machine"
+    if not rec:
+        return f"No recommendation: no variant was accepted (measured on {machine})."
+    gated = "" if rec["accuracy_gated"] else " (not accuracy-gated: the accuracy could not be measured)"
+    evidence = rec.get("evidence") or {}
+    why = "; ".join(f"batch {b}: {describe_choice(evidence[key])}" for key, b in
+                    (("latency", 1), ("throughput", rec["batch"])) if evidence.get(key))
+    return (f"Recommended on {machine}: for latency (batch 1) **{rec['latency']}**, for throughput "
+            f"(batch {rec['batch']}) **{rec['throughput']}**{gated}." + (f" Why: {why}." if why else "") +
+            " Timed here, in this run: on another CPU the order can differ.")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
+
+
+def render_report(manifest: dict) -> str:
+    header, rows = summary_header(manifest), summary_rows(manifest)
+    lines = [f"# optimize report: {manifest['model']} on {manifest['dataset']['name']}", "",
+             f"Weights: `{manifest['source']['weights']}`. Accuracy on {manifest['dataset']['eval_images']} held-out "
+             f"test images; latency is the median of repeated runs after warm-up, through the same runtime "
+             f"layer the server uses.", ""]
+    if not manifest["accuracy_meaningful"]:
+        lines += [f"**Accuracy is not validated here: {manifest['accuracy_note']}.** Agreement and max |Δ| "
+                  f"against fp32 are still measured.", ""]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    rejected = [v for v in manifest["variants"] if v["status"] == "rejected"]
+    if rejected:
+        lines += [""] + [f"- **{v['name']} rejected**: {v['reason']}; not served by default." for v in rejected]
+    if manifest.get("failed"):
+        lines += ["", f"Passes that failed ({', '.join(f['name'] for f in manifest['failed'])}): each one's "
+                      f"traceback is in `{LOG_FILE}` beside this report; the other variants were built as usual."]
+    lines += ["", get_task(manifest.get("task")).legend(manifest)]
+    lines += ["", recommendation_line(manifest)]
+    lines += ["", "Notes:"] + [f"- {n}" for n in manifest["notes"]]
+    lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items()), ""]
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""A pass that fails is one row that says why, never the end of `optimize`: the other variants are
+built, validated and recommended, the traceback is kept in the artifact folder, and the passes that
+needed what failed say so."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+from optiserve.artifacts import read_manifest
+from optiserve.optimize import pipeline
+from optiserve.optimize.attempts import LOG_FILE
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+
+class QuantizerCrash(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def folder_with_a_failed_pass(small_cnn_checkpoint, tmp_path_factory):
+    """small_cnn with --int8, where ONNX Runtime's quantizer raises mid-pass."""
+    def crash(*args, **kwargs):
+        raise QuantizerCrash("calibration table is empty\nsecond line of the message")
+
+    out = tmp_path_factory.mktemp("failed") / "small"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(pipeline, "quantize_onnx_static", crash)
+        manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
+                                               out=str(out), progress=False, latency_batch=2))
+    return out, manifest
+
+
+def test_the_failed_pass_is_its_variants_row_with_the_exceptions_one_line(folder_with_a_failed_pass):
+    out, manifest = folder_with_a_failed_pass
+    assert manifest["failed"] == [{"name": "onnx-int8", "pass": "INT8 ONNX Runtime (static QDQ, minmax calibration, "
+                                                               "256 train images)",
+                                   "reason": "QuantizerCrash: calibration table is empty"}]
+    assert read_manifest(out) == manifest
+    report = (out / "report.md").read_text()
+    assert "| onnx-int8 | — |" in report and "failed: QuantizerCrash: calibration table is empty |" in report
+    assert f"traceback is in `{LOG_FILE}`" in report
+
+
+def test_the_traceback_is_kept_in_the_artifact_folder(folder_with_a_failed_pass):
+    out, _ = folder_with_a_failed_pass
+    log = (out / LOG_FILE).read_text()
+    assert "Traceback (most recent call last)" in log and "QuantizerCrash: calibration table is empty" in log
+    assert "second line of the message" in log and "in crash" in log
+
+
+def test_the_other_variants_are_built_validated_and_recommended(folder_with_a_failed_pass):
+    out, manifest = folder_with_a_failed_pass
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert {"fp32", "torchscript", "onnx-fp32", "torch-int8", "openvino-fp32", "openvino-int8"} <= set(by_name)
+    assert "onnx-int8" not in by_name and not (out / "model.int8.onnx").exists()
+    assert all(v["status"] == "accepted" for v in by_name.values())
+    assert by_name["openvino-int8"]["settings"]["flow"] == "nncf"  # the flow that needs no QDQ file
+    skipped = {s["name"]: s["reason"] for s in manifest["skipped"]}
+    assert skipped["openvino-int8 (qdq flow)"] == "needs onnx-int8, which failed"
+    recommended = manifest["recommended"]
+    assert recommended["latency"] in by_name and recommended["throughput"] in by_name
+    files = {v["file"] for v in manifest["variants"]} | {c for v in manifest["variants"] for c in v.get("companions", {})}
+    assert {p.name for p in out.iterdir()} == files | {"manifest.json", "report.md", LOG_FILE}
+
+
+def test_the_command_succeeds_and_prints_the_failed_row(small_cnn_checkpoint, tmp_path, monkeypatch, capsys):
+    """The ONNX export itself fails: every variant made from its file is reported as needing it, and
+    the torch variants are built, judged and recommended as usual."""
+    from optiserve.cli import main
+
+    def crash(*args, **kwargs):
+        raise QuantizerCrash("exporter gave up")
+
+    monkeypatch.setattr(pipeline, "export_onnx", crash)
+    code = main(["optimize", "small_cnn", "--weights", str(small_cnn_checkpoint), "--int8", "--latency-batch", "2",
+                 "--out", str(tmp_path / "a"), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert rows["onnx-fp32"].endswith("failed: QuantizerCrash: exporter gave up")
+    for name in ("onnx-int8", "openvino-fp32", "openvino-bf16", "openvino-int8"):
+        assert rows[name].rstrip().endswith("not built: needs onnx-fp32, which failed"), rows[name]
+    manifest = read_manifest(tmp_path / "a")
+    assert {v["name"] for v in manifest["variants"]} >= {"fp32", "torchscript", "torch-int8"}
+    assert manifest["recommended"]["latency"] in {v["name"] for v in manifest["variants"]}
