@@ -79,6 +79,11 @@ def cpu_line(facts: dict | None = None) -> str:
     return f"{facts['model']} ({facts['cores']} cores; {' '.join(facts['flags']) or 'no AVX2'}{stated})"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, as a container's cpuset sets it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def memory_limit_bytes() -> int:
     """The memory this process may use: its cgroup's limit (a container's, as Kubernetes sets it)
     when there is one, else the machine's total memory."""

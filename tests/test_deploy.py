@@ -220,3 +220,26 @@ def test_ray_deployment_options_refuse_a_queue_smaller_than_a_batch():
         deployment_options({"serve": "x", "max_replica": 2}, 16)
     with pytest.raises(UserError, match="the Ray deployment arg max_replicas must be an integer, got 'two'"):
         deployment_options({"serve": "x", "max_replicas": "two"}, 16)
+
+
+@pytest.mark.parametrize("path", [DEPLOY / "kserve" / "servingruntime.yaml", DEPLOY / "k8s" / "deployment.yaml"],
+                         ids=lambda p: p.name)
+def test_a_pod_of_the_size_optimize_ran_on_reuses_its_recorded_choice_instead_of_timing_again(path, small_artifact):
+    """The shipped container's --threads is its CPU limit: the threads `optimize` times with on a
+    machine of that size, so every replica takes the recorded choice at start instead of re-timing."""
+    from optiserve.artifacts import read_manifest
+    from optiserve.cli import build_parser
+    from optiserve.runtime.recorded import recorded_choice
+
+    (container,) = _containers(yaml.safe_load(path.read_text()))
+    parsed = build_parser().parse_args([a.replace("{{.Name}}", "resnet18") for a in container["args"]])
+    limit = int(container["resources"]["limits"]["cpu"])
+    if parsed.threads is not None:
+        assert parsed.threads == limit
+    manifest = read_manifest(small_artifact)
+    manifest["threads"] = limit  # as optimize records it on a machine with the pod's cores
+    accepted = {v["name"]: v for v in manifest["variants"] if v["status"] == "accepted"}
+    recorded = recorded_choice(manifest, accepted, {"cpu"}, 1, parsed.threads)
+    assert recorded.choice is not None, recorded.reason
+    assert recorded.choice["variant"] == manifest["recommended"]["latency"]
+    assert "--threads" in recorded_choice(manifest, accepted, {"cpu"}, 1, limit + 1).reason

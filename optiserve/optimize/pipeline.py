@@ -16,7 +16,7 @@ import torch
 from optiserve import artifacts
 from optiserve.data import DatasetSplits, load_dataset
 from optiserve.errors import UserError, first_line
-from optiserve.machine import cpu_facts
+from optiserve.machine import cpu_facts, usable_cores
 from optiserve.models import InputOverrides, LoadedModel, find_source, load_model, model_slug, read_labels
 from optiserve.models.onnx_file import is_onnx_file
 from optiserve.models.sources import is_registered
@@ -722,7 +722,8 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
     timed; one its engine cannot run is not built (with the reason), one whose judging raises has
     failed; either way its files are deleted and the others go on. The baseline failing ends the run."""
     base_manifest = _session_manifest(loaded)
-    options = RuntimeOptions(device=cfg.device, extra={"spin": False})  # an idle session must not slow the next
+    # an idle session must not slow the next; threads as stated, so a server can tell it runs with the same
+    options = RuntimeOptions(device=cfg.device, threads=usable_cores(), extra={"spin": False})
     batch1 = evalset.images[:1]
     batch_n = np.resize(evalset.images, (cfg.latency_batch, *evalset.images.shape[1:])).astype(np.float32)
     if baseline_name not in [v.name for v in variants]:
@@ -830,6 +831,7 @@ def _manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_eval) -
         "min_miou": cfg.min_miou,
         "min_map": cfg.min_map,
         "latency_batch": cfg.latency_batch,
+        "threads": usable_cores(),  # intra-op threads every variant was timed with
         "versions": artifacts.versions(),
         "machine": _machine(entries),
         "recommended": recommended,

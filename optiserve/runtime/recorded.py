@@ -50,8 +50,9 @@ def recorded_choice(manifest: dict, candidates: dict[str, dict], devices: set[st
                     threads: int | None, any_machine: bool = False) -> Recorded:
     """The manifest's fastest variant at `batch_size` among `candidates` (name: manifest entry),
     if the optimizer timed that batch size, on this kind of machine with these engines, with the
-    engines' default threads. `any_machine`: take it whatever the fingerprint (a server told not to
-    time at all)."""
+    threads it timed with (one per core it could use, recorded as `threads`; a server's `threads`
+    None is the engines' default, which is the same on the same fingerprint). `any_machine`: take it
+    whatever the fingerprint (a server told not to time at all)."""
     rec = manifest.get("recommended")
     if not rec:
         return Recorded(None, "the manifest records no recommendation")
@@ -63,8 +64,10 @@ def recorded_choice(manifest: dict, candidates: dict[str, dict], devices: set[st
     if chosen not in candidates:
         return Recorded(None, f"the recommended {chosen} is not among the variants served here")
     if not any_machine:
-        if threads is not None:
-            return Recorded(None, "--threads differs from the engines' default the optimizer timed with")
+        timed_with = manifest.get("threads")  # None: each engine's default (folders from older versions)
+        if threads is not None and threads != timed_with:
+            return Recorded(None, f"--threads {threads} differs from the "
+                                  f"{timed_with or 'engines default'} threads the optimizer timed with")
         differences = fingerprint_differences(manifest, {e["backend"] for e in candidates.values()}, devices)
         if differences:
             return Recorded(None, "this machine differs from the optimizer's: " + "; ".join(differences))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 from optiserve.tasks import get_task
 from optiserve.artifacts import read_manifest_versioned
 from optiserve.input_spec import InputSpec
+from optiserve.machine import usable_cores
 from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.fastest import choose_fastest
 from optiserve.runtime.recorded import recorded_choice
@@ -62,8 +62,7 @@ def instance_options(options: RuntimeOptions, instances: int) -> RuntimeOptions:
     this process may run on) divided between them, at least one each."""
     if instances == 1:
         return options
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return replace(options, threads=max(1, (options.threads or cores) // instances))
+    return replace(options, threads=max(1, (options.threads or usable_cores()) // instances))
 
 
 class ServedModel:
