@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from optiserve.serve.multipart import MAX_PARTS, boundary_of, parse_form
+from optiserve.serve.multipart import MAX_PARTS, boundary_of, parse_form, upload_and_variant
 from optiserve.serve.preprocess import BadInput
 
 PNG = bytes(range(256)) * 40 + b"\r\n--not-the-boundary\r\n"  # binary, with CRLFs and dashes inside
@@ -20,9 +20,26 @@ def _encoded(files: dict, data: dict | None = None) -> tuple[bytes, str]:
 
 def test_what_a_real_client_sends_is_read_back_exactly():
     body, ctype = _encoded({"file": ("digit 7; final.png", PNG, "image/png")}, {"variant": "onnx-int8"})
-    form = parse_form(body, boundary_of(ctype))
-    assert form["file"].data == PNG and form["file"].filename == "digit 7; final.png"
-    assert form["variant"].data == b"onnx-int8" and form["variant"].filename is None
+    upload, variant = upload_and_variant(parse_form(body, boundary_of(ctype)))
+    assert upload.name == "file" and upload.data == PNG and upload.filename == "digit 7; final.png"
+    assert variant.data == b"onnx-int8" and variant.filename is None
+
+
+@pytest.mark.parametrize("field", ["file", "image", "upload"])
+def test_the_one_file_part_is_the_image_whatever_its_field_is_named(field):
+    body, ctype = _encoded({field: ("cat.png", PNG, "image/png")})
+    upload, variant = upload_and_variant(parse_form(body, boundary_of(ctype)))
+    assert upload.name == field and upload.data == PNG and variant is None
+
+
+def test_no_file_or_several_files_are_refused_naming_what_came():
+    body, ctype = _encoded({"a": ("a.png", PNG, "image/png"), "b": ("b.png", PNG, "image/png")})
+    with pytest.raises(BadInput, match="exactly one image as a file part .*this one has 2 \\(fields 'a', 'b'\\)"):
+        upload_and_variant(parse_form(body, boundary_of(ctype)))
+    text_only = (b'--B\r\nContent-Disposition: form-data; name="variant"\r\n\r\nfp32\r\n'
+                 b'--B\r\nContent-Disposition: form-data; name="note"\r\n\r\nx\r\n--B--\r\n')
+    with pytest.raises(BadInput, match="this one has none"):
+        upload_and_variant(parse_form(text_only, b"B"))
 
 
 def test_aiohttps_encoding_the_load_generators_reads_back_too():
@@ -43,7 +60,7 @@ def test_aiohttps_encoding_the_load_generators_reads_back_too():
     sink = Sink()
     asyncio.run(writer.write(sink))
     parsed = parse_form(b"".join(sink.chunks), boundary_of(writer.content_type))
-    assert parsed["file"].data == PNG
+    assert [(p.name, p.data) for p in parsed] == [("file", PNG)]
 
 
 @pytest.mark.parametrize("body, message", [

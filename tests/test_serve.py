@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import shutil
+import subprocess
 import sys
 import time
 
@@ -167,7 +169,7 @@ def test_the_ab_split_sends_traffic_to_both_variants_and_stats_count_it(client):
     ({"json": {"inputs": ["bm90IGFuIGltYWdl"]}}, 400, "not a readable image"),
     ({"json": {"inputs": ["***"]}}, 400, "base64"),
     ({"files": {"file": ("x.png", b"not an image", "image/png")}}, 400, "not a readable image"),
-    ({"files": {"other": ("x.png", b"", "image/png")}}, 400, "field named `file`"),
+    ({"files": {"a": ("x.png", b"", "image/png"), "b": ("y.png", b"", "image/png")}}, 400, "exactly one image"),
     ({"json": {"inputs": np.zeros((1, 1, 16, 16)).tolist(), "variant": "int4"}}, 404, "unknown variant 'int4'"),
     ({"json": {"inputs": np.zeros((1, 1, 16, 16)).tolist(), "top_k": "many"}}, 400, "top_k"),
     ({"content": b"x" * (2 << 20), "headers": {"content-type": "application/json"}}, 413, "limit"),
@@ -214,7 +216,7 @@ def test_asking_for_cuda_without_a_gpu_fails_before_listening(small_artifact):
 
 
 
-def test_a_real_uvicorn_process_serves_on_loopback_and_shuts_down_cleanly(small_artifact):
+def test_a_real_uvicorn_process_serves_on_loopback_and_shuts_down_cleanly(small_artifact, tmp_path):
     with serving(small_artifact, "--variants", "onnx-int8") as (base, proc):
         pngs, _ = _digit_pngs(4)
         expected = _offline_predictions(small_artifact, "onnx-int8", pngs)
@@ -222,6 +224,13 @@ def test_a_real_uvicorn_process_serves_on_loopback_and_shuts_down_cleanly(small_
             r = httpx.post(f"{base}/predict", files={"file": ("d.png", png, "image/png")}, timeout=10)
             assert r.status_code == 200 and r.json()["variant"] == "onnx-int8"
             assert int(r.json()["predictions"][0][0]["class"]) == want
+        r = httpx.post(f"{base}/predict", files={"image": ("d.png", pngs[0], "image/png")}, timeout=10)
+        assert r.status_code == 200 and int(r.json()["predictions"][0][0]["class"]) == expected[0]
+        if shutil.which("curl"):  # as people type it: the file part named `image`, not `file`
+            (tmp_path / "digit.png").write_bytes(pngs[0])
+            curl = subprocess.run(["curl", "-s", "-F", f"image=@{tmp_path / 'digit.png'}", f"{base}/predict"],
+                                  capture_output=True, text=True, timeout=30)
+            assert int(json.loads(curl.stdout)["predictions"][0][0]["class"]) == expected[0], curl.stdout
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal for the exit status
     assert proc.returncode in (0, -15), proc.output
     assert "Application shutdown complete" in proc.output and "Traceback" not in proc.output

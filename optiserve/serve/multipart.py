@@ -2,7 +2,8 @@
 
 A general form parser (Starlette's, on python-multipart) feeds the body through per-chunk
 callbacks into spooled files, which costs more CPU than finding a handful of boundaries in bytes
-that are already in memory; /predict needs one file part and at most a `variant` field. Anything
+that are already in memory; /predict needs one file part (whatever its field is named: `file`,
+`image`, ...) and at most a `variant` field. Anything
 that is not well-formed multipart is a BadInput (400) naming what is wrong.
 """
 
@@ -36,15 +37,15 @@ def boundary_of(content_type: str) -> bytes:
     return boundary
 
 
-def parse_form(body: bytes, boundary: bytes) -> dict[str, Part]:
-    """The parts of a multipart body by field name (a repeated name: the last one)."""
+def parse_form(body: bytes, boundary: bytes) -> list[Part]:
+    """The parts of a multipart body, in their order."""
     delimiter = b"--" + boundary
     start = body.find(delimiter)
     if start < 0:
         raise BadInput("malformed multipart body: the boundary from the Content-Type never occurs")
     separator = b"\r\n" + delimiter
     pos = start + len(delimiter)
-    parts: dict[str, Part] = {}
+    parts: list[Part] = []
     for _ in range(MAX_PARTS + 1):
         if body.startswith(b"--", pos):
             return parts  # the closing delimiter
@@ -56,9 +57,21 @@ def parse_form(body: bytes, boundary: bytes) -> dict[str, Part]:
         if end < 0:
             raise BadInput("malformed multipart body: a part is not closed by the boundary")
         name, filename = _disposition(body[line_end + 2:head_end])
-        parts[name] = Part(name, filename, body[head_end + 4:end])
+        parts.append(Part(name, filename, body[head_end + 4:end]))
         pos = end + len(separator)
     raise BadInput(f"a /predict upload has at most {MAX_PARTS} parts")
+
+
+def upload_and_variant(parts: list[Part]) -> tuple[Part, Part | None]:
+    """The one file part, whatever its field's name (`curl -F image=@cat.png` as well as `-F
+    file=@...`), and the last text field `variant`, if any. None or several files: a BadInput."""
+    files = [p for p in parts if p.filename is not None]
+    if len(files) != 1:
+        found = "none" if not files else f"{len(files)} (fields {', '.join(repr(p.name) for p in files)})"
+        raise BadInput(f"a multipart /predict request carries exactly one image as a file part "
+                       f"(e.g. curl -F file=@cat.png); this one has {found}")
+    variants = [p for p in parts if p.name == "variant" and p.filename is None]
+    return files[0], variants[-1] if variants else None
 
 
 def _disposition(headers: bytes) -> tuple[str, str | None]:

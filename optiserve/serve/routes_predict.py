@@ -9,7 +9,7 @@ from fastapi import Request
 from optiserve.serve import VARIANT_HEADER, tracing
 from optiserve.serve.envelope import MAX_NAME_CHARS, predict_request, top_k
 from optiserve.serve.fast_routes import ServingApp
-from optiserve.serve.multipart import Part, boundary_of, parse_form
+from optiserve.serve.multipart import Part, boundary_of, parse_form, upload_and_variant
 from optiserve.serve.preprocess import image_size
 from optiserve.serve.responses import FastJSONResponse
 from optiserve.serve.server import ApiError, Server
@@ -23,7 +23,7 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
     # a fast route (fast_routes.py), not a FastAPI endpoint: FastAPI's layers, dependency solving
     # and validation cost CPU the model needs, and /predict reads its query and body itself
     async def predict(request: Request):
-        """A multipart upload (field `file`), a raw image body (content-type image/png, ...), or JSON
+        """A multipart upload (one file part, field `file` or any name), a raw image body (content-type image/png, ...), or JSON
         {"inputs": tensors or base64 images}; `?model=` picks the model, `?variant=` the variant."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         raw_image = ctype in IMAGE_TYPES
@@ -38,12 +38,7 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
             threshold = _fraction(query.get("score_threshold"), "score_threshold")
             if ctype == "multipart/form-data":
                 boundary = boundary_of(request.headers["content-type"])
-                form = parse_form(await server.read_body(request, admission), boundary)
-                upload, named = form.get("file"), form.get("variant")
-                if upload is None or upload.filename is None:
-                    raise ApiError(400, "multipart requests need the image in a file field named `file`")
-                if named is not None and named.filename is not None:
-                    raise ApiError(400, "the form field `variant` must be text")
+                upload, named = upload_and_variant(parse_form(await server.read_body(request, admission), boundary))
                 if "variant" not in query:
                     server.reroute(admission, _variant_field(named), request)
                 images = (await server.decode_upload(admission, upload.data))[None]
@@ -115,7 +110,7 @@ def error_responses(*statuses: int) -> dict:
 
 PREDICT_OPERATION = {
     "summary": "Predict",
-    "description": "An image upload (multipart field `file`), a raw image body, or JSON "
+    "description": "An image upload (multipart: one file part, `file` or any field name), a raw image body, or JSON "
                    '{"inputs": tensors or base64 images}; answered per image as the model\'s task says.',
     "operationId": "predict",
     "parameters": [_query("model", "the model (needed when several are served)", {"type": "string"}),
