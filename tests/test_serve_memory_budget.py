@@ -113,3 +113,16 @@ def _content_length(answer: bytes) -> int:
         if line.lower().startswith(b"content-length:"):
             return int(line.split(b":", 1)[1])
     return 0
+
+
+def test_worker_processes_share_the_default_budget_instead_of_each_taking_a_quarter(monkeypatch):
+    from optiserve import machine
+    from optiserve.cli import build_parser
+    from optiserve.serve.command import config_from_args
+
+    monkeypatch.setattr(machine, "memory_limit_bytes", lambda: 16 << 30)
+    args = build_parser(["serve"]).parse_args(["serve", "folder", "--workers", "4"])
+    cfg = config_from_args(args)
+    assert cfg.workers == 4 and cfg.queue_bytes() == (16 << 30) // 4 // 4  # 1 GiB each: 4 GiB in all
+    assert ServeConfig("folder").queue_bytes() == 4 << 30
+    assert ServeConfig("folder", workers=4, max_queue_bytes=2 << 20).queue_bytes() == 2 << 20  # stated: per process

@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue-bytes", type=int, default=None, metavar="N",
                    help="bytes that requests may hold in memory at once (bodies being read, JSON being parsed, "
                         "decoded images); past it requests are answered 429, and one that could never fit 413 "
-                        "(default: a quarter of the memory limit: the container's, else the machine's)")
+                        "(default: a quarter of the memory limit, the container's else the machine's, divided "
+                        "among the --workers)")
     p.add_argument("--timeout-ms", type=float, default=DEFAULTS.timeout_ms, metavar="T",
                    help=f"per-request limit; past it the answer is 504 (default {DEFAULTS.timeout_ms:g})")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -133,7 +134,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "to this OTLP/gRPC collector, e.g. http://otel-collector:4317; a caller's W3C traceparent "
                         "is continued. Needs pip install 'optiserve[otel]' (default: off)")
     p.add_argument("--workers", type=int, default=1,
-                   help="server processes, each with its own copy of every variant (default 1)")
+                   help="server processes, each with its own copy of every variant; the default --max-queue-bytes "
+                        "is divided among them (default 1)")
 
 
 def _true_or_false(text: str) -> bool:
@@ -159,7 +161,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                       model_name=args.model_name, grpc_port=args.grpc_port, host=args.host,
                       choose_seconds=args.choose_seconds, log_format=args.log_format, log_level=args.log_level,
                       tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file,
-                      tls_client_ca_file=args.tls_client_ca_file, otlp_endpoint=args.otlp_endpoint)
+                      tls_client_ca_file=args.tls_client_ca_file, otlp_endpoint=args.otlp_endpoint,
+                      workers=args.workers)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,7 +32,9 @@ class ServeConfig:
     inference_nice: int = 10          # CPU priority of inference threads below the event loop's (Linux); 0: same
     device: str = "auto"
     max_body_bytes: int = 16 << 20
-    max_queue_bytes: int | None = None  # bodies and decoded tensors held at once; None: a quarter of the memory limit
+    max_queue_bytes: int | None = None  # bodies and decoded tensors held at once; None: a quarter of the memory
+                                        # limit, shared by the worker processes
+    workers: int = 1                  # server processes (uvicorn workers) sharing this machine's memory
     top_k: int = 5
     body_timeout_s: float = 10.0      # a request whose body has not arrived by then gets 408 and its queue place back
     drain_seconds: float = 5.0        # on SIGTERM: not ready, still answering, so load balancers move away first
@@ -58,12 +60,13 @@ class ServeConfig:
 
     def queue_bytes(self) -> int:
         """--max-queue-bytes, or by default a quarter of the memory this process may use (its
-        container's limit where it has one): room for the models and everything else besides."""
+        container's limit where it has one), divided among the --workers processes that share it:
+        room for the models and everything else besides."""
         if self.max_queue_bytes is not None:
             return self.max_queue_bytes
         from optiserve.machine import memory_limit_bytes
 
-        return max(64 << 20, memory_limit_bytes() // 4)
+        return max(64 << 20, memory_limit_bytes() // 4 // self.workers)
 
     @property
     def tls(self) -> bool:
@@ -102,7 +105,8 @@ class ServeConfig:
 
     def validate(self) -> None:
         for name, value in (("--max-batch-size", self.max_batch_size), ("--max-queue", self.max_queue),
-                            ("--max-image-pixels", self.max_image_pixels), ("--decode-threads", self.decode_threads)):
+                            ("--max-image-pixels", self.max_image_pixels), ("--decode-threads", self.decode_threads),
+                            ("--workers", self.workers)):
             if value is not None and value < 1:
                 raise UserError(f"{name} must be at least 1, got {value}")
         from optiserve.serve.model_settings import MAX_INSTANCES, MAX_PRIORITY_LEVELS
