@@ -41,6 +41,7 @@ from optiserve.bench.results import environment
 from optiserve.bench.senders import RawImageSender
 from optiserve.errors import UserError
 from optiserve.files import atomic_write
+from optiserve.tasks import get_task
 
 TUNE_FILE = "tune.json"
 SETTINGS_FILE = "serving.json"
@@ -62,7 +63,7 @@ MEASURED_KEYS = {"variant", "max_batch_size", "max_delay_ms", "instances", "rate
 class TuneConfig:
     folder: Path
     slo_p99_ms: float
-    max_accuracy_drop: float | None = None  # points of the manifest's accuracy measure below fp32
+    max_accuracy_drop: float | None = None  # points of the measure the task's gate judges, below fp32
     duration_s: float = 10.0                # measured seconds per load step
     warmup_s: float = 1.0
     mode: str = "open"                       # open | closed
@@ -130,13 +131,15 @@ def candidates(manifest: dict, cfg: TuneConfig) -> tuple[list[str], dict[str, st
 
 
 def accuracy_drop(manifest: dict, entry: dict) -> float | None:
-    """Points of the task's accuracy measure the variant lost against the fp32 baseline, as the
-    optimizer measured it on held-out data (0 for the baseline); None where it was not measured."""
+    """Points of the measure its task's gate judges that the variant lost against the baseline, as
+    the optimizer measured them on held-out data (0 for the baseline; tasks.Task.accuracy_drop);
+    None where nothing was measured."""
     if entry["name"] == manifest.get("baseline"):
         return 0.0
-    paired = (entry.get("accuracy") or {}).get("vs_baseline") or {}
-    points = paired.get("points")
-    return -points if isinstance(points, (int, float)) else None
+    baseline = next((e for e in manifest["variants"] if e["name"] == manifest.get("baseline")), None)
+    if not entry.get("accuracy") or not baseline or not baseline.get("accuracy"):
+        return None
+    return get_task(manifest.get("task")).accuracy_drop(entry["accuracy"], baseline["accuracy"])
 
 
 ACCURACY_MEASURES = {"top1": "top-1", "miou": "mIoU", "map50": "mAP@0.5", "cosine_mean": "cosine to fp32",
@@ -153,6 +156,13 @@ def accuracy_text(manifest: dict, entry: dict) -> str:
         parts.append(f"{-drop:+.2f} points vs {manifest.get('baseline')}")
     text = ", ".join(parts) or "not measured"
     return f"{text} ({entry['status']})" if entry.get("status") else text
+
+
+def server_failure(e: RuntimeError) -> str:
+    """One line on why a server did not start: its own error line where it printed one."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    said = [line for line in lines if "error:" in line]
+    return (said[-1] if said else lines[0] if lines else "the server did not start")[:400]
 
 
 def offline_ceiling(entry: dict) -> float:
@@ -270,9 +280,16 @@ class Tuner:
             winner = self.winner()
             if winner is None:
                 self.line.done(f"tune: {len(self.points)} points measured in {time.monotonic() - self.started:.0f} s")
+                failed = [p["failed"] for p in self.points.values() if p.get("failed")]
+                if failed and len(failed) == len(self.points):
+                    raise UserError(f"no point's server started ({len(failed)} tried): {failed[0]}")
                 raise UserError(f"no setting met p99 <= {cfg.slo_p99_ms:g} ms at any load here (closest: "
                                 f"{self._closest()}); loosen --slo-p99-ms or allow another variant")
-            confirmation = self._confirmed_before(winner) or self._confirm(stage, winner)
+            try:
+                confirmation = self._confirmed_before(winner) or self._confirm(stage, winner)
+            except RuntimeError as e:
+                raise UserError(f"the winner's server did not start again to confirm it: {server_failure(e)} "
+                                f"(tune.json is kept: --resume confirms again)") from None
         self.line.done(f"tune: {len(self.points)} points measured and the winner confirmed in "
                        f"{time.monotonic() - self.started:.0f} s")
         result = self._document(winner, left_out, pruned, confirmation)
@@ -285,8 +302,15 @@ class Tuner:
             return self.points[point.key]
         self.done += 1
         self._show(point, "starting")
-        with self._serving(stage, point) as base:
-            steps = self._closed_search(base, point) if self.cfg.mode == "closed" else self._open_search(base, point)
+        try:
+            with self._serving(stage, point) as base:
+                steps = self._closed_search(base, point) if self.cfg.mode == "closed" else self._open_search(base, point)
+        except RuntimeError as e:  # its server did not start or died (serve/launch.py): this point's row, not the end
+            result = {**asdict(point), "rate": 0.0, "p99_ms": None, "level": None, "meets": False, "capacity": 0.0,
+                      "steps": [], "failed": server_failure(e)}
+            self.points[point.key] = result
+            self._save()
+            return result
         capacity = max(s["rps"] for s in steps)
         good = [s for s in steps if s["meets"]]
         best = max(good, key=lambda s: s["rps"]) if good else None

@@ -45,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("artifact_dir", metavar="MODEL_DIR", help="a folder written by `optimize`")
     p.add_argument("--slo-p99-ms", type=float, required=True, metavar="X", help="the p99 latency objective, in ms")
     p.add_argument("--max-accuracy-drop", type=float, default=None, metavar="PTS",
-                   help="leave out variants whose accuracy (from the manifest) is more than PTS points below fp32")
+                   help="leave out variants more than PTS points below fp32 in the measure their task's gate "
+                        "judges (from the manifest): top-1 (or top-1 agreement without labels), mIoU, mAP@0.5, "
+                        "cosine similarity to fp32 x100")
     p.add_argument("--duration", type=float, default=10.0, metavar="S",
                    help="measured seconds per load step (default 10)")
     p.add_argument("--confirm-seconds", type=float, default=20.0, metavar="S",

@@ -81,7 +81,7 @@ def tune_blocks(doc: dict, manifest: dict, plotted: bool) -> list[tuple]:
                             f"{winner['confirmation']['seconds']:g} s ({held}): {spare}."))
     rows = [[p["variant"], str(p["max_batch_size"]), f"{p['max_delay_ms']:g}", str(p["instances"]),
              f"{p['rate']:.1f}" if p["meets"] else "—", f"{p['p99_ms']:.1f}" if p["meets"] else "—",
-             str(len(p["steps"]))]
+             f"failed: {p['failed']}" if p.get("failed") else str(len(p["steps"]))]
             for p in sorted(doc["points"], key=lambda p: -p["rate"])]
     blocks += [("h2", "Points measured"),
                ("table", ["variant", "max batch", "delay ms", "instances", "requests/s meeting the objective",

@@ -62,6 +62,12 @@ class Classification(Task):
             return "rejected", f"top-1 fell {drop:.2f} points (limit {limits.max_accuracy_drop:g})"
         return "accepted", None
 
+    def accuracy_drop(self, metrics, baseline) -> float | None:
+        """Top-1 points lost; without labels, the percent of images whose top-1 differs from fp32's."""
+        if baseline.get("top1") is None or metrics.get("top1") is None:
+            return 100 * (1 - metrics["agreement"])
+        return 100 * (baseline["top1"] - metrics["top1"])
+
     def columns(self) -> list[str]:
         return ["top-1", "agree fp32", "Δ top-1 [95% CI]"]
 

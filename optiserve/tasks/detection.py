@@ -200,6 +200,13 @@ class Detection(Task):
                                 f"{limits.min_map:g}")
         return "accepted", None
 
+    def accuracy_drop(self, metrics, baseline) -> float | None:
+        """mAP@0.5 points lost against the true boxes; without them, 100 × (1 − mAP@0.5 with fp32's
+        boxes as the truth); None where there was nothing to match."""
+        if "map50" in baseline:
+            return None if baseline["map50"] is None else 100 * (baseline["map50"] - metrics["map50"])
+        return None if metrics["map50_fp32"] is None else 100 * (1 - metrics["map50_fp32"])
+
     def columns(self) -> list[str]:
         return ["mAP@0.5 boxes [95% CI]", "Δ mAP [95% CI]", "mAP@0.5 vs fp32 [95% CI]", f"boxes/image ≥{TRUTH_SCORE:g}"]
 

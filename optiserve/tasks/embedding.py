@@ -57,6 +57,10 @@ class Embedding(Task):
                                 f"{limits.min_cosine:g}")
         return "accepted", None
 
+    def accuracy_drop(self, metrics, baseline) -> float | None:
+        """100 × (1 − mean cosine similarity to fp32's vectors)."""
+        return 100 * (1 - metrics["cosine_mean"])
+
     def columns(self) -> list[str]:
         return ["cosine fp32 [95% CI]", "cosine p1", "NN agree"]
 

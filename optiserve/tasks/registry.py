@@ -74,6 +74,11 @@ class Task:
         """accepted / rejected (with the reason) / unvalidated (`why_not` says why it cannot be judged)."""
         raise NotImplementedError
 
+    def accuracy_drop(self, metrics: dict, baseline: dict) -> float | None:
+        """Points (x100) of the measure the gate judges that a variant lost against fp32 (`baseline`:
+        fp32's own metrics): what `tune --max-accuracy-drop` compares; None where nothing was measured."""
+        raise NotImplementedError
+
     def columns(self) -> list[str]:
         """The report's columns for this task's measures."""
         raise NotImplementedError

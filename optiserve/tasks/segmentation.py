@@ -125,6 +125,12 @@ class Segmentation(Task):
                                 f"{limits.min_miou:g}")
         return "accepted", None
 
+    def accuracy_drop(self, metrics, baseline) -> float | None:
+        """mIoU points lost against the true masks; without them, 100 × (1 − mIoU against fp32's)."""
+        if "miou" in metrics and "miou" in baseline:
+            return 100 * (baseline["miou"] - metrics["miou"])
+        return 100 * (1 - metrics["miou_fp32"])
+
     def columns(self) -> list[str]:
         return ["mIoU masks", "Δ mIoU [95% CI]", "pixel agree fp32 [95% CI]", "mIoU vs fp32 [95% CI]"]
 
