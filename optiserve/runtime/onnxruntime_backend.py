@@ -72,7 +72,7 @@ def _unavailable() -> str | None:
     return None if importlib.util.find_spec("onnxruntime") else "the onnxruntime package is not installed"
 
 
-# a batch size it has not run costs about what a warm one does (ResNet-18 INT8: 8 vs 8 ms at batch
-# 2, 15 vs 15 at 4) once the first run and the largest have sized its memory arena
+# a batch size it has not run costs about what a warm one does once the first run and the largest have
+# sized its memory arena (docs/performance.md, "Cold start and resident memory")
 register_backend(Backend("onnxruntime", lambda p, v, m, o: OrtSession(p, m, o), _unavailable, "ONNX Runtime",
                          packages=("onnxruntime",), warm_each_batch_size=False))

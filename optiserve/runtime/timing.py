@@ -46,9 +46,9 @@ def interleaved_times(sessions: dict[str, Session], batch: np.ndarray, rounds: i
 
     Each turn begins with untimed calls for `turn_warmup_s` (at least one): the session before it
     leaves the caches full of its own weights and its threads still awake for a few milliseconds,
-    and a small model's calls just after are slower (0.6 instead of 0.45 ms for a 16x16 ResNet-18
-    at batch 1 on a 2-core EPYC, whichever variant ran before; after 20 ms, within a few percent).
-    Timed after them, a variant's figure is its steady state, whichever variants ran before it."""
+    and a small model's calls just after are measurably slower, whichever variant ran before
+    (docs/performance.md, "Timings that do not depend on their neighbours"). Timed after them, a variant's figure is its
+    steady state, whichever variants ran before it."""
     for session in sessions.values():
         for _ in range(warmup):
             session.run(batch)

@@ -71,7 +71,7 @@ def _load_torchscript(path: Path, variant: dict, manifest: dict, options: Runtim
     if engine:  # INT8 TorchScript runs the quantized kernels of the engine it was converted for
         torch.backends.quantized.engine = engine
         # Those kernels (x86/fbgemm, qnnpack) exist on the CPU only: moved to CUDA the module
-        # crashed the process (a segfault, seen on an H100), so it stays on the CPU on a GPU machine too.
+        # crashes the process (docs/performance.md, "On a GPU"), so it stays on the CPU there too.
         device = torch.device("cpu")
     with jit_quietly():
         module = torch.jit.load(str(path), map_location=device).eval()

@@ -24,7 +24,7 @@ MAX_NUMBER_CHARS = 64      # longer than any float32 written out; Python would p
 MAX_NAME_CHARS = 256       # variant names, output names, ids
 OUTPUTS = ("logits", "probabilities")  # a classifier's; other tasks name theirs (optiserve.tasks)
 OTHER_FIELDS_COMMAS = 1024  # commas a request may spend outside its tensor (ids, parameters, outputs)
-PYTHON_NUMBER_BYTES = 40    # what json builds for each number at its peak (measured 36.5: float, list slot, growth)
+PYTHON_NUMBER_BYTES = 40    # what json builds for each number at its peak, rounded up (docs/performance.md)
 
 
 class TooManyValues(BadInput):

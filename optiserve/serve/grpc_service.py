@@ -137,9 +137,9 @@ class InferenceService:
             context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
             admission.held.grow(message.size, "its message")  # held by the request until it ends, as a body
             args = (message, admission.model.spec, admission.model.settings.max_images, admission.model.protocol_outputs)
-            # raw bytes are a view and a check, cheaper here than a hop to the decode threads (measured:
-            # ~0.2 core-ms a request less outside the inference threads); typed contents are a Python
-            # list to convert, which must not hold up the loop
+            # raw bytes are a view and a check, cheaper here than a hop to the decode threads
+            # (docs/performance.md, the request path); typed contents are a Python list to convert,
+            # which must not hold up the loop
             parsed = parse_infer(*args) if message.raw else await server.decode(parse_infer, *args)
             outputs, timing = await server.infer(admission, parsed.images, _deadline_s(context))
         with tracing.span("response"):

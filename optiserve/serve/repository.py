@@ -29,8 +29,8 @@ def settle_heap() -> None:
     """After a load or a retirement: collect, then put what is alive out of the collector's sight.
 
     What is loaded (torch, the runtimes, the sessions) lives until it is unloaded; left in sight,
-    each full collection walks ~400k objects and stalls the event loop for ~200 ms, a p99 of 200+
-    ms. Frozen objects are never collected, though, even once garbage: a retired version's
+    each full collection walks all of it and stalls the event loop long enough to show in p99
+    (docs/performance.md, "Memory over 50 reloads under traffic"). Frozen objects are never collected, though, even once garbage: a retired version's
     reference cycles would stay for good. So the frozen ones are let go first and the collection
     sees everything, once per load or retirement."""
     gc.unfreeze()

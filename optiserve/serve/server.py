@@ -274,7 +274,7 @@ class Server:
         it decodes, so its images go to the decode threads; a PNG that libspng decodes (small, in
         the model's colors) is decoded here on the event loop: libspng holds the GIL throughout, so
         on a decode thread it would stop the loop all the same, and the two thread hand-offs cost
-        more than they spare (benchmarks/serve_request_path.py: +6% images/s, -0.05 core-ms). It is
+        more than they spare (benchmarks/serve_request_path.py; figures in docs/performance.md). It is
         written straight into a row of the variant's next batch (serve/staging.py)."""
         spec = admission.model.spec
         if not decoded_by_libspng(data, spec):
