@@ -42,7 +42,7 @@ def test_a_json_body_with_more_values_than_a_request_may_carry_is_413_before_it_
                                                                                          monkeypatch):
     parsed = []
     real_parse = envelope.parse_json
-    monkeypatch.setattr(envelope, "parse_json", lambda data: parsed.append(len(data)) or real_parse(data))
+    monkeypatch.setattr(envelope, "parse_json", lambda data, **kw: parsed.append(len(data)) or real_parse(data, **kw))
     cfg = ServeConfig(str(small_artifact), variants=["onnx-int8"], max_queue=4)
     with TestClient(create_app(cfg)) as c:
         while c.get("/v2/health/ready").status_code != 200:
@@ -61,7 +61,7 @@ def test_a_json_body_with_more_values_than_a_request_may_carry_is_413_before_it_
 
 def test_a_body_over_the_whole_budget_is_413_and_one_that_finds_it_held_is_429(small_artifact):
     budget = 4 << 20
-    with serving(small_artifact, "--variants", "onnx-int8", "--max-queue", "2000",
+    with serving(small_artifact, "--variants", "onnx-int8", "--max-queue", "2000", "--max-batch-size", "2000",
                  "--max-queue-bytes", str(budget)) as (base, _):
         port = int(base.rsplit(":", 1)[1])
         post = lambda body: httpx.post(f"{base}/predict", content=body,  # noqa: E731
@@ -87,13 +87,13 @@ def test_a_body_over_the_whole_budget_is_413_and_one_that_finds_it_held_is_429(s
 
 
 def test_a_json_body_with_too_many_values_is_refused_while_it_is_still_arriving(small_artifact):
-    with serving(small_artifact, "--variants", "onnx-int8") as (base, _):  # 256 images of 1x16x16 at most
+    with serving(small_artifact, "--variants", "onnx-int8") as (base, _):  # a batch: 16 images of 1x16x16 at most
         s = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=30)
         declared = 15 << 20
         s.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % declared + b'{"inputs": [' + b"0.5," * 100_000)
         answer = _whole_answer(s)  # after 400 KB of a declared 15 MiB: the rest is never sent
-        assert answer.startswith(b"HTTP/1.1 413") and b"at most 256 images of 1x16x16" in answer
+        assert answer.startswith(b"HTTP/1.1 413") and b"at most 16 images of 1x16x16" in answer
         s.close()
 
 

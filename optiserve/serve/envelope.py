@@ -18,6 +18,7 @@ import numpy as np
 
 from optiserve.input_spec import InputSpec
 from optiserve.serve.binary import DTYPES, HEADER, BinaryFormatError, split_body
+from optiserve.serve.json_tensors import read_with_tensor
 from optiserve.serve.preprocess import BadInput, ImageLimits, decode_base64_image, tensor_batch
 
 MAX_NUMBER_CHARS = 64      # longer than any float32 written out; Python would parse 4,300-digit integers
@@ -38,9 +39,14 @@ class TooManyImages(BadInput):
 
     status = 413
 
-    def __init__(self, images: int, max_images: int, detail: str = ""):
-        super().__init__(f"{detail}{images} images in one request, but a queue holds at most {max_images} "
-                         f"(the server's --max-queue): split it into smaller requests")
+    def __init__(self, images: int, max_images: int, detail: str = "",
+                 holder: str = "a queue holds at most {n} (the server's --max-queue)"):
+        super().__init__(f"{detail}{images} images in one request, but {holder.format(n=max_images)}: split it into "
+                         f"smaller requests")
+
+
+JSON_HOLDER = ("a JSON request may carry at most {n}: a batch (--max-batch-size) that a queue holds (--max-queue); "
+               "binary tensor data may carry more")
 
 
 def _number(kind):
@@ -54,8 +60,12 @@ def _number(kind):
 _parse_int, _parse_float = _number(int), _number(float)
 
 
-def parse_json(data: bytes) -> dict:
-    """A JSON object from `data`, or BadInput: malformed, not an object, too deep, a number too long."""
+def parse_json(data: bytes, tensor_at: tuple = ()) -> dict:
+    """A JSON object from `data`, or BadInput: malformed, not an object, too deep, a number too long.
+    With `tensor_at` (keys and indices), the nested list of numbers there comes back as a float64
+    array, read without a Python float per value (serve/json_tensors.py)."""
+    if tensor_at and (value := read_with_tensor(data, tensor_at)) is not None:
+        return value
     try:
         value = json.loads(data, parse_int=_parse_int, parse_float=_parse_float)
     except RecursionError:
@@ -127,8 +137,10 @@ def before_parsing(data: bytes, spec: InputSpec, max_images: int, hold: Callable
 
 def too_many_values(commas: int, spec: InputSpec, max_images: int) -> TooManyValues:
     most = max_images * math.prod(spec.shape)
-    return TooManyValues(f"the JSON holds {commas + 1:,} values or more, but a request may carry at most {max_images} "
-                         f"images of {'x'.join(map(str, spec.shape))} ({most:,} values)")
+    return TooManyValues(f"the JSON holds {commas + 1:,} values or more, but a JSON request may carry at most "
+                         f"{max_images} images of {'x'.join(map(str, spec.shape))} ({most:,} values): a batch "
+                         f"(--max-batch-size) that a queue holds (--max-queue); send more as binary tensor data, "
+                         f"or in several requests")
 
 
 def predict_request(data: bytes, spec: InputSpec, classes: int, max_images: int, limits: ImageLimits,
@@ -136,21 +148,21 @@ def predict_request(data: bytes, spec: InputSpec, classes: int, max_images: int,
     """/predict's JSON: {"inputs": base64 images or nested lists [N, C, H, W], "variant"?, "top_k"?}.
     `hold` is told the bytes the parse may build before it starts (the server's byte budget)."""
     before_parsing(data, spec, max_images, hold)
-    body = parse_json(data)
+    body = parse_json(data, tensor_at=("inputs",))
     if "inputs" not in body:
         raise BadInput('JSON requests need "inputs": nested lists [N, C, H, W] or base64 images')
     variant, k = _name(body.get("variant"), "variant"), top_k(body.get("top_k"), classes)
     inputs = body["inputs"]
-    if not isinstance(inputs, list) or not inputs:
+    if not isinstance(inputs, (list, np.ndarray)) or not len(inputs):
         raise BadInput('"inputs" must be a non-empty list: base64 images, or nested lists [N, C, H, W]')
-    if all(isinstance(x, str) for x in inputs):
+    if isinstance(inputs, list) and all(isinstance(x, str) for x in inputs):
         if len(inputs) > max_images:
-            raise TooManyImages(len(inputs), max_images)
+            raise TooManyImages(len(inputs), max_images, holder=JSON_HOLDER)
         images = np.stack([decode_base64_image(x, spec, limits) for x in inputs])
     else:
         images = tensor_batch(inputs, spec)
         if len(images) > max_images:
-            raise TooManyImages(len(images), max_images)
+            raise TooManyImages(len(images), max_images, holder=JSON_HOLDER)
     return PredictRequest(images, variant, k)
 
 
@@ -181,16 +193,18 @@ def check_tensor(shape, datatype, spec: InputSpec, max_images: int) -> tuple[int
 
 
 def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_images: int,
-                  hold: Callable[[int], None] | None = None, output_names: tuple[str, ...] = OUTPUTS) -> InferRequest:
-    """The protocol's infer request: one FP32/FP16/FP64 input of shape [N, C, H, W] as JSON `data` or
-    as binary tensor data; outputs among the model's `output_names` (all when none are named).
-    `hold` is told the bytes the JSON parse may build before it starts."""
+                  hold: Callable[[int], None] | None = None, output_names: tuple[str, ...] = OUTPUTS,
+                  json_images: int | None = None) -> InferRequest:
+    """The protocol's infer request: one FP32/FP16/FP64 input of shape [N, C, H, W] as JSON `data`
+    (at most `json_images` images, default `max_images`) or as binary tensor data (at most
+    `max_images`); outputs among the model's `output_names` (all when none are named). `hold` is
+    told the bytes the JSON parse may build before it starts."""
     try:
         head, tail = split_body(data, header_length)
     except BinaryFormatError as e:
         raise BadInput(str(e)) from None
-    before_parsing(head, spec, max_images, hold)
-    body = parse_json(head)
+    before_parsing(head, spec, json_images or max_images, hold)
+    body = parse_json(head, tensor_at=("inputs", 0, "data"))
     params = _dict(body.get("parameters"), "parameters")
     inputs = body.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):

@@ -107,6 +107,12 @@ class ModelSettings:
         """The most images one request may carry: the largest level's queue limit."""
         return max(self.queue_limits)
 
+    @property
+    def max_json_images(self) -> int:
+        """The most images one JSON request may carry as numbers (or base64): a batch's worth. JSON
+        numbers are the costliest form to read, and a request larger than a batch gains nothing."""
+        return min(self.max_batch_size, self.max_images)
+
     def instances_of(self, variant: str) -> int:
         if isinstance(self.instances, dict):
             return self.instances.get(variant, 1)

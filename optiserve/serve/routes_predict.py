@@ -51,7 +51,7 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                 sizes = None  # tensors, and base64 images, are answered at the model's input size
                 body = await server.read_body(request, admission, json_values=True)
                 parsed = await server.decode(predict_request, body, model.spec, len(model.classes),
-                                             model.settings.max_images, server.image_limits,
+                                             model.settings.max_json_images, server.image_limits,
                                              admission.hold_json)
                 if "variant" not in query:
                     server.reroute(admission, parsed.variant, request)

@@ -68,7 +68,8 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
             binary_header = request.headers.get(BINARY_HEADER)  # binary tensor bytes may hold any byte, commas too
             body = await server.read_body(request, admission, json_values=binary_header is None)
             parsed = await server.decode(infer_request, body, binary_header, model.spec,
-                                         model.settings.max_images, admission.hold_json, model.protocol_outputs)
+                                         model.settings.max_images, admission.hold_json, model.protocol_outputs,
+                                         model.settings.max_json_images)
             server.reprioritize(admission, parsed.priority, request)
             tensors, timing = await server.infer(admission, parsed.images, request=request)
         with tracing.span("response"):

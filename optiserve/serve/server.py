@@ -228,7 +228,7 @@ class Server:
         try:
             if admission is None:
                 return await self._within_body_timeout(request.body())
-            limit = max_commas(admission.model.spec, admission.model.settings.max_images) if json_values else None
+            limit = max_commas(admission.model.spec, admission.model.settings.max_json_images) if json_values else None
             return await self._within_body_timeout(self._read_held(request, admission, limit))
         except ClientDisconnect:
             raise self._client_gone(admission, "while uploading its body") from None
@@ -249,7 +249,7 @@ class Server:
             if comma_limit is not None:
                 commas += chunk.count(b",")
                 if commas > comma_limit:
-                    raise too_many_values(commas, admission.model.spec, admission.model.settings.max_images)
+                    raise too_many_values(commas, admission.model.spec, admission.model.settings.max_json_images)
             chunks.append(chunk)
             size += len(chunk)
         body = b"".join(chunks)
