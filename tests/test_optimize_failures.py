@@ -4,9 +4,10 @@ needed what failed say so."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from conftest import run_cli
 from optiserve.artifacts import read_manifest
 from optiserve.optimize import pipeline
 from optiserve.optimize.attempts import LOG_FILE
@@ -69,7 +70,8 @@ def test_the_command_succeeds_and_prints_the_failed_row(small_cnn_checkpoint, tm
     the torch variants are built, judged and recommended as usual."""
     from optiserve.cli import main
 
-    def crash(*args, **kwargs):
+    def crash(model, example, path, **kwargs):
+        Path(path).write_bytes(b"half an ONNX file")  # what it had written before it raised
         raise QuantizerCrash("exporter gave up")
 
     monkeypatch.setattr(pipeline, "export_onnx", crash)
@@ -83,4 +85,5 @@ def test_the_command_succeeds_and_prints_the_failed_row(small_cnn_checkpoint, tm
         assert rows[name].rstrip().endswith("not built: needs onnx-fp32, which failed"), rows[name]
     manifest = read_manifest(tmp_path / "a")
     assert {v["name"] for v in manifest["variants"]} >= {"fp32", "torchscript", "torch-int8"}
+    assert not (tmp_path / "a" / "model.onnx").exists()  # the failed pass's half-written file is not published
     assert manifest["recommended"]["latency"] in {v["name"] for v in manifest["variants"]}

@@ -21,7 +21,7 @@ from optiserve.models import InputOverrides, LoadedModel, find_source, load_mode
 from optiserve.models.onnx_file import is_onnx_file
 from optiserve.models.sources import is_registered
 from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
-from optiserve.optimize.attempts import Attempts
+from optiserve.optimize.attempts import LOG_FILE, Attempts
 from optiserve.optimize.architecture import RECIPES, QuantRecipe, recipe_for_module, recipe_for_onnx
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, OUTPUT_NAME, export_onnx
@@ -303,6 +303,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             manifest["baseline"] = baseline
             manifest["skipped"] = skipped
             manifest["failed"] = attempts.failed
+            _sweep(stage, entries)
             artifacts.write_manifest(stage, manifest)
             (stage / "report.md").write_text(render_report(manifest))
     return manifest
@@ -775,6 +776,19 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
     for name, entry in entries.items():
         entry["latency_ms"] = {b: statistics.median(times[b][name]) for b in times}
     return [entries[v.name] for v in variants if v.name in entries], Timed(sessions, batches, times)
+
+
+def _sweep(stage: Path, entries: list[dict]) -> None:
+    """Remove from the folder to be published what no variant uses: what a pass that failed had
+    written before it raised (its traceback, in LOG_FILE, stays)."""
+    keep = {LOG_FILE} | {f for e in entries for f in (e["file"], *(e.get("companions") or {}))}
+    for path in stage.iterdir():
+        if path.name in keep:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _drop(stage: Path, v: Variant, alive: list[Variant]) -> None:
