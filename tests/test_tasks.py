@@ -42,7 +42,7 @@ def test_classification_answers_the_top_classes_and_agrees_on_top_1():
     logits = np.array([[0.0, 2.0, 1.0]], np.float32)
     answer = task.answer(logits, {"classes": ["cat", "dog", "owl"]}, {"top_k": 2})["predictions"][0]
     assert [p["class"] for p in answer] == ["dog", "owl"] and answer[0]["probability"] > answer[1]["probability"]
-    assert task.protocol_output("probabilities", logits).sum() == pytest.approx(1.0)
+    assert task.protocol_output("probabilities", logits, {}).sum() == pytest.approx(1.0)
     assert task.agreed(logits, logits + 0.1) == 1 and task.agreed(logits, -logits) == 0
 
 

@@ -7,6 +7,7 @@ import argparse
 from optiserve.data import DATASET_CHOICES
 from optiserve.models import RESIZE_MODES, InputOverrides, list_models
 from optiserve.tasks import list_tasks
+from optiserve.tasks.output_kinds import get_output_kind, list_output_kinds
 from optiserve.models.weights import WEIGHT_CHOICES
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 from optiserve.optimize.report import recommendation_line, summary_header, summary_rows
@@ -61,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-output", default=None, metavar="NAME",
                    help="a model with several outputs: the one the task reads (default: the first); every "
                         "output is served under its own name")
+    p.add_argument("--output-kind", default="auto", choices=["auto", *list_output_kinds()],
+                   help="classification: what the output holds — " + "; ".join(
+                       f"{k}: {get_output_kind(k).description}" for k in list_output_kinds()) +
+                   " (default auto: recognised on fp32's outputs for the held-out images)")
     p.add_argument("--min-cosine", type=float, default=DEFAULTS.min_cosine, metavar="C",
                    help=f"embedding: reject variants whose mean cosine similarity to fp32's vectors is below C "
                         f"(default {DEFAULTS.min_cosine:g})")
@@ -131,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         calib_size=args.calib_size, calib_method=args.calib_method, int8_recipe=args.int8_recipe,
         max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
-        num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, min_cosine=args.min_cosine,
+        num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, output_kind=args.output_kind,
+        min_cosine=args.min_cosine,
         min_miou=args.min_miou, min_map=args.min_map, masks=args.masks, ignore_index=args.ignore_index, boxes=args.boxes,
         input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),
     )

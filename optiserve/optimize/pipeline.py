@@ -38,6 +38,7 @@ from optiserve.optimize.tensorrt import build_tensorrt_engine
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, materialize, predict, score
 from optiserve.tasks import GateLimits, get_task, list_tasks
+from optiserve.tasks.output_kinds import list_output_kinds, recognise_output_kind
 from optiserve.runtime import RuntimeOptions, Session, load_session
 from optiserve.runtime.openvino_backend import bf16_unavailable, companion_bin
 from optiserve.runtime.openvino_backend import _unavailable as openvino_unavailable
@@ -78,6 +79,7 @@ class OptimizeConfig:
     labels: str | None = None         # a file with one class name a line
     task: str | None = None           # None: classification for one [N, K] output
     task_output: str | None = None    # a model with several outputs: the one the task reads (None: the first)
+    output_kind: str = "auto"         # classification: logits | probabilities | log_probabilities (auto: recognised)
     min_cosine: float = 0.99          # embedding: the least mean cosine similarity to fp32 accepted
     min_miou: float = 0.90            # segmentation: the least mIoU against fp32's masks accepted
     min_map: float = 0.90             # detection: the least mAP@0.5 against fp32's boxes accepted
@@ -94,6 +96,8 @@ class OptimizeConfig:
         find_source(self.model)
         if self.task is not None and self.task not in list_tasks():
             raise UserError(f"unknown --task {self.task!r}; use {' | '.join(list_tasks())}")
+        if self.output_kind != "auto" and self.output_kind not in list_output_kinds():
+            raise UserError(f"unknown --output-kind {self.output_kind!r}; use auto, {', '.join(list_output_kinds())}")
         if not -1.0 <= self.min_cosine <= 1.0:
             raise UserError(f"--min-cosine must be in [-1, 1], got {self.min_cosine}")
         if not 0.0 <= self.min_miou <= 1.0:
@@ -253,6 +257,9 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     log = PassLog(steps, enabled=cfg.progress)
     with log.step(f"load {cfg.model} ({cfg.weights or 'default weights'})"):
         loaded = resolve_weights(cfg, log)
+        if cfg.output_kind != "auto" and loaded.task != "classification":
+            raise UserError(f"--output-kind says what a classifier's output holds; {cfg.model} is a {loaded.task} "
+                            f"model")
         if cfg.prune_channels is not None and loaded.outputs:
             raise UserError(f"--prune-channels fine-tunes a classifier's one output; {cfg.model} returns several "
                             f"({', '.join(o['name'] for o in loaded.outputs)}): use --prune (unstructured) instead")
@@ -295,12 +302,18 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             entries, picked = _pick_openvino_int8(entries, stage, cfg.latency_batch, timed)
             notes += picked
             recommended = _recommend(entries, timed, cfg.latency_batch)
+            kind = _output_kind(loaded, cfg, timed.sessions[baseline], evalset)
+            if kind.get("output_kind", "logits") != "logits":
+                notes.append(f"the model's output holds {kind['output_kind']} ({kind['output_kind_from']}): "
+                             f"/predict and the protocol's probabilities take them as they are, never through a "
+                             f"second softmax")
             del timed  # the sessions close once nothing holds them
             notes += _int8_comparison(entries, cfg.latency_batch)
             notes += _device_note(entries)
         with log.step(f"write {out}"):
             manifest = _manifest(loaded, data, entries, recommended, cfg, why_not, notes, len(evalset.images))
             manifest["baseline"] = baseline
+            manifest.update(kind)
             manifest["skipped"] = skipped
             manifest["failed"] = attempts.failed
             _sweep(stage, entries)
@@ -798,6 +811,18 @@ def _drop(stage: Path, v: Variant, alive: list[Variant]) -> None:
     shared = {f for other in alive for f in (other.file, *other.companions)}
     for f in {v.file, *v.companions} - shared:
         (stage / f).unlink(missing_ok=True)
+
+
+def _output_kind(loaded: LoadedModel, cfg: OptimizeConfig, baseline: Session, evalset: EvalSet) -> dict:
+    """A classifier's `output_kind` for the manifest, and how it was known: --output-kind, or
+    recognised on the baseline's outputs for held-out images. Nothing for the other tasks."""
+    if loaded.task != "classification":
+        return {}
+    if cfg.output_kind != "auto":
+        return {"output_kind": cfg.output_kind, "output_kind_from": "--output-kind"}
+    images = evalset.images[:256]
+    return {"output_kind": recognise_output_kind(baseline.run(images)),
+            "output_kind_from": f"recognised on fp32's outputs for {len(images)} held-out images"}
 
 
 def _device_note(entries: list[dict]) -> list[str]:

@@ -81,7 +81,7 @@ def output_tensor(model: ServedModel, name: str, outputs: tuple[np.ndarray, ...]
     reads (a classifier's logits or probabilities, an embedding's vectors; float32), or another of
     the model's outputs, as it is."""
     if name in model.task.outputs:
-        return model.task.protocol_output(name, outputs[0])
+        return model.task.protocol_output(name, outputs[0], model.manifest)
     return outputs[1 + [o["name"] for o in model.extra_outputs].index(name)]
 
 

@@ -1,18 +1,14 @@
-"""Classification: [N, K] class scores. Judged by top-1 against labels, or without them by how often
-top-1 agrees with fp32's; answered with the top-k classes and their probabilities."""
+"""Classification: [N, K] class scores — logits, probabilities or log-probabilities, as the manifest's
+`output_kind` says (tasks/output_kinds.py). Judged by top-1 against labels, or without them by how
+often top-1 agrees with fp32's; answered with the top-k classes and their probabilities."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from optiserve.intervals import paired_accuracy_difference, wilson_interval
+from optiserve.tasks.output_kinds import get_output_kind
 from optiserve.tasks.registry import GateLimits, Task, register_task
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits - logits.max(1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(1, keepdims=True)
 
 
 class Classification(Task):
@@ -88,13 +84,15 @@ class Classification(Task):
                 "n.s.: no significant accuracy difference (the interval contains 0, or an exact McNemar test "
                 "on the images only one of the two gets right does not reject at 5%).")
 
-    def protocol_output(self, name, raw) -> np.ndarray:
-        return (raw if name == "logits" else softmax(raw)).astype(np.float32, copy=False)
+    def protocol_output(self, name, raw, manifest) -> np.ndarray:
+        """`logits`: the model's output as it is; `probabilities`: it made probabilities by its kind."""
+        out = raw if name == "logits" else get_output_kind(manifest.get("output_kind")).probabilities(raw)
+        return out.astype(np.float32, copy=False)
 
     def answer(self, raw, manifest, params) -> dict:
         classes = manifest["classes"]
         k = params.get("top_k") or min(5, len(classes))
-        probs = softmax(raw)
+        probs = get_output_kind(manifest.get("output_kind")).probabilities(raw)
         order = np.argsort(-probs, axis=1)[:, :k]
         return {"predictions": [[{"class": classes[i], "index": int(i), "probability": float(p[i])} for i in row]
                                 for row, p in zip(order, probs)]}

@@ -231,7 +231,7 @@ class Detection(Task):
                 f"it falls at most {manifest.get('max_accuracy_drop', 1.0):g} points (--max-accuracy-drop), "
                 f"otherwise when mAP@0.5 vs fp32 is at least {manifest.get('min_map', 0.9):g} (--min-map).")
 
-    def protocol_output(self, name, raw) -> np.ndarray:
+    def protocol_output(self, name, raw, manifest) -> np.ndarray:
         return raw.astype(np.float32, copy=False)
 
     def answer(self, raw, manifest, params) -> dict:

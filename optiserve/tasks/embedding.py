@@ -76,7 +76,7 @@ class Embedding(Task):
                 "among the held-out images is the one fp32's vectors give. A variant is accepted when the mean "
                 f"is at least {manifest.get('min_cosine', 0.99):g} (--min-cosine).")
 
-    def protocol_output(self, name, raw) -> np.ndarray:
+    def protocol_output(self, name, raw, manifest) -> np.ndarray:
         return raw.astype(np.float32, copy=False)
 
     def answer(self, raw, manifest, params) -> dict:

@@ -90,8 +90,9 @@ class Task:
         """The report's paragraph on what its columns measure and when a variant is accepted."""
         raise NotImplementedError
 
-    def protocol_output(self, name: str, raw: np.ndarray) -> np.ndarray:
-        """The protocol output `name` (one of `outputs`) of a batch's raw model output, float32."""
+    def protocol_output(self, name: str, raw: np.ndarray, manifest: dict) -> np.ndarray:
+        """The protocol output `name` (one of `outputs`) of a batch's raw model output, float32, as
+        the manifest says to read it (a classifier's `output_kind`)."""
         raise NotImplementedError
 
     def answer(self, raw: np.ndarray, manifest: dict, params: dict) -> dict:

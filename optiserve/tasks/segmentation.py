@@ -152,7 +152,7 @@ class Segmentation(Task):
                 f"{manifest.get('max_accuracy_drop', 1.0):g} points (--max-accuracy-drop), otherwise when mIoU vs "
                 f"fp32 is at least {manifest.get('min_miou', 0.9):g} (--min-miou).")
 
-    def protocol_output(self, name, raw) -> np.ndarray:
+    def protocol_output(self, name, raw, manifest) -> np.ndarray:
         return raw.astype(np.float32, copy=False)
 
     def answer(self, raw, manifest, params) -> dict:
