@@ -51,6 +51,14 @@ class Attempts:
                 return f"needs {name}, which was not built"
         return None
 
+    def cannot(self, names: tuple[str, ...], why: str) -> None:
+        """The variants `names` will not be built, for `why` (said before the passes that build them)."""
+        self.skipped += [{"name": name, "reason": why} for name in names]
+
+    def reason(self, name: str) -> str | None:
+        """Why `name` was not built (it failed, or it cannot be), where its row says so already."""
+        return next((row["reason"] for row in (*self.failed, *self.skipped) if row["name"] == name), None)
+
     def skip(self, title: str, why: str, *names: str) -> None:
         """A pass that does not run: its variants `names` are not built, with the reason; it is
         still counted, so the progress adds up."""

@@ -27,6 +27,7 @@ from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, OUTPUT_NAME, export_onnx
 from optiserve.optimize.outputs import as_arrays, max_abs_diff
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
+from optiserve.optimize.opset import INT8_OPSET, at_least_opset
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.progress import PassLog
 from optiserve.optimize.report import render_report
@@ -487,16 +488,37 @@ def _onnx_file_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, e
                                  "graph_optimization": "all"}))
     notes.append(f"started from an ONNX file: {name} is the file itself, and the torch passes (eager fp32, "
                  f"conv+BN fusion, TorchScript, torch-int8, torch-bf16, pruning, TensorRT) do not apply")
-    batches, recipe = [], None
+    batches, recipe, source = [], None, "model.onnx"
     if cfg.int8:
+        source, conversion = _int8_source(stage, notes, attempts)
         recipe = recipe_for_onnx(stage / "model.onnx", cfg.int8_recipe)
         notes += _recipe_note(recipe, cfg.int8_recipe != "auto")
         batches = calibration_batches(data.calibration_set(), cfg.calib_size)
         _onnx_int8(stage, batches, _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log), cfg,
-                   attempts, variants, recipe)
+                   attempts, variants, recipe, source, conversion)
     if cfg.openvino:
-        _openvino_variants(stage, variants, attempts, cfg, batches, recipe, loaded.input.shape)
+        _openvino_variants(stage, variants, attempts, cfg, batches, recipe, loaded.input.shape, source)
     return name
+
+
+INT8_SOURCE = f"model.opset{INT8_OPSET}.onnx"  # what the INT8 passes read where the file's opset is older
+
+
+def _int8_source(stage: Path, notes: list[str], attempts: Attempts) -> tuple[str, dict]:
+    """The file the INT8 passes quantize (model.onnx, or a copy converted to INT8_OPSET where it is
+    older) and the settings that say so; where it cannot be converted, model.onnx and a
+    `not built` reason for onnx-int8 (the INT8 ONNX Runtime pass is passed over)."""
+    try:
+        had = at_least_opset(stage / "model.onnx", stage / INT8_SOURCE)
+    except Exception as e:  # noqa: BLE001  the converter's or the checker's reason, whatever it is
+        attempts.cannot(("onnx-int8",), f"the file is below opset {INT8_OPSET}, which INT8 QDQ needs (DequantizeLinear's "
+                                        f"axis), and onnx's version converter could not raise it ({first_line(e, True, 200)})")
+        return "model.onnx", {}
+    if had is None:
+        return "model.onnx", {}
+    notes.append(f"the ONNX file is opset {had}: the INT8 passes quantized a copy converted to opset {INT8_OPSET} "
+                 f"(onnx.version_converter, then onnx.checker); onnx-fp32 serves the file unchanged")
+    return INT8_SOURCE, {"converted_from_opset": had, "opset": INT8_OPSET}
 
 
 def _recipe_note(recipe: QuantRecipe, asked: bool) -> list[str]:
@@ -510,19 +532,24 @@ def _recipe_note(recipe: QuantRecipe, asked: bool) -> list[str]:
 
 
 def _onnx_int8(stage: Path, batches: list, accuracy_aware, cfg: OptimizeConfig, attempts: Attempts,
-               variants: list[Variant], recipe: QuantRecipe) -> None:
-    """onnx-int8: ONNX Runtime's static QDQ INT8 of model.onnx as `recipe` says, calibrated on
-    `batches`, re-quantized with sensitive layers in float where it misses the gate (`accuracy_aware`)."""
+               variants: list[Variant], recipe: QuantRecipe, source: str = "model.onnx",
+               conversion: dict | None = None) -> None:
+    """onnx-int8: ONNX Runtime's static QDQ INT8 of `source` as `recipe` says, calibrated on
+    `batches`, re-quantized with sensitive layers in float where it misses the gate (`accuracy_aware`);
+    `conversion`: the settings that say `source` is model.onnx converted to another opset."""
     title = f"INT8 ONNX Runtime (static QDQ, {cfg.calib_method} calibration, {cfg.calib_size} train images)"
+    if why := attempts.reason("onnx-int8"):  # said already: its input cannot be made
+        attempts.log.passed_over(title, why)
+        return
     if why := attempts.missing("onnx-fp32"):
         attempts.skip(title, why, "onnx-int8")
         return
     with attempts.attempt(title, "onnx-int8"):
-        settings = quantize_onnx_static(stage / "model.onnx", stage / "model.int8.onnx", batches, cfg.calib_method,
+        settings = quantize_onnx_static(stage / source, stage / "model.int8.onnx", batches, cfg.calib_method,
                                         op_types=recipe.onnx_op_types,
                                         float_outputs_of=list(recipe.onnx_float_outputs_of))
-        settings = {**settings, **recipe.settings()}
-        settings = accuracy_aware("model.onnx", "model.int8.onnx", settings)
+        settings = {**settings, **recipe.settings(), **(conversion or {})}
+        settings = accuracy_aware(source, "model.int8.onnx", settings)
         variants.append(Variant("onnx-int8", "model.int8.onnx", "onnxruntime", "int8", settings))
 
 
@@ -602,7 +629,8 @@ OPENVINO_INT8_CANDIDATE = "openvino-int8-nncf"  # validated beside openvino-int8
 
 
 def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts, cfg: OptimizeConfig,
-                       batches: list, recipe: QuantRecipe | None, chw: tuple[int, int, int]) -> None:
+                       batches: list, recipe: QuantRecipe | None, chw: tuple[int, int, int],
+                       int8_source: str = "model.onnx") -> None:
     """openvino-fp32 and, where the CPU has bf16, openvino-bf16 (one IR, the precision set at load),
     compiled for inputs of `chw`;
     with --int8, two openvino-int8 candidates: the ONNX Runtime QDQ file read by OpenVINO, and NNCF's
@@ -640,7 +668,7 @@ def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts,
         attempts.skip(title, why, "openvino-int8 (nncf flow)")
         return
     with attempts.attempt(title, "openvino-int8 (nncf flow)"):
-        settings = quantize_openvino_nncf(stage / "model.onnx", stage / "model.int8.nncf.openvino.xml", batches,
+        settings = quantize_openvino_nncf(stage / int8_source, stage / "model.int8.nncf.openvino.xml", batches,
                                           recipe.nncf_model_type)
         variants.append(Variant(OPENVINO_INT8_CANDIDATE, "model.int8.nncf.openvino.xml", "openvino", "int8",
                                 {**settings, **recipe.settings(), "inference_precision": "f32", "flow": "nncf"},
