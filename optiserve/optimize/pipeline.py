@@ -488,7 +488,7 @@ def _onnx_file_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, e
                                  "graph_optimization": "all"}))
     notes.append(f"started from an ONNX file: {name} is the file itself, and the torch passes (eager fp32, "
                  f"conv+BN fusion, TorchScript, torch-int8, torch-bf16, pruning, TensorRT) do not apply")
-    batches, recipe, source = [], None, "model.onnx"
+    batches, recipe, source, conversion = [], None, "model.onnx", {}
     if cfg.int8:
         source, conversion = _int8_source(stage, notes, attempts)
         recipe = recipe_for_onnx(stage / "model.onnx", cfg.int8_recipe)
@@ -497,7 +497,7 @@ def _onnx_file_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, e
         _onnx_int8(stage, batches, _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log), cfg,
                    attempts, variants, recipe, source, conversion)
     if cfg.openvino:
-        _openvino_variants(stage, variants, attempts, cfg, batches, recipe, loaded.input.shape, source)
+        _openvino_variants(stage, variants, attempts, cfg, batches, recipe, loaded.input.shape, source, conversion)
     return name
 
 
@@ -630,7 +630,7 @@ OPENVINO_INT8_CANDIDATE = "openvino-int8-nncf"  # validated beside openvino-int8
 
 def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts, cfg: OptimizeConfig,
                        batches: list, recipe: QuantRecipe | None, chw: tuple[int, int, int],
-                       int8_source: str = "model.onnx") -> None:
+                       int8_source: str = "model.onnx", conversion: dict | None = None) -> None:
     """openvino-fp32 and, where the CPU has bf16, openvino-bf16 (one IR, the precision set at load),
     compiled for inputs of `chw`;
     with --int8, two openvino-int8 candidates: the ONNX Runtime QDQ file read by OpenVINO, and NNCF's
@@ -671,7 +671,8 @@ def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts,
         settings = quantize_openvino_nncf(stage / int8_source, stage / "model.int8.nncf.openvino.xml", batches,
                                           recipe.nncf_model_type)
         variants.append(Variant(OPENVINO_INT8_CANDIDATE, "model.int8.nncf.openvino.xml", "openvino", "int8",
-                                {**settings, **recipe.settings(), "inference_precision": "f32", "flow": "nncf"},
+                                {**settings, **recipe.settings(), **(conversion or {}), "inference_precision": "f32",
+                                 "flow": "nncf"},
                                 [companion_bin(Path("model.int8.nncf.openvino.xml")).name]))
 
 
