@@ -647,6 +647,36 @@ def test_onnx_files_that_cannot_be_served_are_refused_in_one_line(user_code, lig
         load_model(str(tmp_path / "missing.onnx"))
 
 
+class ChannelsLast(torch.nn.Module):
+    """A classifier taking [N, H, W, C] images of `dtype`, as Keras/tf2onnx exports and uint8 pipelines give."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype, self.conv, self.head = dtype, torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4, 10)
+
+    def forward(self, x):
+        x = x.permute(0, 3, 1, 2).float() / 255.0
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("dtype, described", [(torch.uint8, "uint8 [?, 32, 32, 3] (channels last, [N, H, W, C], "
+                                                             "by its shape)"),
+                                              (torch.float32, "float32 [?, 32, 32, 3] (channels last, [N, H, W, C], "
+                                                              "by its shape)")])
+def test_an_onnx_input_that_is_not_float32_nchw_is_refused_in_one_line_naming_it(dtype, described, tmp_path, capsys):
+    from optiserve.cli import main
+
+    path = tmp_path / "channels_last.onnx"
+    torch.onnx.export(ChannelsLast(dtype).eval(), torch.zeros(1, 32, 32, 3, dtype=dtype), str(path), dynamo=False,
+                      input_names=["image"], output_names=["logits"], dynamic_axes={"image": {0: "n"}, "logits": {0: "n"}})
+    assert main(["optimize", str(path), "--dataset", "synthetic", "--out", str(tmp_path / "a"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"optiserve optimize: error: {path}: input 'image' is {described}; optiserve feeds it float32 "
+                   f"[N, C, H, W] images (normalized by --mean/--std): export the model with such an input, the "
+                   f"layout and type conversion inside the graph"]
+    assert not (tmp_path / "a").exists()
+
+
 def test_a_torchscript_file_is_optimized_from_the_module_it_holds(user_code, lightning_checkpoint, digit_images,
                                                                   tmp_path):
     from conftest import offline_logits

@@ -72,6 +72,10 @@ def read_onnx_facts(path: str | Path) -> OnnxGraphFacts:
     if len(in_shape) != 4:
         raise UserError(f"{path}: input {inputs[0].name!r} has shape {show_shape(in_shape)}; expected an image batch "
                         f"[N, C, H, W]")
+    if (why := _not_float_nchw(inputs[0], in_shape)) is not None:
+        raise UserError(f"{path}: input {inputs[0].name!r} is {why}; optiserve feeds it float32 [N, C, H, W] "
+                        f"images (normalized by --mean/--std): export the model with such an input, the layout "
+                        f"and type conversion inside the graph")
     if in_shape[0] is not None and in_shape[0] != -1:
         raise UserError(f"{path}: the batch dimension of input {inputs[0].name!r} is fixed at {in_shape[0]}; export "
                         f"it with a dynamic batch axis (torch.onnx.export(..., dynamic_shapes=...) or dynamic_axes)")
@@ -119,6 +123,25 @@ def _outputs(proto, path: Path) -> tuple[ModelOutput, ...]:
                             f"{', '.join(sorted(set(OUTPUT_DTYPES)))}")
         outputs.append(ModelOutput(o.name, shape, dtype))
     return tuple(outputs)
+
+
+CHANNELS = (1, 3, 4)  # what an image's channel axis holds
+
+
+def _not_float_nchw(value_info, shape: tuple[int | None, ...]) -> str | None:
+    """What the image input is where it is not the float32 [N, C, H, W] the runtimes are fed (its
+    element type; a channels-last layout by its shape: 1, 3 or 4 last and not second), else None."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    try:
+        dtype = str(tensor_dtype_to_np_dtype(value_info.type.tensor_type.elem_type))
+    except KeyError:
+        dtype = "of an unknown element type"
+    nhwc = shape[3] in CHANNELS and shape[1] not in CHANNELS
+    if dtype == "float32" and not nhwc:
+        return None
+    layout = f" (channels last, [N, H, W, C], by its shape)" if nhwc else ""
+    return f"{dtype} {show_shape(shape)}{layout}"
 
 
 def _shape(value_info) -> tuple[int | None, ...]:
