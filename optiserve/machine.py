@@ -47,9 +47,9 @@ def cpu_facts() -> dict:
             "flags_stated": os.environ[CPU_FLAGS_ENV]}
 
 
-def bf16_missing(facts: dict | None = None) -> str | None:
+def bf16_missing() -> str | None:
     """Why this CPU does not compute bf16 natively (it needs avx512_bf16 or amx_bf16), or None."""
-    flags = (facts or cpu_facts())["flags"]
+    flags = cpu_facts()["flags"]
     if set(BF16_FLAGS) & set(flags):
         return None
     how = f", as {CPU_FLAGS_ENV} states" if os.environ.get(CPU_FLAGS_ENV) else ""

@@ -43,16 +43,15 @@ class Attempts:
     def missing(self, *names: str) -> str | None:
         """Why a pass that needs the variants `names` cannot run (one of them failed or was not
         built), or None."""
-        not_built = {s["name"] for s in self.skipped}
         for name in names:
             if name in self.failed_names:
                 return f"needs {name}, which failed"
-            if name in not_built:
+            if self.reason(name) is not None:
                 return f"needs {name}, which was not built"
         return None
 
-    def cannot(self, names: tuple[str, ...], why: str) -> None:
-        """The variants `names` will not be built, for `why` (said before the passes that build them)."""
+    def cannot(self, why: str, *names: str) -> None:
+        """The variants `names` are not built, for `why` (a row each, beside the built ones)."""
         self.skipped += [{"name": name, "reason": why} for name in names]
 
     def reason(self, name: str) -> str | None:
@@ -63,7 +62,7 @@ class Attempts:
         """A pass that does not run: its variants `names` are not built, with the reason; it is
         still counted, so the progress adds up."""
         self.log.passed_over(title, why)
-        self.skipped += [{"name": name, "reason": why} for name in names]
+        self.cannot(why, *names)
 
     @property
     def failed_names(self) -> set[str]:

@@ -300,7 +300,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
             entries, timed = _validate(variants, stage, loaded, evalset, cfg, why_not, baseline, attempts)
-            entries, picked = _pick_openvino_int8(entries, stage, cfg.latency_batch, timed)
+            entries, picked = _pick_openvino_int8(entries, cfg.latency_batch, timed)
             notes += picked
             recommended = _recommend(entries, timed, cfg.latency_batch)
             kind = _output_kind(loaded, cfg, timed.sessions[baseline], evalset)
@@ -369,7 +369,7 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
     with attempts.attempt("TorchScript bf16 (where the device computes in bf16)", "torch-bf16"):
         why = torch_bf16_unavailable(torch_device(cfg.device))
         if why:
-            attempts.skipped.append({"name": "torch-bf16", "reason": why})
+            attempts.cannot(why, "torch-bf16")
         else:
             bf16 = copy.deepcopy(fused).to(torch.bfloat16)
             save_torchscript(trace_torchscript(bf16, example.to(torch.bfloat16), atol=float("inf")),
@@ -402,10 +402,9 @@ def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evals
                 else:
                     scripted, settings = quantize_torch_fx(fused, batches)
             except NothingQuantized as e:
-                attempts.skipped.append({"name": "torch-int8", "reason": str(e)})
+                attempts.cannot(str(e), "torch-int8")
             except Exception as e:  # FX cannot trace every model (data-dependent control flow)
-                attempts.skipped.append({"name": "torch-int8", "reason": f"FX graph mode cannot take this model "
-                                                                         f"({first_line(e, True, 200)})"})
+                attempts.cannot(f"FX graph mode cannot take this model ({first_line(e, True, 200)})", "torch-int8")
             else:
                 save_torchscript(scripted, stage / "torch-int8.pt")
                 variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8",
@@ -511,8 +510,8 @@ def _int8_source(stage: Path, notes: list[str], attempts: Attempts) -> tuple[str
     try:
         had = at_least_opset(stage / "model.onnx", stage / INT8_SOURCE)
     except Exception as e:  # noqa: BLE001  the converter's or the checker's reason, whatever it is
-        attempts.cannot(("onnx-int8",), f"the file is below opset {INT8_OPSET}, which INT8 QDQ needs (DequantizeLinear's "
-                                        f"axis), and onnx's version converter could not raise it ({first_line(e, True, 200)})")
+        attempts.cannot(f"the file is below opset {INT8_OPSET}, which INT8 QDQ needs (DequantizeLinear's axis), and "
+                        f"onnx's version converter could not raise it ({first_line(e, True, 200)})", "onnx-int8")
         return "model.onnx", {}
     if had is None:
         return "model.onnx", {}
@@ -645,7 +644,7 @@ def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts,
             variants.append(Variant("openvino-fp32", "model.openvino.xml", "openvino", "fp32",
                                     {**ov, "inference_precision": "f32"}, [bin_name]))
             if why := bf16_unavailable():
-                attempts.skipped.append({"name": "openvino-bf16", "reason": why})
+                attempts.cannot(why, "openvino-bf16")
             else:
                 variants.append(Variant("openvino-bf16", "model.openvino.xml", "openvino", "bf16",
                                         {**ov, "inference_precision": "bf16"}, [bin_name]))
@@ -676,9 +675,10 @@ def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts,
                                 [companion_bin(Path("model.int8.nncf.openvino.xml")).name]))
 
 
-def _pick_openvino_int8(entries: list[dict], stage: Path, n: int, timed: Timed) -> tuple[list[dict], list[str]]:
+def _pick_openvino_int8(entries: list[dict], n: int, timed: Timed) -> tuple[list[dict], list[str]]:
     """Of the two openvino-int8 candidates keep the one that passes the gate and is faster at batch
-    n (the QDQ one when neither passes); it is published as openvino-int8 and the other is deleted."""
+    n (the QDQ one when neither passes); it is published as openvino-int8, and the other's files are
+    left out of the folder with everything else no entry names (`_sweep`)."""
     by_name = {e["name"]: e for e in entries}
     if OPENVINO_INT8_CANDIDATE in by_name and "openvino-int8" not in by_name:  # the QDQ one did not run
         by_name[OPENVINO_INT8_CANDIDATE]["name"] = "openvino-int8"
@@ -693,8 +693,6 @@ def _pick_openvino_int8(entries: list[dict], stage: Path, n: int, timed: Timed) 
     comparison = {e["settings"]["flow"]: {"status": e["status"], "accuracy": e["accuracy"],
                                           "latency_ms": e["latency_ms"]} for e in (qdq, nncf_)}
     winner["settings"] = {**winner["settings"], "flow_comparison": comparison}
-    for f in (loser["file"], *loser.get("companions", {})):
-        (stage / f).unlink(missing_ok=True)
     timed.drop(loser["name"])
     if winner is nncf_:
         timed.rename(OPENVINO_INT8_CANDIDATE, "openvino-int8")
@@ -774,7 +772,6 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
     # The baseline by name, validated first: every other variant is scored against it, whatever the order.
     entries, sessions, reference, baseline = {}, {}, None, {}
     task, limits = get_task(loaded.task), cfg.gate_limits
-    alive = list(variants)
     for v in sorted(variants, key=lambda v: v.name != baseline_name):
         entry = {"name": v.name, "file": v.file, "backend": v.backend, "precision": v.precision,
                  **artifacts.file_facts(stage / v.file),
@@ -791,9 +788,7 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
         except Exception as e:  # built, but its engine cannot run it: said in the report, not fatal
             if v.name == baseline_name:
                 raise
-            attempts.skipped.append({"name": row_name,
-                                     "reason": f"built, but {v.backend} cannot run it ({first_line(e, True, 200)})"})
-            _drop(stage, v, alive)
+            attempts.cannot(f"built, but {v.backend} cannot run it ({first_line(e, True, 200)})", row_name)
             continue
         entry["device"] = session.device  # torch-int8 runs on the CPU even where the others use CUDA
         if reference is None:
@@ -807,7 +802,6 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
             if v.name == baseline_name:
                 raise
             attempts.record(f"validate {v.name}", e, row_name)
-            _drop(stage, v, alive)
             continue
         entries[v.name] = entry
         sessions[v.name] = session
@@ -821,8 +815,9 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
 
 
 def _sweep(stage: Path, entries: list[dict]) -> None:
-    """Remove from the folder to be published what no variant uses: what a pass that failed had
-    written before it raised (its traceback, in LOG_FILE, stays)."""
+    """Remove from the folder to be published what no published variant uses: what a pass that
+    failed had written, the files of a variant that could not run or be judged, the openvino-int8
+    flow that lost (an IR another variant shares stays; the tracebacks in LOG_FILE stay)."""
     keep = {LOG_FILE} | {f for e in entries for f in (e["file"], *(e.get("companions") or {}))}
     for path in stage.iterdir():
         if path.name in keep:
@@ -831,15 +826,6 @@ def _sweep(stage: Path, entries: list[dict]) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
-
-
-def _drop(stage: Path, v: Variant, alive: list[Variant]) -> None:
-    """A variant that will not be published leaves `alive` and no files behind, but for those
-    another variant still alive uses too (openvino-fp32 and openvino-bf16 share one IR)."""
-    alive.remove(v)
-    shared = {f for other in alive for f in (other.file, *other.companions)}
-    for f in {v.file, *v.companions} - shared:
-        (stage / f).unlink(missing_ok=True)
 
 
 def _output_kind(loaded: LoadedModel, cfg: OptimizeConfig, baseline: Session, evalset: EvalSet) -> dict:
