@@ -27,7 +27,7 @@ from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.export_onnx import OPSET, OUTPUT_NAME, export_onnx
 from optiserve.optimize.outputs import as_arrays, max_abs_diff
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
-from optiserve.optimize.opset import INT8_OPSET, at_least_opset
+from optiserve.models.onnx_opset import INT8_OPSET, at_least_opset
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.progress import PassLog
 from optiserve.optimize.report import render_report

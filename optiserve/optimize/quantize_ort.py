@@ -51,6 +51,17 @@ def _root_warnings_muted():
         logging.disable(previous)
 
 
+@contextlib.contextmanager
+def _working_directory(path: str):
+    """contextlib.chdir, which Python 3.10 lacks."""
+    previous = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
 def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike, batches: list[np.ndarray],
                          method: str = "minmax", per_channel: bool = True, reduce_range: bool = True,
                          nodes_to_exclude: list[str] | None = None, op_types: list[str] | None = None,
@@ -74,13 +85,16 @@ def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLi
     with tempfile.TemporaryDirectory() as tmp:
         pre = Path(tmp) / "pre.onnx"
         out_tmp = Path(tmp) / "int8.onnx"
-        with contextlib.redirect_stdout(io.StringIO()), _root_warnings_muted():
+        source = Path(fp32_path).resolve()
+        # ONNX Runtime's symbolic shape inference saves the graph it could not complete, with its
+        # weights beside it, into the working directory: run it where that lands in `tmp`
+        with contextlib.redirect_stdout(io.StringIO()), _root_warnings_muted(), _working_directory(tmp):
             try:
-                quant_pre_process(str(fp32_path), str(pre), skip_symbolic_shape=False)
+                quant_pre_process(str(source), str(pre), skip_symbolic_shape=False)
                 shapes = "symbolic"
             except Exception as e:  # noqa: BLE001  its symbolic shape inference fails on some graphs (a Slice with
                 # negative steps, as torch.flip exports); ONNX's own shape inference then gives the shapes
-                quant_pre_process(str(fp32_path), str(pre), skip_symbolic_shape=True)
+                quant_pre_process(str(source), str(pre), skip_symbolic_shape=True)
                 shapes = f"onnx (ONNX Runtime's symbolic shape inference failed: {first_line(e, with_type=True)})"
             quantize_static(
                 str(pre), str(out_tmp), _BatchReader(input_name, batches), quant_format=QuantFormat.QDQ,
