@@ -13,7 +13,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # shorter side to the input's side / crop_fraction, 224/256 unless the model says otherwise, then
 # the center crop; inputs of at most 64 px are resized straight), "stretch" resizes the whole image
 # to H x W (segmentation: every pixel gets a class), "letterbox" resizes it to fit H x W with its
-# aspect ratio kept and pads the rest with the mean colour (detection: boxes keep their shape).
+# aspect ratio kept and pads the rest with the mean colour or the spec's `pad` (detection: boxes keep
+# their shape; YOLO's tools pad with gray 114).
 RESIZE_MODES = ("crop", "stretch", "letterbox")
 CROP_FRACTION = 224 / 256
 SMALL_SIDE = 64  # with "crop", inputs of at most this side are resized straight
@@ -48,6 +49,7 @@ class InputSpec:
     std: tuple[float, ...]
     resize: str = "crop"
     crop_fraction: float = CROP_FRACTION  # with "crop": the share of the resized shorter side kept
+    pad: int | None = None  # with "letterbox": the fill (0-255, every channel); None: the mean colour
 
     def __post_init__(self):
         c = self.shape[0]
@@ -57,6 +59,8 @@ class InputSpec:
             raise ValueError(f"resize must be one of {', '.join(RESIZE_MODES)}, got {self.resize!r}")
         if not 0.0 < self.crop_fraction <= 1.0:
             raise ValueError(f"crop_fraction must be in (0, 1], got {self.crop_fraction}")
+        if self.pad is not None and not 0 <= self.pad <= 255:
+            raise ValueError(f"pad must be in 0..255, got {self.pad}")
 
     @property
     def channels(self) -> int:
@@ -67,14 +71,17 @@ class InputSpec:
         return self.shape[1], self.shape[2]
 
     def to_dict(self) -> dict:
-        return {"shape": list(self.shape), "mean": list(self.mean), "std": list(self.std), "resize": self.resize,
-                "crop_fraction": self.crop_fraction}
+        out = {"shape": list(self.shape), "mean": list(self.mean), "std": list(self.std), "resize": self.resize,
+               "crop_fraction": self.crop_fraction}
+        if self.pad is not None:
+            out["pad"] = self.pad
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "InputSpec":
         return cls(tuple(int(v) for v in d["shape"]), tuple(float(v) for v in d["mean"]),
                    tuple(float(v) for v in d["std"]), d.get("resize", "crop"),
-                   float(d.get("crop_fraction", CROP_FRACTION)))
+                   float(d.get("crop_fraction", CROP_FRACTION)), d.get("pad"))
 
 
 def placement(spec: InputSpec, width: int, height: int) -> Placement:

@@ -5,7 +5,7 @@ The image is converted to the model's channels (grayscale or RGB) and resized as
 `resize` says (`input_spec.placement`): "stretch" straight to H x W; "crop" the ImageNet recipe
 (short side to the input's side / crop_fraction, 256 for 224 by default, then the center crop),
 except for small-input models (side <= 64, e.g. digits at 16x16), resized straight; "letterbox"
-fitted inside H x W, the rest the mean colour. Then it is scaled to [0, 1] and normalized with the spec's mean and std.
+fitted inside H x W, the rest the mean colour (or the spec's `pad`). Then it is scaled to [0, 1] and normalized with the spec's mean and std.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def image_to_input(image: Image.Image, spec: InputSpec, out: np.ndarray | None =
         place = placement(spec, *image.size)
         image = image.resize((place.width, place.height), Image.BILINEAR)
         if spec.resize == "letterbox":
-            fill = tuple(round(255 * m) for m in spec.mean)
+            fill = tuple(round(255 * m) for m in spec.mean) if spec.pad is None else (spec.pad,) * spec.channels
             canvas = Image.new(image.mode, (w, h), fill[0] if len(fill) == 1 else fill)
             canvas.paste(image, (place.left, place.top))
             image = canvas

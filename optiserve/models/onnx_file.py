@@ -32,12 +32,33 @@ class ModelOutput:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape[1:])}
 
 
+INPUT_DTYPES = ("float32", "float16", "uint8")  # what an image input may hold: fed as the file expects it
+LAYOUTS = ("NCHW", "NHWC")
+
+
 @dataclass(frozen=True)
 class OnnxGraphFacts:
     input_name: str
-    input_shape: tuple[int | None, ...]    # [N, C, H, W]; None where the dimension is symbolic
+    input_shape: tuple[int | None, ...]    # as the graph gives it, [N, C, H, W] or [N, H, W, C]; None: symbolic
     outputs: tuple[ModelOutput, ...]        # every output of the graph, in its order
     opset: int
+    input_dtype: str = "float32"            # one of INPUT_DTYPES
+    input_layout: str = "NCHW"              # one of LAYOUTS
+
+    @property
+    def chw(self) -> tuple[int | None, int | None, int | None]:
+        """One image's (C, H, W), whatever the layout."""
+        _, *dims = self.input_shape
+        return (dims[2], dims[0], dims[1]) if self.input_layout == "NHWC" else tuple(dims)
+
+    @property
+    def adapted(self) -> bool:
+        """Whether the input is other than the float32 [N, C, H, W] the runtimes are fed."""
+        return (self.input_dtype, self.input_layout) != ("float32", "NCHW")
+
+    def input_facts(self) -> dict:
+        """What the manifest records of the file's own input."""
+        return {"dtype": self.input_dtype, "layout": self.input_layout, "shape": list(self.input_shape)}
 
     @property
     def output_name(self) -> str:
@@ -72,28 +93,32 @@ def read_onnx_facts(path: str | Path) -> OnnxGraphFacts:
     if len(in_shape) != 4:
         raise UserError(f"{path}: input {inputs[0].name!r} has shape {show_shape(in_shape)}; expected an image batch "
                         f"[N, C, H, W]")
-    if (why := _not_float_nchw(inputs[0], in_shape)) is not None:
-        raise UserError(f"{path}: input {inputs[0].name!r} is {why}; optiserve feeds it float32 [N, C, H, W] "
-                        f"images (normalized by --mean/--std): export the model with such an input, the layout "
-                        f"and type conversion inside the graph")
+    dtype, layout = _dtype(inputs[0]), _layout(in_shape)
+    if dtype not in INPUT_DTYPES:
+        raise UserError(f"{path}: input {inputs[0].name!r} holds {dtype}; optiserve feeds an image input as "
+                        f"{', '.join(INPUT_DTYPES)}: export the model with one of those")
     if in_shape[0] is not None and in_shape[0] != -1:
         raise UserError(f"{path}: the batch dimension of input {inputs[0].name!r} is fixed at {in_shape[0]}; export "
                         f"it with a dynamic batch axis (torch.onnx.export(..., dynamic_shapes=...) or dynamic_axes)")
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return OnnxGraphFacts(inputs[0].name, in_shape, _outputs(proto, path), opset)
+    return OnnxGraphFacts(inputs[0].name, in_shape, _outputs(proto, path), opset, dtype, layout)
 
 
-def at_input_size(path: str | Path, facts: OnnxGraphFacts, chw: tuple[int, int, int]) -> tuple[ModelOutput, ...]:
-    """The outputs with the sizes they have for a [N, C, H, W] input of `chw`: a graph with a dynamic H
-    and W (a fully convolutional segmentation model) leaves them symbolic, so the file is run once on a
-    zero image of that size (ONNX Runtime, on the CPU) to learn them."""
+def at_input_size(model: str | Path | bytes, facts: OnnxGraphFacts,
+                  chw: tuple[int, int, int]) -> tuple[ModelOutput, ...]:
+    """The outputs with the sizes they have for a float32 [N, C, H, W] input of `chw`: a graph with a
+    dynamic H and W (a fully convolutional segmentation model, a YOLO head) leaves them symbolic, so
+    the graph (a file, or one adapted in memory to take such an input) is run once on a zero image of
+    that size (ONNX Runtime, on the CPU) to learn them."""
     if all(d is not None for o in facts.outputs for d in o.shape[1:]):
         return facts.outputs
     import numpy as np
     import onnxruntime as ort
 
+    path = "the adapted graph" if isinstance(model, bytes) else model
     try:
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(model if isinstance(model, bytes) else str(model),
+                                       providers=["CPUExecutionProvider"])
         values = session.run([o.name for o in facts.outputs], {facts.input_name: np.zeros((1, *chw), np.float32)})
     except Exception as e:
         raise UserError(f"{path} fails on an input of shape {show_shape([None, *chw])} ({first_line(e, True, 200)}); "
@@ -128,20 +153,19 @@ def _outputs(proto, path: Path) -> tuple[ModelOutput, ...]:
 CHANNELS = (1, 3, 4)  # what an image's channel axis holds
 
 
-def _not_float_nchw(value_info, shape: tuple[int | None, ...]) -> str | None:
-    """What the image input is where it is not the float32 [N, C, H, W] the runtimes are fed (its
-    element type; a channels-last layout by its shape: 1, 3 or 4 last and not second), else None."""
+def _dtype(value_info) -> str:
     from onnx.helper import tensor_dtype_to_np_dtype
 
     try:
-        dtype = str(tensor_dtype_to_np_dtype(value_info.type.tensor_type.elem_type))
+        return str(tensor_dtype_to_np_dtype(value_info.type.tensor_type.elem_type))
     except KeyError:
-        dtype = "of an unknown element type"
-    nhwc = shape[3] in CHANNELS and shape[1] not in CHANNELS
-    if dtype == "float32" and not nhwc:
-        return None
-    layout = f" (channels last, [N, H, W, C], by its shape)" if nhwc else ""
-    return f"{dtype} {show_shape(shape)}{layout}"
+        return "an unknown element type"
+
+
+def _layout(shape: tuple[int | None, ...]) -> str:
+    """Channels last where the shape says so (1, 3 or 4 last and not second, as tf2onnx and Keras
+    exports have it), else channels first."""
+    return "NHWC" if shape[3] in CHANNELS and shape[1] not in CHANNELS else "NCHW"
 
 
 def _shape(value_info) -> tuple[int | None, ...]:

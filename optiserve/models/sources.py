@@ -281,16 +281,16 @@ def _build_onnx(model: str, num_classes: int | None, image_size: ImageSize | Non
     if num_classes is not None:
         raise UserError(f"--num-classes: {model} is an ONNX file, whose head is already built")
     facts = read_onnx_facts(model)
-    c, h, w = facts.input_shape[1:]
+    c, h, w = facts.chw
     spec = None
     if None not in (c, h, w):
-        mean, std = default_input(c)
+        mean, std = default_input(c) if facts.input_dtype != "uint8" else ((0.0,) * c, (1 / 255,) * c)
         spec = InputSpec((c, h, w), mean, std)
     width = facts.output_shape[1] if len(facts.output_shape) == 2 else None
     return BuiltModel(None, spec, None, weights="in the file", output_width=width, file=Path(model),
                       graph=facts,
                       facts={"sha256": sha256_file(model), "input_name": facts.input_name, "opset": facts.opset,
-                             "onnx_input_shape": list(facts.input_shape)})
+                             "onnx_input_shape": [facts.input_shape[0], *facts.chw]})
 
 
 # --- a TorchScript file ------------------------------------------------------------------------------

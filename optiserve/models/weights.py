@@ -17,7 +17,9 @@ from torch import nn
 from optiserve.checkpoint import NotACheckpoint, read_checkpoint
 from optiserve.errors import UserError, first_line
 from optiserve.files import sha256_file
-from optiserve.models.onnx_file import OUTPUT_DTYPES, ModelOutput, at_input_size, show_shape
+from optiserve.models.detector_heads import head_for
+from optiserve.models.onnx_adapt import append_head, feed_as_float_nchw, load_for_edit
+from optiserve.models.onnx_file import CHANNELS, OUTPUT_DTYPES, ModelOutput, at_input_size, show_shape
 from optiserve.input_spec import CROP_FRACTION, InputSpec
 from optiserve.models.registry import create_model, get_model_entry
 from optiserve.models.sources import OutputOf, default_input, find_source, is_registered
@@ -82,6 +84,7 @@ class LoadedModel:
     file: Path | None = None         # an ONNX file the optimizer starts from; `model` is then None
     output_shape: tuple[int, ...] | None = None  # one image's output shape ([K], [D], [K, H, W])
     outputs: list[dict] | None = None  # a model file's outputs ({name, dtype, shape}), the one the task reads first
+    keep: object = None  # what must live as long as `file` (the temporary folder of an adapted graph)
 
     def __post_init__(self):
         if self.output_width is None:
@@ -108,7 +111,7 @@ class LoadedModel:
 def load_model(name: str, weights: str | None = None, num_classes: int | None = None,
                input_spec: InputSpec | None = None, overrides: InputOverrides = InputOverrides(),
                labels: list[str] | None = None, task: str | None = None,
-               task_output: str | None = None) -> LoadedModel:
+               task_output: str | None = None, detection_head: str = "auto") -> LoadedModel:
     """Build MODEL `name` from its source and load `weights` (default: the model's default weights);
     `overrides` and `labels` say what the user knows of its input and classes, `task` what its
     output means (default: classification for one [N, K] output) and, for a model file with several
@@ -116,9 +119,12 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
     if task is not None and task not in list_tasks():
         raise UserError(f"unknown task {task!r}; use {' | '.join(list_tasks())}")
     if not is_registered(name):
-        return _ready(_load_from_source(name, weights, num_classes, overrides, labels, task, task_output))
+        return _ready(_load_from_source(name, weights, num_classes, overrides, labels, task, task_output,
+                                        detection_head))
     if task_output is not None:
         raise UserError(f"--task-output is for a model with several outputs; {name} has one")
+    if detection_head != "auto":
+        raise UserError(f"--detection-head reads a detector's outputs from an ONNX file; {name} is a classifier")
     if task not in (None, "classification"):
         raise UserError(f"the registered model {name} is a classifier; --task {task} is for other sources")
     entry = get_model_entry(name)
@@ -146,7 +152,8 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
 
 
 def _load_from_source(name: str, weights: str | None, num_classes: int | None, overrides: InputOverrides,
-                      labels: list[str] | None, task: str | None, task_output: str | None = None) -> LoadedModel:
+                      labels: list[str] | None, task: str | None, task_output: str | None = None,
+                      detection_head: str = "auto") -> LoadedModel:
     """A torchvision, timm, user-code or file model: built by its source, weights from a state dict
     file unless the model file holds its own."""
     source = find_source(name)
@@ -154,11 +161,15 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
         num_classes = len(labels)  # the user's code builds its own head
     built = source.build(name, num_classes, overrides.shape[1:] if overrides.shape else None)
     task = task or built.task
+    if built.graph is not None and built.graph.input_layout == "NHWC" and overrides.shape:
+        overrides = dataclasses.replace(overrides, shape=_as_chw(overrides.shape))
     spec = _task_input(overrides.apply(built.input, name), task, overrides)
     if built.weights == "in the file" and weights not in (None, "random"):
         raise UserError(f"{name} holds its weights; drop --weights")
     if built.module is None:
-        return _file_model(name, built, spec, labels, task, task_output)
+        return _file_model(name, built, spec, labels, task, task_output, overrides, detection_head)
+    if detection_head != "auto":
+        raise UserError(f"--detection-head reads a detector's outputs from an ONNX file; {name} is a torch model")
     model = built.module.eval()
     if weights == "imagenet":
         raise UserError(f"--weights imagenet is for the registered models; for {name} pass a weights file "
@@ -177,6 +188,13 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
     return LoadedModel(name, model, spec, _task_classes(task, labels, built.classes, shape[0], name),
                        {**facts, "source": source.name, **built.facts}, task, shape[0], output_shape=shape,
                        outputs=None if keys is None else [o.to_dict() for o in outputs])
+
+
+def _as_chw(shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    """--input-shape for a channels-last model, given as H,W,C (its own order) or C,H,W."""
+    if shape[2] in CHANNELS and shape[0] not in CHANNELS:
+        return shape[2], shape[0], shape[1]
+    return shape
 
 
 def _task_input(spec: InputSpec, task: str | None, overrides: InputOverrides) -> InputSpec:
@@ -216,21 +234,53 @@ def _forms() -> str:
 
 
 def _file_model(name: str, built, spec: InputSpec, labels: list[str] | None, task: str | None,
-                task_output: str | None) -> LoadedModel:
-    """A model file that holds its own weights (ONNX): checked against the input, not run here. The
-    task reads `task_output` (default: the first output); every other output is served beside it
-    under its own name."""
-    onnx_shape = built.facts.get("onnx_input_shape") or []
-    for given, fixed in zip(spec.shape, onnx_shape[1:]):
+                task_output: str | None, overrides: InputOverrides, detection_head: str) -> LoadedModel:
+    """A model file that holds its own weights (ONNX): checked against the input, run here only where
+    its output sizes depend on the input's. An input other than float32 [N, C, H, W] and a detector
+    head other than [N, D, 6] rows are adapted inside the graph (models.onnx_adapt). The task reads
+    `task_output` (default: the first output); every other output is served beside it under its own name."""
+    facts = built.graph
+    for given, fixed in zip(spec.shape, facts.chw):
         if fixed is not None and given != fixed:
             raise UserError(f"--input-shape {','.join(map(str, spec.shape))} does not fit {name}, whose input is "
-                            f"{show_shape(['N', *onnx_shape[1:]])}")
-    outputs = list(at_input_size(built.file, built.graph, spec.shape))
+                            f"{show_shape(['N', *facts.chw])}"
+                            + (f" (channels last: {show_shape(facts.input_shape)})" if facts.input_layout == "NHWC"
+                               else ""))
+    graph = None
+    if facts.adapted:
+        graph = load_for_edit(built.file, facts)
+        feed_as_float_nchw(graph, facts)
+        if facts.input_dtype == "uint8" and overrides.mean is None and overrides.std is None:
+            spec = dataclasses.replace(spec, mean=(0.0,) * spec.channels, std=(1 / 255,) * spec.channels)
+    outputs = list(at_input_size(graph.serialized() if graph else built.file, facts, spec.shape))
+    if task == "detection":
+        head = head_for(tuple(outputs), detection_head, name)
+        if not head.native:
+            graph = graph or load_for_edit(built.file, facts)
+            append_head(graph, head, tuple(outputs), spec.size)
+            rows = graph.settings["detection_head"]["detections"]
+            outputs, task_output = [ModelOutput("detections", (None, rows, 6), "float32")], None
+            spec = _head_input(spec, head, overrides)
+    elif detection_head != "auto":
+        raise UserError(f"--detection-head says how a detector's outputs are laid out; {name} is not run as one "
+                        f"(--task detection)")
+    file, keep = (built.file, None) if graph is None else graph.write()
     task, outputs = _task_reads(outputs, task, task_output, name)
     shape = tuple(outputs[0].shape[1:])
+    adapted = graph.settings if graph is not None else {}
     return LoadedModel(name, None, spec, _task_classes(task, labels, None, shape[0], name),
-                       {"weights": built.weights, "source": "onnx", **built.facts}, task, shape[0], file=built.file,
-                       output_shape=shape, outputs=[o.to_dict() for o in outputs])
+                       {"weights": built.weights, "source": "onnx", **built.facts, **adapted}, task, shape[0],
+                       file=file, output_shape=shape, outputs=[o.to_dict() for o in outputs], keep=keep)
+
+
+def _head_input(spec: InputSpec, head, overrides: InputOverrides) -> InputSpec:
+    """The input a detector head's own tools feed it, where the user said nothing else."""
+    own = head.preprocessing
+    if own is None or len(own.mean) != spec.channels:
+        return spec
+    return dataclasses.replace(spec, mean=overrides.mean or own.mean, std=overrides.std or own.std,
+                               resize=overrides.resize or own.resize,
+                               pad=own.pad if (overrides.resize or own.resize) == "letterbox" else spec.pad)
 
 
 def _task_reads(outputs: list[ModelOutput], task: str | None, task_output: str | None,

@@ -8,6 +8,7 @@ from optiserve.data import DATASET_CHOICES
 from optiserve.models import RESIZE_MODES, InputOverrides, list_models
 from optiserve.tasks import list_tasks
 from optiserve.tasks.output_kinds import get_output_kind, list_output_kinds
+from optiserve.models.detector_heads import get_head, list_heads
 from optiserve.models.weights import WEIGHT_CHOICES
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 from optiserve.optimize.report import recommendation_line, summary_header, summary_rows
@@ -54,14 +55,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how an image of another size becomes the input: crop (the shorter side resized as the "
                         "model's source says, else 256 for 224, then the center crop), SIDE (crop, the shorter "
                         "side resized to SIDE pixels), stretch (the whole image; segmentation's and detection's "
-                        "default) or letterbox (the whole image, its aspect kept, padded with the mean colour; "
-                        "detection)")
+                        "default) or letterbox (the whole image, its aspect kept, padded with the mean colour, or "
+                        "gray 114 for a YOLO head; detection)")
     p.add_argument("--labels", default=None, metavar="FILE", help="class names, one a line, in output order")
     p.add_argument("--task", default=None, choices=list_tasks(),
                    help="what the model's output means (default: classification for one [N, K] output)")
     p.add_argument("--task-output", default=None, metavar="NAME",
                    help="a model with several outputs: the one the task reads (default: the first); every "
                         "output is served under its own name")
+    p.add_argument("--detection-head", default="auto", choices=["auto", *list_heads()],
+                   help="detection, an ONNX file: how its outputs are laid out — " + "; ".join(
+                       f"{h}: {get_head(h).layout}" for h in list_heads()) +
+                   " (default auto: read from the output shapes). Decoding and NMS are appended to the graph")
     p.add_argument("--output-kind", default="auto", choices=["auto", *list_output_kinds()],
                    help="classification: what the output holds — " + "; ".join(
                        f"{k}: {get_output_kind(k).description}" for k in list_output_kinds()) +
@@ -137,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
         num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, output_kind=args.output_kind,
+        detection_head=args.detection_head,
         min_cosine=args.min_cosine,
         min_miou=args.min_miou, min_map=args.min_map, masks=args.masks, ignore_index=args.ignore_index, boxes=args.boxes,
         input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),

@@ -80,6 +80,7 @@ class OptimizeConfig:
     labels: str | None = None         # a file with one class name a line
     task: str | None = None           # None: classification for one [N, K] output
     task_output: str | None = None    # a model with several outputs: the one the task reads (None: the first)
+    detection_head: str = "auto"      # detection from an ONNX file: rows | yolov5 | yolov8 | detr (auto: by shapes)
     output_kind: str = "auto"         # classification: logits | probabilities | log_probabilities (auto: recognised)
     min_cosine: float = 0.99          # embedding: the least mean cosine similarity to fp32 accepted
     min_miou: float = 0.90            # segmentation: the least mIoU against fp32's masks accepted
@@ -174,7 +175,7 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
     labels = read_labels(cfg.labels) if cfg.labels else None
     if not is_registered(cfg.model):
         return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task,
-                          task_output=cfg.task_output)
+                          task_output=cfg.task_output, detection_head=cfg.detection_head)
     if weights is None and cfg.dataset == "digits":
         ckpt = default_checkpoint(cfg.model, "digits")
         if not ckpt.is_file():
@@ -185,7 +186,7 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
             train(TrainConfig(model=cfg.model, dataset="digits", out=str(ckpt), progress=cfg.progress))
         weights = str(ckpt)
     return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task,
-                          task_output=cfg.task_output)
+                          task_output=cfg.task_output, detection_head=cfg.detection_head)
 
 
 def class_mapping(model_classes: list[str], data_classes: list[str]) -> list[int] | None:
@@ -483,9 +484,9 @@ def _onnx_file_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, e
     with log.step(f"the ONNX file as {name} (the baseline the others are checked against)"):
         shutil.copyfile(loaded.file, stage / "model.onnx")  # the staging folder is published whole, atomically
         variants.append(Variant(name, "model.onnx", "onnxruntime", "fp32",
-                                {"opset": loaded.source.get("opset"), "from": "the given ONNX file, unchanged",
+                                {"opset": loaded.source.get("opset"), "from": _file_as_served(loaded.source),
                                  "graph_optimization": "all"}))
-    notes.append(f"started from an ONNX file: {name} is the file itself, and the torch passes (eager fp32, "
+    notes.append(f"started from an ONNX file: {name} is {_file_as_served(loaded.source)}, and the torch passes (eager fp32, "
                  f"conv+BN fusion, TorchScript, torch-int8, torch-bf16, pruning, TensorRT) do not apply")
     batches, recipe, source, conversion = [], None, "model.onnx", {}
     if cfg.int8:
@@ -498,6 +499,20 @@ def _onnx_file_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, e
     if cfg.openvino:
         _openvino_variants(stage, variants, attempts, cfg, batches, recipe, loaded.input.shape, source, conversion)
     return name
+
+
+def _file_as_served(source: dict) -> str:
+    """How onnx-fp32 came from the given file: unchanged, or what was put before and after its graph."""
+    added = []
+    if "input_adapted" in source:
+        added.append(f"its {source['input_adapted']['layout']} {source['input_adapted']['dtype']} input fed "
+                     f"float32 NCHW ({source['input_adapted']['added']})")
+    if "detection_head" in source:
+        added.append(f"its {source['detection_head']['head']} head decoded, NMS and the best "
+                     f"{source['detection_head']['detections']} boxes appended")
+    if "converted_from_opset" in source:
+        added.append(f"converted from opset {source['converted_from_opset']} for that")
+    return "the given ONNX file, " + ("; ".join(added) if added else "unchanged")
 
 
 INT8_SOURCE = f"model.opset{INT8_OPSET}.onnx"  # what the INT8 passes read where the file's opset is older
@@ -516,7 +531,7 @@ def _int8_source(stage: Path, notes: list[str], attempts: Attempts) -> tuple[str
     if had is None:
         return "model.onnx", {}
     notes.append(f"the ONNX file is opset {had}: the INT8 passes quantized a copy converted to opset {INT8_OPSET} "
-                 f"(onnx.version_converter, then onnx.checker); onnx-fp32 serves the file unchanged")
+                 f"(onnx.version_converter, then onnx.checker); onnx-fp32 serves it at its own opset")
     return INT8_SOURCE, {"converted_from_opset": had, "opset": INT8_OPSET}
 
 

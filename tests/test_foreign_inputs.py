@@ -1,0 +1,163 @@
+"""Image inputs as other tools export them: channels last (tf2onnx, Keras), uint8 pixels, float16.
+The file is fed as it expects — a Transpose and a Cast put in front of its graph — so every engine,
+the calibration and the server feed float32 [N, C, H, W]; inputs it cannot feed are refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from PIL import Image
+from sklearn.datasets import load_digits
+from torch import nn
+
+from conftest import assert_gated, serving
+from optiserve.data.image_input import image_to_input
+from optiserve.errors import UserError
+from optiserve.input_spec import InputSpec
+from optiserve.models import InputOverrides, load_model
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's TorchScript-based exporter: old opsets
+
+
+class Core(nn.Module):
+    """A small classifier of float32 [N, 3, H, W] images in [0, 1]."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
+
+
+class Uint8ChannelsLast(nn.Module):
+    """What a Keras/tf2onnx export of an image model takes: uint8 pixels [N, H, W, C]."""
+
+    def __init__(self, core: nn.Module):
+        super().__init__()
+        self.core = core
+
+    def forward(self, x):
+        return self.core(x.permute(0, 3, 1, 2).float() / 255.0)
+
+
+class Float16(nn.Module):
+    def __init__(self, core: nn.Module):
+        super().__init__()
+        self.core = core.half()
+
+    def forward(self, x):
+        return self.core(x)
+
+
+def export(module: nn.Module, example: torch.Tensor, path: Path, opset: int = 13, dynamic_size: bool = False) -> Path:
+    axes = {0: "batch", 1: "height", 2: "width"} if dynamic_size else {0: "batch"}
+    torch.onnx.export(module.eval(), (example,), str(path), input_names=["pixels"], output_names=["logits"],
+                      opset_version=opset, dynamo=False, dynamic_axes={"pixels": axes, "logits": {0: "batch"}})
+    return path
+
+
+@pytest.fixture(scope="module")
+def core() -> nn.Module:
+    torch.manual_seed(0)
+    return Core().eval()
+
+
+@pytest.fixture(scope="module")
+def digit_images(tmp_path_factory) -> Path:
+    """300 of scikit-learn's digits as 16x16 grayscale PNGs in class folders."""
+    root = tmp_path_factory.mktemp("digit-images")
+    digits = load_digits()
+    for i, (image, label) in enumerate(zip(digits.images[:300], digits.target[:300])):
+        (root / str(label)).mkdir(exist_ok=True)
+        Image.fromarray((image * 255 / 16).astype(np.uint8)).resize((16, 16), Image.BILINEAR).save(
+            root / str(label) / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def nhwc_uint8(core, tmp_path_factory) -> Path:
+    return export(Uint8ChannelsLast(core), torch.zeros(1, 16, 16, 3, dtype=torch.uint8),
+                  tmp_path_factory.mktemp("nhwc") / "keras-like.onnx")
+
+
+def test_a_channels_last_uint8_classifier_is_optimized_and_answers_its_own_output_for_a_png(nhwc_uint8, digit_images,
+                                                                                             tmp_path):
+    httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    out = tmp_path / "nhwc"
+    manifest = run_optimize(OptimizeConfig(str(nhwc_uint8), dataset=f"imagefolder:{digit_images}", int8=True,
+                                           calib_size=32, latency_batch=2, out=str(out), progress=False))
+    assert manifest["source"]["input_adapted"] == {"dtype": "uint8", "layout": "NHWC", "shape": [None, 16, 16, 3],
+                                                   "added": "NCHW -> NHWC, rounded and cast to uint8"}
+    spec = InputSpec.from_dict(manifest["input"])
+    assert spec.shape == (3, 16, 16) and spec.mean == (0.0,) * 3 and spec.std == pytest.approx((1 / 255,) * 3)
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert {"onnx-fp32", "onnx-int8", "openvino-fp32", "openvino-int8"} <= set(by_name)
+    assert "NHWC uint8 input fed float32 NCHW" in by_name["onnx-fp32"]["settings"]["from"]
+    assert_gated(manifest, "onnx-int8")
+    assert_gated(manifest, "openvino-fp32")
+
+    png = next(digit_images.glob("7/*.png"))
+    pixels = np.asarray(Image.open(png).convert("RGB"))                   # [16, 16, 3] uint8, as the file takes
+    own = ort.InferenceSession(str(nhwc_uint8)).run(None, {"pixels": pixels[None]})[0][0]
+    with serving(out, "--variants", "onnx-fp32,openvino-fp32") as (base, _):
+        answers = [httpx.post(f"{base}/predict", content=png.read_bytes(), params={"variant": v, "top_k": "10"},
+                              headers={"content-type": "image/png"}).json() for v in ("onnx-fp32", "openvino-fp32")]
+        client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
+        infer_input = httpclient.InferInput("input", [1, 3, 16, 16], "FP32")
+        infer_input.set_data_from_numpy(image_to_input(Image.open(png), spec)[None])
+        served = client.infer(manifest["model"], [infer_input], model_version="onnx-fp32").as_numpy("logits")
+    np.testing.assert_allclose(served[0], own, atol=1e-5)  # the protocol's input: float32 NCHW pixel values
+    probabilities = np.exp(own - own.max()) / np.exp(own - own.max()).sum()
+    for answer in answers:
+        got = {p["index"]: p["probability"] for p in answer["predictions"][0]}
+        np.testing.assert_allclose([got[k] for k in range(10)], probabilities, atol=1e-4)
+
+
+def test_a_float16_input_and_an_old_opset_are_fed_inside_the_graph(core, tmp_path):
+    half = export(Float16(Core().eval()), torch.zeros(1, 3, 16, 16, dtype=torch.float16), tmp_path / "half.onnx")
+    loaded = load_model(str(half))
+    assert loaded.source["input_adapted"]["dtype"] == "float16"
+    x = np.random.default_rng(0).random((3, 3, 16, 16), dtype=np.float32)
+    own = ort.InferenceSession(str(half)).run(None, {"pixels": x.astype(np.float16)})[0]
+    adapted = ort.InferenceSession(str(loaded.file)).run(None, {"pixels": x})[0]
+    np.testing.assert_allclose(adapted, own, atol=2e-3)  # half precision, fused differently
+
+    old = export(Uint8ChannelsLast(core), torch.zeros(1, 16, 16, 3, dtype=torch.uint8), tmp_path / "opset9.onnx", 9)
+    loaded = load_model(str(old))  # Round, which feeding uint8 needs, came with opset 11
+    assert (loaded.source["converted_from_opset"], loaded.source["opset"]) == (9, 11)
+    pixels = np.random.default_rng(1).integers(0, 256, (2, 16, 16, 3), dtype=np.uint8)
+    own = ort.InferenceSession(str(old)).run(None, {"pixels": pixels})[0]
+    adapted = ort.InferenceSession(str(loaded.file)).run(None, {"pixels": pixels.transpose(0, 3, 1, 2)
+                                                                .astype(np.float32)})[0]
+    np.testing.assert_allclose(adapted, own, atol=1e-6)
+
+
+def test_a_channels_last_input_shape_may_be_given_in_its_own_order(core, tmp_path):
+    dynamic = export(Uint8ChannelsLast(core), torch.zeros(1, 16, 16, 3, dtype=torch.uint8), tmp_path / "dyn.onnx",
+                     dynamic_size=True)
+    with pytest.raises(UserError, match="does not say what input it takes: give --input-shape"):
+        load_model(str(dynamic))
+    for given in ((24, 20, 3), (3, 24, 20)):  # H,W,C as the file has it, or C,H,W
+        loaded = load_model(str(dynamic), overrides=InputOverrides(given))
+        assert loaded.input.shape == (3, 24, 20) and loaded.source["input_adapted"]["layout"] == "NHWC"
+
+
+def test_an_input_optiserve_cannot_feed_is_refused_in_one_line(tmp_path):
+    from onnx import TensorProto, helper, save
+
+    graph = helper.make_graph([helper.make_node("Cast", ["ids"], ["out"], to=TensorProto.FLOAT)], "ints",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT32, ["N", 3, 8, 8])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 3, 8, 8])])
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(tmp_path / "ints.onnx"))
+    with pytest.raises(UserError, match=r"input 'ids' holds int32; optiserve feeds an image input as float32, "
+                                        r"float16, uint8"):
+        load_model(str(tmp_path / "ints.onnx"))
