@@ -97,6 +97,36 @@ def _train(model: torch.nn.Module, digit_images: Path, epochs: int = 15) -> torc
     return model.eval()
 
 
+def assert_served_as_its_framework(folder: Path, reference, digit_images: Path, seed: int) -> None:
+    """Serve the artifact: fp32 over the protocol (Triton's HTTP client) answers what the framework's
+    own module computes for the same tensor, and /predict answers a PNG with the class the module
+    gives the pixels the server prepares from it."""
+    httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    from optiserve.artifacts import read_manifest
+    from optiserve.data.image_input import image_to_input
+
+    manifest = read_manifest(folder)
+    spec = InputSpec.from_dict(manifest["input"])
+    images = np.random.default_rng(seed).standard_normal((3, *spec.shape), dtype=np.float32)
+    png = sorted((digit_images / "seven").glob("*.png"))[seed]
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(images)).numpy()
+        own = reference(torch.from_numpy(image_to_input(Image.open(png), spec)[None])).numpy()[0]
+    with serving(folder, "--variants", "fp32,onnx-int8") as (base, _):
+        client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
+        infer_input = httpclient.InferInput("input", list(images.shape), "FP32")
+        infer_input.set_data_from_numpy(images)
+        served = client.infer(manifest["model"], [infer_input], model_version="fp32").as_numpy("logits")
+        answer = httpx.post(f"{base}/predict", content=png.read_bytes(), headers={"content-type": "image/png"},
+                            params={"variant": "fp32"})
+    np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-4)
+    assert answer.status_code == 200, answer.text
+    probabilities = np.exp(own - own.max()) / np.exp(own - own.max()).sum()
+    best = answer.json()["predictions"][0][0]
+    assert best["probability"] == pytest.approx(probabilities.max(), abs=1e-4)  # a tie may name either class
+    assert probabilities[manifest["classes"].index(best["class"])] == pytest.approx(probabilities.max(), abs=1e-4)
+
+
 @pytest.fixture(scope="module")
 def lightning_checkpoint(user_code, digit_images) -> Path:
     """The user's trained DigitNet, saved the way PyTorch Lightning saves it: the state dict under
@@ -203,8 +233,8 @@ def test_a_torchvision_model_with_a_plain_state_dict(digit_images, user_code, tm
 
     with torch.no_grad():
         expected = reference(torch.from_numpy(images)).numpy()
-    np.testing.assert_allclose(offline_logits(tmp_path / "art", "fp32", images), expected, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(offline_logits(tmp_path / "art", "onnx-fp32", images), expected, rtol=1e-3, atol=1e-3)
+    assert_served_as_its_framework(tmp_path / "art", reference, digit_images, seed=1)
 
 
 def test_a_timm_model_with_safetensors_weights(digit_images, user_code, tmp_path):
@@ -221,12 +251,7 @@ def test_a_timm_model_with_safetensors_weights(digit_images, user_code, tmp_path
                                            input=InputOverrides((3, 32, 32)), out=str(tmp_path / "art"),
                                            progress=False))
     assert_gated(manifest, "onnx-int8")
-    from conftest import offline_logits
-
-    images = np.random.default_rng(2).standard_normal((2, 3, 32, 32), dtype=np.float32)
-    with torch.no_grad():
-        expected = reference(torch.from_numpy(images)).numpy()
-    np.testing.assert_allclose(offline_logits(tmp_path / "art", "fp32", images), expected, rtol=1e-4, atol=1e-4)
+    assert_served_as_its_framework(tmp_path / "art", reference, digit_images, seed=2)
 
 
 def test_a_vision_transformer_is_built_for_the_input_shape_given(tmp_path):
@@ -248,11 +273,21 @@ def test_a_vision_transformer_is_built_for_the_input_shape_given(tmp_path):
         assert torchvision_vit.model(torch.zeros(1, 3, 32, 32)).shape == (1, 10)
 
 
-def test_a_package_module_callable_is_imported_from_the_working_directory(user_code, monkeypatch):
+def test_a_package_module_callable_is_imported_from_the_working_directory(user_code, lightning_checkpoint,
+                                                                          digit_images, tmp_path, monkeypatch):
     monkeypatch.chdir(user_code)
     loaded = load_model("digit_net:build", overrides=InputOverrides((3, 16, 16)))
     assert loaded.source["source"] == "callable" and loaded.classes == [str(i) for i in range(10)]
     assert loaded.accuracy_meaningful  # the user's code may have loaded weights itself
+    manifest = run_optimize(OptimizeConfig("digit_net:build", weights=str(lightning_checkpoint), int8=True,
+                                           openvino=False, dataset=f"imagefolder:{digit_images}",
+                                           labels="labels.txt", input=InputOverrides((3, 16, 16)),
+                                           out=str(tmp_path / "art"), progress=False))
+    assert manifest["source"]["source"] == "callable"
+    assert_gated(manifest, "onnx-int8")
+    monkeypatch.chdir(tmp_path)  # served without the user's code: fp32 is the module traced to TorchScript
+    assert_served_as_its_framework(tmp_path / "art", _user_module(user_code, lightning_checkpoint), digit_images,
+                                   seed=5)
     assert model_slug("digit_net:build") == "digit_net-build"
     assert model_slug("nets/tiny.py:build") == "tiny-build" and model_slug("timm:vit_tiny_patch16_224") == (
         "timm-vit_tiny_patch16_224")
@@ -681,8 +716,8 @@ def test_a_torchscript_file_is_optimized_from_the_module_it_holds(user_code, lig
     images = np.random.default_rng(5).standard_normal((2, 3, 16, 16), dtype=np.float32)
     with torch.no_grad():
         expected = scripted(torch.from_numpy(images)).numpy()
-    for variant in ("fp32", "onnx-fp32"):
-        np.testing.assert_allclose(offline_logits(tmp_path / "art", variant, images), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(offline_logits(tmp_path / "art", "onnx-fp32", images), expected, rtol=1e-4, atol=1e-4)
+    assert_served_as_its_framework(tmp_path / "art", scripted, digit_images, seed=3)
 
 
 def test_a_classifier_on_unlabelled_images_is_judged_by_top1_agreement_with_fp32(user_code, lightning_checkpoint,
@@ -744,8 +779,8 @@ def test_a_torch_export_file_is_optimized_from_the_program_it_holds(user_code, l
     images = np.random.default_rng(6).standard_normal((3, 3, 16, 16), dtype=np.float32)
     with torch.no_grad():
         expected = torch.export.load(str(path)).module()(torch.from_numpy(images)).numpy()
-    for variant in ("fp32", "onnx-fp32"):
-        np.testing.assert_allclose(offline_logits(tmp_path / "art", variant, images), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(offline_logits(tmp_path / "art", "onnx-fp32", images), expected, rtol=1e-4, atol=1e-4)
+    assert_served_as_its_framework(tmp_path / "art", torch.export.load(str(path)).module(), digit_images, seed=4)
 
 
 TINY_VIT = textwrap.dedent('''
