@@ -13,12 +13,11 @@ import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
 from PIL import Image
-from sklearn.datasets import load_digits
 from torch import nn
 
 from conftest import assert_detection_gated, serving
+from foreign_models import SIDE, DetrLayout, Grid, Transpose, YoloV5Layout, YoloV8Layout, digit_pictures, export_head
 from optiserve.data.image_input import image_to_input
 from optiserve.errors import UserError
 from optiserve.input_spec import InputSpec, placement
@@ -27,88 +26,14 @@ from optiserve.models.detector_heads.registry import DETECTIONS, PER_CLASS, SCOR
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
 ULTRALYTICS_YOLOV8 = Path(__file__).parent / "data" / "yolov8-ultralytics.onnx"
-SIDE = 64
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's TorchScript-based exporter writes the old opsets
-CLASSES = 3
-
-
-def digit_pictures(n: int, start: int = 0, side: int = SIDE) -> np.ndarray:
-    """n of scikit-learn's digits as [n, 3, side, side] pictures in [0, 1]."""
-    digits = torch.from_numpy(load_digits().images[start:start + n] / 16.0).float()[:, None].expand(n, 3, 8, 8)
-    return torch.nn.functional.interpolate(digits, size=(side, side), mode="bilinear").numpy()
-
-
-# --- heads written here in exactly each layout ----------------------------------------------------
-
-class Grid(nn.Module):
-    """A stride-8 feature map and, per cell, a box around it (centre x, y, width, height in input
-    pixels) and raw class scores: what the layouts below arrange."""
-
-    def __init__(self, columns: int):
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, stride=4, padding=1), nn.ReLU(),
-                                      nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU())
-        self.head = nn.Conv2d(16, columns, 1)
-
-    def forward(self, x):
-        out = self.head(self.features(x)).flatten(2)                       # [N, 4 + k, A]
-        h, w = x.shape[2] // 8, x.shape[3] // 8
-        gy, gx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-        cx = (gx.flatten().float() + torch.sigmoid(out[:, 0])) * 8
-        cy = (gy.flatten().float() + torch.sigmoid(out[:, 1])) * 8
-        size = torch.sigmoid(out[:, 2:4]) * 24 + 4
-        return torch.cat([cx[:, None], cy[:, None], size, torch.sigmoid(out[:, 4:])], 1)   # [N, 4 + k, A]
-
-
-class YoloV8Layout(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.grid = Grid(4 + CLASSES)
-
-    def forward(self, x):
-        return self.grid(x)                                                # [N, 4 + C, A]
-
-
-class YoloV5Layout(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.grid = Grid(5 + CLASSES)
-
-    def forward(self, x):
-        return self.grid(x).transpose(1, 2)                                # [N, A, 5 + C]
-
-
-class DetrLayout(nn.Module):
-    def __init__(self, queries: int = 12):
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, stride=4, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2))
-        self.queries = queries
-        self.logits = nn.Linear(32, queries * (CLASSES + 1))
-        self.boxes = nn.Linear(32, queries * 4)
-
-    def forward(self, x):
-        f = self.features(x).flatten(1)
-        return (self.logits(f).view(-1, self.queries, CLASSES + 1) * 3,
-                torch.sigmoid(self.boxes(f).view(-1, self.queries, 4)))
-
-
-def export(module: nn.Module, path: Path, outputs: list[str], opset: int) -> Path:
-    """The module as torch's own ONNX exporter writes it, at `opset`, with a dynamic batch."""
-    torch.manual_seed(0)
-    for p in module.parameters():  # spread, as a trained head is: every box scores differently
-        torch.nn.init.normal_(p, 0, 0.5)
-    torch.onnx.export(module.eval(), (torch.rand(1, 3, SIDE, SIDE),), str(path), input_names=["images"],
-                      output_names=outputs, opset_version=opset, dynamo=False,
-                      dynamic_axes={name: {0: "batch"} for name in ["images", *outputs]})
-    return path
 
 
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("heads")
-    return {"yolov8": export(YoloV8Layout(), folder / "v8.onnx", ["output0"], 17),
-            "yolov5": export(YoloV5Layout(), folder / "v5.onnx", ["output0"], 13),
-            "detr": export(DetrLayout(), folder / "detr.onnx", ["logits", "pred_boxes"], 11)}
+    return {"yolov8": export_head(YoloV8Layout(), folder / "v8.onnx", ["output0"], 17),
+            "yolov5": export_head(YoloV5Layout(), folder / "v5.onnx", ["output0"], 13),
+            "detr": export_head(DetrLayout(), folder / "detr.onnx", ["logits", "pred_boxes"], 11)}
 
 
 # --- the same decoding in plain numpy -------------------------------------------------------------
@@ -194,7 +119,7 @@ def test_each_head_is_recognised_and_decoded_in_the_graph_as_its_own_tools_decod
 
 
 def test_a_head_is_named_where_the_shapes_do_not_say_it_and_refused_where_it_does_not_fit(tmp_path):
-    one_class = export(nn.Sequential(Grid(6), Transpose()), tmp_path / "one-class-v5.onnx", ["output0"], 13)
+    one_class = export_head(nn.Sequential(Grid(6), Transpose()), tmp_path / "one-class-v5.onnx", ["output0"], 13)
     rows = load_model(str(one_class), task="detection")  # [N, A, 6]: read as rows unless told
     assert "detection_head" not in rows.source and rows.output_shape == (64, 6)
     told = load_model(str(one_class), task="detection", detection_head="yolov5")
@@ -204,15 +129,10 @@ def test_a_head_is_named_where_the_shapes_do_not_say_it_and_refused_where_it_doe
     with pytest.raises(UserError, match=r"--detection-head says how a detector's outputs are laid out; .* "
                                         r"\(--task detection\)"):
         load_model(str(one_class), task="embedding", detection_head="yolov5")
-    odd = export(nn.Sequential(nn.Conv2d(3, 2, 8, stride=8), nn.Flatten(2)), tmp_path / "odd.onnx", ["out"], 13)
+    odd = export_head(nn.Sequential(nn.Conv2d(3, 2, 8, stride=8), nn.Flatten(2)), tmp_path / "odd.onnx", ["out"], 13)
     with pytest.raises(UserError, match=r"--task detection: .* gives out \[\?, 2, 64\], which is no detector head "
                                         r"optiserve reads \(detr: .*; yolov8: "):
         load_model(str(odd), task="detection")
-
-
-class Transpose(nn.Module):
-    def forward(self, x):
-        return x.transpose(1, 2)
 
 
 # --- from optimize to /predict ----------------------------------------------------------------------
@@ -301,6 +221,8 @@ def test_a_detr_layout_at_opset_11_goes_from_optimize_to_predict(heads, pictures
                                            latency_batch=2, openvino=False, dataset=f"imagefolder:{pictures}",
                                            input=InputOverrides(resize="letterbox"), out=str(out), progress=False))
     assert manifest["source"]["detection_head"]["head"] == "detr" and manifest["source"]["opset"] == 11
+    int8 = next(v for v in manifest["variants"] if v["name"] == "onnx-int8")
+    assert int8["settings"]["architecture"] == "detector"  # no NMS, but its decoding is found and left in float
     assert_detection_gated(manifest, "onnx-int8")
     spec = InputSpec.from_dict(manifest["input"])
     assert spec.resize == "letterbox" and spec.pad is None  # DETR's own input: the source's, the mean colour

@@ -16,54 +16,12 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from conftest import assert_gated, serving
+from foreign_models import Core, Float16, Uint8ChannelsLast, export
 from optiserve.data.image_input import image_to_input
 from optiserve.errors import UserError
 from optiserve.input_spec import InputSpec
 from optiserve.models import InputOverrides, load_model
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
-
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's TorchScript-based exporter: old opsets
-
-
-class Core(nn.Module):
-    """A small classifier of float32 [N, 3, H, W] images in [0, 1]."""
-
-    def __init__(self):
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                                      nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
-        self.head = nn.Linear(32, 10)
-
-    def forward(self, x):
-        return self.head(self.features(x).flatten(1))
-
-
-class Uint8ChannelsLast(nn.Module):
-    """What a Keras/tf2onnx export of an image model takes: uint8 pixels [N, H, W, C]."""
-
-    def __init__(self, core: nn.Module):
-        super().__init__()
-        self.core = core
-
-    def forward(self, x):
-        return self.core(x.permute(0, 3, 1, 2).float() / 255.0)
-
-
-class Float16(nn.Module):
-    def __init__(self, core: nn.Module):
-        super().__init__()
-        self.core = core.half()
-
-    def forward(self, x):
-        return self.core(x)
-
-
-def export(module: nn.Module, example: torch.Tensor, path: Path, opset: int = 13, dynamic_size: bool = False) -> Path:
-    axes = {0: "batch", 1: "height", 2: "width"} if dynamic_size else {0: "batch"}
-    torch.onnx.export(module.eval(), (example,), str(path), input_names=["pixels"], output_names=["logits"],
-                      opset_version=opset, dynamo=False, dynamic_axes={"pixels": axes, "logits": {0: "batch"}})
-    return path
-
 
 @pytest.fixture(scope="module")
 def core() -> nn.Module:
@@ -86,7 +44,7 @@ def digit_images(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def nhwc_uint8(core, tmp_path_factory) -> Path:
     return export(Uint8ChannelsLast(core), torch.zeros(1, 16, 16, 3, dtype=torch.uint8),
-                  tmp_path_factory.mktemp("nhwc") / "keras-like.onnx")
+                  tmp_path_factory.mktemp("nhwc") / "keras-like.onnx", "pixels", ["logits"])
 
 
 def test_a_channels_last_uint8_classifier_is_optimized_and_answers_its_own_output_for_a_png(nhwc_uint8, digit_images,
@@ -123,7 +81,8 @@ def test_a_channels_last_uint8_classifier_is_optimized_and_answers_its_own_outpu
 
 
 def test_a_float16_input_and_an_old_opset_are_fed_inside_the_graph(core, tmp_path):
-    half = export(Float16(Core().eval()), torch.zeros(1, 3, 16, 16, dtype=torch.float16), tmp_path / "half.onnx")
+    half = export(Float16(Core().eval()), torch.zeros(1, 3, 16, 16, dtype=torch.float16), tmp_path / "half.onnx",
+                  "pixels", ["logits"])
     loaded = load_model(str(half))
     assert loaded.source["input_adapted"]["dtype"] == "float16"
     x = np.random.default_rng(0).random((3, 3, 16, 16), dtype=np.float32)
@@ -131,7 +90,8 @@ def test_a_float16_input_and_an_old_opset_are_fed_inside_the_graph(core, tmp_pat
     adapted = ort.InferenceSession(str(loaded.file)).run(None, {"pixels": x})[0]
     np.testing.assert_allclose(adapted, own, atol=2e-3)  # half precision, fused differently
 
-    old = export(Uint8ChannelsLast(core), torch.zeros(1, 16, 16, 3, dtype=torch.uint8), tmp_path / "opset9.onnx", 9)
+    old = export(Uint8ChannelsLast(core), torch.zeros(1, 16, 16, 3, dtype=torch.uint8), tmp_path / "opset9.onnx",
+                 "pixels", ["logits"], opset=9)
     loaded = load_model(str(old))  # Round, which feeding uint8 needs, came with opset 11
     assert (loaded.source["converted_from_opset"], loaded.source["opset"]) == (9, 11)
     pixels = np.random.default_rng(1).integers(0, 256, (2, 16, 16, 3), dtype=np.uint8)
@@ -143,7 +103,7 @@ def test_a_float16_input_and_an_old_opset_are_fed_inside_the_graph(core, tmp_pat
 
 def test_a_channels_last_input_shape_may_be_given_in_its_own_order(core, tmp_path):
     dynamic = export(Uint8ChannelsLast(core), torch.zeros(1, 16, 16, 3, dtype=torch.uint8), tmp_path / "dyn.onnx",
-                     dynamic_size=True)
+                     "pixels", ["logits"], dynamic_size=True)
     with pytest.raises(UserError, match="does not say what input it takes: give --input-shape"):
         load_model(str(dynamic))
     for given in ((24, 20, 3), (3, 24, 20)):  # H,W,C as the file has it, or C,H,W

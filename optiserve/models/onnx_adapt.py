@@ -16,6 +16,7 @@ from optiserve.models.onnx_graph import MIN_OPSET, GraphEdit, renamed_uses
 from optiserve.models.onnx_opset import default_opset
 
 UINT8, FLOAT16 = 2, 10  # onnx.TensorProto's element types
+DECODING_PREFIX = "optiserve/decoding/"  # the names of a detector head's appended nodes begin so
 
 
 @dataclass
@@ -110,13 +111,13 @@ def append_head(graph: AdaptedGraph, head, outputs: tuple[ModelOutput, ...], ima
     from onnx import helper
 
     model = graph.model
-    edit = GraphEdit(model, f"optiserve/{head.name}")
+    edit = GraphEdit(model, f"{DECODING_PREFIX}{head.name}")
     found, settings = head.append(edit, outputs, image_size)
     edit.nodes[-1].output[0] = "detections"
     model.graph.node.extend(edit.nodes)
     if any(o.name == "detections" for o in model.graph.output) or any("detections" in n.output for n in
                                                                        model.graph.node[:-len(edit.nodes)]):
-        raise UserError(f"the graph already has a tensor named 'detections'; optiserve names its decoded rows so")
+        raise UserError("the graph already has a tensor named 'detections'; optiserve names its decoded rows so")
     batch = model.graph.output[0].type.tensor_type.shape.dim[0]
     out = helper.make_tensor_value_info("detections", onnx.TensorProto.FLOAT, None)
     for d in (batch, settings["detections"], 6):

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import onnx
 from torch import nn
 
+from optiserve.models.onnx_adapt import DECODING_PREFIX
+
 _THROUGH = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Reshape", "Transpose"}
 
 
@@ -53,15 +55,16 @@ DETECTOR = QuantRecipe(
     "detector", ("Conv", "MatMul", "Gemm"), (), None, "static",
     "INT8 Conv/MatMul/Gemm (backbone and head); box decoding, scores, top-k and NMS in float — "
     "one INT8 scale across boxes in pixels and scores in [0, 1] would erase the scores",
-    "non-maximum suppression found in the graph")
+    "non-maximum suppression or a detector head's decoding found in the graph")
 
 
 RECIPES = {recipe.architecture: recipe for recipe in (CONVOLUTIONAL, TRANSFORMER, DETECTOR)}
 
 
 def has_nms(graph: onnx.GraphProto) -> bool:
-    """A NonMaxSuppression node: the graph post-processes detections."""
-    return any(node.op_type == "NonMaxSuppression" for node in graph.node)
+    """A NonMaxSuppression node, or a detector head's decoding appended here (a DETR head's has no
+    NMS): the graph post-processes detections."""
+    return any(node.op_type == "NonMaxSuppression" or node.name.startswith(DECODING_PREFIX) for node in graph.node)
 
 
 def has_attention(graph: onnx.GraphProto) -> bool:
