@@ -96,6 +96,6 @@ def test_output_kind_can_be_stated_and_is_refused_for_other_tasks(small_cnn_chec
         OptimizeConfig("small_cnn", output_kind="odds").validate()
     (tmp_path / "vectors.py").write_text("import torch\n\n\ndef build():\n"
                                          "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 8))\n")
-    with pytest.raises(UserError, match="--output-kind says what a classifier's output holds; .* is a embedding"):
+    with pytest.raises(UserError, match="--output-kind says what a classifier's or segmenter's scores hold; .* is run for embedding"):
         run_optimize(OptimizeConfig(f"{tmp_path}/vectors.py:build", task="embedding", output_kind="probabilities",
                                     input=InputOverrides((1, 16, 16)), out=str(tmp_path / "b"), progress=False))

@@ -290,3 +290,71 @@ def test_a_segmentation_onnx_file_of_any_size_is_served_at_the_size_given_as_onn
     assert logits["name"] == "logits" and logits["shape"] == [2, 2, 48, 48]
     np.testing.assert_allclose(data, expected, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(openvino, expected, rtol=1e-3, atol=1e-3)
+
+
+class InkMap(torch.nn.Module):
+    """A one-channel map, as text and edge detectors give: per pixel how much ink there is, as a
+    logit, or (`sigmoid`) as the probability, the way such a model often ends."""
+
+    def __init__(self, sigmoid: bool):
+        super().__init__()
+        self.smooth = torch.nn.Conv2d(3, 1, 3, padding=1)
+        torch.nn.init.constant_(self.smooth.weight, 8 / 27)
+        torch.nn.init.constant_(self.smooth.bias, -8 * INK)
+        self.sigmoid = sigmoid
+        self.register_buffer("mean", torch.tensor(SEG_INPUT.mean).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(SEG_INPUT.std).view(1, 3, 1, 1))
+
+    def forward(self, x):
+        logit = self.smooth(x * self.std + self.mean)
+        return torch.sigmoid(logit) if self.sigmoid else logit
+
+
+def one_channel_map(sigmoid: bool, path: Path) -> Path:
+    torch.onnx.export(InkMap(sigmoid).eval(), (torch.zeros(1, 3, 32, 32),), str(path), input_names=["image"],
+                      output_names=["map"], opset_version=13, dynamo=False,
+                      dynamic_axes={"image": {0: "batch"}, "map": {0: "batch"}})
+    return path
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's TorchScript-based ONNX exporter
+@pytest.mark.parametrize("sigmoid", [False, True], ids=["logits", "sigmoid"])
+def test_a_one_channel_map_is_a_binary_mask_at_a_threshold_judged_by_foreground_iou(sigmoid, digit_images, tmp_path):
+    model = one_channel_map(sigmoid, tmp_path / "ink-map.onnx")
+    manifest = run_optimize(OptimizeConfig(str(model), task="segmentation", dataset=f"imagefolder:{digit_images}",
+                                           int8=True, openvino=False, calib_size=32, latency_batch=2,
+                                           input=InputOverrides(mean=SEG_INPUT.mean, std=SEG_INPUT.std),
+                                           out=str(tmp_path / "art"), progress=False))
+    assert manifest["output_shape"] == [1, 32, 32] and manifest["classes"] == ["background", "foreground"]
+    assert manifest["output_kind"] == ("probabilities" if sigmoid else "logits")  # never a second sigmoid
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    fp32 = by_name["onnx-fp32"]["accuracy"]
+    assert fp32["foreground_only"] and fp32["miou_fp32"] == 1.0
+    int8 = by_name["onnx-int8"]["accuracy"]
+    assert by_name["onnx-int8"]["status"] == ("accepted" if int8["miou_fp32"] >= manifest["min_miou"] else "rejected")
+    assert "IoU of the foreground alone" in (tmp_path / "art" / "report.md").read_text()
+
+    upload = np.zeros((24, 40), np.uint8)
+    upload[6:18, 8:20] = 255
+    upload[8:16, 26:34] = 150  # fainter ink: more or less of it is foreground as the threshold moves
+    buffer = io.BytesIO()
+    Image.fromarray(upload).save(buffer, format="PNG")
+    from optiserve.data.image_input import image_to_input
+    from optiserve.tasks.segmentation import at_size
+
+    x = image_to_input(Image.fromarray(upload), InputSpec.from_dict(manifest["input"]))[None]
+    with torch.no_grad():
+        logit = InkMap(False)(torch.from_numpy(x)).numpy()[0, 0]
+    probability = 1 / (1 + np.exp(-logit))
+    with serving(tmp_path / "art", "--variants", "onnx-fp32") as (base, _):
+        answers = {t: httpx.post(f"{base}/predict", content=buffer.getvalue(), headers={"content-type": "image/png"},
+                                 params={} if t is None else {"threshold": t}) for t in (None, "0.3", "0.9", "2")}
+    assert answers["2"].status_code == 400 and "threshold must be a number from 0 to 1" in answers["2"].json()["error"]
+    for threshold, expected_threshold in ((None, 0.5), ("0.3", 0.3), ("0.9", 0.9)):
+        seg = answers[threshold].json()["segmentation"][0]
+        mask = np.asarray(Image.open(io.BytesIO(base64.b64decode(seg["mask"]))))
+        want = at_size((probability >= expected_threshold).astype(np.uint8), (40, 24))
+        assert mask.shape == (24, 40) and (mask == want).mean() > 0.999, threshold
+        assert seg["class_fractions"].get("foreground", 0) == pytest.approx(want.mean(), abs=1e-6)
+    fractions = [answers[t].json()["segmentation"][0]["class_fractions"]["foreground"] for t in ("0.3", None, "0.9")]
+    assert fractions[0] > fractions[1] > fractions[2] > 0

@@ -82,3 +82,35 @@ def test_segmentation_answers_a_png_mask_at_the_uploaded_size_with_class_fractio
     shadow = raw.copy()
     shadow[0, 1, 0, 0] = 5.0                         # one pixel of 16 differs: 94% < the 99% agreement bar
     assert task.agreed(raw, raw) == 1 and task.agreed(raw, shadow) == 0
+
+
+def test_a_task_s_declarations_make_the_predict_schema_and_the_optimizer_s_flags():
+    """Adding a task is its module and its registration: /predict's OpenAPI parameters and optimize's
+    gate flags follow from what the tasks declare (a fresh interpreter, so the registry stays ours)."""
+    import json
+    import subprocess
+    import sys
+
+    script = """
+import json
+from optiserve.tasks import GateMinimum, Parameter, Task, register_task
+
+class Depth(Task):
+    name = "depth"
+    parameters = (Parameter("max_depth", "fraction", "the farthest depth answered (depth)", 1.0),)
+    gate_minimum = GateMinimum("min_miou", "mIoU of the near/far masks against fp32's")
+
+register_task(Depth())
+from optiserve.serve.routes_predict import PREDICT_OPERATION
+from optiserve.cli import build_parser
+optimize = next(a for a in build_parser()._subparsers._group_actions[0].choices["optimize"]._actions
+                if "--task" in a.option_strings)
+print(json.dumps({"query": {p["name"]: p["schema"] for p in PREDICT_OPERATION["parameters"]},
+                  "tasks": list(optimize.choices)}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["query"]["max_depth"] == {"type": "number", "minimum": 0, "maximum": 1, "default": 1.0}
+    assert {"top_k", "normalize", "score_threshold", "threshold"} <= set(found["query"])
+    assert "depth" in found["tasks"]

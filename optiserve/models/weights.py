@@ -328,7 +328,8 @@ def _task_classes(task: str, labels: list[str] | None, known: list[str] | None, 
     """The class names of a task whose outputs are classes (see `_classes`); other tasks have none,
     and refuse --labels."""
     if get_task(task).has_classes:
-        return _classes(labels, known, width, name)
+        count = get_task(task).class_count(width)
+        return _classes(labels, known or get_task(task).default_class_names(width), count, name)
     if get_task(task).class_ids:  # the output holds class ids: names from --labels or the source
         return list(labels or known or [])
     if labels:

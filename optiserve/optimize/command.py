@@ -6,7 +6,7 @@ import argparse
 
 from optiserve.data import DATASET_CHOICES
 from optiserve.models import RESIZE_MODES, InputOverrides, list_models
-from optiserve.tasks import list_tasks
+from optiserve.tasks import gate_minimums, list_tasks
 from optiserve.tasks.output_kinds import get_output_kind, list_output_kinds
 from optiserve.models.detector_heads import get_head, list_heads
 from optiserve.models.weights import WEIGHT_CHOICES
@@ -68,18 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        f"{h}: {get_head(h).layout}" for h in list_heads()) +
                    " (default auto: read from the output shapes). Decoding and NMS are appended to the graph")
     p.add_argument("--output-kind", default="auto", choices=["auto", *list_output_kinds()],
-                   help="classification: what the output holds — " + "; ".join(
+                   help="classification, segmentation: what the scores hold — " + "; ".join(
                        f"{k}: {get_output_kind(k).description}" for k in list_output_kinds()) +
                    " (default auto: recognised on fp32's outputs for the held-out images)")
-    p.add_argument("--min-cosine", type=float, default=DEFAULTS.min_cosine, metavar="C",
-                   help=f"embedding: reject variants whose mean cosine similarity to fp32's vectors is below C "
-                        f"(default {DEFAULTS.min_cosine:g})")
-    p.add_argument("--min-miou", type=float, default=DEFAULTS.min_miou, metavar="M",
-                   help=f"segmentation: reject variants whose mIoU against fp32's masks is below M "
-                        f"(default {DEFAULTS.min_miou:g})")
-    p.add_argument("--min-map", type=float, default=DEFAULTS.min_map, metavar="M",
-                   help=f"detection: reject variants whose mAP@0.5 against fp32's boxes is below M "
-                        f"(default {DEFAULTS.min_map:g})")
+    for task, minimum in gate_minimums():
+        p.add_argument(minimum.flag, type=float, default=getattr(DEFAULTS, minimum.name), metavar="M",
+                       help=f"{task}: reject variants whose {minimum.measure} is below M "
+                            f"(default {minimum.default:g})")
     p.add_argument("--masks", default=None, metavar="DIR",
                    help="segmentation: the true masks of --dataset imagefolder:PATH's images (DIR/IMAGE.png, "
                         "class ids); variants are then judged by mIoU against them")
@@ -143,8 +138,7 @@ def run(args: argparse.Namespace) -> int:
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
         num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, output_kind=args.output_kind,
         detection_head=args.detection_head,
-        min_cosine=args.min_cosine,
-        min_miou=args.min_miou, min_map=args.min_map, masks=args.masks, ignore_index=args.ignore_index, boxes=args.boxes,
+        **{minimum.name: getattr(args, minimum.name) for _, minimum in gate_minimums()}, masks=args.masks, ignore_index=args.ignore_index, boxes=args.boxes,
         input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),
     )
     manifest = run_optimize(cfg)

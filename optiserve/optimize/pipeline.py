@@ -38,7 +38,7 @@ from optiserve.optimize.quantize_torch import NothingQuantized, quantize_torch_d
 from optiserve.optimize.tensorrt import build_tensorrt_engine
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, materialize, predict, score
-from optiserve.tasks import GateLimits, get_task, list_tasks
+from optiserve.tasks import GateLimits, gate_minimums, get_task, list_tasks
 from optiserve.tasks.output_kinds import list_output_kinds, recognise_output_kind
 from optiserve.runtime import RuntimeOptions, Session, load_session
 from optiserve.runtime.openvino_backend import bf16_unavailable, companion_bin
@@ -82,17 +82,17 @@ class OptimizeConfig:
     task_output: str | None = None    # a model with several outputs: the one the task reads (None: the first)
     detection_head: str = "auto"      # detection from an ONNX file: rows | yolov5 | yolov8 | detr (auto: by shapes)
     output_kind: str = "auto"         # classification: logits | probabilities | log_probabilities (auto: recognised)
-    min_cosine: float = 0.99          # embedding: the least mean cosine similarity to fp32 accepted
-    min_miou: float = 0.90            # segmentation: the least mIoU against fp32's masks accepted
-    min_map: float = 0.90             # detection: the least mAP@0.5 against fp32's boxes accepted
+    min_cosine: float = GateLimits.min_cosine  # each task's gate minimum (tasks declare them: GateMinimum)
+    min_miou: float = GateLimits.min_miou
+    min_map: float = GateLimits.min_map
     masks: str | None = None          # segmentation: a folder of the images' true masks (class-id PNGs)
     ignore_index: int = 255           # a mask's value for pixels not to score
     boxes: str | None = None          # detection: a COCO-format file of the images' true boxes
 
     @property
     def gate_limits(self) -> GateLimits:
-        return GateLimits(max_accuracy_drop=self.max_accuracy_drop, min_cosine=self.min_cosine,
-                          min_miou=self.min_miou, min_map=self.min_map)
+        return GateLimits(max_accuracy_drop=self.max_accuracy_drop,
+                          **{minimum.name: getattr(self, minimum.name) for _, minimum in gate_minimums()})
 
     def validate(self) -> None:
         find_source(self.model)
@@ -100,12 +100,10 @@ class OptimizeConfig:
             raise UserError(f"unknown --task {self.task!r}; use {' | '.join(list_tasks())}")
         if self.output_kind != "auto" and self.output_kind not in list_output_kinds():
             raise UserError(f"unknown --output-kind {self.output_kind!r}; use auto, {', '.join(list_output_kinds())}")
-        if not -1.0 <= self.min_cosine <= 1.0:
-            raise UserError(f"--min-cosine must be in [-1, 1], got {self.min_cosine}")
-        if not 0.0 <= self.min_miou <= 1.0:
-            raise UserError(f"--min-miou must be in [0, 1], got {self.min_miou}")
-        if not 0.0 <= self.min_map <= 1.0:
-            raise UserError(f"--min-map must be in [0, 1], got {self.min_map}")
+        for _, minimum in gate_minimums():
+            if not minimum.low <= getattr(self, minimum.name) <= minimum.high:
+                raise UserError(f"{minimum.flag} must be in [{minimum.low:g}, {minimum.high:g}], got "
+                                f"{getattr(self, minimum.name)}")
         if self.num_classes is not None and self.num_classes < 1:
             raise UserError(f"--num-classes must be at least 1, got {self.num_classes}")
         if self.calib_method not in CALIB_METHODS:
@@ -259,9 +257,9 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     log = PassLog(steps, enabled=cfg.progress)
     with log.step(f"load {cfg.model} ({cfg.weights or 'default weights'})"):
         loaded = resolve_weights(cfg, log)
-        if cfg.output_kind != "auto" and loaded.task != "classification":
-            raise UserError(f"--output-kind says what a classifier's output holds; {cfg.model} is a {loaded.task} "
-                            f"model")
+        if cfg.output_kind != "auto" and not get_task(loaded.task).reads_output_kind:
+            raise UserError(f"--output-kind says what a classifier's or segmenter's scores hold; {cfg.model} is "
+                            f"run for {loaded.task}")
         if cfg.prune_channels is not None and loaded.outputs:
             raise UserError(f"--prune-channels fine-tunes a classifier's one output; {cfg.model} returns several "
                             f"({', '.join(o['name'] for o in loaded.outputs)}): use --prune (unstructured) instead")
@@ -300,15 +298,14 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                                        notes, attempts)
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
-            entries, timed = _validate(variants, stage, loaded, evalset, cfg, why_not, baseline, attempts)
+            entries, timed, kind = _validate(variants, stage, loaded, evalset, cfg, why_not, baseline, attempts)
             entries, picked = _pick_openvino_int8(entries, cfg.latency_batch, timed)
             notes += picked
             recommended = _recommend(entries, timed, cfg.latency_batch)
-            kind = _output_kind(loaded, cfg, timed.sessions[baseline], evalset)
             if kind.get("output_kind", "logits") != "logits":
                 notes.append(f"the model's output holds {kind['output_kind']} ({kind['output_kind_from']}): "
-                             f"/predict and the protocol's probabilities take them as they are, never through a "
-                             f"second softmax")
+                             f"/predict, the protocol's probabilities and the gate read them as they are, never "
+                             f"through a second softmax or sigmoid")
             del timed  # the sessions close once nothing holds them
             notes += _int8_comparison(entries, cfg.latency_batch)
             notes += _device_note(entries)
@@ -619,11 +616,13 @@ def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: O
         return predict(session, images, keep=keep)
 
     def run(fp32: str, int8: str, settings: dict) -> dict:
-        reference = logits(stage / fp32, evalset.images, task.reduce)
+        reading = _output_kind(loaded, cfg, logits(stage / fp32, evalset.images[:KIND_IMAGES]))
+        reduce = lambda raw: task.reduce(raw, reading)  # noqa: E731
+        reference = logits(stage / fp32, evalset.images, reduce)
         baseline = task.metrics(reference, reference, evalset.labels)
 
         def gate_on_test(path: Path):  # the same gate _validate applies, on the same test images
-            accuracy = task.metrics(logits(path, evalset.images, task.reduce), reference, evalset.labels)
+            accuracy = task.metrics(logits(path, evalset.images, reduce), reference, evalset.labels)
             return (*task.gate(accuracy, baseline, cfg.gate_limits, ""), task.headline(accuracy))
 
         out = keep_sensitive_layers_in_float(stage / fp32, stage / int8, batches, cfg.calib_method,
@@ -785,7 +784,7 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
     if baseline_name not in [v.name for v in variants]:
         raise RuntimeError(f"no {baseline_name} variant to validate the others against")
     # The baseline by name, validated first: every other variant is scored against it, whatever the order.
-    entries, sessions, reference, baseline = {}, {}, None, {}
+    entries, sessions, reference, baseline, reading = {}, {}, None, {}, {}
     task, limits = get_task(loaded.task), cfg.gate_limits
     for v in sorted(variants, key=lambda v: v.name != baseline_name):
         entry = {"name": v.name, "file": v.file, "backend": v.backend, "precision": v.precision,
@@ -799,7 +798,9 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
         row_name = f"{v.name} ({flow} flow)" if flow else v.name
         try:
             session = load_session(stage / v.file, entry, base_manifest, options)
-            logits = predict(session, evalset.images, keep=task.reduce)
+            if v.name == baseline_name:  # what its scores hold decides how every variant's are read
+                reading = _output_kind(loaded, cfg, session.run(evalset.images[:KIND_IMAGES]))
+            logits = predict(session, evalset.images, keep=lambda raw: task.reduce(raw, reading))
         except Exception as e:  # built, but its engine cannot run it: said in the report, not fatal
             if v.name == baseline_name:
                 raise
@@ -826,7 +827,7 @@ def _validate(variants, stage, loaded, evalset: EvalSet, cfg: OptimizeConfig, wh
              for b, x in batches.items()}
     for name, entry in entries.items():
         entry["latency_ms"] = {b: statistics.median(times[b][name]) for b in times}
-    return [entries[v.name] for v in variants if v.name in entries], Timed(sessions, batches, times)
+    return [entries[v.name] for v in variants if v.name in entries], Timed(sessions, batches, times), reading
 
 
 def _sweep(stage: Path, entries: list[dict]) -> None:
@@ -843,16 +844,19 @@ def _sweep(stage: Path, entries: list[dict]) -> None:
             path.unlink()
 
 
-def _output_kind(loaded: LoadedModel, cfg: OptimizeConfig, baseline: Session, evalset: EvalSet) -> dict:
-    """A classifier's `output_kind` for the manifest, and how it was known: --output-kind, or
-    recognised on the baseline's outputs for held-out images. Nothing for the other tasks."""
-    if loaded.task != "classification":
+KIND_IMAGES = 256  # held-out images whose fp32 outputs say what the model's scores hold
+
+
+def _output_kind(loaded: LoadedModel, cfg: OptimizeConfig, outputs: np.ndarray) -> dict:
+    """`output_kind` for the manifest of a task whose scores may be logits or probabilities, and how it
+    was known: --output-kind, or recognised on the baseline's `outputs` for held-out images. Nothing
+    for the other tasks."""
+    if not get_task(loaded.task).reads_output_kind:
         return {}
     if cfg.output_kind != "auto":
         return {"output_kind": cfg.output_kind, "output_kind_from": "--output-kind"}
-    images = evalset.images[:256]
-    return {"output_kind": recognise_output_kind(baseline.run(images)),
-            "output_kind_from": f"recognised on fp32's outputs for {len(images)} held-out images"}
+    return {"output_kind": recognise_output_kind(outputs),
+            "output_kind_from": f"recognised on fp32's outputs for {len(outputs)} held-out images"}
 
 
 def _device_note(entries: list[dict]) -> list[str]:
@@ -896,9 +900,7 @@ def _manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_eval) -
         "accuracy_note": why_not or None,
         "baseline": BASELINE,
         "max_accuracy_drop": cfg.max_accuracy_drop,
-        "min_cosine": cfg.min_cosine,
-        "min_miou": cfg.min_miou,
-        "min_map": cfg.min_map,
+        **{minimum.name: getattr(cfg, minimum.name) for _, minimum in gate_minimums()},
         "latency_batch": cfg.latency_batch,
         "threads": usable_cores(),  # intra-op threads every variant was timed with
         "versions": artifacts.versions(),

@@ -7,12 +7,13 @@ from __future__ import annotations
 from fastapi import Request
 
 from optiserve.serve import VARIANT_HEADER, tracing
-from optiserve.serve.envelope import MAX_NAME_CHARS, predict_request, top_k
+from optiserve.serve.envelope import MAX_NAME_CHARS, predict_request
 from optiserve.serve.fast_routes import ServingApp
 from optiserve.serve.multipart import Part, boundary_of, parse_form, upload_and_variant
 from optiserve.serve.preprocess import image_size
 from optiserve.serve.responses import FastJSONResponse
 from optiserve.serve.server import ApiError, Server
+from optiserve.tasks import Task, task_parameters
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/bmp")
 
@@ -33,9 +34,7 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
         query = request.query_params
         with server.admitted(query.get("model"), query.get("variant"), request) as admission:
             model = admission.model
-            k = top_k(query.get("top_k"), len(model.classes))
-            normalize = _flag(query.get("normalize"), "normalize")
-            threshold = _fraction(query.get("score_threshold"), "score_threshold")
+            params = _task_parameters(model.task, query)
             if ctype == "multipart/form-data":
                 boundary = boundary_of(request.headers["content-type"])
                 upload, named = upload_and_variant(parse_form(await server.read_body(request, admission), boundary))
@@ -55,12 +54,13 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
                                              admission.hold_json)
                 if "variant" not in query:
                     server.reroute(admission, parsed.variant, request)
-                images, k = parsed.images, k or parsed.top_k
+                images = parsed.images
+                if params.get("top_k") is None:
+                    params["top_k"] = parsed.top_k
             (logits, *_), timing = await server.infer(admission, images, request=request)
         with tracing.span("response"):
-            answer = model.task.answer(logits, model.manifest, {"top_k": k or min(cfg.top_k, len(model.classes)),
-                                                                "normalize": normalize, "sizes": sizes,
-                                                                "score_threshold": threshold})
+            answer = model.task.answer(logits, model.manifest, {**params, "top_k": params.get("top_k") or cfg.top_k,
+                                                                "sizes": sizes})
             variant = admission.variant.name
             return FastJSONResponse({"model": model.name, "variant": variant, **answer,
                                      "latency_ms": timing}, headers={VARIANT_HEADER: variant},
@@ -69,28 +69,16 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
     app.add_fast_route("/predict", predict, PREDICT_OPERATION)
 
 
-def _flag(value: str | None, name: str) -> bool:
-    """A true/false query parameter (true, false, 1, 0; absent is false)."""
-    if value is None:
-        return False
-    if value.lower() in ("true", "1"):
-        return True
-    if value.lower() in ("false", "0"):
-        return False
-    raise ApiError(400, f"{name} must be true or false, got {value[:40]!r}")
-
-
-def _fraction(value: str | None, name: str) -> float | None:
-    """A number in [0, 1] from the query string (absent: None)."""
-    if value is None:
-        return None
-    try:
-        number = float(value[:40])
-    except ValueError:
-        number = float("nan")
-    if not 0.0 <= number <= 1.0:  # nan fails too
-        raise ApiError(400, f"{name} must be a number from 0 to 1, got {value[:40]!r}")
-    return number
+def _task_parameters(task: Task, query) -> dict:
+    """The query parameters the model's task declares, parsed (None where absent); another task's are
+    not this model's to read, and are left alone."""
+    params = {}
+    for parameter in task.parameters:
+        try:
+            params[parameter.name] = parameter.parse(query.get(parameter.name))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+    return params
 
 
 def _query(name: str, description: str, schema: dict) -> dict:
@@ -117,10 +105,7 @@ PREDICT_OPERATION = {
                    _query("variant", "the variant (default: the traffic split)", {"type": "string"}),
                    _query("priority", "1 (highest) to the model's priority levels; 0 or none: its default "
                           "(also the X-Priority header)", {"type": "integer", "minimum": 0}),
-                   _query("top_k", "classes per image (classification)", {"type": "integer", "minimum": 1}),
-                   _query("normalize", "L2-normalize the vectors (embedding)", {"type": "boolean"}),
-                   _query("score_threshold", "the least score of a box answered (detection; default 0.5)",
-                          {"type": "number", "minimum": 0, "maximum": 1})],
+                   *(_query(p.name, p.description, p.schema()) for p, _ in task_parameters())],
     "requestBody": {"required": True, "content": {
         "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
             "file": {"type": "string", "format": "binary"}, "variant": {"type": "string"}}}},

@@ -77,7 +77,7 @@ class ShadowRunner:
         finally:
             model.leave()
         seconds = time.perf_counter() - t0
-        agreed = model.task.agreed(logits, result.logits)
+        agreed = model.task.agreed(logits, result.logits, model.manifest)
         stats.record(agreed, len(images), 1000 * seconds)
         m = self.metrics
         m.shadow_agreement.labels(model.name, target.name, "true").inc(agreed)

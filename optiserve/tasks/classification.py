@@ -8,7 +8,7 @@ import numpy as np
 
 from optiserve.intervals import paired_accuracy_difference, wilson_interval
 from optiserve.tasks.output_kinds import get_output_kind
-from optiserve.tasks.registry import GateLimits, Task, register_task
+from optiserve.tasks.registry import GateLimits, Parameter, Task, register_task
 
 
 class Classification(Task):
@@ -16,6 +16,9 @@ class Classification(Task):
     outputs = ("logits", "probabilities")
     description = "one [N, K] tensor of class scores"
     has_classes = True
+    reads_output_kind = True
+    parameters = (Parameter("top_k", "count", "the most probable classes answered per image (classification; "
+                            "default: serve's --top-k)"),)
 
     def width(self, manifest: dict) -> int:
         return len(manifest["classes"])
@@ -91,13 +94,13 @@ class Classification(Task):
 
     def answer(self, raw, manifest, params) -> dict:
         classes = manifest["classes"]
-        k = params.get("top_k") or min(5, len(classes))
+        k = min(params.get("top_k") or 5, len(classes))
         probs = get_output_kind(manifest.get("output_kind")).probabilities(raw)
         order = np.argsort(-probs, axis=1)[:, :k]
         return {"predictions": [[{"class": classes[i], "index": int(i), "probability": float(p[i])} for i in row]
                                 for row, p in zip(order, probs)]}
 
-    def agreed(self, answered, shadow) -> int:
+    def agreed(self, answered, shadow, manifest=None) -> int:
         return int((answered.argmax(1) == shadow.argmax(1)).sum())
 
 

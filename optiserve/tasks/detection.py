@@ -10,7 +10,7 @@ import numpy as np
 
 from optiserve.input_spec import InputSpec, placement
 from optiserve.intervals import bootstrap_interval, format_difference, paired_bootstrap_difference
-from optiserve.tasks.registry import GateLimits, Task, register_task
+from optiserve.tasks.registry import GateLimits, GateMinimum, Parameter, Task, register_task
 
 TRUTH_SCORE = 0.5   # fp32's boxes scoring at least this are the truth a variant's boxes are matched to
 RESAMPLES = 500     # bootstrap resamples of the images for an interval (each computes mAP afresh)
@@ -126,6 +126,9 @@ class Detection(Task):
     class_ids = True
     answers_at_upload_size = True
     resize_modes = ("stretch", "letterbox")
+    gate_minimum = GateMinimum("min_map", "mAP@0.5 against fp32's boxes")
+    parameters = (Parameter("score_threshold", "fraction", "the least score of a box answered (detection)",
+                            SCORE_THRESHOLD),)
     disagreement_name = "1 - mAP@0.5 against the reference's boxes"
     disagreement_limit = 0.01
 
@@ -240,7 +243,7 @@ class Detection(Task):
         classes = manifest.get("classes") or []
         spec = InputSpec.from_dict(manifest["input"])
         threshold = params.get("score_threshold")
-        threshold = SCORE_THRESHOLD if threshold is None else threshold
+        threshold = SCORE_THRESHOLD if threshold is None else threshold  # a caller that passes nothing
         sizes = params.get("sizes") or [None] * len(raw)
         answers = []
         for rows, size in zip(boxes_at_least(raw, threshold), sizes):
@@ -257,7 +260,7 @@ class Detection(Task):
             answers.append(found)
         return {"detections": answers}
 
-    def agreed(self, answered, shadow) -> int:
+    def agreed(self, answered, shadow, manifest=None) -> int:
         """Images where the shadow finds the same boxes scoring at least SCORE_THRESHOLD: each of
         either's matched to one of the other's, same class, at MATCH_IOU or above."""
         same = 0

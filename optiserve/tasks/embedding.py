@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from optiserve.intervals import mean_interval
-from optiserve.tasks.registry import GateLimits, Task, register_task
+from optiserve.tasks.registry import GateLimits, GateMinimum, Parameter, Task, register_task
 
 AGREE_COSINE = 0.99  # a shadow's vector agrees with the answer's at this cosine or above
 
@@ -33,6 +33,8 @@ class Embedding(Task):
     outputs = ("embedding",)
     description = "one [N, D] tensor of vectors (retrieval, similarity, re-identification)"
     output_form = "[N, D]"
+    gate_minimum = GateMinimum("min_cosine", "mean cosine similarity to fp32's vectors", low=-1.0)
+    parameters = (Parameter("normalize", "flag", "scale each vector to unit length (embedding)", False),)
 
     def width(self, manifest: dict) -> int:
         return int(manifest["output_width"])
@@ -85,7 +87,7 @@ class Embedding(Task):
             vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         return {"embedding": [[float(v) for v in row] for row in vectors]}
 
-    def agreed(self, answered, shadow) -> int:
+    def agreed(self, answered, shadow, manifest=None) -> int:
         return int((cosine(answered, shadow) >= AGREE_COSINE).sum())
 
 

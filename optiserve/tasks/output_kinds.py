@@ -1,8 +1,10 @@
-"""What a classifier's [N, K] output holds: logits, probabilities (a model that ends in softmax) or
-log-probabilities (log-softmax). `optimize` recognises it on the model's own outputs for held-out
+"""What a model's class scores hold, along axis 1 of a classifier's [N, K] or a segmenter's
+[N, K, H, W] output: logits, probabilities (a model that ends in softmax, or in a sigmoid for one
+channel) or log-probabilities. `optimize` recognises it on the model's own outputs for held-out
 images (or takes `--output-kind`) and records it in the manifest as `output_kind`; the server's
-answers and the protocol's `probabilities` output turn it into probabilities the way it says, so a
-model that already gives probabilities is never put through a second softmax.
+answers, the protocol's `probabilities` output and a one-channel map's threshold turn it into
+probabilities the way it says, so a model that already gives probabilities is never put through a
+second softmax or sigmoid.
 
 Adding a kind is one `register_output_kind` call.
 """
@@ -21,16 +23,24 @@ SIGN_TOLERANCE = 1e-6  # probabilities below -this, or log-probabilities above i
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
+    """Probabilities along axis 1: softmax over the classes, or for one channel (a foreground
+    score) the sigmoid, its two-class form."""
+    if logits.shape[1] == 1:
+        return 1.0 / (1.0 + np.exp(-logits))
     z = logits - logits.max(1, keepdims=True)
     e = np.exp(z)
     return e / e.sum(1, keepdims=True)
 
 
 def _are_probabilities(out: np.ndarray) -> bool:
+    if out.shape[1] == 1:
+        return bool((out >= -SIGN_TOLERANCE).all() and (out <= 1 + SIGN_TOLERANCE).all())
     return bool((out >= -SIGN_TOLERANCE).all() and np.allclose(out.sum(1), 1.0, atol=SUM_TOLERANCE))
 
 
 def _are_log_probabilities(out: np.ndarray) -> bool:
+    if out.shape[1] == 1:
+        return bool((out <= SIGN_TOLERANCE).all())
     return bool((out <= SIGN_TOLERANCE).all() and np.allclose(np.exp(out).sum(1), 1.0, atol=SUM_TOLERANCE))
 
 
@@ -38,7 +48,7 @@ def _are_log_probabilities(out: np.ndarray) -> bool:
 class OutputKind:
     name: str
     description: str
-    probabilities: Callable[[np.ndarray], np.ndarray]   # a batch's raw [N, K] output -> probabilities
+    probabilities: Callable[[np.ndarray], np.ndarray]   # a batch's raw [N, K, ...] output -> probabilities
     matches: Callable[[np.ndarray], bool]               # whether outputs on real images look like this kind
 
 
@@ -58,17 +68,20 @@ def list_output_kinds() -> list[str]:
     return _KINDS.names()
 
 
-register_output_kind(OutputKind("logits", "unnormalised class scores (softmax gives the probabilities)",
+register_output_kind(OutputKind("logits", "unnormalised class scores (softmax gives the probabilities; sigmoid for "
+                                "one channel)",
                                 softmax, lambda out: True))
-register_output_kind(OutputKind("probabilities", "every row non-negative and summing to 1 (a model ending in softmax)",
+register_output_kind(OutputKind("probabilities", "non-negative and summing to 1 over the classes (a model ending "
+                                "in softmax; one channel: in 0..1, a sigmoid)",
                                 lambda out: out, _are_probabilities))
-register_output_kind(OutputKind("log_probabilities", "every row's exp sums to 1 (a model ending in log-softmax)",
+register_output_kind(OutputKind("log_probabilities", "exp sums to 1 over the classes (a model ending in "
+                                "log-softmax; one channel: log-sigmoid)",
                                 np.exp, _are_log_probabilities))
 
 DETECTION_ORDER = ("probabilities", "log_probabilities", "logits")  # the most specific first; logits match anything
 
 
 def recognise_output_kind(outputs: np.ndarray) -> str:
-    """The kind a classifier's raw outputs on real images are: the first of DETECTION_ORDER they match."""
+    """The kind a model's raw class scores on real images are: the first of DETECTION_ORDER they match."""
     outputs = np.asarray(outputs, dtype=np.float64)
     return next(name for name in DETECTION_ORDER if get_output_kind(name).matches(outputs))

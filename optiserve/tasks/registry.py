@@ -24,6 +24,62 @@ class GateLimits:
     min_map: float = 0.90            # detection: mAP@0.5 with fp32's boxes as the truth
 
 
+@dataclass(frozen=True)
+class Parameter:
+    """A `/predict` query parameter a task's answer takes: declared once, parsed and documented
+    (the OpenAPI schema) from here."""
+
+    name: str
+    kind: str            # "count" (an integer >= 1), "fraction" (a number in [0, 1]) or "flag" (true/false)
+    description: str
+    default: object = None
+
+    def parse(self, text: str | None):
+        """The value of the query string's `text` (None when absent); ValueError says what is wrong."""
+        if text is None:
+            return self.default
+        text = text[:40]
+        if self.kind == "flag":
+            if text.lower() in ("true", "1", "false", "0"):
+                return text.lower() in ("true", "1")
+            raise ValueError(f"{self.name} must be true or false, got {text!r}")
+        if self.kind == "count":
+            if text.isascii() and text.strip().isdigit() and int(text) >= 1:
+                return int(text)
+            raise ValueError(f"{self.name} must be a positive integer, got {text!r}")
+        try:
+            number = float(text)
+        except ValueError:
+            number = float("nan")
+        if not 0.0 <= number <= 1.0:  # nan fails too
+            raise ValueError(f"{self.name} must be a number from 0 to 1, got {text!r}")
+        return number
+
+    def schema(self) -> dict:
+        schema = {"count": {"type": "integer", "minimum": 1}, "flag": {"type": "boolean"},
+                  "fraction": {"type": "number", "minimum": 0, "maximum": 1}}[self.kind]
+        return {**schema, "default": self.default} if self.default is not None else schema
+
+
+@dataclass(frozen=True)
+class GateMinimum:
+    """The least a task's measure against fp32's own answers may be for a variant to be accepted:
+    a `GateLimits` field, which `optimize` takes as a flag of the same name (--min-map)."""
+
+    name: str           # the GateLimits (and optimize's config) field, e.g. "min_map"
+    measure: str        # what is compared, as the flag's help says it
+    low: float = 0.0    # the range a value must be in
+    high: float = 1.0
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def default(self) -> float:
+        return getattr(GateLimits(), self.name)
+
+
 class Task:
     """One task. Subclasses set `name`, `outputs` (protocol output names) and implement the methods."""
 
@@ -40,6 +96,18 @@ class Task:
     # measure, `disagreement`, which a copy must keep within `disagreement_limit`.
     disagreement_name: str | None = None
     disagreement_limit: float = 0.0
+    reads_output_kind: bool = False      # whether its class scores may be logits, probabilities... (output_kinds.py)
+    parameters: tuple[Parameter, ...] = ()  # what `/predict` takes for its answer
+    gate_minimum: GateMinimum | None = None  # judged against fp32 alone: the least its measure may be
+
+    def class_count(self, width: int) -> int:
+        """How many class names an output `width` wide has (a one-channel map has two: not, and is)."""
+        return width
+
+    def default_class_names(self, width: int) -> list[str] | None:
+        """The class names of an output `width` wide when neither --labels nor the source name them
+        (None: 0..K-1)."""
+        return None
 
     def width(self, manifest: dict) -> int:
         """The output's size along its first axis after the batch (classes, dimensions)."""
@@ -58,8 +126,9 @@ class Task:
         `disagreement_name` says what that is."""
         raise NotImplementedError
 
-    def reduce(self, raw: np.ndarray) -> np.ndarray:
-        """What validation keeps of a batch's raw output to judge it (the output itself, or less)."""
+    def reduce(self, raw: np.ndarray, manifest: dict | None = None) -> np.ndarray:
+        """What validation keeps of a batch's raw output to judge it (the output itself, or less), read
+        as `manifest` says (its `output_kind`)."""
         return raw
 
     def metrics(self, out: np.ndarray, reference: np.ndarray, labels: np.ndarray | None) -> dict:
@@ -96,11 +165,12 @@ class Task:
         raise NotImplementedError
 
     def answer(self, raw: np.ndarray, manifest: dict, params: dict) -> dict:
-        """`/predict`'s answer for a batch's raw output: {task key: one entry per image}. `params`: top_k,
-        normalize, and `sizes` (each image's uploaded (width, height), or None) for tasks that answer at that size."""
+        """`/predict`'s answer for a batch's raw output: {task key: one entry per image}. `params`: the
+        task's `parameters` by name (None where not given), and `sizes` (each image's uploaded (width,
+        height), or None) for tasks that answer at that size."""
         raise NotImplementedError
 
-    def agreed(self, answered: np.ndarray, shadow: np.ndarray) -> int:
+    def agreed(self, answered: np.ndarray, shadow: np.ndarray, manifest: dict | None = None) -> int:
         """How many rows a shadow variant's output agrees with the answer on."""
         raise NotImplementedError
 
@@ -119,3 +189,25 @@ def get_task(name: str | None) -> Task:
 
 def list_tasks() -> list[str]:
     return _TASKS.names()
+
+
+def gate_minimums() -> list[tuple[str, GateMinimum]]:
+    """Each gate minimum the tasks declare, with the tasks that judge by it ("segmentation, depth"):
+    `optimize`'s flags and their checks follow from these."""
+    found: dict[str, tuple[list[str], GateMinimum]] = {}
+    for name in list_tasks():
+        minimum = get_task(name).gate_minimum
+        if minimum is not None:
+            found.setdefault(minimum.name, ([], minimum))[0].append(name)
+    return [(", ".join(tasks), minimum) for tasks, minimum in found.values()]
+
+
+def task_parameters() -> list[tuple[Parameter, list[str]]]:
+    """Every `/predict` parameter a task declares, with the tasks that take it (one name, one meaning)."""
+    found: dict[str, tuple[Parameter, list[str]]] = {}
+    for name in list_tasks():
+        for parameter in get_task(name).parameters:
+            if parameter.name in found and found[parameter.name][0] != parameter:
+                raise ValueError(f"tasks declare /predict parameter {parameter.name!r} two ways")
+            found.setdefault(parameter.name, (parameter, []))[1].append(name)
+    return list(found.values())

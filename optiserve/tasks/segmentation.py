@@ -1,6 +1,9 @@
-"""Segmentation: [N, K, H, W] class scores per pixel. Judged against fp32's own masks (pixel
-agreement, and mIoU with fp32's masks as the truth, each with a 95% interval over images), and
-where the images have true masks by mIoU against them (the paired difference from fp32's); answered with the mask as a PNG of class ids at the uploaded image's size and each class's share
+"""Segmentation: [N, K, H, W] class scores per pixel, or a one-channel map [N, 1, H, W] (text,
+edges, foreground: logits or a sigmoid's probabilities, as `output_kind` says) whose mask is the
+pixels at or above a threshold. Judged against fp32's own masks (pixel agreement, and mIoU — a
+map's foreground IoU — with fp32's masks as the truth, each with a 95% interval over images), and
+where the images have true masks by mIoU against them (the paired difference from fp32's);
+answered with the mask as a PNG of class ids at the uploaded image's size and each class's share
 of the pixels."""
 
 from __future__ import annotations
@@ -11,13 +14,21 @@ import io
 import numpy as np
 
 from optiserve.intervals import bootstrap_interval, format_difference, mean_interval, paired_bootstrap_difference
-from optiserve.tasks.registry import GateLimits, Task, register_task
+from optiserve.tasks.output_kinds import get_output_kind
+from optiserve.tasks.registry import GateLimits, GateMinimum, Parameter, Task, register_task
 
 AGREE_PIXELS = 0.99  # a shadow's mask agrees with the answer's when at least this share of pixels match
+MAP_THRESHOLD = 0.5  # a one-channel map's pixel is foreground at this probability or above (?threshold=)
 
 
-def masks(raw: np.ndarray) -> np.ndarray:
-    """[N, K, H, W] scores -> [N, H, W] class ids (uint8 for up to 256 classes, else uint16)."""
+def masks(raw: np.ndarray, manifest: dict | None = None, threshold: float | None = None) -> np.ndarray:
+    """[N, K, H, W] scores -> [N, H, W] class ids (uint8 for up to 256 classes, else uint16); a
+    one-channel map [N, 1, H, W] -> a boolean foreground mask, its probability (by the manifest's
+    `output_kind`) at `threshold` or above."""
+    if raw.shape[1] == 1:
+        kind = get_output_kind((manifest or {}).get("output_kind"))
+        return kind.probabilities(raw[:, :1].astype(np.float32))[:, 0] >= (
+            MAP_THRESHOLD if threshold is None else threshold)
     return raw.argmax(1).astype(np.uint8 if raw.shape[1] <= 256 else np.uint16)
 
 
@@ -35,10 +46,13 @@ def overlaps(out: np.ndarray, reference: np.ndarray, k: int) -> tuple[np.ndarray
     return inter, union
 
 
-def mean_iou(inter: np.ndarray, union: np.ndarray) -> float:
-    """Mean over the classes present in either mask set of intersection / union summed over images."""
+def mean_iou(inter: np.ndarray, union: np.ndarray, foreground_only: bool = False) -> float:
+    """Mean over the classes present in either mask set of intersection / union summed over images;
+    with `foreground_only` (a one-channel map's masks) the IoU of class 1 alone."""
     i, u = inter.sum(0), union.sum(0)
     present = u > 0
+    if foreground_only:
+        present = present & (np.arange(len(u)) == 1)
     return float((i[present] / u[present]).mean()) if present.any() else 1.0
 
 
@@ -71,6 +85,16 @@ class Segmentation(Task):
     has_classes = True
     answers_at_upload_size = True
     resize_modes = ("stretch",)
+    reads_output_kind = True
+    gate_minimum = GateMinimum("min_miou", "mIoU against fp32's masks")
+    parameters = (Parameter("threshold", "fraction", "the least probability of a foreground pixel (segmentation "
+                            "with a one-channel map)", MAP_THRESHOLD),)
+
+    def class_count(self, width: int) -> int:
+        return 2 if width == 1 else width
+
+    def default_class_names(self, width: int) -> list[str] | None:
+        return ["background", "foreground"] if width == 1 else None
 
     def width(self, manifest: dict) -> int:
         return len(manifest["classes"])
@@ -78,14 +102,17 @@ class Segmentation(Task):
     def output_shape(self, manifest: dict) -> list[int]:
         return [int(v) for v in manifest["output_shape"]]
 
-    def reduce(self, raw: np.ndarray) -> np.ndarray:
-        return masks(raw)
+    def reduce(self, raw: np.ndarray, manifest: dict | None = None) -> np.ndarray:
+        return masks(raw, manifest)
 
     def metrics(self, out, reference, labels) -> dict:
         """`out` and `reference` are masks (`reduce`); `labels`, where given, the true masks [N, H, W]
         (-1: not scored): mIoU against them and its paired difference from fp32's. Image-level class
-        labels do not judge masks."""
+        labels do not judge masks. A one-channel map's masks (boolean) are judged by the IoU of their
+        foreground: the background's would flatter a map that is mostly background."""
         n = len(out)
+        binary = out.dtype == bool
+        mean_iou_of = (lambda inter, union: mean_iou(inter, union, foreground_only=True)) if binary else mean_iou
         truth = labels if labels is not None and labels.ndim == 3 else None
         k = int(max(out.max(initial=0), reference.max(initial=0),
                     truth.max(initial=0) if truth is not None else 0)) + 1
@@ -93,17 +120,20 @@ class Segmentation(Task):
         inter, union = overlaps(out, reference, k)
         metrics = {"pixel_agreement": float(agree.mean()),
                    "pixel_agreement_ci95": mean_interval(agree),
-                   "miou_fp32": mean_iou(inter, union),
-                   "miou_fp32_ci95": bootstrap_interval(n, lambda idx: mean_iou(inter[idx], union[idx])),
+                   "miou_fp32": mean_iou_of(inter, union),
+                   "miou_fp32_ci95": bootstrap_interval(n, lambda idx: mean_iou_of(inter[idx], union[idx])),
                    "images": n}
+        if binary:
+            metrics["foreground_only"] = True
         if truth is not None:
             ours = overlaps(out, truth, k)
-            metrics["miou"] = mean_iou(*ours)
-            metrics["miou_ci95"] = bootstrap_interval(n, lambda idx: mean_iou(ours[0][idx], ours[1][idx]))
+            metrics["miou"] = mean_iou_of(*ours)
+            metrics["miou_ci95"] = bootstrap_interval(n, lambda idx: mean_iou_of(ours[0][idx], ours[1][idx]))
             if out is not reference:
                 fp32 = overlaps(reference, truth, k)
                 metrics["vs_baseline"] = paired_bootstrap_difference(
-                    n, lambda idx: mean_iou(ours[0][idx], ours[1][idx]), lambda idx: mean_iou(fp32[0][idx], fp32[1][idx]))
+                    n, lambda idx: mean_iou_of(ours[0][idx], ours[1][idx]),
+                    lambda idx: mean_iou_of(fp32[0][idx], fp32[1][idx]))
         return metrics
 
     def headline(self, metrics) -> dict:
@@ -150,7 +180,10 @@ class Segmentation(Task):
                 "images have true masks (--masks), mIoU masks is against them and Δ mIoU its paired difference from "
                 f"fp32's in points; a variant is then accepted when it falls at most "
                 f"{manifest.get('max_accuracy_drop', 1.0):g} points (--max-accuracy-drop), otherwise when mIoU vs "
-                f"fp32 is at least {manifest.get('min_miou', 0.9):g} (--min-miou).")
+                f"fp32 is at least {manifest.get('min_miou', 0.9):g} (--min-miou)." + (
+                    f" The model gives a one-channel map: a pixel is foreground where its probability is at least "
+                    f"{MAP_THRESHOLD:g}, and mIoU is the IoU of the foreground alone."
+                    if manifest.get("output_shape", [0])[0] == 1 else ""))
 
     def protocol_output(self, name, raw, manifest) -> np.ndarray:
         return raw.astype(np.float32, copy=False)
@@ -159,17 +192,17 @@ class Segmentation(Task):
         classes = manifest["classes"]
         sizes = params.get("sizes") or [None] * len(raw)
         answers = []
-        for mask, size in zip(masks(raw), sizes):
-            mask = at_size(mask, size)
+        for mask, size in zip(masks(raw, manifest, params.get("threshold")), sizes):
+            mask = at_size(mask.astype(np.uint8) if mask.dtype == bool else mask, size)
             counts = np.bincount(mask.ravel(), minlength=len(classes))
             shares = {classes[i]: round(float(counts[i]) / mask.size, 6) for i in np.argsort(-counts) if counts[i]}
             answers.append({"mask": base64.b64encode(png_of(mask)).decode("ascii"), "width": int(mask.shape[1]),
                             "height": int(mask.shape[0]), "class_fractions": shares})
         return {"segmentation": answers}
 
-    def agreed(self, answered, shadow) -> int:
+    def agreed(self, answered, shadow, manifest=None) -> int:
         n = len(answered)
-        same = (masks(answered).reshape(n, -1) == masks(shadow).reshape(n, -1)).mean(1)
+        same = (masks(answered, manifest).reshape(n, -1) == masks(shadow, manifest).reshape(n, -1)).mean(1)
         return int((same >= AGREE_PIXELS).sum())
 
 
