@@ -98,8 +98,8 @@ class Core(nn.Module):
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                                      nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
-        self.head = nn.Linear(32, 10)
+                                      nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4))
+        self.head = nn.Linear(32 * 16, 10)
 
     def forward(self, x):
         return self.head(self.features(x).flatten(1))

@@ -101,8 +101,9 @@ def test_a_float16_input_and_an_old_opset_are_fed_inside_the_graph(core, tmp_pat
     np.testing.assert_allclose(adapted, own, atol=1e-6)
 
 
-def test_a_channels_last_input_shape_may_be_given_in_its_own_order(core, tmp_path):
-    dynamic = export(Uint8ChannelsLast(core), torch.zeros(1, 16, 16, 3, dtype=torch.uint8), tmp_path / "dyn.onnx",
+def test_a_channels_last_input_shape_may_be_given_in_its_own_order(tmp_path):
+    any_size = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+    dynamic = export(Uint8ChannelsLast(any_size), torch.zeros(1, 16, 16, 3, dtype=torch.uint8), tmp_path / "dyn.onnx",
                      "pixels", ["logits"], dynamic_size=True)
     with pytest.raises(UserError, match="does not say what input it takes: give --input-shape"):
         load_model(str(dynamic))
