@@ -10,7 +10,8 @@ from optiserve.tasks import gate_minimums, list_tasks
 from optiserve.tasks.output_kinds import get_output_kind, list_output_kinds
 from optiserve.models.detector_heads import get_head, list_heads
 from optiserve.models.weights import WEIGHT_CHOICES
-from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+from optiserve.optimize.config import OptimizeConfig
+from optiserve.optimize.pipeline import run_optimize
 from optiserve.optimize.report import recommendation_line, summary_header, summary_rows
 from optiserve.optimize.architecture import RECIPES
 from optiserve.optimize.quantize_ort import CALIB_METHODS

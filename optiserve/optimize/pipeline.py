@@ -1,12 +1,11 @@
-"""`optimize`: model -> fused -> TorchScript / ONNX / INT8 variants -> validated artifact folder."""
+"""`optimize`: model -> fused -> TorchScript / ONNX / INT8 variants -> validated artifact folder.
+The run's configuration is optimize/config.py's, its manifest optimize/manifest.py's."""
 
 from __future__ import annotations
 
 import copy
 import shutil
-import importlib.util
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,15 +15,17 @@ import torch
 from optiserve import artifacts
 from optiserve.data import DatasetSplits, load_dataset
 from optiserve.errors import UserError, first_line
-from optiserve.machine import cpu_facts, usable_cores
-from optiserve.models import InputOverrides, LoadedModel, find_source, load_model, model_slug, read_labels
+from optiserve.machine import usable_cores
+from optiserve.models import LoadedModel, load_model, read_labels
 from optiserve.models.onnx_file import is_onnx_file
 from optiserve.models.sources import is_registered
 from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
 from optiserve.optimize.attempts import LOG_FILE, Attempts
-from optiserve.optimize.architecture import RECIPES, QuantRecipe, recipe_for_module, recipe_for_onnx
+from optiserve.optimize.config import OptimizeConfig  # noqa: F401  importers take it from here too
+from optiserve.optimize.manifest import BASELINE, build_manifest, device_note, int8_comparison
+from optiserve.optimize.architecture import QuantRecipe, recipe_for_module, recipe_for_onnx
 from optiserve.optimize.calibrate import calibration_batches
-from optiserve.optimize.export_onnx import OPSET, OUTPUT_NAME, export_onnx
+from optiserve.optimize.export_onnx import OPSET, export_onnx
 from optiserve.optimize.outputs import as_arrays, max_abs_diff
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
 from optiserve.models.onnx_opset import INT8_OPSET, at_least_opset
@@ -33,125 +34,19 @@ from optiserve.optimize.progress import PassLog
 from optiserve.optimize.report import render_report
 from optiserve.optimize.prune import compressed_size, prune_unstructured
 from optiserve.optimize.prune_channels import count_flops, prune_channels
-from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
+from optiserve.optimize.quantize_ort import quantize_onnx_static
 from optiserve.optimize.quantize_torch import NothingQuantized, quantize_torch_dynamic, quantize_torch_fx
 from optiserve.optimize.tensorrt import build_tensorrt_engine
 from optiserve.optimize.trace import save_torchscript, trace_torchscript
 from optiserve.optimize.validate import EvalSet, materialize, predict, score
-from optiserve.tasks import GateLimits, gate_minimums, get_task, list_tasks
-from optiserve.tasks.output_kinds import list_output_kinds, recognise_output_kind
+from optiserve.tasks import get_task
+from optiserve.tasks.output_kinds import recognise_output_kind
 from optiserve.runtime import RuntimeOptions, Session, load_session
 from optiserve.runtime.openvino_backend import bf16_unavailable, companion_bin
-from optiserve.runtime.openvino_backend import _unavailable as openvino_unavailable
 from optiserve.runtime.fastest import choose_fastest
 from optiserve.runtime.timing import interleaved_times
-from optiserve.runtime.torch_backends import TorchSession, bf16_unavailable as torch_bf16_unavailable
-from optiserve.runtime.torch_backends import tensorrt_unavailable, torch_device
+from optiserve.runtime.torch_backends import TorchSession, bf16_unavailable as torch_bf16_unavailable, torch_device
 from optiserve.train.finetune import fine_tune
-
-BASELINE = "fp32"
-
-
-@dataclass
-class OptimizeConfig:
-    model: str
-    weights: str | None = None        # None: the trained digits checkpoint (trained on demand) or the model default
-    dataset: str = "digits"
-    int8: bool = False
-    prune: float | None = None            # unstructured sparsity in (0, 1)
-    prune_channels: float | None = None   # fraction of channels removed in (0, 1)
-    finetune_epochs: int = 5
-    tensorrt: bool = False
-    fp16: bool = False
-    onnx: bool = True
-    openvino: bool = True             # OpenVINO IR variants (built from the ONNX files)
-    calib_size: int = 256
-    calib_method: str = "minmax"
-    int8_recipe: str = "auto"         # auto: transformer where the graph has attention, else convolutional
-    max_accuracy_drop: float = 1.0    # percentage points of top-1
-    accuracy_aware: bool = True       # an ONNX INT8 variant that misses the gate keeps its most sensitive layers in float
-    max_float_layers: int = 8
-    latency_batch: int = 16
-    out: str | None = None
-    device: str = "auto"
-    progress: bool = True
-    num_classes: int | None = None    # for builders that take it (torchvision, timm, a callable with num_classes)
-    input: InputOverrides = field(default_factory=InputOverrides)  # --input-shape, --mean, --std
-    labels: str | None = None         # a file with one class name a line
-    task: str | None = None           # None: classification for one [N, K] output
-    task_output: str | None = None    # a model with several outputs: the one the task reads (None: the first)
-    detection_head: str = "auto"      # detection from an ONNX file: rows | yolov5 | yolov8 | detr (auto: by shapes)
-    output_kind: str = "auto"         # classification: logits | probabilities | log_probabilities (auto: recognised)
-    min_cosine: float = GateLimits.min_cosine  # each task's gate minimum (tasks declare them: GateMinimum)
-    min_miou: float = GateLimits.min_miou
-    min_map: float = GateLimits.min_map
-    masks: str | None = None          # segmentation: a folder of the images' true masks (class-id PNGs)
-    ignore_index: int = 255           # a mask's value for pixels not to score
-    boxes: str | None = None          # detection: a COCO-format file of the images' true boxes
-
-    @property
-    def gate_limits(self) -> GateLimits:
-        return GateLimits(max_accuracy_drop=self.max_accuracy_drop,
-                          **{minimum.name: getattr(self, minimum.name) for _, minimum in gate_minimums()})
-
-    def validate(self) -> None:
-        find_source(self.model)
-        if self.task is not None and self.task not in list_tasks():
-            raise UserError(f"unknown --task {self.task!r}; use {' | '.join(list_tasks())}")
-        if self.output_kind != "auto" and self.output_kind not in list_output_kinds():
-            raise UserError(f"unknown --output-kind {self.output_kind!r}; use auto, {', '.join(list_output_kinds())}")
-        for _, minimum in gate_minimums():
-            if not minimum.low <= getattr(self, minimum.name) <= minimum.high:
-                raise UserError(f"{minimum.flag} must be in [{minimum.low:g}, {minimum.high:g}], got "
-                                f"{getattr(self, minimum.name)}")
-        if self.num_classes is not None and self.num_classes < 1:
-            raise UserError(f"--num-classes must be at least 1, got {self.num_classes}")
-        if self.calib_method not in CALIB_METHODS:
-            raise UserError(f"unknown --calib-method {self.calib_method!r}; use {', '.join(CALIB_METHODS)}")
-        if self.int8_recipe != "auto" and self.int8_recipe not in RECIPES:
-            raise UserError(f"unknown --int8-recipe {self.int8_recipe!r}; use auto, {', '.join(RECIPES)}")
-        if self.calib_size < 1:
-            raise UserError(f"--calib-size must be at least 1, got {self.calib_size}")
-        if self.max_accuracy_drop < 0:
-            raise UserError(f"--max-accuracy-drop must be >= 0 points, got {self.max_accuracy_drop}")
-        for flag, value in (("--prune", self.prune), ("--prune-channels", self.prune_channels)):
-            if value is not None and not 0.0 < value < 1.0:
-                raise UserError(f"{flag} must be a fraction in (0, 1), e.g. 0.5; got {value}")
-        if is_onnx_file(self.model):
-            for flag, given in (("--prune", self.prune is not None), ("--prune-channels", self.prune_channels is not None),
-                                ("--tensorrt", self.tensorrt), ("--no-onnx", not self.onnx)):
-                if given:
-                    raise UserError(f"{flag} works on a torch model; {self.model} is an ONNX file (its variants are "
-                                    f"onnx-fp32, onnx-int8 and the OpenVINO ones)")
-        if self.prune_channels is not None and self.task not in (None, "classification"):
-            raise UserError("--prune-channels fine-tunes the pruned model as a classifier; with --task "
-                            f"{self.task} use --prune (unstructured) instead")
-        if (self.prune is not None or self.prune_channels is not None) and not self.onnx:
-            raise UserError("pruned variants are built as ONNX Runtime models; drop --no-onnx")
-        if self.openvino and self.onnx and (why := openvino_unavailable()):
-            raise UserError(f"the OpenVINO variants cannot be built here: {why}; or add --no-openvino")
-        if self.openvino and self.onnx and self.int8 and importlib.util.find_spec("nncf") is None:
-            raise UserError("openvino-int8 compares NNCF's quantization with the QDQ file, and the nncf package is "
-                            "not installed: pip install nncf, or add --no-openvino")
-        if self.fp16 and not self.tensorrt:
-            raise UserError("--fp16 builds a TensorRT FP16 engine; add --tensorrt")
-        torch_device(self.device)  # --device cuda without a GPU fails here, not after the build
-        if self.tensorrt and (why := tensorrt_unavailable()):
-            raise UserError(f"--tensorrt cannot run here: {why}")
-        if self.finetune_epochs < 0:
-            raise UserError(f"--finetune-epochs must be >= 0, got {self.finetune_epochs}")
-        if self.max_float_layers < 1:
-            raise UserError(f"--max-float-layers must be at least 1, got {self.max_float_layers}")
-        if self.latency_batch < 1:
-            raise UserError(f"--latency-batch must be at least 1, got {self.latency_batch}")
-
-    @property
-    def out_path(self) -> Path:
-        if self.out:
-            return Path(self.out)
-        data = Path(self.dataset.split(":", 1)[1]).name if ":" in self.dataset else self.dataset
-        return Path("artifacts") / f"{model_slug(self.model)}-{data}"
-
 
 @dataclass
 class Variant:
@@ -307,10 +202,10 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                              f"/predict, the protocol's probabilities and the gate read them as they are, never "
                              f"through a second softmax or sigmoid")
             del timed  # the sessions close once nothing holds them
-            notes += _int8_comparison(entries, cfg.latency_batch)
-            notes += _device_note(entries)
+            notes += int8_comparison(entries, cfg.latency_batch)
+            notes += device_note(entries)
         with log.step(f"write {out}"):
-            manifest = _manifest(loaded, data, entries, recommended, cfg, why_not, notes, len(evalset.images))
+            manifest = build_manifest(loaded, data, entries, recommended, cfg, why_not, notes, len(evalset.images))
             manifest["baseline"] = baseline
             manifest.update(kind)
             manifest["skipped"] = skipped
@@ -857,66 +752,6 @@ def _output_kind(loaded: LoadedModel, cfg: OptimizeConfig, outputs: np.ndarray) 
         return {"output_kind": cfg.output_kind, "output_kind_from": "--output-kind"}
     return {"output_kind": recognise_output_kind(outputs),
             "output_kind_from": f"recognised on fp32's outputs for {len(outputs)} held-out images"}
-
-
-def _device_note(entries: list[dict]) -> list[str]:
-    """Say so when variants were validated and timed on different devices (a GPU run with CPU-only INT8)."""
-    devices = {e["name"]: e["device"] for e in entries}
-    if len(set(devices.values())) < 2:
-        return []
-    return ["devices: " + ", ".join(f"{name} on {device}" for name, device in devices.items())
-            + " (PyTorch's INT8 kernels run on the CPU only; their latency is a CPU figure)"]
-
-
-def _int8_comparison(entries: list[dict], n: int) -> list[str]:
-    """Which INT8 flow is faster on this machine, at batch 1 and batch n."""
-    by_name = {e["name"]: e for e in entries}
-    if not {"onnx-int8", "torch-int8"} <= set(by_name):
-        return []
-    parts = []
-    for b in ("1", str(n)):
-        ort_ms, torch_ms = by_name["onnx-int8"]["latency_ms"][b], by_name["torch-int8"]["latency_ms"][b]
-        faster, ratio = ("onnx-int8", torch_ms / ort_ms) if ort_ms <= torch_ms else ("torch-int8", ort_ms / torch_ms)
-        parts.append(f"batch {b}: {faster} {ratio:.2f}× faster ({ort_ms:.2f} vs {torch_ms:.2f} ms)")
-    return ["INT8 flows on this machine (onnx-int8 vs torch-int8): " + "; ".join(parts)]
-
-
-def _manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_eval) -> dict:
-    return {
-        "format": artifacts.FORMAT,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "model": model_slug(loaded.name),  # the name it is served under; the MODEL it came from is in `source`
-        "task": loaded.task,
-        "input": loaded.input.to_dict(),
-        "input_name": loaded.source.get("input_name", "input"),  # what the protocol serves it as
-        "classes": loaded.classes,
-        "output_width": loaded.output_width,
-        "output_shape": list(loaded.output_shape),
-        # every output the model serves, the one the task reads first (served under the task's names)
-        "outputs": loaded.outputs or [{"name": OUTPUT_NAME, "dtype": "float32", "shape": list(loaded.output_shape)}],
-        "source": {"model": loaded.name, **loaded.source},
-        "dataset": {"name": data.name, "eval_split": "test", "eval_images": n_eval, "calibration_split": "train"},
-        "accuracy_meaningful": not why_not,
-        "accuracy_note": why_not or None,
-        "baseline": BASELINE,
-        "max_accuracy_drop": cfg.max_accuracy_drop,
-        **{minimum.name: getattr(cfg, minimum.name) for _, minimum in gate_minimums()},
-        "latency_batch": cfg.latency_batch,
-        "threads": usable_cores(),  # intra-op threads every variant was timed with
-        "versions": artifacts.versions(),
-        "machine": _machine(entries),
-        "recommended": recommended,
-        "notes": notes,
-        "variants": entries,
-    }
-
-
-def _machine(entries: list[dict]) -> dict:
-    """The CPU, and the GPU too when variants were timed on it."""
-    facts = cpu_facts()
-    if any(e.get("device") == "cuda" for e in entries):
-        facts["gpu"] = torch.cuda.get_device_name()
-    return facts
 
 
 def _recommend(entries: list[dict], timed: Timed, n: int) -> dict | None:
