@@ -12,6 +12,7 @@ from conftest import cache_imagenet_weights, crash_between_publish_renames, run_
 from optiserve.files import sha256_file
 from optiserve.optimize import pipeline
 from optiserve.optimize import report as optimize_report
+from optiserve.optimize.manifest import device_note
 from optiserve.artifacts import read_manifest
 from optiserve.errors import UserError
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
@@ -97,7 +98,7 @@ def test_variants_are_scored_against_fp32_by_name_whatever_order_they_come_in(ar
                                  by_name[n]["settings"]) for n in ("onnx-int8", "fp32")]  # fp32 last
     cfg = OptimizeConfig("small_cnn", latency_batch=2, progress=False)
     attempts = Attempts(PassLog(0, enabled=False), out, [])
-    entries, timed = pipeline._validate(variants, out, loaded, materialize(data.test, True), cfg, "", "fp32", attempts)
+    entries, timed, _ = pipeline._validate(variants, out, loaded, materialize(data.test, True), cfg, "", "fp32", attempts)
     assert [e["name"] for e in entries] == ["onnx-int8", "fp32"]  # the caller's order is kept
     assert set(timed.sessions) == {"onnx-int8", "fp32"} and set(timed.times) == {"1", "2"}  # for the recommendation
     int8, fp32 = entries
@@ -245,9 +246,9 @@ def test_image_folder_classes_are_matched_to_imagenet_categories_by_name(tmp_pat
 def test_the_report_says_when_variants_ran_on_different_devices():
     # On a GPU, torch-int8 stays on the CPU (PyTorch's INT8 kernels are CPU-only): its latency is a CPU figure.
     mixed = [{"name": "fp32", "device": "cuda"}, {"name": "torch-int8", "device": "cpu"}]
-    assert pipeline._device_note(mixed) == [
+    assert device_note(mixed) == [
         "devices: fp32 on cuda, torch-int8 on cpu (PyTorch's INT8 kernels run on the CPU only; their latency is a CPU figure)"]
-    assert pipeline._device_note([{"name": "fp32", "device": "cpu"}, {"name": "onnx-int8", "device": "cpu"}]) == []
+    assert device_note([{"name": "fp32", "device": "cpu"}, {"name": "onnx-int8", "device": "cpu"}]) == []
 
 
 def test_the_manifest_recommends_the_fastest_accepted_variant_and_names_the_cpu_it_was_timed_on(artifact):
