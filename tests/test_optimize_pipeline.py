@@ -13,6 +13,7 @@ from optiserve.files import sha256_file
 from optiserve.optimize import pipeline
 from optiserve.optimize import report as optimize_report
 from optiserve.optimize.manifest import device_note
+from optiserve.optimize.passes import Variant
 from optiserve.artifacts import read_manifest
 from optiserve.errors import UserError
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
@@ -94,7 +95,7 @@ def test_variants_are_scored_against_fp32_by_name_whatever_order_they_come_in(ar
     loaded = load_model("small_cnn", str(small_cnn_checkpoint))
     data = load_dataset("digits", loaded.input, len(loaded.classes))
     by_name = {v["name"]: v for v in manifest["variants"]}
-    variants = [pipeline.Variant(n, by_name[n]["file"], by_name[n]["backend"], by_name[n]["precision"],
+    variants = [Variant(n, by_name[n]["file"], by_name[n]["backend"], by_name[n]["precision"],
                                  by_name[n]["settings"]) for n in ("onnx-int8", "fp32")]  # fp32 last
     cfg = OptimizeConfig("small_cnn", latency_batch=2, progress=False)
     attempts = Attempts(PassLog(0, enabled=False), out, [])
@@ -281,3 +282,22 @@ def test_the_manifest_recommends_the_fastest_accepted_variant_and_names_the_cpu_
     assert "fastest b1" in row[-1]
     assert not any("fastest" in r[-1] for r in optimize_report.summary_rows(manifest)
                    if r[0] not in (rec["latency"], rec["throughput"]))
+
+
+def test_the_progress_line_counts_the_passes_a_run_asks_for_and_ends_at_its_total(tmp_path):
+    """Each pass says how many steps it reports, so the count is right whatever the flags: a torch
+    model with INT8 and pruning, then its ONNX export given as the model (fewer passes apply)."""
+    import re
+
+    def steps(*args: str) -> list[tuple[int, int]]:
+        done = run_cli("optimize", *args, "--dataset", "synthetic", "--int8", "--no-openvino")
+        assert done.returncode == 0, done.stderr
+        return [(int(a), int(b)) for a, b in re.findall(r"^\[(\d+)/(\d+)\]", done.stderr, re.M)]
+
+    torch_run = steps("small_cnn", "--weights", "random", "--prune", "0.5", "--out", str(tmp_path / "torch"))
+    file_run = steps(str(tmp_path / "torch" / "model.onnx"), "--out", str(tmp_path / "file"))
+    for counted in (torch_run, file_run):
+        assert counted == [(i, counted[0][1]) for i in range(1, counted[0][1] + 1)]
+    # load, data, fp32, fuse, TorchScript, bf16, ONNX, onnx-int8, torch-int8, sparse50, validate, write
+    assert len(torch_run) == 12
+    assert len(file_run) == 6  # load, data, the file as onnx-fp32, onnx-int8, validate, write

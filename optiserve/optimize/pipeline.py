@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import shutil
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ from optiserve.optimize.outputs import as_arrays, max_abs_diff
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
 from optiserve.models.onnx_opset import INT8_OPSET, at_least_opset
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
+from optiserve.optimize.passes import Pass, Run, Variant, passes_for, register_pass, step_count
 from optiserve.optimize.progress import PassLog
 from optiserve.optimize.report import render_report
 from optiserve.optimize.prune import compressed_size, prune_unstructured
@@ -47,16 +48,6 @@ from optiserve.runtime.fastest import choose_fastest
 from optiserve.runtime.timing import interleaved_times
 from optiserve.runtime.torch_backends import TorchSession, bf16_unavailable as torch_bf16_unavailable, torch_device
 from optiserve.train.finetune import fine_tune
-
-@dataclass
-class Variant:
-    name: str
-    file: str
-    backend: str
-    precision: str
-    settings: dict = field(default_factory=dict)
-    companions: list[str] = field(default_factory=list)  # files the main file needs beside it (an IR's .bin)
-
 
 def default_checkpoint(model: str, dataset: str) -> Path:
     return Path("checkpoints") / f"{model}-{dataset}.pt"
@@ -143,13 +134,8 @@ def _judged_by_agreement(loaded: LoadedModel, data: DatasetSplits, why_not: str,
 def run_optimize(cfg: OptimizeConfig) -> dict:
     """Build, validate and publish every requested variant; returns the manifest."""
     cfg.validate()
-    openvino = cfg.openvino and cfg.onnx
-    steps = (8 + cfg.onnx + (cfg.int8 and cfg.onnx) + cfg.int8 + (cfg.prune is not None)
-             + openvino * (1 + 2 * cfg.int8 + (cfg.int8 and cfg.prune_channels is not None))
-             + (cfg.prune_channels is not None) * (1 + cfg.int8) + cfg.tensorrt * (1 + cfg.fp16))
-    if is_onnx_file(cfg.model):
-        steps = 5 + cfg.int8 + openvino * (1 + 2 * cfg.int8)
-    log = PassLog(steps, enabled=cfg.progress)
+    form = "onnx" if is_onnx_file(cfg.model) else "torch"
+    log = PassLog(step_count(form, cfg), enabled=cfg.progress)
     with log.step(f"load {cfg.model} ({cfg.weights or 'default weights'})"):
         loaded = resolve_weights(cfg, log)
         if cfg.output_kind != "auto" and not get_task(loaded.task).reads_output_kind:
@@ -186,11 +172,10 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                                                                                                     mapping)
         skipped: list[dict] = []  # variants this machine cannot run fast, with the reason: rows of their own
         attempts = Attempts(log, stage, skipped)
-        if loaded.from_file:
-            baseline = _onnx_file_variants(stage, loaded, data, evalset, cfg, why_not, log, variants, notes, attempts)
-        else:
-            baseline = _torch_variants(stage, loaded, data, evalset, (example, check), cfg, why_not, log, variants,
-                                       notes, attempts)
+        run = Run(stage, loaded, data, evalset, cfg, why_not, log, attempts, variants, notes, example, check)
+        for each in passes_for(run.form, cfg):  # every pass after the baseline is an attempt: one that
+            each.build(run)                     # raises is its variants' failed rows, and the run goes on
+        baseline = "onnx-fp32" if run.form == "onnx" else BASELINE
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
             entries, timed, kind = _validate(variants, stage, loaded, evalset, cfg, why_not, baseline, attempts)
@@ -240,94 +225,162 @@ def _parity_measure(loaded: LoadedModel) -> str:
     return get_task(loaded.task).disagreement_name or "max |Δ|"
 
 
-def _torch_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evalset: EvalSet,
-                    parity: tuple[torch.Tensor, torch.Tensor], cfg: OptimizeConfig, why_not: str, log: PassLog,
-                    variants: list[Variant], notes: list[str], attempts: Attempts) -> str:
-    """The variants of a torch module: fp32, conv+BN fusion, TorchScript, ONNX, INT8, OpenVINO,
-    pruning, TensorRT, as `cfg` asks; returns the baseline's name. Every pass after the baseline
-    is an attempt: one that raises is its variants' failed rows, and the run goes on."""
-    example, check = parity
-    openvino = cfg.openvino and cfg.onnx
-    names = [o["name"] for o in loaded.outputs] if loaded.outputs else None  # the exported graph's outputs
-    with log.step("fp32 baseline (" + ("eager state dict)" if loaded.rebuildable else "traced TorchScript)")):
-        variants.append(_baseline_variant(loaded, stage, example, check))
-    with log.step("fuse conv+BN"):
-        fused, note = _fuse(loaded)
-        notes.append(note)
-    with attempts.attempt("TorchScript (trace, check, freeze)", "torchscript"):
-        save_torchscript(trace_torchscript(fused, example, (check,), **_parity(loaded, 1e-4)),
-                         stage / "torchscript.pt")
-        variants.append(Variant("torchscript", "torchscript.pt", "torchscript", "fp32",
-                                {"fused_conv_bn": True, "frozen": True, "optimize_for_inference": True}))
-    with attempts.attempt("TorchScript bf16 (where the device computes in bf16)", "torch-bf16"):
-        why = torch_bf16_unavailable(torch_device(cfg.device))
+def _build_baseline(run: Run) -> None:
+    """The fp32 reference every variant is checked against (see `_baseline_variant`)."""
+    with run.log.step("fp32 baseline (" + ("eager state dict)" if run.loaded.rebuildable else "traced TorchScript)")):
+        run.variants.append(_baseline_variant(run.loaded, run.stage, run.example, run.check))
+
+
+def _build_fused(run: Run) -> None:
+    with run.log.step("fuse conv+BN"):
+        run.fused, note = _fuse(run.loaded)
+        run.notes.append(note)
+
+
+def _build_torchscript(run: Run) -> None:
+    with run.attempts.attempt("TorchScript (trace, check, freeze)", "torchscript"):
+        save_torchscript(trace_torchscript(run.fused, run.example, (run.check,), **_parity(run.loaded, 1e-4)),
+                         run.stage / "torchscript.pt")
+        run.variants.append(Variant("torchscript", "torchscript.pt", "torchscript", "fp32",
+                                    {"fused_conv_bn": True, "frozen": True, "optimize_for_inference": True}))
+
+
+def _build_torch_bf16(run: Run) -> None:
+    with run.attempts.attempt("TorchScript bf16 (where the device computes in bf16)", "torch-bf16"):
+        why = torch_bf16_unavailable(torch_device(run.cfg.device))
         if why:
-            attempts.cannot(why, "torch-bf16")
-        else:
-            bf16 = copy.deepcopy(fused).to(torch.bfloat16)
-            save_torchscript(trace_torchscript(bf16, example.to(torch.bfloat16), atol=float("inf")),
-                             stage / "torch-bf16.pt")
-            variants.append(Variant("torch-bf16", "torch-bf16.pt", "torchscript", "bf16",
+            run.attempts.cannot(why, "torch-bf16")
+            return
+        bf16 = copy.deepcopy(run.fused).to(torch.bfloat16)
+        save_torchscript(trace_torchscript(bf16, run.example.to(torch.bfloat16), atol=float("inf")),
+                         run.stage / "torch-bf16.pt")
+        run.variants.append(Variant("torch-bf16", "torch-bf16.pt", "torchscript", "bf16",
                                     {"fused_conv_bn": True, "frozen": True, "input_dtype": "bfloat16",
                                      "weights": "bfloat16"}))
-    if cfg.onnx:
-        with attempts.attempt(f"ONNX export (opset {OPSET}, dynamic batch)", "onnx-fp32"):
-            export_diff = export_onnx(fused, example, stage / "model.onnx", output_names=names,
-                                      **_parity(loaded, 1e-3))
-            variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
+
+
+def _output_names(loaded: LoadedModel) -> list[str] | None:
+    """The exported graph's outputs: the model's own names where it returns several tensors."""
+    return [o["name"] for o in loaded.outputs] if loaded.outputs else None
+
+
+def _build_onnx_export(run: Run) -> None:
+    with run.attempts.attempt(f"ONNX export (opset {OPSET}, dynamic batch)", "onnx-fp32"):
+        export_diff = export_onnx(run.fused, run.example, run.stage / "model.onnx",
+                                  output_names=_output_names(run.loaded), **_parity(run.loaded, 1e-3))
+        run.variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
                                     {"opset": OPSET, "fused_conv_bn": True, "graph_optimization": "all"}))
-            notes.append(f"ONNX export parity with eager: {_parity_measure(loaded)} {export_diff:.1e}")
-    onnx_built = cfg.onnx and not attempts.missing("onnx-fp32")
-    recipe, batches = None, []
-    if cfg.int8:
-        recipe = (recipe_for_onnx(stage / "model.onnx", cfg.int8_recipe) if onnx_built else
-                  recipe_for_module(fused, cfg.int8_recipe))
-        notes += _recipe_note(recipe, cfg.int8_recipe != "auto")
-        batches = calibration_batches(data.calibration_set(), cfg.calib_size)
-        accuracy_aware = _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log)
-        if cfg.onnx:
-            _onnx_int8(stage, batches, accuracy_aware, cfg, attempts, variants, recipe)
-        how = "dynamic, nn.Linear" if recipe.torch_mode == "dynamic" else f"FX graph mode, {cfg.calib_size} images"
-        with attempts.attempt(f"INT8 PyTorch x86 ({how})", "torch-int8"):
-            try:
-                if recipe.torch_mode == "dynamic":
-                    scripted, settings = quantize_torch_dynamic(fused, batches[0])
-                else:
-                    scripted, settings = quantize_torch_fx(fused, batches)
-            except NothingQuantized as e:
-                attempts.cannot(str(e), "torch-int8")
-            except Exception as e:  # FX cannot trace every model (data-dependent control flow)
-                attempts.cannot(f"FX graph mode cannot take this model ({first_line(e, True, 200)})", "torch-int8")
+        run.notes.append(f"ONNX export parity with eager: {_parity_measure(run.loaded)} {export_diff:.1e}")
+
+
+def _build_file_baseline(run: Run) -> None:
+    """A model that arrives as an ONNX file: the file itself (adapted where its input or head needed
+    it) is onnx-fp32, the baseline the others are checked against."""
+    name, source = "onnx-fp32", run.loaded.source
+    with run.log.step(f"the ONNX file as {name} (the baseline the others are checked against)"):
+        shutil.copyfile(run.loaded.file, run.stage / "model.onnx")  # the staging folder is published whole
+        run.variants.append(Variant(name, "model.onnx", "onnxruntime", "fp32",
+                                    {"opset": source.get("opset"), "from": _file_as_served(source),
+                                     "graph_optimization": "all"}))
+    run.notes.append(f"started from an ONNX file: {name} is {_file_as_served(source)}, and the torch passes (eager "
+                     f"fp32, conv+BN fusion, TorchScript, torch-int8, torch-bf16, pruning, TensorRT) do not apply")
+
+
+def _prepare_int8(run: Run) -> None:
+    """The INT8 recipe, the calibration batches and the accuracy-aware fallback the INT8 passes share;
+    an ONNX file below the opset INT8 needs is quantized from a converted copy."""
+    cfg, stage = run.cfg, run.stage
+    if run.form == "onnx":
+        run.int8_source, run.conversion = _int8_source(stage, run.notes, run.attempts)
+        run.recipe = recipe_for_onnx(stage / "model.onnx", cfg.int8_recipe)
+    elif cfg.onnx and not run.attempts.missing("onnx-fp32"):
+        run.recipe = recipe_for_onnx(stage / "model.onnx", cfg.int8_recipe)
+    else:
+        run.recipe = recipe_for_module(run.fused, cfg.int8_recipe)
+    run.notes += _recipe_note(run.recipe, cfg.int8_recipe != "auto")
+    run.batches = calibration_batches(run.data.calibration_set(), cfg.calib_size)
+    run.accuracy_aware = _accuracy_aware(stage, run.loaded, run.data, run.evalset, run.batches, cfg, run.why_not,
+                                         run.log)
+
+
+def _build_onnx_int8(run: Run) -> None:
+    _onnx_int8(run.stage, run.batches, run.accuracy_aware, run.cfg, run.attempts, run.variants, run.recipe,
+               run.int8_source, run.conversion)
+
+
+def _build_torch_int8(run: Run) -> None:
+    cfg, recipe, attempts = run.cfg, run.recipe, run.attempts
+    how = "dynamic, nn.Linear" if recipe.torch_mode == "dynamic" else f"FX graph mode, {cfg.calib_size} images"
+    with attempts.attempt(f"INT8 PyTorch x86 ({how})", "torch-int8"):
+        try:
+            if recipe.torch_mode == "dynamic":
+                scripted, settings = quantize_torch_dynamic(run.fused, run.batches[0])
             else:
-                save_torchscript(scripted, stage / "torch-int8.pt")
-                variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8",
+                scripted, settings = quantize_torch_fx(run.fused, run.batches)
+        except NothingQuantized as e:
+            attempts.cannot(str(e), "torch-int8")
+        except Exception as e:  # FX cannot trace every model (data-dependent control flow)
+            attempts.cannot(f"FX graph mode cannot take this model ({first_line(e, True, 200)})", "torch-int8")
+        else:
+            save_torchscript(scripted, run.stage / "torch-int8.pt")
+            run.variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8",
                                         {**settings, **recipe.settings()}))
-    if openvino:
-        _openvino_variants(stage, variants, attempts, cfg, batches, recipe, loaded.input.shape)
-    if cfg.prune is not None:
-        name = f"sparse{round(100 * cfg.prune)}"
-        with attempts.attempt(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)", name):
-            sparse, sparsity = prune_unstructured(fused, cfg.prune)
-            export_onnx(sparse, example, stage / f"model.{name}.onnx", output_names=names)
-            variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32",
+
+
+def _build_openvino(run: Run) -> None:
+    _openvino_variants(run.stage, run.variants, run.attempts, run.cfg, run.batches, run.recipe,
+                       run.loaded.input.shape, run.int8_source, run.conversion)
+
+
+def _build_sparse(run: Run) -> None:
+    cfg = run.cfg
+    name = f"sparse{round(100 * cfg.prune)}"
+    with run.attempts.attempt(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)", name):
+        sparse, sparsity = prune_unstructured(run.fused, cfg.prune)
+        export_onnx(sparse, run.example, run.stage / f"model.{name}.onnx", output_names=_output_names(run.loaded))
+        run.variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32",
                                     {"sparsity": cfg.prune, "measured_sparsity": sparsity["overall"],
                                      "layer_sparsity": sparsity["layers"], "method": "global L1 unstructured"}))
-            notes.append(f"{name}: measured sparsity {sparsity['overall']:.1%} over "
+        run.notes.append(f"{name}: measured sparsity {sparsity['overall']:.1%} over "
                          f"{len(sparsity['layers'])} conv/linear layers")
-    if cfg.prune_channels is not None:
-        _pruned_channel_variants(stage, loaded, data, evalset, example, cfg, why_not, log, variants, notes, attempts,
-                                 batches, recipe, accuracy_aware if cfg.int8 else None)
-    if cfg.tensorrt:
-        for fp16 in (False, True)[: 1 + cfg.fp16]:
-            name = f"trt-{'fp16' if fp16 else 'fp32'}"
-            with attempts.attempt(f"TensorRT engine {name} (torch-tensorrt, batch 1..64)", name):
-                settings = build_tensorrt_engine(fused, example, stage / f"{name}.ep", fp16=fp16)
-                variants.append(Variant(name, f"{name}.ep", "tensorrt", settings["precision"], settings))
-        if cfg.int8:
-            notes.append("no TensorRT INT8 engine: torch-tensorrt's INT8 path needs NVIDIA ModelOpt "
-                         "calibration, which optiserve does not depend on; the INT8 variants above run on "
-                         "ONNX Runtime and PyTorch")
-    return BASELINE
+
+
+def _build_pruned_channels(run: Run) -> None:
+    _pruned_channel_variants(run.stage, run.loaded, run.data, run.evalset, run.example, run.cfg, run.why_not,
+                             run.log, run.variants, run.notes, run.attempts, run.batches, run.recipe,
+                             run.accuracy_aware if run.cfg.int8 else None)
+
+
+def _build_tensorrt(run: Run) -> None:
+    for fp16 in (False, True)[: 1 + run.cfg.fp16]:
+        name = f"trt-{'fp16' if fp16 else 'fp32'}"
+        with run.attempts.attempt(f"TensorRT engine {name} (torch-tensorrt, batch 1..64)", name):
+            settings = build_tensorrt_engine(run.fused, run.example, run.stage / f"{name}.ep", fp16=fp16)
+            run.variants.append(Variant(name, f"{name}.ep", "tensorrt", settings["precision"], settings))
+    if run.cfg.int8:
+        run.notes.append("no TensorRT INT8 engine: torch-tensorrt's INT8 path needs NVIDIA ModelOpt calibration, "
+                         "which optiserve does not depend on; the INT8 variants above run on ONNX Runtime and "
+                         "PyTorch")
+
+
+TORCH, FILE, BOTH = ("torch",), ("onnx",), ("torch", "onnx")
+for _pass in (
+        Pass("fp32", TORCH, _build_baseline),
+        Pass("onnx-file", FILE, _build_file_baseline),
+        Pass("fuse", TORCH, _build_fused),
+        Pass("torchscript", TORCH, _build_torchscript),
+        Pass("torch-bf16", TORCH, _build_torch_bf16),
+        Pass("onnx-fp32", TORCH, _build_onnx_export, asked=lambda cfg: cfg.onnx),
+        Pass("int8-calibration", BOTH, _prepare_int8, asked=lambda cfg: cfg.int8, steps=lambda cfg: 0),
+        Pass("onnx-int8", BOTH, _build_onnx_int8, asked=lambda cfg: cfg.int8 and cfg.onnx),
+        Pass("torch-int8", TORCH, _build_torch_int8, asked=lambda cfg: cfg.int8),
+        Pass("openvino", BOTH, _build_openvino, asked=lambda cfg: cfg.openvino and cfg.onnx,
+             steps=lambda cfg: 1 + 2 * cfg.int8),
+        Pass("sparse", TORCH, _build_sparse, asked=lambda cfg: cfg.prune is not None),
+        Pass("pruned-channels", TORCH, _build_pruned_channels, asked=lambda cfg: cfg.prune_channels is not None,
+             steps=lambda cfg: 1 + cfg.int8 + (cfg.int8 and cfg.openvino)),
+        Pass("tensorrt", TORCH, _build_tensorrt, asked=lambda cfg: cfg.tensorrt, steps=lambda cfg: 1 + cfg.fp16)):
+    register_pass(_pass)
 
 
 def _pruned_channel_variants(stage, loaded, data, evalset, example, cfg: OptimizeConfig, why_not: str, log: PassLog,
@@ -365,32 +418,6 @@ def _pruned_channel_variants(stage, loaded, data, evalset, example, cfg: Optimiz
             variants.append(Variant(f"openvino-{name}-int8", ir, "openvino", "int8",
                                     {**q, **ov, "inference_precision": "f32", "pruning": settings},
                                     [companion_bin(Path(ir)).name]))
-
-
-def _onnx_file_variants(stage: Path, loaded: LoadedModel, data: DatasetSplits, evalset: EvalSet, cfg: OptimizeConfig,
-                        why_not: str, log: PassLog, variants: list[Variant], notes: list[str],
-                        attempts: Attempts) -> str:
-    """The variants of a model that arrives as an ONNX file: the file itself as onnx-fp32 (the
-    baseline), INT8 from it, the OpenVINO variants; returns the baseline's name."""
-    name = "onnx-fp32"
-    with log.step(f"the ONNX file as {name} (the baseline the others are checked against)"):
-        shutil.copyfile(loaded.file, stage / "model.onnx")  # the staging folder is published whole, atomically
-        variants.append(Variant(name, "model.onnx", "onnxruntime", "fp32",
-                                {"opset": loaded.source.get("opset"), "from": _file_as_served(loaded.source),
-                                 "graph_optimization": "all"}))
-    notes.append(f"started from an ONNX file: {name} is {_file_as_served(loaded.source)}, and the torch passes (eager fp32, "
-                 f"conv+BN fusion, TorchScript, torch-int8, torch-bf16, pruning, TensorRT) do not apply")
-    batches, recipe, source, conversion = [], None, "model.onnx", {}
-    if cfg.int8:
-        source, conversion = _int8_source(stage, notes, attempts)
-        recipe = recipe_for_onnx(stage / "model.onnx", cfg.int8_recipe)
-        notes += _recipe_note(recipe, cfg.int8_recipe != "auto")
-        batches = calibration_batches(data.calibration_set(), cfg.calib_size)
-        _onnx_int8(stage, batches, _accuracy_aware(stage, loaded, data, evalset, batches, cfg, why_not, log), cfg,
-                   attempts, variants, recipe, source, conversion)
-    if cfg.openvino:
-        _openvino_variants(stage, variants, attempts, cfg, batches, recipe, loaded.input.shape, source, conversion)
-    return name
 
 
 def _file_as_served(source: dict) -> str:

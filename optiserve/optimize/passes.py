@@ -1,0 +1,89 @@
+"""The optimizer's passes in a registry, in the order they run: each says which model forms it
+starts from (a torch module, or an ONNX file), whether this run asks for it, how many progress
+steps it reports, and builds its variants into the run it is given. The pipeline runs the passes
+that apply and counts its progress from them; adding a pass is a function and its `register_pass`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from optiserve.data import DatasetSplits
+from optiserve.models import LoadedModel
+from optiserve.optimize.attempts import Attempts
+from optiserve.optimize.config import OptimizeConfig
+from optiserve.optimize.progress import PassLog
+from optiserve.optimize.validate import EvalSet
+
+FORMS = ("torch", "onnx")  # a torch module, or an ONNX file the optimizer starts from
+RUN_STEPS = 4  # what every run reports besides its passes: load the model, load the data, validate, write
+
+
+@dataclass
+class Variant:
+    name: str
+    file: str
+    backend: str
+    precision: str
+    settings: dict = field(default_factory=dict)
+    companions: list[str] = field(default_factory=list)  # files the main file needs beside it (an IR's .bin)
+
+
+@dataclass
+class Run:
+    """What the passes of one `optimize` run share: its inputs, and what earlier passes made."""
+
+    stage: Path
+    loaded: LoadedModel
+    data: DatasetSplits
+    evalset: EvalSet
+    cfg: OptimizeConfig
+    why_not: str                       # why accuracy cannot be judged ("" where it can)
+    log: PassLog
+    attempts: Attempts
+    variants: list[Variant]
+    notes: list[str]
+    example: object = None             # torch tensors: a batch to trace and export with, one to check parity on
+    check: object = None
+    fused: object = None               # the conv+BN-fused module the torch passes build from
+    recipe: object = None              # the INT8 recipe (optimize.architecture), once chosen
+    batches: list = field(default_factory=list)   # the calibration batches
+    accuracy_aware: Callable | None = None        # fp32 file, int8 file, settings -> settings
+    int8_source: str = "model.onnx"    # the file the INT8 passes quantize (an opset-converted copy of an old file)
+    conversion: dict = field(default_factory=dict)  # the settings that say int8_source was converted
+
+    @property
+    def form(self) -> str:
+        return "onnx" if self.loaded.from_file else "torch"
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    forms: tuple[str, ...]
+    build: Callable[[Run], None]
+    asked: Callable[[OptimizeConfig], bool] = lambda cfg: True
+    steps: Callable[[OptimizeConfig], int] = lambda cfg: 1  # progress steps it reports (an attempt or a skip each)
+
+
+_PASSES: list[Pass] = []
+
+
+def register_pass(new: Pass) -> Pass:
+    if any(p.name == new.name for p in _PASSES):
+        raise ValueError(f"pass {new.name!r} is already registered")
+    if not set(new.forms) <= set(FORMS):
+        raise ValueError(f"pass {new.name!r}: forms are {FORMS}, got {new.forms}")
+    _PASSES.append(new)
+    return new
+
+
+def passes_for(form: str, cfg: OptimizeConfig) -> list[Pass]:
+    """The passes a run of `cfg` on a model of `form` runs, in order."""
+    return [p for p in _PASSES if form in p.forms and p.asked(cfg)]
+
+
+def step_count(form: str, cfg: OptimizeConfig) -> int:
+    """How many progress steps such a run reports."""
+    return RUN_STEPS + sum(p.steps(cfg) for p in passes_for(form, cfg))
