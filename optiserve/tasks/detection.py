@@ -140,7 +140,8 @@ class Detection(Task):
 
     def check_output(self, shape: tuple) -> str | None:
         if shape[-1] != 6:
-            return f"--task detection takes {self.output_form} rows of x1, y1, x2, y2, score, class id"
+            return (f"--task detection takes {self.output_form} rows of x1, y1, x2, y2, score, class id; a YOLO or "
+                    f"DETR head is decoded from the model's ONNX export (--detection-head)")
         return None
 
     def disagreement(self, reference, out) -> float:
