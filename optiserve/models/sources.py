@@ -284,7 +284,7 @@ def _build_onnx(model: str, num_classes: int | None, image_size: ImageSize | Non
     c, h, w = facts.chw
     spec = None
     if None not in (c, h, w):
-        mean, std = default_input(c) if facts.input_dtype != "uint8" else ((0.0,) * c, (1 / 255,) * c)
+        mean, std = default_input(c)
         spec = InputSpec((c, h, w), mean, std)
     width = facts.output_shape[1] if len(facts.output_shape) == 2 else None
     return BuiltModel(None, spec, None, weights="in the file", output_width=width, file=Path(model),

@@ -250,8 +250,8 @@ def _file_model(name: str, built, spec: InputSpec, labels: list[str] | None, tas
     if facts.adapted:
         graph = load_for_edit(built.file, facts)
         feed_as_float_nchw(graph, facts)
-        if facts.input_dtype == "uint8" and overrides.mean is None and overrides.std is None:
-            spec = dataclasses.replace(spec, mean=(0.0,) * spec.channels, std=(1 / 255,) * spec.channels)
+        if facts.input_dtype == "uint8":  # pixel values as they are, unless --mean/--std say otherwise
+            spec = _unless_given(spec, overrides, (0.0,) * spec.channels, (1 / 255,) * spec.channels)
     outputs = list(at_input_size(graph.serialized() if graph else built.file, facts, spec.shape))
     if task == "detection":
         head = head_for(tuple(outputs), detection_head, name)
@@ -278,9 +278,17 @@ def _head_input(spec: InputSpec, head, overrides: InputOverrides) -> InputSpec:
     own = head.preprocessing
     if own is None or len(own.mean) != spec.channels:
         return spec
-    return dataclasses.replace(spec, mean=overrides.mean or own.mean, std=overrides.std or own.std,
-                               resize=overrides.resize or own.resize,
-                               pad=own.pad if (overrides.resize or own.resize) == "letterbox" else spec.pad)
+    return _unless_given(spec, overrides, own.mean, own.std, own.resize, own.pad)
+
+
+def _unless_given(spec: InputSpec, overrides: InputOverrides, mean: tuple[float, ...], std: tuple[float, ...],
+                  resize: str | None = None, pad: int | None = None) -> InputSpec:
+    """`spec` with the file's own normalization (and resize, and letterbox fill) in place of the
+    defaults, where the user gave no --mean, --std or --resize."""
+    resize = spec.resize if overrides.resize or resize is None else resize
+    return dataclasses.replace(spec, mean=spec.mean if overrides.mean else mean,
+                               std=spec.std if overrides.std else std, resize=resize,
+                               pad=pad if resize == "letterbox" and pad is not None else spec.pad)
 
 
 def _task_reads(outputs: list[ModelOutput], task: str | None, task_output: str | None,
