@@ -34,7 +34,7 @@ from optiserve.optimize.passes import Pass, Run, Variant, passes_for, register_p
 from optiserve.optimize.progress import PassLog
 from optiserve.optimize.report import render_report
 from optiserve.optimize.prune import compressed_size, prune_unstructured
-from optiserve.optimize.prune_channels import count_flops, prune_channels
+from optiserve.optimize.prune_channels import CannotPrune, count_flops, prune_channels
 from optiserve.optimize.quantize_ort import quantize_onnx_static
 from optiserve.optimize.quantize_torch import NothingQuantized, quantize_torch_dynamic, quantize_torch_fx
 from optiserve.optimize.tensorrt import build_tensorrt_engine
@@ -390,10 +390,14 @@ def _pruned_channel_variants(stage, loaded, data, evalset, example, cfg: Optimiz
     name = f"pruned{round(100 * cfg.prune_channels)}"
     with attempts.attempt(f"structured pruning of {cfg.prune_channels:.0%} of channels, fine-tune -> {name} (ONNX)",
                           name):
-        pruned_fused, settings = _prune_channels(loaded, data, evalset, example, cfg, why_not, log)
-        export_onnx(pruned_fused, example, stage / f"model.{name}.onnx")
-        variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32", settings))
-        notes.append(_pruning_note(name, settings))
+        try:
+            pruned_fused, settings = _prune_channels(loaded, data, evalset, example, cfg, why_not, log)
+        except CannotPrune as e:
+            attempts.cannot(f"{loaded.name}: {e}", name)
+        else:
+            export_onnx(pruned_fused, example, stage / f"model.{name}.onnx")
+            variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32", settings))
+            notes.append(_pruning_note(name, settings))
     if not cfg.int8:
         return
     title = f"INT8 ONNX Runtime of {name} -> {name}-int8"
@@ -642,9 +646,9 @@ def _pick_openvino_int8(entries: list[dict], n: int, timed: Timed) -> tuple[list
 
 def _prune_channels(loaded, data, evalset, example, cfg, why_not, log):
     """Structured pruning of the unfused model, top-1 before and after a short fine-tune, then fusion."""
-    pruned, info = prune_channels(loaded.model, cfg.prune_channels)
+    pruned, info = prune_channels(loaded.model, cfg.prune_channels, example)
     flops_before, flops_after = count_flops(loaded.model, example[:1]), count_flops(pruned, example[:1])
-    settings = {"method": "structured L1 channel pruning", "ratio": cfg.prune_channels, **info,
+    settings = {"method": "structured L1 channel pruning (torch-pruning's dependency graph)", **info,
                 "macs_before": flops_before, "macs_after": flops_after}
 
     def test_top1(model):

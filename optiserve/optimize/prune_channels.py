@@ -1,207 +1,120 @@
 """Structured channel pruning: remove whole filters so the network really gets smaller and faster.
 
 Channels are coupled: a conv's output channels are the input channels of whatever consumes them,
-BatchNorms and elementwise ops keep them, and a residual add ties every tensor it sums to one
-channel space. The pass walks the model's FX graph and groups tensors into channel spaces
-(union-find); it then drops the same channels from every producer, BatchNorm and consumer of a
-space, ranked by the L1 norm of the producing filters. Spaces it cannot follow (the input, the
-logits, anything reshaped or concatenated, grouped convs) are left whole.
+norms and elementwise ops keep them, a residual add ties every tensor it sums to one channel space,
+a concatenation maps slices of its output to its inputs, and an attention block's heads must stay
+whole. torch-pruning's dependency graph follows all of these from one traced forward pass; this
+module decides what may be pruned (never the channels of the model's own outputs), ranks channels
+by the L1 norm of their weights, and checks the result still answers in the model's output shapes.
 """
 
 from __future__ import annotations
 
 import copy
-import operator
-from dataclasses import dataclass, field
+import warnings
 
 import torch
-import torch.fx
 from torch import nn
 
-_PASS_MODULES = (nn.BatchNorm2d, nn.ReLU, nn.ReLU6, nn.Hardswish, nn.Hardsigmoid, nn.SiLU, nn.Sigmoid,
-                 nn.Identity, nn.Dropout, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Flatten)
-_PASS_FUNCTIONS = {torch.relu, torch.sigmoid, torch.flatten, nn.functional.relu, nn.functional.relu6,
-                   nn.functional.hardswish, nn.functional.hardsigmoid, nn.functional.silu,
-                   nn.functional.adaptive_avg_pool2d, nn.functional.dropout}
-_PASS_METHODS = {"relu", "sigmoid", "flatten", "contiguous"}
-_ELEMENTWISE = {operator.add, operator.mul, torch.add, torch.mul}
+from optiserve.errors import UserError
+
+PRUNABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
 
-@dataclass
-class ChannelSpace:
-    channels: int | None = None
-    frozen: bool = False
-    producers: list[str] = field(default_factory=list)   # convs whose output channels these are
-    consumers: list[str] = field(default_factory=list)   # convs / linears reading them as input channels
-    depthwise: list[str] = field(default_factory=list)   # depthwise convs carrying them through
-    norms: list[str] = field(default_factory=list)       # BatchNorms over them
+class CannotPrune(UserError):
+    """The model's channels cannot be removed consistently (its forward pass breaks or changes shape)."""
 
 
-class _Spaces:
-    """Union-find over channel spaces."""
-
-    def __init__(self):
-        self.parent: list[int] = []
-        self.info: list[ChannelSpace] = []
-
-    def new(self, frozen: bool = False) -> int:
-        self.parent.append(len(self.parent))
-        self.info.append(ChannelSpace(frozen=frozen))
-        return len(self.parent) - 1
-
-    def find(self, i: int) -> int:
-        while self.parent[i] != i:
-            self.parent[i] = self.parent[self.parent[i]]
-            i = self.parent[i]
-        return i
-
-    def union(self, a: int, b: int) -> int:
-        a, b = self.find(a), self.find(b)
-        if a != b:
-            self.parent[b] = a
-            ia, ib = self.info[a], self.info[b]
-            ia.frozen |= ib.frozen
-            for f in ("producers", "consumers", "depthwise", "norms"):
-                getattr(ia, f).extend(getattr(ib, f))
-        return a
-
-    def get(self, i: int) -> ChannelSpace:
-        return self.info[self.find(i)]
+def _attention_heads(model: nn.Module) -> tuple[dict, list]:
+    """Heads per attention layer, as torch-pruning takes them (`num_heads`), and the blocks whose
+    head counts must be written back after pruning: timm's and other `qkv`-Linear attentions, and
+    torch's own nn.MultiheadAttention."""
+    heads, blocks = {}, []
+    for m in model.modules():
+        if isinstance(m, nn.MultiheadAttention):
+            heads[m] = m.num_heads
+        elif isinstance(getattr(m, "qkv", None), nn.Linear) and isinstance(getattr(m, "num_heads", None), int):
+            heads[m.qkv] = m.num_heads
+            blocks.append(m)
+    return heads, blocks
 
 
-def channel_spaces(model: nn.Module) -> tuple[torch.fx.GraphModule, list[ChannelSpace]]:
-    """Trace `model` and group its tensors into channel spaces."""
-    gm = torch.fx.symbolic_trace(model)
-    modules = dict(gm.named_modules())
-    spaces = _Spaces()
-    of: dict[torch.fx.Node, int] = {}
-
-    def inputs(node):
-        return [of[a] for a in node.all_input_nodes if a in of]
-
-    def freeze_inputs(node):
-        for s in inputs(node):
-            spaces.get(s).frozen = True
-
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            of[node] = spaces.new(frozen=True)
-        elif node.op == "call_module":
-            m = modules[node.target]
-            src = inputs(node)
-            if isinstance(m, nn.Conv2d) and m.groups == 1:
-                spaces.get(src[0]).consumers.append(node.target)
-                of[node] = spaces.new()
-                spaces.get(of[node]).producers.append(node.target)
-            elif isinstance(m, nn.Conv2d) and m.groups == m.in_channels == m.out_channels:
-                of[node] = src[0]
-                spaces.get(src[0]).depthwise.append(node.target)
-            elif isinstance(m, nn.Linear) and src:
-                spaces.get(src[0]).consumers.append(node.target)
-                of[node] = spaces.new(frozen=True)
-            elif isinstance(m, _PASS_MODULES) and len(src) == 1:
-                of[node] = src[0]
-                if isinstance(m, nn.BatchNorm2d):
-                    spaces.get(src[0]).norms.append(node.target)
-            else:
-                freeze_inputs(node)
-                of[node] = spaces.new(frozen=True)
-        elif node.op in ("call_function", "call_method"):
-            src = inputs(node)
-            fn = node.target
-            if (fn in _PASS_FUNCTIONS or fn in _PASS_METHODS) and len(src) == 1:
-                of[node] = src[0]
-            elif fn in _ELEMENTWISE and src:
-                root = src[0]
-                for s in src[1:]:
-                    root = spaces.union(root, s)
-                of[node] = root
-            elif fn is getattr or fn == "size":
-                continue  # not a tensor with channels
-            elif src:
-                freeze_inputs(node)
-                of[node] = spaces.new(frozen=True)
-        elif node.op == "output":
-            freeze_inputs(node)
-
-    roots = {spaces.find(i) for i in range(len(spaces.parent))}
-    result = []
-    for r in sorted(roots):
-        info = spaces.info[r]
-        if info.producers:
-            info.channels = modules[info.producers[0]].out_channels
-            result.append(info)
-    return gm, result
+def _output_layers(graph) -> list[nn.Module]:
+    """The convs and linears whose output channels reach one of the model's outputs through
+    channel-preserving ops only (a classifier's head, a detector's box convs, a segmenter's last
+    conv before its upsampling): pruning them would change what the model answers."""
+    ends = [node for node in graph.module2node.values() if not node.outputs]
+    found, seen, stack = [], set(), list(ends)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node.module, PRUNABLE) and not _is_depthwise(node.module):
+            found.append(node.module)
+            continue
+        stack.extend(node.inputs)
+    return found
 
 
-def prune_channels(model: nn.Module, ratio: float, multiple_of: int = 8) -> tuple[torch.fx.GraphModule, dict]:
-    """A copy of eval-mode `model` with `ratio` of the channels of every prunable space removed.
+def _is_depthwise(m: nn.Module) -> bool:
+    return isinstance(m, nn.Conv2d) and m.groups > 1 and m.groups == m.in_channels == m.out_channels
 
-    Kept counts are rounded to a multiple of `multiple_of` where the space is wide enough
-    (vector kernels prefer it). Returns the pruned GraphModule and what was removed.
+
+def _shapes(out) -> list[tuple]:
+    if isinstance(out, torch.Tensor):
+        return [tuple(out.shape)]
+    if isinstance(out, dict):
+        return [s for v in out.values() for s in _shapes(v)]
+    if isinstance(out, (list, tuple)):
+        return [s for v in out for s in _shapes(v)]
+    return []
+
+
+def prune_channels(model: nn.Module, ratio: float, example: torch.Tensor,
+                   multiple_of: int = 8) -> tuple[nn.Module, dict]:
+    """A copy of eval-mode `model` with `ratio` of the channels of every prunable layer removed
+    (attention layers lose whole heads), ranked by the L1 norm of their weights.
+
+    Kept counts are rounded to a multiple of `multiple_of` (vector kernels prefer it). Returns the
+    pruned module and what was removed; raises CannotPrune where the pruned model no longer runs
+    `example` or answers in other shapes.
     """
+    import torch_pruning as tp
+
     if not 0.0 < ratio < 1.0:
         raise ValueError(f"channel ratio must be in (0, 1), got {ratio}")
-    gm, spaces = channel_spaces(copy.deepcopy(model).eval())
-    before = sum(p.numel() for p in gm.parameters())
-    pruned_spaces = 0
-    for space in spaces:
-        if space.frozen or space.channels is None:
-            continue
-        c = space.channels
-        keep_n = max(1, round(c * (1 - ratio)))
-        if c >= 2 * multiple_of:
-            keep_n = max(multiple_of, int(round(keep_n / multiple_of)) * multiple_of)
-        if keep_n >= c:
-            continue
-        importance = sum(gm.get_submodule(p).weight.detach().abs().flatten(1).sum(1) for p in space.producers)
-        keep = torch.argsort(importance, descending=True)[:keep_n].sort().values
-        for name in space.producers:
-            _slice_conv_out(gm.get_submodule(name), keep)
-        for name in space.depthwise:
-            _slice_depthwise(gm.get_submodule(name), keep)
-        for name in space.norms:
-            _slice_norm(gm.get_submodule(name), keep)
-        for name in space.consumers:
-            _slice_input(gm.get_submodule(name), keep)
-        pruned_spaces += 1
-    gm.recompile()
-    after = sum(p.numel() for p in gm.parameters())
-    return gm, {"ratio": ratio, "pruned_spaces": pruned_spaces, "spaces": len(spaces),
-                "parameters_before": before, "parameters_after": after}
-
-
-def _param(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t.detach().clone())
-
-
-def _slice_conv_out(conv: nn.Conv2d, keep: torch.Tensor) -> None:
-    conv.weight = _param(conv.weight[keep])
-    if conv.bias is not None:
-        conv.bias = _param(conv.bias[keep])
-    conv.out_channels = len(keep)
-
-
-def _slice_depthwise(conv: nn.Conv2d, keep: torch.Tensor) -> None:
-    _slice_conv_out(conv, keep)
-    conv.in_channels = conv.groups = len(keep)
-
-
-def _slice_norm(bn: nn.BatchNorm2d, keep: torch.Tensor) -> None:
-    if bn.affine:
-        bn.weight, bn.bias = _param(bn.weight[keep]), _param(bn.bias[keep])
-    if bn.track_running_stats:
-        bn.running_mean = bn.running_mean[keep].clone()
-        bn.running_var = bn.running_var[keep].clone()
-    bn.num_features = len(keep)
-
-
-def _slice_input(layer: nn.Module, keep: torch.Tensor) -> None:
-    layer.weight = _param(layer.weight[:, keep])
-    if isinstance(layer, nn.Linear):
-        layer.in_features = len(keep)
-    else:
-        layer.in_channels = len(keep)
+    pruned = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        shapes = _shapes(pruned(example))
+    heads, blocks = _attention_heads(pruned)
+    before = sum(p.numel() for p in pruned.parameters())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its notes on parameters outside layers (class tokens) it prunes too
+            graph = tp.DependencyGraph().build_dependency(pruned, example_inputs=example)
+            ignored = _output_layers(graph)
+            pruner = tp.pruner.MagnitudePruner(
+                pruned, example, importance=tp.importance.MagnitudeImportance(p=1), pruning_ratio=ratio,
+                ignored_layers=ignored, round_to=multiple_of, num_heads=heads, prune_num_heads=bool(heads),
+                prune_head_dims=False, head_pruning_ratio=ratio)
+            groups = sum(1 for _ in pruner.DG.get_all_groups(ignored_layers=ignored))
+            pruner.step()
+        for block in blocks:
+            block.num_heads = pruner.num_heads[block.qkv]
+            block.head_dim = block.qkv.out_features // (3 * block.num_heads)
+            if hasattr(block, "attn_dim"):
+                block.attn_dim = block.num_heads * block.head_dim
+        with torch.no_grad():
+            after_shapes = _shapes(pruned(example))
+    except Exception as e:  # noqa: BLE001  whatever the graph or the pruned forward raised
+        raise CannotPrune(f"its channels cannot be removed consistently ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e
+    if after_shapes != shapes:
+        raise CannotPrune(f"pruning changed its outputs' shapes from {shapes} to {after_shapes}")
+    after = sum(p.numel() for p in pruned.parameters())
+    return pruned, {"ratio": ratio, "pruned_groups": groups, "kept_whole": len(ignored),
+                    "attention_layers": len(heads), "parameters_before": before, "parameters_after": after}
 
 
 def count_flops(model: nn.Module, example: torch.Tensor) -> int:
@@ -212,10 +125,13 @@ def count_flops(model: nn.Module, example: torch.Tensor) -> int:
         nonlocal total
         if isinstance(m, nn.Conv2d):
             total += out.numel() * (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
-        else:
+        elif isinstance(m, nn.Linear):
             total += out.numel() * m.in_features
+        else:  # attention: its projections are counted here; the score products are left out
+            total += (out[0] if isinstance(out, tuple) else out).numel() * m.embed_dim * 4
 
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    kinds = (nn.Conv2d, nn.Linear, nn.MultiheadAttention)
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, kinds)]
     with torch.no_grad():
         model(example)
     for h in handles:
