@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Iterable
 
 from optiserve.errors import UserError
 from optiserve.files import atomic_write, current_umask, read_json_bytes, sha256_file
@@ -25,9 +26,10 @@ MANIFEST = "manifest.json"
 FORMAT = "optiserve.manifest/1"
 
 
-def versions() -> dict:
+def versions(packages: Iterable[str]) -> dict:
+    """Python's version and those of optiserve and `packages`, where installed."""
     out = {"python": platform.python_version()}
-    for pkg in ("optiserve", "torch", "torchvision", "onnx", "onnxruntime", "openvino", "torch-tensorrt"):
+    for pkg in dict.fromkeys(("optiserve", *packages)):
         with contextlib.suppress(metadata.PackageNotFoundError):
             out[pkg] = metadata.version(pkg)
     return out

@@ -88,7 +88,7 @@ def test_a_recorded_choice_holds_only_for_the_same_cpu_engines_threads_and_batch
     older["versions"]["onnxruntime"] = "1.0.0"
     differs = recorded_choice(older, accepted, {"cpu"}, n, None)
     assert differs.choice is None
-    assert f"onnxruntime 1.0.0 there, {versions()['onnxruntime']} here" in differs.reason
+    assert f"onnxruntime 1.0.0 there, {versions(['onnxruntime'])['onnxruntime']} here" in differs.reason
 
     fewer_cores = json.loads(json.dumps(manifest))
     fewer_cores["machine"]["cores"] = cpu_facts()["cores"] + 6

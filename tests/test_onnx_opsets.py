@@ -17,7 +17,7 @@ from conftest import serving
 from optiserve.artifacts import read_manifest
 from optiserve.files import sha256_file
 from optiserve.models import load_model
-from optiserve.optimize import pipeline
+from optiserve.optimize.passes import int8 as int8_pass
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
 
@@ -60,7 +60,7 @@ def test_a_file_the_converter_cannot_raise_gets_not_built_rows_for_int8(opset11_
     def no_adapter(*args, **kwargs):
         raise RuntimeError("convert_graph: Op 'ImageScaler' has no registered schema")
 
-    monkeypatch.setattr(pipeline, "at_least_opset", no_adapter)
+    monkeypatch.setattr(int8_pass, "at_least_opset", no_adapter)
     manifest = run_optimize(OptimizeConfig(str(opset11_file), int8=True, latency_batch=2, out=str(tmp_path / "a"),
                                            progress=False))
     reasons = {s["name"]: s["reason"] for s in manifest["skipped"]}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from optiserve.artifacts import read_manifest
-from optiserve.optimize import pipeline
+from optiserve.optimize.passes import int8 as int8_pass, onnx_export as onnx_export_pass
 from optiserve.optimize.attempts import LOG_FILE
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
@@ -26,7 +26,7 @@ def folder_with_a_failed_pass(small_cnn_checkpoint, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("failed") / "small"
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(pipeline, "quantize_onnx_static", crash)
+        monkeypatch.setattr(int8_pass, "quantize_onnx_static", crash)
         manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
                                                out=str(out), progress=False, latency_batch=2))
     return out, manifest
@@ -74,7 +74,7 @@ def test_the_command_succeeds_and_prints_the_failed_row(small_cnn_checkpoint, tm
         Path(path).write_bytes(b"half an ONNX file")  # what it had written before it raised
         raise QuantizerCrash("exporter gave up")
 
-    monkeypatch.setattr(pipeline, "export_onnx", crash)
+    monkeypatch.setattr(onnx_export_pass, "export_onnx", crash)
     code = main(["optimize", "small_cnn", "--weights", str(small_cnn_checkpoint), "--int8", "--latency-batch", "2",
                  "--out", str(tmp_path / "a"), "--no-progress"])
     out = capsys.readouterr().out

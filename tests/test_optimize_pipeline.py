@@ -10,7 +10,8 @@ import torch
 
 from conftest import cache_imagenet_weights, crash_between_publish_renames, run_cli
 from optiserve.files import sha256_file
-from optiserve.optimize import pipeline
+from optiserve.optimize import judge
+from optiserve.optimize.passes import int8 as int8_pass
 from optiserve.optimize import report as optimize_report
 from optiserve.optimize.manifest import device_note
 from optiserve.optimize.passes import Variant
@@ -99,7 +100,7 @@ def test_variants_are_scored_against_fp32_by_name_whatever_order_they_come_in(ar
                                  by_name[n]["settings"]) for n in ("onnx-int8", "fp32")]  # fp32 last
     cfg = OptimizeConfig("small_cnn", latency_batch=2, progress=False)
     attempts = Attempts(PassLog(0, enabled=False), out, [])
-    entries, timed, _ = pipeline._validate(variants, out, loaded, materialize(data.test, True), cfg, "", "fp32", attempts)
+    entries, timed, _ = judge.validate(variants, out, loaded, materialize(data.test, True), cfg, "", "fp32", attempts)
     assert [e["name"] for e in entries] == ["onnx-int8", "fp32"]  # the caller's order is kept
     assert set(timed.sessions) == {"onnx-int8", "fp32"} and set(timed.times) == {"1", "2"}  # for the recommendation
     int8, fp32 = entries
@@ -141,7 +142,7 @@ def test_an_interrupted_run_leaves_the_previous_folder_untouched(artifact, tmp_p
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline, "quantize_onnx_static", interrupted)
+    monkeypatch.setattr(int8_pass, "quantize_onnx_static", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_optimize(OptimizeConfig("small_cnn", weights="random", int8=True, out=str(out), progress=False))
     assert (out / "manifest.json").read_text() == before

@@ -29,6 +29,7 @@ from optiserve.errors import UserError
 from optiserve.files import atomic_write, read_json
 from optiserve.artifacts import reported_facts, versions
 from optiserve.machine import cpu_line
+from optiserve.runtime import engine_packages
 
 FORMAT = "optiserve.bench/1"
 MODES = ("engine", "closed", "open", "server")
@@ -60,7 +61,7 @@ class Run:
 
 
 def environment() -> dict:
-    env = {**versions(), "platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu": cpu_line()}
+    env = {**versions(engine_packages()), "platform": platform.platform(), "cpu_count": os.cpu_count(), "cpu": cpu_line()}
     try:
         import torch
 

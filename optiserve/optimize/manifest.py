@@ -11,9 +11,11 @@ from optiserve import artifacts
 from optiserve.machine import cpu_facts, usable_cores
 from optiserve.models import model_slug
 from optiserve.optimize.export_onnx import OUTPUT_NAME
+from optiserve.runtime import engine_packages
 from optiserve.tasks import gate_minimums
 
 BASELINE = "fp32"  # the variant a torch model's others are checked against
+BUILT_WITH = ("torch", "torchvision", "onnx", "nncf", "torch-pruning")  # beside the engines the variants run on
 
 
 def build_manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_eval) -> dict:
@@ -39,7 +41,7 @@ def build_manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_ev
         **{minimum.name: getattr(cfg, minimum.name) for _, minimum in gate_minimums()},
         "latency_batch": cfg.latency_batch,
         "threads": usable_cores(),  # intra-op threads every variant was timed with
-        "versions": artifacts.versions(),
+        "versions": artifacts.versions((*BUILT_WITH, *engine_packages({e["backend"] for e in entries}))),
         "machine": machine(entries),
         "recommended": recommended,
         "notes": notes,

@@ -98,4 +98,5 @@ def _unavailable() -> str | None:
 
 
 register_backend(Backend("openvino", lambda p, v, m, o: OpenVinoSession(p, v, m, o), _unavailable,
-                         "OpenVINO (CPU), explicit f32/bf16 inference precision", packages=("openvino",)))
+                         "OpenVINO (CPU), explicit f32/bf16 inference precision", packages=("openvino",),
+                         companions=lambda file: (companion_bin(Path(file)).name,)))

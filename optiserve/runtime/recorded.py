@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from optiserve.artifacts import versions as installed_versions
 from optiserve.machine import cpu_facts
 from optiserve.runtime.fastest import describe
-from optiserve.runtime.registry import get_backend
+from optiserve.runtime.registry import engine_packages
 
 MACHINE_KEYS = ("model", "cores", "flags")
 
@@ -38,8 +38,9 @@ def fingerprint_differences(manifest: dict, backends: set[str], devices: set[str
                    if recorded.get(key) != here[key]]
     if recorded.get("gpu") or devices - {"cpu"}:
         differences.append("timed or served on a GPU (its recorded timings are not compared across devices)")
-    there, here_versions = manifest.get("versions") or {}, installed_versions()
-    for package in sorted({p for b in backends for p in get_backend(b).packages}):
+    packages = engine_packages(backends)
+    there, here_versions = manifest.get("versions") or {}, installed_versions(packages)
+    for package in sorted(packages):
         if there.get(package) != here_versions.get(package):
             differences.append(f"{package} {there.get(package) or 'not recorded'} there, "
                                f"{here_versions.get(package) or 'not installed'} here")

@@ -61,6 +61,7 @@ class Backend:
     warm_up_runs: int = 1                   # runs at each batch size before a session is warm
     warm_each_batch_size: bool = True       # False: a new batch size costs no more than a warm one once the
                                             # smallest and largest have run (warm those two only)
+    companions: Callable[[str], tuple[str, ...]] = lambda file: ()  # files a variant's file needs beside it
 
 
 _BACKENDS: Registry[Backend] = Registry("backend")
@@ -76,6 +77,12 @@ def get_backend(name: str) -> Backend:
 
 def list_backends() -> list[str]:
     return _BACKENDS.names()
+
+
+def engine_packages(backends=None) -> tuple[str, ...]:
+    """The distributions the named backends (every registered one by default) run on, each once."""
+    names = list_backends() if backends is None else backends
+    return tuple(dict.fromkeys(p for name in names for p in get_backend(name).packages))
 
 
 def load_session(path: str | Path, variant: dict, manifest: dict, options: RuntimeOptions = RuntimeOptions()) -> Session:

@@ -1,7 +1,7 @@
-"""The optimizer's passes in a registry, in the order they run: each says which model forms it
-starts from (a torch module, or an ONNX file), whether this run asks for it, how many progress
-steps it reports, and builds its variants into the run it is given. The pipeline runs the passes
-that apply and counts its progress from them; adding a pass is a function and its `register_pass`."""
+"""The optimizer's pass registry: each pass says which model forms it starts from (a torch module,
+or an ONNX file), whether this run asks for it, how many progress steps it reports, builds its
+variants into the run it is given, and may settle between its own candidates once they are judged.
+Passes run in the order they are registered (see `optimize/passes/__init__.py`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from optiserve.optimize.progress import PassLog
 from optiserve.optimize.validate import EvalSet
 
 FORMS = ("torch", "onnx")  # a torch module, or an ONNX file the optimizer starts from
+TORCH, FILE, BOTH = ("torch",), ("onnx",), FORMS
 RUN_STEPS = 4  # what every run reports besides its passes: load the model, load the data, validate, write
 
 
@@ -26,8 +27,7 @@ class Variant:
     file: str
     backend: str
     precision: str
-    settings: dict = field(default_factory=dict)
-    companions: list[str] = field(default_factory=list)  # files the main file needs beside it (an IR's .bin)
+    settings: dict = field(default_factory=dict)  # the files its file needs beside it come from its backend
 
 
 @dataclass
@@ -65,6 +65,9 @@ class Pass:
     build: Callable[[Run], None]
     asked: Callable[[OptimizeConfig], bool] = lambda cfg: True
     steps: Callable[[OptimizeConfig], int] = lambda cfg: 1  # progress steps it reports (an attempt or a skip each)
+    # after judging: (entries, latency batch, the timings) -> (the entries kept, notes), where a pass
+    # built several candidates for one variant and the better one keeps its name
+    settle: Callable[[list[dict], int, object], tuple[list[dict], list[str]]] | None = None
 
 
 _PASSES: list[Pass] = []

@@ -1,0 +1,152 @@
+"""Every variant judged and timed through the runtime layer, the way the server will run it: its
+task's gate against the baseline on the held-out images, then call times in interleaved rounds;
+and the recommendation drawn from those times."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from optiserve import artifacts
+from optiserve.errors import first_line
+from optiserve.machine import usable_cores
+from optiserve.models import LoadedModel
+from optiserve.optimize.attempts import Attempts
+from optiserve.optimize.config import OptimizeConfig
+from optiserve.optimize.prune import compressed_size
+from optiserve.optimize.validate import EvalSet, predict
+from optiserve.runtime import RuntimeOptions, Session, get_backend, load_session
+from optiserve.runtime.fastest import choose_fastest
+from optiserve.runtime.timing import interleaved_times
+from optiserve.tasks import get_task
+from optiserve.tasks.output_kinds import recognise_output_kind
+
+if TYPE_CHECKING:  # the passes use this module; it reads only their Variant's fields
+    from optiserve.optimize.passes.registry import Variant
+
+
+def session_manifest(loaded) -> dict:
+    """What the runtime needs of the manifest to load a variant before the manifest is written."""
+    return {"model": loaded.name, "classes": loaded.classes, "input": loaded.input.to_dict(), "task": loaded.task,
+            **({"outputs": loaded.outputs} if loaded.outputs else {})}
+
+
+KIND_IMAGES = 256  # held-out images whose fp32 outputs say what the model's scores hold
+
+
+def output_kind(loaded: LoadedModel, cfg: OptimizeConfig, outputs: np.ndarray) -> dict:
+    """`output_kind` for the manifest of a task whose scores may be logits or probabilities, and how it
+    was known: --output-kind, or recognised on the baseline's `outputs` for held-out images. Nothing
+    for the other tasks."""
+    if not get_task(loaded.task).reads_output_kind:
+        return {}
+    if cfg.output_kind != "auto":
+        return {"output_kind": cfg.output_kind, "output_kind_from": "--output-kind"}
+    return {"output_kind": recognise_output_kind(outputs),
+            "output_kind_from": f"recognised on fp32's outputs for {len(outputs)} held-out images"}
+
+
+@dataclass
+class Timed:
+    """The validated variants' open sessions, the batches they were timed on, and their call times
+    (ms) per batch size, taken in interleaved rounds: what the recommendation decides on."""
+
+    sessions: dict[str, Session]
+    batches: dict[str, np.ndarray]
+    times: dict[str, dict[str, list[float]]]
+
+    def rename(self, old: str, new: str) -> None:
+        self.sessions[new] = self.sessions.pop(old)
+        for by_name in self.times.values():
+            by_name[new] = by_name.pop(old)
+
+    def drop(self, name: str) -> None:
+        self.sessions.pop(name, None)
+        for by_name in self.times.values():
+            by_name.pop(name, None)
+
+
+def validate(variants: list[Variant], stage: Path, loaded, evalset: EvalSet, cfg: OptimizeConfig, why_not: str,
+              baseline_name: str, attempts: Attempts) -> tuple[list[dict], Timed]:
+    """Each variant loaded through the runtime, judged by its task's gate against the baseline and
+    timed; one its engine cannot run is not built (with the reason), one whose judging raises has
+    failed; either way its files are deleted and the others go on. The baseline failing ends the run."""
+    base_manifest = session_manifest(loaded)
+    # an idle session must not slow the next; threads as stated, so a server can tell it runs with the same
+    options = RuntimeOptions(device=cfg.device, threads=usable_cores(), extra={"spin": False})
+    batch1 = evalset.images[:1]
+    batch_n = np.resize(evalset.images, (cfg.latency_batch, *evalset.images.shape[1:])).astype(np.float32)
+    if baseline_name not in [v.name for v in variants]:
+        raise RuntimeError(f"no {baseline_name} variant to validate the others against")
+    # The baseline by name, validated first: every other variant is scored against it, whatever the order.
+    entries, sessions, reference, baseline, reading = {}, {}, None, {}, {}
+    task, limits = get_task(loaded.task), cfg.gate_limits
+    for v in sorted(variants, key=lambda v: v.name != baseline_name):
+        companions = get_backend(v.backend).companions(v.file)
+        entry = {"name": v.name, "file": v.file, "backend": v.backend, "precision": v.precision,
+                 **artifacts.file_facts(stage / v.file),
+                 "size_compressed_bytes": sum(compressed_size(stage / f) for f in (v.file, *companions)),
+                 "settings": v.settings}
+        if companions:
+            entry["companions"] = {f: artifacts.file_facts(stage / f) for f in companions}
+            entry["size_bytes"] += sum(c["size_bytes"] for c in entry["companions"].values())
+        flow = v.settings.get("flow")
+        row_name = f"{v.name} ({flow} flow)" if flow else v.name
+        try:
+            session = load_session(stage / v.file, entry, base_manifest, options)
+            if v.name == baseline_name:  # what its scores hold decides how every variant's are read
+                reading = output_kind(loaded, cfg, session.run(evalset.images[:KIND_IMAGES]))
+            logits = predict(session, evalset.images, keep=lambda raw: task.reduce(raw, reading))
+        except Exception as e:  # built, but its engine cannot run it: said in the report, not fatal
+            if v.name == baseline_name:
+                raise
+            attempts.cannot(f"built, but {v.backend} cannot run it ({first_line(e, True, 200)})", row_name)
+            continue
+        entry["device"] = session.device  # torch-int8 runs on the CPU even where the others use CUDA
+        if reference is None:
+            reference = logits
+        try:
+            entry["accuracy"] = task.metrics(logits, reference, evalset.labels)
+            if v.name == baseline_name:
+                baseline = entry["accuracy"]
+            entry["status"], entry["reason"] = task.gate(entry["accuracy"], baseline, limits, why_not)
+        except Exception as e:
+            if v.name == baseline_name:
+                raise
+            attempts.record(f"validate {v.name}", e, row_name)
+            continue
+        entries[v.name] = entry
+        sessions[v.name] = session
+    # Timed together, in interleaved rounds: a variant's figure must not depend on its neighbours.
+    batches = {"1": batch1, str(cfg.latency_batch): batch_n}
+    times = {b: interleaved_times(sessions, x, rounds=15, warmup=3, max_seconds=10.0 * len(sessions))
+             for b, x in batches.items()}
+    for name, entry in entries.items():
+        entry["latency_ms"] = {b: statistics.median(times[b][name]) for b in times}
+    return [entries[v.name] for v in variants if v.name in entries], Timed(sessions, batches, times), reading
+
+
+def recommend(entries: list[dict], timed: Timed, n: int) -> dict | None:
+    """The fastest accepted variant at batch 1 ("latency") and at batch n ("throughput"), as timed in
+    this run on this machine, by runtime.fastest's rule (two that noise cannot separate are timed
+    again; still a tie, the smaller file); among unvalidated ones when none could be gated (random
+    weights). The latency columns stay those of the rounds every variant ran in side by side; the
+    evidence of a re-timing is in `recommended.evidence`."""
+    pool = [e for e in entries if e["status"] == "accepted"]
+    gated = bool(pool)
+    pool = pool or [e for e in entries if e["status"] == "unvalidated"]
+    if not pool:
+        return None
+    by_name = {e["name"]: e for e in pool}
+    sizes = {name: e["size_bytes"] for name, e in by_name.items()}
+    recommended = {"batch": n, "accuracy_gated": gated, "evidence": {}}
+    for key, b in (("latency", "1"), ("throughput", str(n))):
+        choice = choose_fastest({name: timed.sessions[name] for name in by_name}, timed.batches[b], sizes,
+                                times=timed.times[b], retime_rounds=30, retime_seconds=20.0)
+        recommended[key] = choice.chosen
+        recommended["evidence"][key] = choice.to_dict()
+    return recommended

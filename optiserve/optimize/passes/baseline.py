@@ -1,0 +1,95 @@
+"""The reference every variant is checked against (eager fp32, or the given ONNX file as
+onnx-fp32) and the conv+BN-fused module the other torch passes build from."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import torch
+
+from optiserve.errors import UserError, first_line
+from optiserve.models import LoadedModel
+from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
+from optiserve.optimize.manifest import BASELINE
+from optiserve.optimize.outputs import max_abs_diff
+from optiserve.optimize.parity import parity, parity_measure
+from optiserve.optimize.passes.registry import FILE, TORCH, Pass, Run, Variant, register_pass
+from optiserve.optimize.trace import save_torchscript, trace_torchscript
+
+
+def _build_baseline(run: Run) -> None:
+    """The fp32 reference every variant is checked against (see `_baseline_variant`)."""
+    with run.log.step("fp32 baseline (" + ("eager state dict)" if run.loaded.rebuildable else "traced TorchScript)")):
+        run.variants.append(_baseline_variant(run.loaded, run.stage, run.example, run.check))
+
+
+def _baseline_variant(loaded: LoadedModel, stage: Path, example: torch.Tensor, check: torch.Tensor) -> Variant:
+    """The fp32 reference every variant is checked against: the eager state dict for a registered
+    model (the registry rebuilds it), else the eager model traced to TorchScript, so serving it never
+    runs the user's code."""
+    if loaded.rebuildable:
+        torch.save(loaded.model.state_dict(), stage / "fp32.pt")
+        return Variant(BASELINE, "fp32.pt", "torch", "fp32")
+    try:
+        traced = trace_torchscript(loaded.model, example, (check,), **parity(loaded, 1e-4))
+    except Exception as e:
+        raise UserError(f"{loaded.name} cannot be traced to TorchScript, which its fp32 variant needs "
+                        f"({first_line(e, True, 200)})") from None
+    save_torchscript(traced, stage / "fp32.torchscript.pt")
+    return Variant(BASELINE, "fp32.torchscript.pt", "torchscript", "fp32",
+                   {"traced_from": "the eager model, no passes", "frozen": True})
+
+
+def _build_file_baseline(run: Run) -> None:
+    """A model that arrives as an ONNX file: the file itself (adapted where its input or head needed
+    it) is onnx-fp32, the baseline the others are checked against."""
+    name, source = "onnx-fp32", run.loaded.source
+    with run.log.step(f"the ONNX file as {name} (the baseline the others are checked against)"):
+        shutil.copyfile(run.loaded.file, run.stage / "model.onnx")  # the staging folder is published whole
+        run.variants.append(Variant(name, "model.onnx", "onnxruntime", "fp32",
+                                    {"opset": source.get("opset"), "from": _file_as_served(source),
+                                     "graph_optimization": "all"}))
+    run.notes.append(f"started from an ONNX file: {name} is {_file_as_served(source)}, and the torch passes (eager "
+                     f"fp32, conv+BN fusion, TorchScript, torch-int8, torch-bf16, pruning, TensorRT) do not apply")
+
+
+def _file_as_served(source: dict) -> str:
+    """How onnx-fp32 came from the given file: unchanged, or what was put before and after its graph."""
+    added = []
+    if "input_adapted" in source:
+        added.append(f"its {source['input_adapted']['layout']} {source['input_adapted']['dtype']} input fed "
+                     f"float32 NCHW ({source['input_adapted']['added']})")
+    if "detection_head" in source:
+        added.append(f"its {source['detection_head']['head']} head decoded, NMS and the best "
+                     f"{source['detection_head']['detections']} boxes appended")
+    if "converted_from_opset" in source:
+        added.append(f"converted from opset {source['converted_from_opset']} for that")
+    return "the given ONNX file, " + ("; ".join(added) if added else "unchanged")
+
+
+def _build_fused(run: Run) -> None:
+    with run.log.step("fuse conv+BN"):
+        run.fused, note = _fuse(run.loaded)
+        run.notes.append(note)
+
+
+def _fuse(loaded: LoadedModel) -> tuple[torch.nn.Module, str]:
+    """Conv+BN folded, with a note; a model FX cannot trace goes on unfused, and the note says why."""
+    try:
+        fused = fuse_conv_bn(loaded.model)
+    except Exception as e:
+        return (copy.deepcopy(loaded.model).eval(),
+                f"conv+BN fusion skipped: the model does not trace symbolically ({first_line(e, True, 200)})")
+    probe = torch.randn(8, *loaded.input.shape)
+    difference = parity(loaded, 0.0).get("difference", max_abs_diff)
+    with torch.no_grad():
+        diff = difference(loaded.model(probe), fused(probe))
+    return fused, (f"conv+BN fusion folded {count_batchnorms(loaded.model)} BatchNorms "
+                   f"({count_batchnorms(fused)} left); {parity_measure(loaded)} on random inputs {diff:.1e}")
+
+
+register_pass(Pass("fp32", TORCH, _build_baseline))
+register_pass(Pass("onnx-file", FILE, _build_file_baseline))
+register_pass(Pass("fuse", TORCH, _build_fused))

@@ -1,0 +1,100 @@
+"""OpenVINO variants: the IR at f32 and bf16 inference precision and, with --int8, two INT8
+candidates (the QDQ file read by OpenVINO, NNCF's own quantization), settled after judging."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from optiserve.optimize.attempts import Attempts
+from optiserve.optimize.architecture import QuantRecipe
+from optiserve.optimize.config import OptimizeConfig
+from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
+from optiserve.optimize.judge import Timed
+from optiserve.optimize.passes.registry import BOTH, Pass, Run, Variant, register_pass
+from optiserve.runtime.openvino_backend import bf16_unavailable
+
+
+def _build_openvino(run: Run) -> None:
+    _openvino_variants(run.stage, run.variants, run.attempts, run.cfg, run.batches, run.recipe,
+                       run.loaded.input.shape, run.int8_source, run.conversion)
+
+
+OPENVINO_INT8_CANDIDATE = "openvino-int8-nncf"  # validated beside openvino-int8; the better one keeps the name
+
+
+def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts, cfg: OptimizeConfig,
+                       batches: list, recipe: QuantRecipe | None, chw: tuple[int, int, int],
+                       int8_source: str = "model.onnx", conversion: dict | None = None) -> None:
+    """openvino-fp32 and, where the CPU has bf16, openvino-bf16 (one IR, the precision set at load),
+    compiled for inputs of `chw`;
+    with --int8, two openvino-int8 candidates: the ONNX Runtime QDQ file read by OpenVINO, and NNCF's
+    own post-training quantization on the same calibration images (see `_pick_openvino_int8`)."""
+    title = "OpenVINO IR (fp32 weights; f32 and bf16 inference)"
+    if why := attempts.missing("onnx-fp32"):
+        attempts.skip(title, why, "openvino-fp32", "openvino-bf16")
+    else:
+        with attempts.attempt(title, "openvino-fp32", "openvino-bf16"):
+            ov = export_openvino(stage / "model.onnx", stage / "model.openvino.xml", chw)
+            variants.append(Variant("openvino-fp32", "model.openvino.xml", "openvino", "fp32",
+                                    {**ov, "inference_precision": "f32"}))
+            if why := bf16_unavailable():
+                attempts.cannot(why, "openvino-bf16")
+            else:
+                variants.append(Variant("openvino-bf16", "model.openvino.xml", "openvino", "bf16",
+                                        {**ov, "inference_precision": "bf16"}))
+    if not cfg.int8:
+        return
+    title = "OpenVINO IR of the INT8 QDQ model -> openvino-int8"
+    if why := attempts.missing("onnx-fp32", "onnx-int8"):
+        attempts.skip(title, why, "openvino-int8 (qdq flow)")
+    else:
+        with attempts.attempt(title, "openvino-int8 (qdq flow)"):
+            q = next(v for v in variants if v.name == "onnx-int8").settings
+            ov = export_openvino(stage / "model.int8.onnx", stage / "model.int8.openvino.xml", chw)
+            variants.append(Variant("openvino-int8", "model.int8.openvino.xml", "openvino", "int8",
+                                    {**q, **ov, "inference_precision": "f32",
+                                     "flow": "qdq", "flow_description": "the ONNX Runtime QDQ file (same "
+                                                                        "calibration) read by OpenVINO"}))
+    title = "OpenVINO INT8 with NNCF post-training quantization (same calibration images)"
+    if why := attempts.missing("onnx-fp32"):
+        attempts.skip(title, why, "openvino-int8 (nncf flow)")
+        return
+    with attempts.attempt(title, "openvino-int8 (nncf flow)"):
+        settings = quantize_openvino_nncf(stage / int8_source, stage / "model.int8.nncf.openvino.xml", batches,
+                                          recipe.nncf_model_type)
+        variants.append(Variant(OPENVINO_INT8_CANDIDATE, "model.int8.nncf.openvino.xml", "openvino", "int8",
+                                {**settings, **recipe.settings(), **(conversion or {}), "inference_precision": "f32",
+                                 "flow": "nncf"}))
+
+
+def _pick_openvino_int8(entries: list[dict], n: int, timed: Timed) -> tuple[list[dict], list[str]]:
+    """Of the two openvino-int8 candidates keep the one that passes the gate and is faster at batch
+    n (the QDQ one when neither passes); it is published as openvino-int8, and the other's files are
+    left out of the folder with everything else no entry names (`_sweep`)."""
+    by_name = {e["name"]: e for e in entries}
+    if OPENVINO_INT8_CANDIDATE in by_name and "openvino-int8" not in by_name:  # the QDQ one did not run
+        by_name[OPENVINO_INT8_CANDIDATE]["name"] = "openvino-int8"
+        timed.rename(OPENVINO_INT8_CANDIDATE, "openvino-int8")
+        return entries, ["openvino-int8: the nncf flow's, the only one OpenVINO runs"]
+    if OPENVINO_INT8_CANDIDATE not in by_name or "openvino-int8" not in by_name:
+        return entries, []
+    qdq, nncf_ = by_name["openvino-int8"], by_name[OPENVINO_INT8_CANDIDATE]
+    passing = [e for e in (qdq, nncf_) if e["status"] == "accepted"]
+    winner = min(passing, key=lambda e: e["latency_ms"][str(n)]) if passing else qdq
+    loser = nncf_ if winner is qdq else qdq
+    comparison = {e["settings"]["flow"]: {"status": e["status"], "accuracy": e["accuracy"],
+                                          "latency_ms": e["latency_ms"]} for e in (qdq, nncf_)}
+    winner["settings"] = {**winner["settings"], "flow_comparison": comparison}
+    timed.drop(loser["name"])
+    if winner is nncf_:
+        timed.rename(OPENVINO_INT8_CANDIDATE, "openvino-int8")
+    winner["name"] = "openvino-int8"
+    kept = [winner if e is qdq else e for e in entries if e is not nncf_]
+    note = (f"openvino-int8: {winner['settings']['flow']} flow kept ({winner['status']}, "
+            f"{winner['latency_ms'][str(n)]:.2f} ms at batch {n}) over {loser['settings']['flow']} "
+            f"({loser['status']}, {loser['latency_ms'][str(n)]:.2f} ms)")
+    return kept, [note]
+
+
+register_pass(Pass("openvino", BOTH, _build_openvino, asked=lambda cfg: cfg.openvino and cfg.onnx,
+                   steps=lambda cfg: 1 + 2 * cfg.int8, settle=_pick_openvino_int8))
