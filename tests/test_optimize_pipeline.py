@@ -109,7 +109,7 @@ def test_variants_are_scored_against_fp32_by_name_whatever_order_they_come_in(ar
     assert int8["status"] == "accepted"  # gated against fp32's top-1, not left unvalidated
 
 
-def test_pruned_variants_record_sparsity_size_and_accuracy_around_the_fine_tune(artifact):
+def test_pruned_variants_record_sparsity_size_and_accuracy_around_the_recovery(artifact):
     _, manifest = artifact
     by_name = {v["name"]: v for v in manifest["variants"]}
     sparse = by_name["sparse50"]
@@ -117,11 +117,14 @@ def test_pruned_variants_record_sparsity_size_and_accuracy_around_the_fine_tune(
     assert sparse["size_compressed_bytes"] < 0.8 * by_name["onnx-fp32"]["size_compressed_bytes"]
     pruned = by_name["pruned50"]["settings"]
     assert pruned["macs_after"] < 0.35 * pruned["macs_before"]
-    assert pruned["finetune"]["epochs"] == 3
-    assert pruned["test_top1_after_finetune"] > pruned["test_top1_before_finetune"]
-    assert by_name["pruned50"]["accuracy"]["top1"] == pytest.approx(pruned["test_top1_after_finetune"], abs=0.01)
+    assert pruned["recovery"]["epochs"] == 3 and pruned["recovery"]["matched"] == "class-scores"
+    assert pruned["recovery"]["method"] == "distillation from the unpruned model and the labels"
+    recovered = pruned["recovery"]["val_distillation_loss_after"]
+    assert recovered < 0.2 * pruned["recovery"]["val_distillation_loss_before"]
+    assert pruned["test_after_recovery"]["top1"] > pruned["test_before_recovery"]["top1"]
+    assert by_name["pruned50"]["accuracy"]["top1"] == pytest.approx(pruned["test_after_recovery"]["top1"], abs=0.01)
     assert by_name["pruned50-int8"]["size_bytes"] < by_name["pruned50"]["size_bytes"] / 2
-    assert any("after fine-tuning" in n for n in manifest["notes"])
+    assert any(n.startswith("pruned50: ") and "after recovery" in n for n in manifest["notes"])
 
 
 def test_random_weights_on_synthetic_data_are_unvalidated_but_still_compared(tmp_path):

@@ -112,6 +112,21 @@ def test_a_segmentation_model_is_judged_by_its_masks_against_fp32(ink_artifact):
     assert "mIoU vs fp32 [95% CI]" in report and "pixel agree fp32" in report
 
 
+def test_a_pruned_segmenter_recovers_its_masks_by_distillation_without_labels(ink_net, digit_images, tmp_path):
+    folder, _ = ink_net
+    manifest = run_optimize(OptimizeConfig(f"{folder}/ink_net.py:build", task="segmentation", prune_channels=0.5,
+                                           weights=str(folder / "ink_net.pt"), dataset=f"imagefolder:{digit_images}",
+                                           openvino=False, input=InputOverrides((3, 32, 32)), out=str(tmp_path / "a"),
+                                           progress=False))
+    pruned = next(v for v in manifest["variants"] if v["name"].startswith("pruned"))
+    settings = pruned["settings"]
+    assert settings["recovery"]["method"] == "distillation from the unpruned model"  # no masks: no labels
+    assert settings["recovery"]["matched"] == "class-scores" and settings["recovery"]["output_kind"] == "logits"
+    before, after = settings["test_before_recovery"]["miou_fp32"], settings["test_after_recovery"]["miou_fp32"]
+    assert before < after and after >= 0.9  # the digits' ink is easy: pruning costs little, recovery wins it back
+    assert pruned["accuracy"]["miou_fp32"] == pytest.approx(after, abs=0.01) and pruned["status"] == "accepted"
+
+
 @pytest.fixture(scope="module")
 def masked_digits(tmp_path_factory) -> tuple[Path, Path]:
     """300 digits straight in a folder with their true masks (ink where the pixel is at least INK, a

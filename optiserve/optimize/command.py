@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add structured-pruned variants with this fraction of channels removed, fine-tuned "
                         "when training data is available (and INT8 with --int8)")
     p.add_argument("--finetune-epochs", type=int, default=DEFAULTS.finetune_epochs, metavar="N",
-                   help=f"epochs of fine-tuning after structured pruning (default {DEFAULTS.finetune_epochs})")
+                   help=f"epochs of recovery after structured pruning, by distillation from the unpruned model "
+                        f"(default {DEFAULTS.finetune_epochs})")
     p.add_argument("--tensorrt", action="store_true",
                    help="add TensorRT engines through torch-tensorrt (needs a CUDA GPU and the [tensorrt] extra)")
     p.add_argument("--fp16", action="store_true", help="with --tensorrt, also build an FP16 engine")

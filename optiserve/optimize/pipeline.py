@@ -120,9 +120,13 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         if cfg.output_kind != "auto" and not get_task(loaded.task).reads_output_kind:
             raise UserError(f"--output-kind says what a classifier's or segmenter's scores hold; {cfg.model} is "
                             f"run for {loaded.task}")
+        if cfg.prune_channels is not None and get_task(loaded.task).distills is None:
+            raise UserError(f"--prune-channels recovers the pruned model by matching the original's answers, which "
+                            f"a {loaded.task} model's cannot be one to one; use --prune (unstructured) instead")
         if cfg.prune_channels is not None and loaded.outputs:
-            raise UserError(f"--prune-channels fine-tunes a classifier's one output; {cfg.model} returns several "
-                            f"({', '.join(o['name'] for o in loaded.outputs)}): use --prune (unstructured) instead")
+            raise UserError(f"--prune-channels recovers the pruned model by matching the original's one output; "
+                            f"{cfg.model} returns several ({', '.join(o['name'] for o in loaded.outputs)}): use "
+                            f"--prune (unstructured) instead")
     with log.step(f"load dataset {cfg.dataset}"):
         for flag, given, task in (("--masks", cfg.masks, "segmentation"), ("--boxes", cfg.boxes, "detection")):
             if given is not None and loaded.task != task:
@@ -151,7 +155,8 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                                                                                                     mapping)
         skipped: list[dict] = []  # variants this machine cannot run fast, with the reason: rows of their own
         attempts = Attempts(log, stage, skipped)
-        run = Run(stage, loaded, data, evalset, cfg, why_not, log, attempts, variants, notes, example, check)
+        run = Run(stage, loaded, data, evalset, cfg, why_not, log, attempts, variants, notes, example, check,
+                  label_mapping=None if mapping is None else np.asarray(mapping))
         passes = passes_for(run.form, cfg)
         for each in passes:  # every pass after the baseline is an attempt: one that raises
             each.build(run)  # is its variants' failed rows, and the run goes on

@@ -17,6 +17,7 @@ class Classification(Task):
     description = "one [N, K] tensor of class scores"
     has_classes = True
     reads_output_kind = True
+    distills = "class-scores"
     parameters = (Parameter("top_k", "count", "the most probable classes answered per image (classification; "
                             "default: serve's --top-k)"),)
 

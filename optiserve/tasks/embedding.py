@@ -33,6 +33,7 @@ class Embedding(Task):
     outputs = ("embedding",)
     description = "one [N, D] tensor of vectors (retrieval, similarity, re-identification)"
     output_form = "[N, D]"
+    distills = "vectors"
     gate_minimum = GateMinimum("min_cosine", "mean cosine similarity to fp32's vectors", low=-1.0)
     parameters = (Parameter("normalize", "flag", "scale each vector to unit length (embedding)", False),)
 

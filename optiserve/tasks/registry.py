@@ -99,6 +99,9 @@ class Task:
     reads_output_kind: bool = False      # whether its class scores may be logits, probabilities... (output_kinds.py)
     parameters: tuple[Parameter, ...] = ()  # what `/predict` takes for its answer
     gate_minimum: GateMinimum | None = None  # judged against fp32 alone: the least its measure may be
+    # What a pruned copy learns to match of the model it came from while it recovers (train/distill.py):
+    # "class-scores" along axis 1, "vectors"; None where the answers cannot be matched one to one.
+    distills: str | None = None
 
     def class_count(self, width: int) -> int:
         """How many class names an output `width` wide has (a one-channel map has two: not, and is)."""

@@ -86,6 +86,7 @@ class Segmentation(Task):
     answers_at_upload_size = True
     resize_modes = ("stretch",)
     reads_output_kind = True
+    distills = "class-scores"  # per pixel
     gate_minimum = GateMinimum("min_miou", "mIoU against fp32's masks")
     parameters = (Parameter("threshold", "fraction", "the least probability of a foreground pixel (segmentation "
                             "with a one-channel map)", MAP_THRESHOLD),)

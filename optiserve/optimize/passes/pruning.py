@@ -1,5 +1,5 @@
 """Pruning: unstructured L1 sparsity (a smaller compressed file), and structured channel removal
-that shrinks the network, fine-tuned, with its INT8 and OpenVINO INT8 copies."""
+that shrinks the network, recovered by distillation, with its INT8 and OpenVINO INT8 copies."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from optiserve.optimize.progress import PassLog
 from optiserve.optimize.prune import prune_unstructured
 from optiserve.optimize.prune_channels import CannotPrune, count_flops, prune_channels
 from optiserve.optimize.quantize_ort import quantize_onnx_static
-from optiserve.optimize.validate import predict, score
+from optiserve.optimize.judge import KIND_IMAGES, output_kind
+from optiserve.optimize.validate import predict
 from optiserve.runtime.torch_backends import TorchSession
-from optiserve.train.finetune import fine_tune
+from optiserve.tasks import get_task
+from optiserve.train.distill import distill
 
 
 def _build_sparse(run: Run) -> None:
@@ -38,22 +40,23 @@ def _build_sparse(run: Run) -> None:
 def _build_pruned_channels(run: Run) -> None:
     _pruned_channel_variants(run.stage, run.loaded, run.data, run.evalset, run.example, run.cfg, run.why_not,
                              run.log, run.variants, run.notes, run.attempts, run.batches, run.recipe,
-                             run.accuracy_aware if run.cfg.int8 else None)
+                             run.accuracy_aware if run.cfg.int8 else None, run.label_mapping)
 
 
 def _pruned_channel_variants(stage, loaded, data, evalset, example, cfg: OptimizeConfig, why_not: str, log: PassLog,
                              variants: list[Variant], notes: list[str], attempts: Attempts, batches: list,
-                             recipe: QuantRecipe | None, accuracy_aware) -> None:
-    """pruned<R> (structured pruning, fine-tuned), and with --int8 its ONNX Runtime and OpenVINO INT8."""
+                             recipe: QuantRecipe | None, accuracy_aware, label_mapping) -> None:
+    """pruned<R> (structured pruning, recovered), and with --int8 its ONNX Runtime and OpenVINO INT8."""
     name = f"pruned{round(100 * cfg.prune_channels)}"
-    with attempts.attempt(f"structured pruning of {cfg.prune_channels:.0%} of channels, fine-tune -> {name} (ONNX)",
+    with attempts.attempt(f"structured pruning of {cfg.prune_channels:.0%} of channels, recover -> {name} (ONNX)",
                           name):
         try:
-            pruned_fused, settings = _prune_channels(loaded, data, evalset, example, cfg, why_not, log)
+            pruned_fused, settings = _prune_channels(loaded, data, evalset, example, cfg, why_not, log,
+                                                     label_mapping)
         except CannotPrune as e:
             attempts.cannot(f"{loaded.name}: {e}", name)
         else:
-            export_onnx(pruned_fused, example, stage / f"model.{name}.onnx")
+            export_onnx(pruned_fused, example, stage / f"model.{name}.onnx", output_names=output_names(loaded))
             variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32", settings))
             notes.append(_pruning_note(name, settings))
     if not cfg.int8:
@@ -81,36 +84,47 @@ def _pruned_channel_variants(stage, loaded, data, evalset, example, cfg: Optimiz
                                     {**q, **ov, "inference_precision": "f32", "pruning": settings}))
 
 
-def _prune_channels(loaded, data, evalset, example, cfg, why_not, log):
-    """Structured pruning of the unfused model, top-1 before and after a short fine-tune, then fusion."""
+def _prune_channels(loaded, data, evalset, example, cfg, why_not, log, label_mapping):
+    """Structured pruning of the unfused model, judged on the test images by the task's own measure
+    right after pruning and after recovery (distillation from the unpruned model, with the labels
+    where the data has the model's classes), then fused."""
     pruned, info = prune_channels(loaded.model, cfg.prune_channels, example)
     flops_before, flops_after = count_flops(loaded.model, example[:1]), count_flops(pruned, example[:1])
     settings = {"method": "structured L1 channel pruning (torch-pruning's dependency graph)", **info,
                 "macs_before": flops_before, "macs_after": flops_after}
+    task = get_task(loaded.task)
 
-    def test_top1(model):
-        logits = predict(TorchSession(model.eval(), "torch", torch.device("cpu"), None), evalset.images)
-        return score(logits, logits, evalset.labels)["top1"]
+    def outputs(model):
+        return predict(TorchSession(model.eval(), "torch", torch.device("cpu"), None), evalset.images)
 
-    settings["test_top1_before_finetune"] = test_top1(pruned)
-    no_labels = "no labels of the model's classes" if evalset.labels is None else ""
-    if why_not or no_labels or cfg.finetune_epochs == 0:
-        settings["finetune"] = None
-        log.note(f"no fine-tune ({why_not or no_labels or '--finetune-epochs 0'})")
+    reference = outputs(loaded.model)
+    reading = output_kind(loaded, cfg, reference[:KIND_IMAGES])
+    reference = task.reduce(reference, reading)
+
+    def measured(model) -> dict:
+        return task.headline(task.metrics(task.reduce(outputs(model), reading), reference, evalset.labels))
+
+    settings["test_before_recovery"] = measured(pruned)
+    if why_not or cfg.finetune_epochs == 0:
+        settings["recovery"] = None
+        log.note(f"no recovery after pruning ({why_not or '--finetune-epochs 0'})")
     else:
-        log.note(f"fine-tuning for {cfg.finetune_epochs} epochs on {data.name} train")
-        settings["finetune"] = fine_tune(pruned, data, cfg.finetune_epochs, device=cfg.device,
-                                         progress=cfg.progress)
-    settings["test_top1_after_finetune"] = test_top1(pruned)
+        labels = "" if label_mapping is None else " and its labels"
+        log.note(f"recovering for {cfg.finetune_epochs} epochs: distillation from the unpruned model on "
+                 f"{data.name}'s train images{labels}")
+        settings["recovery"] = distill(pruned, loaded.model, data, task.distills, cfg.finetune_epochs,
+                                       label_mapping=label_mapping, device=cfg.device, progress=cfg.progress)
+    settings["test_after_recovery"] = measured(pruned)
     return fuse_conv_bn(pruned), settings
 
 
 def _pruning_note(name: str, s: dict) -> str:
     text = (f"{name}: {s['parameters_after'] / s['parameters_before']:.0%} of the parameters and "
             f"{s['macs_after'] / s['macs_before']:.0%} of the multiply-adds remain")
-    if s["test_top1_before_finetune"] is not None:
-        text += (f"; test top-1 {100 * s['test_top1_before_finetune']:.2f}% right after pruning, "
-                 f"{100 * s['test_top1_after_finetune']:.2f}% after fine-tuning")
+    (measure, before), after = next(iter(s["test_before_recovery"].items())), s["test_after_recovery"]
+    if before is not None:
+        text += (f"; test {measure} {100 * before:.2f}% right after pruning, {100 * after[measure]:.2f}% after "
+                 f"{'recovery' if s['recovery'] else 'pruning alone'}")
     return text
 
 

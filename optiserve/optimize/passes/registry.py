@@ -52,6 +52,7 @@ class Run:
     accuracy_aware: Callable | None = None        # fp32 file, int8 file, settings -> settings
     int8_source: str = "model.onnx"    # the file the INT8 passes quantize (an opset-converted copy of an old file)
     conversion: dict = field(default_factory=dict)  # the settings that say int8_source was converted
+    label_mapping: object = None       # the model's class of each of the data's labels; None: no labels to learn from
 
     @property
     def form(self) -> str:

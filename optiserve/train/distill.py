@@ -1,0 +1,144 @@
+"""Recovery after pruning without labels: the pruned model (the student) learns to answer as the
+model it was pruned from (the teacher) on the training images — knowledge distillation — plus the
+labels where the data has them. What is matched is the task's declaration (`Task.distills`):
+class scores along axis 1 (a classifier's, or a segmenter's per pixel), or vectors (an embedding).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import RandomSampler
+from tqdm import tqdm
+
+from optiserve.data import DatasetSplits, default_workers, make_loader
+from optiserve.registry import Registry
+from optiserve.tasks.output_kinds import recognise_output_kind
+from optiserve.train.distributed import resolve_device
+from optiserve.train.schedule import scaled_lr, warmup_cosine
+
+TEMPERATURE = 2.0  # softens logits so the teacher's near-misses carry over, as Hinton et al. do
+EPS = 1e-6
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (student output, teacher output) -> scalar
+_MATCHES: Registry[Callable[[str], Loss]] = Registry("distillation target")
+
+
+def _log_probabilities(out: torch.Tensor, kind: str, temperature: float) -> torch.Tensor:
+    """Log-probabilities along axis 1 of class scores that hold `kind`."""
+    if kind == "logits":
+        return F.log_softmax(out / temperature, dim=1)
+    if kind == "log-probabilities":
+        return out
+    return out.clamp_min(EPS).log()
+
+
+def _class_scores(kind: str) -> Loss:
+    """KL divergence of the student's class distribution from the teacher's, per image (or pixel);
+    a one-channel map (a foreground score) is matched as the two-class distribution it is."""
+    temperature = TEMPERATURE if kind == "logits" else 1.0
+
+    def loss(student, teacher):
+        if student.shape[1] == 1:
+            if kind == "logits":
+                return F.binary_cross_entropy_with_logits(student, torch.sigmoid(teacher))
+            return F.binary_cross_entropy(student.clamp(EPS, 1 - EPS), teacher.clamp(0, 1))
+        s, t = _log_probabilities(student, kind, temperature), _log_probabilities(teacher, kind, temperature)
+        per_position = F.kl_div(s, t, log_target=True, reduction="none").sum(1)
+        return per_position.mean() * temperature ** 2
+
+    return loss
+
+
+def _vectors(kind: str) -> Loss:
+    """One minus the cosine similarity of the student's vector to the teacher's (what the
+    embedding gate measures)."""
+    return lambda student, teacher: (1 - F.cosine_similarity(student.flatten(1), teacher.flatten(1), dim=1)).mean()
+
+
+_MATCHES.register("class-scores", _class_scores)
+_MATCHES.register("vectors", _vectors)
+
+
+def _label_loss(kind: str) -> Loss:
+    """Cross-entropy with the true class, for class scores holding `kind`."""
+    return lambda student, labels: F.nll_loss(_log_probabilities(student, kind, 1.0), labels)
+
+
+def _first(out) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@torch.no_grad()
+def _val_loss(student: nn.Module, teacher: nn.Module, dataset, loss: Loss, device, batch_size: int) -> float:
+    student.eval()
+    total, n = 0.0, 0
+    for images, _ in make_loader(dataset, batch_size, device, workers=0):
+        images = images.to(device)
+        total += float(loss(_first(student(images)), _first(teacher(images)))) * len(images)
+        n += len(images)
+    return total / max(n, 1)
+
+
+def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: str, epochs: int,
+            label_mapping: np.ndarray | None = None, batch_size: int = 64, lr: float = 0.1,
+            weight_decay: float = 5e-4, device: str = "auto", seed: int = 0, progress: bool = True,
+            deadline: float | None = None) -> dict:
+    """Train `student` in place for `epochs` on `data.train` to match `teacher`'s outputs (`match`:
+    "class-scores" or "vectors"); where `label_mapping` is given (the model's class of each of the
+    data's labels), its cross-entropy with the true class is added. Stops early, after a step, once
+    time.monotonic() passes `deadline`. Returns the validation distillation loss before and after."""
+    torch.manual_seed(seed)
+    dev = resolve_device(device, 0)
+    student.to(dev)
+    teacher = teacher.to(dev).eval()
+    probe = next(iter(make_loader(data.val, batch_size, dev, workers=0)))[0].to(dev)
+    with torch.no_grad():
+        kind = recognise_output_kind(_first(teacher(probe)).float().cpu().numpy()) if match == "class-scores" else ""
+    loss_of = _MATCHES.get(match)(kind)
+    label_loss = _label_loss(kind) if label_mapping is not None else None
+    to_model_class = torch.as_tensor(label_mapping, device=dev) if label_mapping is not None else None
+    before = _val_loss(student, teacher, data.val, loss_of, dev, 2 * batch_size)
+    g = torch.Generator().manual_seed(seed)
+    loader = make_loader(data.train, batch_size, dev, workers=default_workers(data.in_memory),
+                         sampler=RandomSampler(data.train, generator=g), drop_last=True)
+    optimizer = torch.optim.SGD(student.parameters(), lr=scaled_lr(lr, batch_size), momentum=0.9,
+                                weight_decay=weight_decay)
+    scheduler = warmup_cosine(optimizer, max(1, epochs * len(loader)), warmup_steps=0)
+    bar = tqdm(total=epochs * len(loader), desc="distill", unit="step", leave=False,
+               disable=None if progress else True)
+    steps, stopped = 0, False
+    for _ in range(epochs):
+        student.train()
+        for images, labels in loader:
+            images = images.to(dev)
+            with torch.no_grad():
+                target = _first(teacher(images))
+            out = _first(student(images))
+            loss = loss_of(out, target)
+            if label_loss is not None:
+                loss = loss + label_loss(out, to_model_class[labels.to(dev)])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            steps += 1
+            bar.update()
+            if deadline is not None and time.monotonic() > deadline:
+                stopped = True
+                break
+        if stopped:
+            break
+    bar.close()
+    after = _val_loss(student, teacher, data.val, loss_of, dev, 2 * batch_size)
+    student.eval().cpu()
+    teacher.cpu()
+    return {"method": "distillation from the unpruned model" + (" and the labels" if label_loss else ""),
+            "matched": match, "output_kind": kind or None, "epochs": epochs, "steps": steps,
+            "stopped_at_deadline": stopped, "val_distillation_loss_before": before,
+            "val_distillation_loss_after": after}

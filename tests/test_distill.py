@@ -1,0 +1,102 @@
+"""Recovery after pruning by distillation: a pruned copy learns to answer as the model it came from
+on the digits' training images, with or without their labels, whatever its task's outputs hold."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from optiserve.data import load_dataset
+from optiserve.models import load_model
+from optiserve.optimize.prune_channels import prune_channels
+from optiserve.optimize.validate import materialize
+from optiserve.train.distill import distill
+
+
+@pytest.fixture(scope="module")
+def digits(small_cnn_checkpoint):
+    loaded = load_model("small_cnn", str(small_cnn_checkpoint))
+    data = load_dataset("digits", loaded.input, len(loaded.classes))
+    return loaded.model.eval(), data, torch.from_numpy(materialize(data.test, True).images)
+
+
+def _pruned(model: nn.Module, test: torch.Tensor) -> nn.Module:
+    return prune_channels(model, 0.5, test[:2])[0]
+
+
+def _agreement(student: nn.Module, teacher: nn.Module, test: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((student.eval()(test).argmax(1) == teacher(test).argmax(1)).float().mean())
+
+
+def test_without_labels_a_pruned_classifier_learns_to_answer_as_the_original(digits):
+    teacher, data, test = digits
+    student = _pruned(teacher, test)
+    before = _agreement(student, teacher, test)
+    report = distill(student, teacher, data, "class-scores", epochs=3, progress=False)
+    assert report["method"] == "distillation from the unpruned model" and report["output_kind"] == "logits"
+    assert report["val_distillation_loss_after"] < 0.2 * report["val_distillation_loss_before"]
+    assert before < 0.8 and _agreement(student, teacher, test) >= 0.95
+    assert not any(p.requires_grad and p.grad is not None for p in teacher.parameters())  # the teacher is untouched
+
+
+def test_the_labels_are_learned_too_where_the_data_has_the_models_classes(digits):
+    teacher, data, test = digits
+    student = _pruned(teacher, test)
+    report = distill(student, teacher, data, "class-scores", epochs=3, label_mapping=np.arange(10), progress=False)
+    assert report["method"] == "distillation from the unpruned model and the labels"
+    labels = torch.as_tensor(materialize(data.test, True).labels)
+    with torch.no_grad():
+        assert float((student(test).argmax(1) == labels).float().mean()) >= 0.9
+
+
+def test_a_classifier_that_ends_in_softmax_is_matched_as_probabilities(digits):
+    teacher, data, test = digits
+    teacher = nn.Sequential(teacher, nn.Softmax(dim=1)).eval()
+    student = _pruned(teacher, test)
+    report = distill(student, teacher, data, "class-scores", epochs=3, progress=False)
+    assert report["output_kind"] == "probabilities"
+    assert np.isfinite(report["val_distillation_loss_after"])
+    assert _agreement(student, teacher, test) >= 0.95
+
+
+def test_an_embedding_is_matched_by_its_direction(digits):
+    teacher, data, test = digits
+    embedder = nn.Sequential(teacher.features, nn.Flatten(), nn.Linear(teacher.classifier.in_features, 16)).eval()
+    student = _pruned(embedder, test)
+    report = distill(student, embedder, data, "vectors", epochs=3, progress=False)
+    with torch.no_grad():
+        cosine = nn.functional.cosine_similarity(student.eval()(test), embedder(test)).mean()
+    assert report["val_distillation_loss_after"] < 0.5 * report["val_distillation_loss_before"]
+    assert float(cosine) > 0.95
+
+
+def test_a_segmenter_is_matched_pixel_by_pixel(digits):
+    _, data, test = digits
+    torch.manual_seed(0)
+    block = lambda cin, cout: [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]  # noqa: E731
+    segmenter = nn.Sequential(*block(1, 32), *block(32, 32), nn.Conv2d(32, 3, 1)).eval()  # a function to match,
+    with torch.no_grad():
+        segmenter[-1].weight *= 10  # with scores confident enough to have a clear winner per pixel
+    student = _pruned(segmenter, test)
+
+    def pixel_agreement() -> float:
+        with torch.no_grad():
+            return float((student.eval()(test).argmax(1) == segmenter(test).argmax(1)).float().mean())
+
+    before = pixel_agreement()
+    report = distill(student, segmenter, data, "class-scores", epochs=3, progress=False)
+    assert report["val_distillation_loss_after"] < 0.5 * report["val_distillation_loss_before"]
+    after = pixel_agreement()
+    assert before < 0.85 and after > 0.9 and (1 - after) < 0.5 * (1 - before)  # half the wrong pixels, or fewer
+
+
+def test_recovery_stops_at_its_deadline(digits):
+    teacher, data, test = digits
+    report = distill(_pruned(teacher, test), teacher, data, "class-scores", epochs=3, progress=False,
+                     deadline=time.monotonic() - 1)
+    assert report["steps"] == 1 and report["stopped_at_deadline"]
