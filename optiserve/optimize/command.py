@@ -89,9 +89,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--int8", action="store_true", help="add INT8 variants (ONNX Runtime static QDQ)")
     p.add_argument("--prune", type=float, default=None, metavar="SPARSITY",
                    help="add an unstructured-pruned variant (global L1) with this fraction of weights zeroed")
+    p.add_argument("--search", action=argparse.BooleanOptionalAction, default=None,
+                   help="search for the fastest model that passes: prune channels at several ratios (light to "
+                        "heavy, stopping at the first that fails the gate), recover each by distillation, build "
+                        "their INT8 variants, keep the speed/accuracy frontier (default: on where the data can "
+                        "judge a torch model's accuracy and --prune-channels is not given)")
+    p.add_argument("--search-minutes", type=float, default=DEFAULTS.search_minutes, metavar="M",
+                   help=f"the search's time for recovery, shared among its ratios (default "
+                        f"{DEFAULTS.search_minutes:g})")
+    p.add_argument("--search-ratios", type=_floats, default=DEFAULTS.search_ratios, metavar="R,R,...",
+                   help="the fractions of channels the search removes, light to heavy (default "
+                        f"{','.join(f'{r:g}' for r in DEFAULTS.search_ratios)})")
     p.add_argument("--prune-channels", type=float, default=None, metavar="RATIO",
-                   help="add structured-pruned variants with this fraction of channels removed, fine-tuned "
-                        "when training data is available (and INT8 with --int8)")
+                   help="add structured-pruned variants with this one fraction of channels removed, recovered by "
+                        "distillation (and INT8 with --int8)")
     p.add_argument("--finetune-epochs", type=int, default=DEFAULTS.finetune_epochs, metavar="N",
                    help=f"epochs of recovery after structured pruning, by distillation from the unpruned model "
                         f"(default {DEFAULTS.finetune_epochs})")
@@ -134,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, weights=args.weights, dataset=args.dataset, int8=args.int8, onnx=args.onnx, openvino=args.openvino,
         accuracy_aware=args.accuracy_aware, max_float_layers=args.max_float_layers,
         prune=args.prune, prune_channels=args.prune_channels, finetune_epochs=args.finetune_epochs,
+        search="auto" if args.search is None else ("on" if args.search else "off"), search_minutes=args.search_minutes,
+        search_ratios=args.search_ratios,
         tensorrt=args.tensorrt, fp16=args.fp16,
         calib_size=args.calib_size, calib_method=args.calib_method, int8_recipe=args.int8_recipe,
         max_accuracy_drop=args.max_accuracy_drop,

@@ -18,6 +18,9 @@ from optiserve.tasks import GateLimits, gate_minimums, get_task, list_tasks
 from optiserve.tasks.output_kinds import list_output_kinds
 
 
+SEARCH_MODES = ("off", "on", "auto")
+
+
 @dataclass
 class OptimizeConfig:
     model: str
@@ -27,6 +30,10 @@ class OptimizeConfig:
     prune: float | None = None            # unstructured sparsity in (0, 1)
     prune_channels: float | None = None   # fraction of channels removed in (0, 1)
     finetune_epochs: int = 5
+    search: str = "off"               # prune at several ratios, recover, keep the frontier: on | off | auto (where it applies;
+                                      # the CLI's default)
+    search_minutes: float = 10.0      # the search's budget for recovery
+    search_ratios: tuple[float, ...] = (0.3, 0.5, 0.7)  # fractions of channels the search removes, light to heavy
     tensorrt: bool = False
     fp16: bool = False
     onnx: bool = True
@@ -104,6 +111,19 @@ class OptimizeConfig:
         torch_device(self.device)  # --device cuda without a GPU fails here, not after the build
         if self.tensorrt and (why := tensorrt_unavailable()):
             raise UserError(f"--tensorrt cannot run here: {why}")
+        if self.search not in SEARCH_MODES:
+            raise UserError(f"search must be one of {', '.join(SEARCH_MODES)}, got {self.search!r}")
+        if self.search == "on" and self.prune_channels is not None:
+            raise UserError("--prune-channels prunes at the one ratio given; the search tries several: give one of "
+                            "them, or --no-search")
+        if self.search == "on" and not self.onnx:
+            raise UserError("the search builds ONNX Runtime and OpenVINO candidates; drop --no-onnx or add --no-search")
+        if not self.search_ratios or any(not 0.0 < r < 1.0 for r in self.search_ratios) \
+                or list(self.search_ratios) != sorted(set(self.search_ratios)):
+            raise UserError(f"--search-ratios must be fractions in (0, 1), light to heavy, e.g. 0.3,0.5,0.7; got "
+                            f"{','.join(f'{r:g}' for r in self.search_ratios)}")
+        if self.search_minutes <= 0:
+            raise UserError(f"--search-minutes must be more than 0, got {self.search_minutes:g}")
         if self.finetune_epochs < 0:
             raise UserError(f"--finetune-epochs must be >= 0, got {self.finetune_epochs}")
         if self.max_float_layers < 1:

@@ -19,9 +19,11 @@ from optiserve.models.onnx_file import is_onnx_file
 from optiserve.models.sources import is_registered
 from optiserve.optimize.attempts import LOG_FILE, Attempts
 from optiserve.optimize.config import OptimizeConfig  # noqa: F401  importers take it from here too
+from optiserve.optimize.frontier import drop_off_frontier, mark_frontier
 from optiserve.optimize.judge import recommend, validate
 from optiserve.optimize.manifest import BASELINE, build_manifest, device_note, int8_comparison
 from optiserve.optimize.passes import Run, Variant, passes_for, step_count
+from optiserve.optimize.passes.pruning import pruning_ratios
 from optiserve.optimize.progress import PassLog
 from optiserve.optimize.report import render_report
 from optiserve.optimize.validate import materialize
@@ -168,6 +170,11 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                 if each.settle is not None:
                     entries, settled = each.settle(entries, cfg.latency_batch, timed)
                     notes += settled
+            mark_frontier(entries, cfg.latency_batch, loaded.task)
+            if run.searched:
+                entries, dropped = drop_off_frontier(entries)
+                for row in dropped:
+                    timed.drop(row["name"])
             recommended = recommend(entries, timed, cfg.latency_batch)
             if kind.get("output_kind", "logits") != "logits":
                 notes.append(f"the model's output holds {kind['output_kind']} ({kind['output_kind_from']}): "
@@ -181,6 +188,12 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             manifest["baseline"] = baseline
             manifest.update(kind)
             manifest["skipped"] = skipped
+            if run.searched:
+                n = str(cfg.latency_batch)
+                manifest["search"] = {"ratios": list(pruning_ratios(cfg)), "minutes": cfg.search_minutes,
+                                      "frontier": [e["name"] for e in sorted(entries, key=lambda e: e["latency_ms"][n])
+                                                   if e["frontier"]["on"]],
+                                      "dropped": dropped}
             manifest["failed"] = attempts.failed
             _sweep(stage, entries)
             artifacts.write_manifest(stage, manifest)

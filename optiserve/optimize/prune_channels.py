@@ -61,6 +61,22 @@ def _is_depthwise(m: nn.Module) -> bool:
     return isinstance(m, nn.Conv2d) and m.groups > 1 and m.groups == m.in_channels == m.out_channels
 
 
+def _rounding_pruner():
+    """torch-pruning's magnitude pruner, with kept channel counts rounded to the nearest multiple
+    (at least one multiple, and exact in layers narrower than two): its own rounding goes down, so
+    a heavy ratio rounds a narrow layer to nothing, which it then declines to prune at all."""
+    import torch_pruning as tp
+
+    class RoundingPruner(tp.pruner.MagnitudePruner):
+        def _round_to(self, n_pruned, current_channels, round_to):
+            if current_channels < 2 * round_to:
+                return n_pruned
+            keep = max(round_to, round((current_channels - n_pruned) / round_to) * round_to)
+            return max(current_channels - keep, 0)
+
+    return RoundingPruner
+
+
 def _shapes(out) -> list[tuple]:
     if isinstance(out, torch.Tensor):
         return [tuple(out.shape)]
@@ -82,6 +98,7 @@ def prune_channels(model: nn.Module, ratio: float, example: torch.Tensor,
     """
     import torch_pruning as tp
 
+    _RoundingPruner = _rounding_pruner()
     if not 0.0 < ratio < 1.0:
         raise ValueError(f"channel ratio must be in (0, 1), got {ratio}")
     pruned = copy.deepcopy(model).eval()
@@ -94,7 +111,7 @@ def prune_channels(model: nn.Module, ratio: float, example: torch.Tensor,
             warnings.simplefilter("ignore")  # its notes on parameters outside layers (class tokens) it prunes too
             graph = tp.DependencyGraph().build_dependency(pruned, example_inputs=example)
             ignored = _output_layers(graph)
-            pruner = tp.pruner.MagnitudePruner(
+            pruner = _RoundingPruner(
                 pruned, example, importance=tp.importance.MagnitudeImportance(p=1), pruning_ratio=ratio,
                 ignored_layers=ignored, round_to=multiple_of, num_heads=heads, prune_num_heads=bool(heads),
                 prune_head_dims=False, head_pruning_ratio=ratio)

@@ -56,6 +56,33 @@ def recommendation_line(manifest: dict) -> str:
             " Timed here, in this run: on another CPU the order can differ.")
 
 
+def search_lines(manifest: dict) -> list[str]:
+    """The search's frontier: every variant and every dropped candidate, fastest first at the
+    throughput batch, with its measure against the baseline and why it is on the frontier or not."""
+    search = manifest.get("search")
+    if not search:
+        return []
+    n = str(manifest["latency_batch"])
+    task = get_task(manifest.get("task"))
+    base = next(v for v in manifest["variants"] if v["name"] == manifest["baseline"])
+    rows = [(v, "**on the frontier**" if v["frontier"]["on"] else f"kept, off the frontier: {v['frontier']['why']}")
+            for v in manifest["variants"]]
+    rows += [(d, f"dropped: {d['dropped']}") for d in search["dropped"]]
+    rows.sort(key=lambda row: row[0]["latency_ms"][n])
+    header = ["variant", f"p50 ms b{n}", f"images/s b{n}", *task.columns(), "frontier"]
+    lines = ["", f"## Search: speed against accuracy (channels pruned at {', '.join(f'{r:.0%}' for r in search['ratios'])}, "
+                 f"each recovered by distillation)", "",
+             f"Fastest first at batch {n}. A variant is on the frontier when no other servable one is both at "
+             f"least as fast and at least as accurate; the search's own candidates off it are not published. "
+             f"Dropped candidates keep their row in `manifest.json` (`search.dropped`).", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for v, why in rows:
+        latency = v["latency_ms"][n]
+        lines.append("| " + " | ".join([v["name"], f"{latency:.2f}", f"{1000 * int(n) / latency:.0f}",
+                                        *task.cells(v["accuracy"], base["accuracy"]), why]) + " |")
+    return lines
+
+
 def _size(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
 
@@ -77,6 +104,7 @@ def render_report(manifest: dict) -> str:
     if manifest.get("failed"):
         lines += ["", f"Passes that failed ({', '.join(f['name'] for f in manifest['failed'])}): each one's "
                       f"traceback is in `{LOG_FILE}` beside this report; the other variants were built as usual."]
+    lines += search_lines(manifest)
     lines += ["", get_task(manifest.get("task")).legend(manifest)]
     lines += ["", recommendation_line(manifest)]
     lines += ["", "Notes:"] + [f"- {n}" for n in manifest["notes"]]

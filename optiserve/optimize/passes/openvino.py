@@ -19,7 +19,8 @@ def _build_openvino(run: Run) -> None:
                        run.loaded.input.shape, run.int8_source, run.conversion)
 
 
-OPENVINO_INT8_CANDIDATE = "openvino-int8-nncf"  # validated beside openvino-int8; the better one keeps the name
+NNCF_SUFFIX = "-nncf"  # NNCF's INT8 of a variant, validated beside the QDQ flow's; the better one keeps the name
+OPENVINO_INT8_CANDIDATE = "openvino-int8" + NNCF_SUFFIX
 
 
 def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts, cfg: OptimizeConfig,
@@ -28,7 +29,7 @@ def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts,
     """openvino-fp32 and, where the CPU has bf16, openvino-bf16 (one IR, the precision set at load),
     compiled for inputs of `chw`;
     with --int8, two openvino-int8 candidates: the ONNX Runtime QDQ file read by OpenVINO, and NNCF's
-    own post-training quantization on the same calibration images (see `_pick_openvino_int8`)."""
+    own post-training quantization on the same calibration images (see `pick_openvino_int8_flows`)."""
     title = "OpenVINO IR (fp32 weights; f32 and bf16 inference)"
     if why := attempts.missing("onnx-fp32"):
         attempts.skip(title, why, "openvino-fp32", "openvino-bf16")
@@ -67,18 +68,25 @@ def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts,
                                  "flow": "nncf"}))
 
 
-def _pick_openvino_int8(entries: list[dict], n: int, timed: Timed) -> tuple[list[dict], list[str]]:
-    """Of the two openvino-int8 candidates keep the one that passes the gate and is faster at batch
-    n (the QDQ one when neither passes); it is published as openvino-int8, and the other's files are
-    left out of the folder with everything else no entry names (`_sweep`)."""
+def pick_openvino_int8_flows(entries: list[dict], n: int, timed: Timed) -> tuple[list[dict], list[str]]:
+    """For each OpenVINO INT8 variant built by both flows (`NAME` from the QDQ file, `NAME-nncf` by
+    NNCF; openvino-int8, and the pruned ones), keep the flow that passes the gate and is faster at
+    batch n (the QDQ one when neither passes), published as NAME; the other's files are left out of
+    the folder with everything else no entry names."""
+    notes = []
+    for nncf_name in [e["name"] for e in entries if e["name"].endswith(NNCF_SUFFIX)]:
+        entries, note = _pick_flow(entries, n, timed, nncf_name[: -len(NNCF_SUFFIX)], nncf_name)
+        notes += note
+    return entries, notes
+
+
+def _pick_flow(entries: list[dict], n: int, timed: Timed, name: str, nncf_name: str) -> tuple[list[dict], list[str]]:
     by_name = {e["name"]: e for e in entries}
-    if OPENVINO_INT8_CANDIDATE in by_name and "openvino-int8" not in by_name:  # the QDQ one did not run
-        by_name[OPENVINO_INT8_CANDIDATE]["name"] = "openvino-int8"
-        timed.rename(OPENVINO_INT8_CANDIDATE, "openvino-int8")
-        return entries, ["openvino-int8: the nncf flow's, the only one OpenVINO runs"]
-    if OPENVINO_INT8_CANDIDATE not in by_name or "openvino-int8" not in by_name:
-        return entries, []
-    qdq, nncf_ = by_name["openvino-int8"], by_name[OPENVINO_INT8_CANDIDATE]
+    if name not in by_name:  # the QDQ one did not run
+        by_name[nncf_name]["name"] = name
+        timed.rename(nncf_name, name)
+        return entries, [f"{name}: the nncf flow's, the only one OpenVINO runs"]
+    qdq, nncf_ = by_name[name], by_name[nncf_name]
     passing = [e for e in (qdq, nncf_) if e["status"] == "accepted"]
     winner = min(passing, key=lambda e: e["latency_ms"][str(n)]) if passing else qdq
     loser = nncf_ if winner is qdq else qdq
@@ -87,14 +95,14 @@ def _pick_openvino_int8(entries: list[dict], n: int, timed: Timed) -> tuple[list
     winner["settings"] = {**winner["settings"], "flow_comparison": comparison}
     timed.drop(loser["name"])
     if winner is nncf_:
-        timed.rename(OPENVINO_INT8_CANDIDATE, "openvino-int8")
-    winner["name"] = "openvino-int8"
+        timed.rename(nncf_name, name)
+    winner["name"] = name
     kept = [winner if e is qdq else e for e in entries if e is not nncf_]
-    note = (f"openvino-int8: {winner['settings']['flow']} flow kept ({winner['status']}, "
+    note = (f"{name}: {winner['settings']['flow']} flow kept ({winner['status']}, "
             f"{winner['latency_ms'][str(n)]:.2f} ms at batch {n}) over {loser['settings']['flow']} "
             f"({loser['status']}, {loser['latency_ms'][str(n)]:.2f} ms)")
     return kept, [note]
 
 
 register_pass(Pass("openvino", BOTH, _build_openvino, asked=lambda cfg: cfg.openvino and cfg.onnx,
-                   steps=lambda cfg: 1 + 2 * cfg.int8, settle=_pick_openvino_int8))
+                   steps=lambda cfg: 1 + 2 * cfg.int8, settle=pick_openvino_int8_flows))

@@ -3,17 +3,17 @@ that shrinks the network, recovered by distillation, with its INT8 and OpenVINO 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from optiserve.optimize.attempts import Attempts
-from optiserve.optimize.architecture import QuantRecipe
 from optiserve.optimize.config import OptimizeConfig
 from optiserve.optimize.export_onnx import export_onnx
-from optiserve.optimize.export_openvino import export_openvino
+from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
 from optiserve.optimize.fuse import fuse_conv_bn
 from optiserve.optimize.passes.onnx_export import output_names
+from optiserve.optimize.passes.openvino import NNCF_SUFFIX
 from optiserve.optimize.passes.registry import TORCH, Pass, Run, Variant, register_pass
-from optiserve.optimize.progress import PassLog
 from optiserve.optimize.prune import prune_unstructured
 from optiserve.optimize.prune_channels import CannotPrune, count_flops, prune_channels
 from optiserve.optimize.quantize_ort import quantize_onnx_static
@@ -37,58 +37,137 @@ def _build_sparse(run: Run) -> None:
                          f"{len(sparsity['layers'])} conv/linear layers")
 
 
+def pruning_ratios(cfg: OptimizeConfig) -> tuple[float, ...]:
+    """--prune-channels R: that ratio alone; the search: --search-ratios, light to heavy."""
+    return (cfg.prune_channels,) if cfg.prune_channels is not None else tuple(cfg.search_ratios)
+
+
+def _steps_per_ratio(cfg: OptimizeConfig) -> int:
+    """prune and recover; its ONNX Runtime INT8; OpenVINO's INT8 by both flows."""
+    return 1 + cfg.int8 + 2 * (cfg.int8 and cfg.openvino)
+
+
+def _variant_names(ratio: float, cfg: OptimizeConfig) -> list[list[str]]:
+    """The variants each step of one ratio builds, in order."""
+    name = f"pruned{round(100 * ratio)}"
+    steps = [[name]]
+    if cfg.int8:
+        steps.append([f"{name}-int8"])
+        if cfg.openvino:
+            steps += [[f"openvino-{name}-int8"], [f"openvino-{name}-int8{NNCF_SUFFIX}"]]
+    return steps
+
+
 def _build_pruned_channels(run: Run) -> None:
-    _pruned_channel_variants(run.stage, run.loaded, run.data, run.evalset, run.example, run.cfg, run.why_not,
-                             run.log, run.variants, run.notes, run.attempts, run.batches, run.recipe,
-                             run.accuracy_aware if run.cfg.int8 else None, run.label_mapping)
+    """Structured pruning at each ratio, recovered, with its INT8 variants. The search (no
+    --prune-channels) goes from light to heavy and stops at the first ratio whose recovered model
+    fails the task's gate; each ratio's recovery gets an even share of what is left of
+    --search-minutes."""
+    cfg, ratios = run.cfg, pruning_ratios(run.cfg)
+    searching = cfg.prune_channels is None
+    run.searched = searching
+    why_not = ""
+    if searching and run.why_not:
+        why_not = f"the search needs accuracy it can measure ({run.why_not})"
+    elif searching and get_task(run.loaded.task).distills is None:
+        why_not = f"a {run.loaded.task} model's answers cannot be matched one to one while it recovers"
+    elif searching and run.loaded.outputs:
+        why_not = "the model returns several outputs; recovery matches one"
+    elif searching and not cfg.onnx:
+        why_not = "its candidates are ONNX files, and --no-onnx builds none"
+    if why_not and searching and cfg.search == "auto":  # where it does not apply, said once, not as rows
+        run.searched = False
+        run.notes.append(f"no pruning search: {why_not}")
+        for names in (names for ratio in ratios for names in _variant_names(ratio, cfg)):
+            run.log.passed_over(f"{names[0]} (structured pruning search)", why_not)
+        return
+    if searching and not why_not:
+        run.log.note(f"search: channels pruned at {', '.join(f'{r:.0%}' for r in ratios)} (light to heavy), each "
+                     f"recovered by distillation, within {cfg.search_minutes:g} minutes")
+    end = time.monotonic() + 60 * cfg.search_minutes
+    for i, ratio in enumerate(ratios):
+        if why_not:
+            for names in _variant_names(ratio, cfg):
+                run.attempts.skip(f"{names[0]} (structured pruning search)", why_not, *names)
+            continue
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(ratios) - i) if searching else None
+        gate = _pruned_channel_variants(run, ratio, deadline)
+        if searching:  # the search's candidates: those off its frontier leave the folder (optimize/frontier.py)
+            built = {name for names in _variant_names(ratio, cfg) for name in names}
+            for variant in run.variants:
+                if variant.name in built:
+                    variant.settings["search"] = {"ratio": ratio}
+        if searching and gate is not None and gate[0] == "rejected":
+            why_not = (f"not tried: pruned{round(100 * ratio)}, with fewer channels removed, failed the gate once "
+                       f"recovered ({gate[1]})")
+        if searching and i + 1 < len(ratios) and not why_not:
+            left = max(0.0, end - time.monotonic()) / 60
+            run.log.note(f"search: {i + 1} of {len(ratios)} ratios done, {left:.1f} of {cfg.search_minutes:g} "
+                         f"minutes left")
 
 
-def _pruned_channel_variants(stage, loaded, data, evalset, example, cfg: OptimizeConfig, why_not: str, log: PassLog,
-                             variants: list[Variant], notes: list[str], attempts: Attempts, batches: list,
-                             recipe: QuantRecipe | None, accuracy_aware, label_mapping) -> None:
-    """pruned<R> (structured pruning, recovered), and with --int8 its ONNX Runtime and OpenVINO INT8."""
-    name = f"pruned{round(100 * cfg.prune_channels)}"
-    with attempts.attempt(f"structured pruning of {cfg.prune_channels:.0%} of channels, recover -> {name} (ONNX)",
-                          name):
+def _pruned_channel_variants(run: Run, ratio: float, deadline: float | None) -> tuple[str, str | None] | None:
+    """pruned<R> (structured pruning, recovered), and with --int8 its ONNX Runtime INT8 and
+    OpenVINO's INT8 by both flows; returns the recovered model's gate (status, reason), or None
+    where it was not built."""
+    stage, loaded, cfg, attempts, variants = run.stage, run.loaded, run.cfg, run.attempts, run.variants
+    name = f"pruned{round(100 * ratio)}"
+    gate = None
+    with attempts.attempt(f"structured pruning of {ratio:.0%} of channels, recover -> {name} (ONNX)", name):
         try:
-            pruned_fused, settings = _prune_channels(loaded, data, evalset, example, cfg, why_not, log,
-                                                     label_mapping)
+            pruned_fused, settings = _prune_channels(run, ratio, deadline)
         except CannotPrune as e:
             attempts.cannot(f"{loaded.name}: {e}", name)
         else:
-            export_onnx(pruned_fused, example, stage / f"model.{name}.onnx", output_names=output_names(loaded))
+            export_onnx(pruned_fused, run.example, stage / f"model.{name}.onnx", output_names=output_names(loaded))
             variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32", settings))
-            notes.append(_pruning_note(name, settings))
+            run.notes.append(_pruning_note(name, settings))
+            gate = settings["gate_after_recovery"]["status"], settings["gate_after_recovery"]["reason"]
     if not cfg.int8:
-        return
+        return gate
     title = f"INT8 ONNX Runtime of {name} -> {name}-int8"
     if why := attempts.missing(name):
         attempts.skip(title, why, f"{name}-int8")
     else:
         with attempts.attempt(title, f"{name}-int8"):
+            recipe = run.recipe
             q = quantize_onnx_static(stage / f"model.{name}.onnx", stage / f"model.{name}.int8.onnx",
-                                     batches, cfg.calib_method, op_types=recipe.onnx_op_types,
+                                     run.batches, cfg.calib_method, op_types=recipe.onnx_op_types,
                                      float_outputs_of=list(recipe.onnx_float_outputs_of))
-            q = accuracy_aware(f"model.{name}.onnx", f"model.{name}.int8.onnx", q)
+            q = run.accuracy_aware(f"model.{name}.onnx", f"model.{name}.int8.onnx", q)
             variants.append(Variant(f"{name}-int8", f"model.{name}.int8.onnx", "onnxruntime", "int8",
                                     {**q, "pruning": settings}))
-    if cfg.openvino:
-        title = f"OpenVINO IR of {name}-int8 -> openvino-{name}-int8"
-        if why := attempts.missing(name, f"{name}-int8"):
-            attempts.skip(title, why, f"openvino-{name}-int8")
-            return
-        with attempts.attempt(title, f"openvino-{name}-int8"):
+    if not cfg.openvino:
+        return gate
+    openvino = f"openvino-{name}-int8"
+    title = f"OpenVINO IR of {name}-int8 -> {openvino}"
+    if why := attempts.missing(name, f"{name}-int8"):
+        attempts.skip(title, why, openvino)
+    else:
+        with attempts.attempt(title, openvino):
             ir = f"model.{name}.int8.openvino.xml"
             ov = export_openvino(stage / f"model.{name}.int8.onnx", stage / ir, loaded.input.shape)
-            variants.append(Variant(f"openvino-{name}-int8", ir, "openvino", "int8",
-                                    {**q, **ov, "inference_precision": "f32", "pruning": settings}))
+            variants.append(Variant(openvino, ir, "openvino", "int8",
+                                    {**q, **ov, "inference_precision": "f32", "flow": "qdq", "pruning": settings}))
+    title = f"OpenVINO INT8 of {name} with NNCF (same calibration images)"
+    if why := attempts.missing(name):
+        attempts.skip(title, why, openvino + NNCF_SUFFIX)
+        return gate
+    with attempts.attempt(title, openvino + NNCF_SUFFIX):
+        ir = f"model.{name}.int8.nncf.openvino.xml"
+        nncf = quantize_openvino_nncf(stage / f"model.{name}.onnx", stage / ir, run.batches, run.recipe.nncf_model_type)
+        variants.append(Variant(openvino + NNCF_SUFFIX, ir, "openvino", "int8",
+                                {**nncf, **run.recipe.settings(), "inference_precision": "f32", "flow": "nncf",
+                                 "pruning": settings}))
+    return gate
 
 
-def _prune_channels(loaded, data, evalset, example, cfg, why_not, log, label_mapping):
-    """Structured pruning of the unfused model, judged on the test images by the task's own measure
-    right after pruning and after recovery (distillation from the unpruned model, with the labels
-    where the data has the model's classes), then fused."""
-    pruned, info = prune_channels(loaded.model, cfg.prune_channels, example)
+def _prune_channels(run: Run, ratio: float, deadline: float | None) -> tuple[torch.nn.Module, dict]:
+    """Structured pruning of the unfused model, judged on the test images by the task's gate right
+    after pruning and after recovery (distillation from the unpruned model, with the labels where
+    the data has the model's classes, until `deadline`), then fused."""
+    loaded, cfg, evalset, example = run.loaded, run.cfg, run.evalset, run.example
+    pruned, info = prune_channels(loaded.model, ratio, example)
     flops_before, flops_after = count_flops(loaded.model, example[:1]), count_flops(pruned, example[:1])
     settings = {"method": "structured L1 channel pruning (torch-pruning's dependency graph)", **info,
                 "macs_before": flops_before, "macs_after": flops_after}
@@ -100,21 +179,26 @@ def _prune_channels(loaded, data, evalset, example, cfg, why_not, log, label_map
     reference = outputs(loaded.model)
     reading = output_kind(loaded, cfg, reference[:KIND_IMAGES])
     reference = task.reduce(reference, reading)
+    baseline = task.metrics(reference, reference, evalset.labels)
 
     def measured(model) -> dict:
-        return task.headline(task.metrics(task.reduce(outputs(model), reading), reference, evalset.labels))
+        return task.metrics(task.reduce(outputs(model), reading), reference, evalset.labels)
 
-    settings["test_before_recovery"] = measured(pruned)
-    if why_not or cfg.finetune_epochs == 0:
+    settings["test_before_recovery"] = task.headline(measured(pruned))
+    if run.why_not or cfg.finetune_epochs == 0:
         settings["recovery"] = None
-        log.note(f"no recovery after pruning ({why_not or '--finetune-epochs 0'})")
+        run.log.note(f"no recovery after pruning ({run.why_not or '--finetune-epochs 0'})")
     else:
-        labels = "" if label_mapping is None else " and its labels"
-        log.note(f"recovering for {cfg.finetune_epochs} epochs: distillation from the unpruned model on "
-                 f"{data.name}'s train images{labels}")
-        settings["recovery"] = distill(pruned, loaded.model, data, task.distills, cfg.finetune_epochs,
-                                       label_mapping=label_mapping, device=cfg.device, progress=cfg.progress)
-    settings["test_after_recovery"] = measured(pruned)
+        labels = "" if run.label_mapping is None else " and its labels"
+        run.log.note(f"recovering for {cfg.finetune_epochs} epochs: distillation from the unpruned model on "
+                     f"{run.data.name}'s train images{labels}")
+        settings["recovery"] = distill(pruned, loaded.model, run.data, task.distills, cfg.finetune_epochs,
+                                       label_mapping=run.label_mapping, device=cfg.device, progress=cfg.progress,
+                                       deadline=deadline)
+    after = measured(pruned)
+    settings["test_after_recovery"] = task.headline(after)
+    status, reason = task.gate(after, baseline, cfg.gate_limits, run.why_not)
+    settings["gate_after_recovery"] = {"status": status, "reason": reason}
     return fuse_conv_bn(pruned), settings
 
 
@@ -129,5 +213,13 @@ def _pruning_note(name: str, s: dict) -> str:
 
 
 register_pass(Pass("sparse", TORCH, _build_sparse, asked=lambda cfg: cfg.prune is not None))
-register_pass(Pass("pruned-channels", TORCH, _build_pruned_channels, asked=lambda cfg: cfg.prune_channels is not None,
-                   steps=lambda cfg: 1 + cfg.int8 + (cfg.int8 and cfg.openvino)))
+def _asked(cfg: OptimizeConfig) -> bool:
+    """--prune-channels, --search; and the search by default where the options do not already say the
+    accuracy cannot be judged (synthetic data, random weights) or no ONNX candidate can be built."""
+    if cfg.prune_channels is not None or cfg.search == "on":
+        return True
+    return cfg.search == "auto" and cfg.dataset != "synthetic" and cfg.weights != "random" and cfg.onnx
+
+
+register_pass(Pass("pruned-channels", TORCH, _build_pruned_channels, asked=_asked,
+                   steps=lambda cfg: len(pruning_ratios(cfg)) * _steps_per_ratio(cfg)))

@@ -53,6 +53,7 @@ class Run:
     int8_source: str = "model.onnx"    # the file the INT8 passes quantize (an opset-converted copy of an old file)
     conversion: dict = field(default_factory=dict)  # the settings that say int8_source was converted
     label_mapping: object = None       # the model's class of each of the data's labels; None: no labels to learn from
+    searched: bool = False             # whether the pruning search ran (its candidates off the frontier are dropped)
 
     @property
     def form(self) -> str:

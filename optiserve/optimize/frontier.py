@@ -1,0 +1,54 @@
+"""The search's frontier: the judged variants no other beats on both speed (at the throughput
+batch) and accuracy (the task's headline measure). The search's own candidates off the frontier,
+or rejected by the gate, leave the folder; their rows stay in the manifest with why."""
+
+from __future__ import annotations
+
+from optiserve.tasks import get_task
+
+SERVABLE = ("accepted", "unvalidated")
+
+
+def _value(task, entry: dict) -> float:
+    value = next(iter(task.headline(entry["accuracy"]).values()))
+    return float("-inf") if value is None else float(value)
+
+
+def mark_frontier(entries: list[dict], batch: int, task_name: str) -> None:
+    """Sets each entry's `frontier`: {"on": bool, "why": None, or what keeps it off}. A variant is
+    off when another servable one is at least as fast at `batch` and at least as accurate, and
+    better on one of the two; a rejected one is off for its gate."""
+    task, n = get_task(task_name), str(batch)
+    pool = [e for e in entries if e["status"] in SERVABLE]
+    for e in entries:
+        if e["status"] not in SERVABLE:
+            e["frontier"] = {"on": False, "why": f"{e['status']}: {e.get('reason')}"}
+            continue
+        speed, value = e["latency_ms"][n], _value(task, e)
+        better = [o for o in pool if o is not e and o["latency_ms"][n] <= speed and _value(task, o) >= value
+                  and (o["latency_ms"][n] < speed or _value(task, o) > value)]
+        if better:
+            by = min(better, key=lambda o: o["latency_ms"][n])
+            e["frontier"] = {"on": False, "why": f"dominated by {by['name']} ({by['latency_ms'][n]:.2f} ms at batch "
+                                                 f"{n}, {_measure(task, by)})"}
+        else:
+            e["frontier"] = {"on": True, "why": None}
+
+
+def _measure(task, entry: dict) -> str:
+    name, value = next(iter(task.headline(entry["accuracy"]).items()))
+    return f"{name} {100 * value:.2f}%" if value is not None else f"{name} not measured"
+
+
+def drop_off_frontier(entries: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The entries kept (all but the search's candidates off the frontier) and the rows of those
+    dropped: name, status, accuracy, latency and why."""
+    kept, dropped = [], []
+    for e in entries:
+        if "search" in e["settings"] and not e["frontier"]["on"]:
+            dropped.append({k: e.get(k) for k in ("name", "backend", "precision", "status", "reason", "accuracy",
+                                                  "latency_ms", "size_bytes", "settings")}
+                           | {"dropped": e["frontier"]["why"]})
+        else:
+            kept.append(e)
+    return kept, dropped

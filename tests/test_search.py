@@ -1,0 +1,95 @@
+"""The pruning search: channels removed at several ratios, light to heavy, each recovered by
+distillation, its INT8 variants built, every candidate judged by the gate and timed; what is not on
+the speed/accuracy frontier leaves the folder with its reason kept in the manifest."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+from optiserve.artifacts import read_manifest
+from optiserve.errors import UserError
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+
+@pytest.fixture(scope="module")
+def searched(small_cnn_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("search") / "small"
+    manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True, search="on",
+                                           search_ratios=(0.5, 0.9, 0.95), latency_batch=8, out=str(out),
+                                           progress=False))
+    return out, manifest
+
+
+def _all_candidates(manifest: dict) -> dict:
+    return {**{v["name"]: v for v in manifest["variants"]}, **{d["name"]: d for d in manifest["search"]["dropped"]}}
+
+
+def test_a_lightly_pruned_candidate_passes_and_a_heavier_one_is_rejected(searched):
+    _, manifest = searched
+    candidates = _all_candidates(manifest)
+    assert candidates["pruned50"]["status"] == "accepted"  # a quarter of the multiply-adds, recovered
+    assert candidates["pruned50"]["settings"]["macs_after"] < 0.3 * candidates["pruned50"]["settings"]["macs_before"]
+    rejected = candidates["pruned90"]
+    assert rejected["status"] == "rejected" and rejected["reason"].startswith("top-1 fell")
+    assert rejected["settings"]["gate_after_recovery"]["status"] == "rejected"
+
+
+def test_the_search_stops_at_the_first_ratio_whose_recovered_model_fails(searched):
+    _, manifest = searched
+    skipped = {row["name"]: row["reason"] for row in manifest["skipped"]}
+    for name in ("pruned95", "pruned95-int8", "openvino-pruned95-int8"):
+        assert skipped[name].startswith("not tried: pruned90, with fewer channels removed, failed the gate once "
+                                        "recovered (top-1 fell")
+
+
+def test_only_the_frontier_of_the_search_is_published_and_every_candidate_says_why(searched):
+    out, manifest = searched
+    n = str(manifest["latency_batch"])
+    published = {v["name"]: v for v in manifest["variants"]}
+    frontier = manifest["search"]["frontier"]
+    assert frontier and set(frontier) <= set(published)
+    speeds = [published[name]["latency_ms"][n] for name in frontier]
+    tops = [published[name]["accuracy"]["top1"] for name in frontier]
+    assert speeds == sorted(speeds) and tops == sorted(tops)  # faster on it means less accurate
+    for row in manifest["search"]["dropped"]:
+        assert "search" in row["settings"] and row["dropped"]
+        assert row["dropped"].startswith(("dominated by ", "rejected: "))
+        assert row["name"] not in published
+    assert {"pruned90"} <= {row["name"] for row in manifest["search"]["dropped"]}
+    files = {p.name for p in out.iterdir()}
+    assert not any("pruned90" in name for name in files)  # the dropped candidates' files are not published
+    for v in manifest["variants"]:
+        assert v["file"] in files
+        if "search" in v["settings"]:
+            assert v["frontier"]["on"]
+    recommended = manifest["recommended"]
+    assert {recommended["latency"], recommended["throughput"]} <= set(published)
+    assert read_manifest(out) == manifest
+
+
+def test_the_report_shows_the_frontier_with_every_candidate(searched):
+    out, manifest = searched
+    report = (out / "report.md").read_text()
+    assert "## Search: speed against accuracy (channels pruned at 50%, 90%, 95%" in report
+    section = report.split("## Search", 1)[1]
+    for name in _all_candidates(manifest):
+        assert f"| {name} |" in section
+    assert "**on the frontier**" in section and "dropped: rejected: top-1 fell" in section
+
+
+def test_by_default_the_command_searches_only_where_the_data_can_judge(tmp_path):
+    synthetic = run_cli("optimize", "small_cnn", "--weights", "random", "--dataset", "synthetic", "--no-openvino",
+                        "--out", str(tmp_path / "a"))
+    assert synthetic.returncode == 0, synthetic.stderr
+    assert "search" not in read_manifest(tmp_path / "a") and "pruning search" not in synthetic.stderr
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(search="on", prune_channels=0.5), "--prune-channels prunes at the one ratio given; the search tries several"),
+    (dict(search="on", search_ratios=(0.7, 0.3)), "--search-ratios must be fractions in \\(0, 1\\), light to heavy"),
+    (dict(search="on", search_minutes=0), "--search-minutes must be more than 0"),
+])
+def test_search_options_that_cannot_work_are_one_line(options, message):
+    with pytest.raises(UserError, match=message):
+        OptimizeConfig("small_cnn", **options).validate()
