@@ -76,7 +76,7 @@ def test_the_command_succeeds_and_prints_the_failed_row(small_cnn_checkpoint, tm
 
     monkeypatch.setattr(onnx_export_pass, "export_onnx", crash)
     code = main(["optimize", "small_cnn", "--weights", str(small_cnn_checkpoint), "--int8", "--latency-batch", "2",
-                 "--out", str(tmp_path / "a"), "--no-progress"])
+                 "--no-search", "--out", str(tmp_path / "a"), "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0
     rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}

@@ -58,6 +58,9 @@ def test_only_the_frontier_of_the_search_is_published_and_every_candidate_says_w
         assert row["name"] not in published
     assert {"pruned90"} <= {row["name"] for row in manifest["search"]["dropped"]}
     files = {p.name for p in out.iterdir()}
+    assert files - {v["file"] for v in manifest["variants"]} - {c for v in manifest["variants"]
+                                                               for c in v.get("companions", {})} == {
+        "manifest.json", "report.md", "frontier.svg"}
     assert not any("pruned90" in name for name in files)  # the dropped candidates' files are not published
     for v in manifest["variants"]:
         assert v["file"] in files
@@ -76,6 +79,13 @@ def test_the_report_shows_the_frontier_with_every_candidate(searched):
     for name in _all_candidates(manifest):
         assert f"| {name} |" in section
     assert "**on the frontier**" in section and "dropped: rejected: top-1 fell" in section
+    plot = (out / "frontier.svg").read_text()  # the picture beside it: every variant and candidate, a point each
+    assert "![speed against accuracy](frontier.svg)" in section and plot.startswith("<svg")
+    assert plot.count("<circle") == len(_all_candidates(manifest)) + 3  # and the legend's three
+    for name in _all_candidates(manifest):
+        assert f"<title>{name} (" in plot
+    for name in manifest["search"]["frontier"]:
+        assert f">{name}</text>" in plot
 
 
 def test_by_default_the_command_searches_only_where_the_data_can_judge(tmp_path):

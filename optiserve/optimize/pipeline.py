@@ -20,6 +20,7 @@ from optiserve.models.sources import is_registered
 from optiserve.optimize.attempts import LOG_FILE, Attempts
 from optiserve.optimize.config import OptimizeConfig  # noqa: F401  importers take it from here too
 from optiserve.optimize.frontier import drop_off_frontier, mark_frontier
+from optiserve.optimize.frontier_plot import FILE as FRONTIER_PLOT, render_frontier
 from optiserve.optimize.judge import recommend, validate
 from optiserve.optimize.manifest import BASELINE, build_manifest, device_note, int8_comparison
 from optiserve.optimize.passes import Run, Variant, passes_for, step_count
@@ -198,6 +199,8 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             _sweep(stage, entries)
             artifacts.write_manifest(stage, manifest)
             (stage / "report.md").write_text(render_report(manifest))
+            if run.searched:
+                (stage / FRONTIER_PLOT).write_text(render_frontier(manifest))
     return manifest
 
 

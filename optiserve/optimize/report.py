@@ -75,6 +75,7 @@ def search_lines(manifest: dict) -> list[str]:
              f"Fastest first at batch {n}. A variant is on the frontier when no other servable one is both at "
              f"least as fast and at least as accurate; the search's own candidates off it are not published. "
              f"Dropped candidates keep their row in `manifest.json` (`search.dropped`).", "",
+             "![speed against accuracy](frontier.svg)", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for v, why in rows:
         latency = v["latency_ms"][n]

@@ -1,0 +1,121 @@
+"""What `optimize`'s recommendation gains over the best single engine a user would pick by hand,
+measured side by side in one run on this machine.
+
+The engine by hand: OpenVINO INT8 through NNCF's default post-training quantization of the
+unpruned model's ONNX file, calibrated on the same training images. The recommendation: what
+`optimize MODEL --int8` recommends for throughput, with its search on (the default). Both are
+loaded through the runtime layer and timed at batch 16 in interleaved rounds; accuracy is top-1 on
+the held-out digits with its paired 95% interval against fp32 (agreement with fp32's top-1 where
+the images are unlabelled).
+
+    python benchmarks/search_vs_engines.py                   # resnet18 on digits, labelled and not
+    python benchmarks/search_vs_engines.py --cases labelled  # one case
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from optiserve.data import load_dataset  # noqa: E402
+from optiserve.intervals import paired_accuracy_difference  # noqa: E402
+from optiserve.machine import cpu_line  # noqa: E402
+from optiserve.models import InputOverrides  # noqa: E402
+from optiserve.optimize.calibrate import calibration_batches  # noqa: E402
+from optiserve.optimize.export_openvino import quantize_openvino_nncf  # noqa: E402
+from optiserve.optimize.pipeline import OptimizeConfig, default_checkpoint, run_optimize  # noqa: E402
+from optiserve.optimize.validate import materialize, predict  # noqa: E402
+from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
+from optiserve.runtime.timing import interleaved_times  # noqa: E402
+
+BATCH = 16
+
+
+def unlabelled_digits(folder: Path) -> str:
+    """scikit-learn's digits as 8x8 grayscale PNGs in one folder: images with no labels."""
+    from sklearn.datasets import load_digits
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, image in enumerate(load_digits().images):
+        Image.fromarray((image * 255 / 16).astype(np.uint8)).save(folder / f"{i:04d}.png")
+    return f"imagefolder:{folder}"
+
+
+def measure(model: str, dataset: str, work: Path, rounds: int, weights: str | None) -> dict:
+    out = work / "art"
+    started = time.perf_counter()
+    manifest = run_optimize(OptimizeConfig(model, weights=weights, dataset=dataset, int8=True, search="on",
+                                           latency_batch=BATCH, out=str(out), progress=True))
+    optimize_seconds = time.perf_counter() - started
+    chosen = manifest["recommended"]["throughput"]
+    entry = next(v for v in manifest["variants"] if v["name"] == chosen)
+    spec = manifest["input"]
+    from optiserve.input_spec import InputSpec
+
+    data = load_dataset(dataset, InputSpec.from_dict(spec), len(manifest["classes"]))
+    hand = work / "hand.openvino.xml"
+    quantize_openvino_nncf(out / "model.onnx", hand, calibration_batches(data.calibration_set(), 256))
+    options = RuntimeOptions(extra={"spin": False})
+    sessions = {
+        "by hand: OpenVINO INT8 (NNCF defaults), unpruned": load_session(
+            hand, {"name": "hand", "backend": "openvino", "settings": {"inference_precision": "f32"}}, manifest,
+            options),
+        f"optimize's recommendation: {chosen}": load_session(out / entry["file"], entry, manifest, options),
+        "fp32": load_session(out / "model.onnx", {"name": "onnx-fp32", "backend": "onnxruntime"}, manifest, options),
+    }
+    test = materialize(data.test, data.labelled)
+    batch = np.resize(test.images, (BATCH, *test.images.shape[1:])).astype(np.float32)
+    times = interleaved_times(sessions, batch, rounds, warmup=3)
+    outputs = {name: predict(s, test.images).argmax(1) for name, s in sessions.items()}
+    truth = test.labels if data.labelled else outputs["fp32"]
+    correct = {name: (o == truth).astype(np.float64) for name, o in outputs.items()}
+    rows = {}
+    for name in sessions:
+        d = paired_accuracy_difference(correct["fp32"], correct[name])
+        rows[name] = {"images_per_s": BATCH * 1000 / statistics.median(times[name]), "accuracy": correct[name].mean(),
+                      "vs_fp32": d}
+    return {"rows": rows, "optimize_seconds": optimize_seconds, "measure": "top-1" if data.labelled else
+            "agreement with fp32's top-1", "chosen": chosen}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="labelled,unlabelled")
+    p.add_argument("--rounds", type=int, default=15)
+    args = p.parse_args()
+    checkpoint = default_checkpoint("resnet18", "digits")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in args.cases.split(","):
+            work = Path(tmp) / case
+            if case == "labelled":
+                results[case] = measure("resnet18", "digits", work, args.rounds, None)
+            else:
+                if not checkpoint.is_file():
+                    raise SystemExit(f"run the labelled case first (it trains {checkpoint})")
+                dataset = unlabelled_digits(work / "images")
+                results[case] = measure("resnet18", dataset, work, args.rounds, str(checkpoint))
+    print(f"\nCPU: {cpu_line()}")
+    print(f"digits ResNet-18 (small-input), images/s at batch {BATCH}: median of {args.rounds} interleaved rounds\n")
+    print("| data | variant | images/s | vs by hand | accuracy | Δ vs fp32 [95% CI] |")
+    print("|---|---|---|---|---|---|")
+    for case, result in results.items():
+        hand = next(r for name, r in result["rows"].items() if name.startswith("by hand"))
+        for name, r in result["rows"].items():
+            d = r["vs_fp32"]
+            print(f"| {case} ({result['measure']}) | {name} | {r['images_per_s']:.0f} | "
+                  f"{r['images_per_s'] / hand['images_per_s']:.2f}× | {100 * r['accuracy']:.2f}% | "
+                  f"{d['points']:+.2f} [{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}] |")
+        print(f"| {case} | (optimize took {result['optimize_seconds']:.0f} s with its search) | | | | |")
+
+
+if __name__ == "__main__":
+    main()
