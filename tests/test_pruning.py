@@ -131,34 +131,14 @@ def test_a_concatenation_reads_the_channels_each_input_kept():
     assert pruned.c.out_channels == 4  # the output's channels are the model's answer
 
 
-class FixedWidth(nn.Module):
-    """Reshapes by a hard-coded channel count: no pruner can know the 16 means its conv's width."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv, self.head = nn.Conv2d(1, 16, 3, padding=1), nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.head(self.conv(x).view(x.shape[0], 16, -1).mean(2))
-
-
-def test_a_model_that_cannot_be_pruned_is_one_line():
-    with pytest.raises(CannotPrune, match=r"cannot be removed consistently \(RuntimeError: mat1 and mat2 shapes"):
-        prune_channels(FixedWidth().eval(), 0.5, torch.randn(2, 1, 8, 8))
-
-
-@pytest.mark.parametrize("bad", [0.0, 1.0])
-def test_a_channel_ratio_outside_the_open_unit_interval_is_refused(bad):
-    with pytest.raises(ValueError, match=r"in \(0, 1\)"):
-        prune_channels(Concat(), bad, torch.randn(1, 1, 8, 8))
-
-
 FIXED_WIDTH_MODULE = '''
 import torch
 from torch import nn
 
 
 class FixedWidth(nn.Module):
+    """Reshapes by a hard-coded channel count: no pruner can know the 16 means its conv's width."""
+
     def __init__(self):
         super().__init__()
         self.conv, self.head = nn.Conv2d(1, 16, 3, padding=1), nn.Linear(16, 10)
@@ -170,6 +150,23 @@ class FixedWidth(nn.Module):
 def build():
     return FixedWidth()
 '''
+
+
+def _fixed_width() -> nn.Module:
+    namespace: dict = {}
+    exec(FIXED_WIDTH_MODULE, namespace)
+    return namespace["build"]()
+
+
+def test_a_model_that_cannot_be_pruned_is_one_line():
+    with pytest.raises(CannotPrune, match=r"cannot be removed consistently \(RuntimeError: mat1 and mat2 shapes"):
+        prune_channels(_fixed_width().eval(), 0.5, torch.randn(2, 1, 8, 8))
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0])
+def test_a_channel_ratio_outside_the_open_unit_interval_is_refused(bad):
+    with pytest.raises(ValueError, match=r"in \(0, 1\)"):
+        prune_channels(Concat(), bad, torch.randn(1, 1, 8, 8))
 
 
 def test_optimize_answers_a_model_it_cannot_prune_with_a_row_and_builds_the_rest(tmp_path, monkeypatch):
