@@ -92,7 +92,8 @@ class OptimizeConfig:
                 raise UserError(f"{flag} must be a fraction in (0, 1), e.g. 0.5; got {value}")
         if is_onnx_file(self.model):
             for flag, given in (("--prune", self.prune is not None), ("--prune-channels", self.prune_channels is not None),
-                                ("--tensorrt", self.tensorrt), ("--no-onnx", not self.onnx)):
+                                ("--search", self.search == "on"), ("--tensorrt", self.tensorrt),
+                                ("--no-onnx", not self.onnx)):
                 if given:
                     raise UserError(f"{flag} works on a torch model; {self.model} is an ONNX file (its variants are "
                                     f"onnx-fp32, onnx-int8 and the OpenVINO ones)")
