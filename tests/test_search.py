@@ -103,3 +103,34 @@ def test_by_default_the_command_searches_only_where_the_data_can_judge(tmp_path)
 def test_search_options_that_cannot_work_are_one_line(options, message):
     with pytest.raises(UserError, match=message):
         OptimizeConfig("small_cnn", **options).validate()
+
+
+def test_an_interrupted_search_resumes_from_the_candidates_it_had_recovered(small_cnn_checkpoint, tmp_path,
+                                                                            monkeypatch):
+    from optiserve.optimize.passes import pruning
+    from optiserve.optimize.search_cache import cache_folder
+
+    recovered, real = [], pruning.distill
+
+    def interrupted_in_the_second(*args, **kwargs):
+        recovered.append(kwargs.get("deadline"))
+        if len(recovered) == 2:
+            raise KeyboardInterrupt  # Ctrl-C while the second ratio recovers
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pruning, "distill", interrupted_in_the_second)
+    out = tmp_path / "a"
+    options = dict(weights=str(small_cnn_checkpoint), search="on", search_ratios=(0.5, 0.7), openvino=False,
+                   latency_batch=4, out=str(out), progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_optimize(OptimizeConfig("small_cnn", **options))
+    assert not out.exists() and len(list(cache_folder(out).glob("*.json"))) == 1  # the first one, recovered
+
+    recovered.clear()
+    manifest = run_optimize(OptimizeConfig("small_cnn", resume=True, **options))
+    assert len(recovered) == 1  # only the ratio the interruption cut short recovers again
+    candidates = _all_candidates(manifest)
+    assert {"pruned50", "pruned70"} <= set(candidates)
+    assert candidates["pruned50"]["settings"]["recovery"]["epochs"] == 5
+    assert any(note.startswith("pruned50: ") for note in manifest["notes"])
+    assert not cache_folder(out).exists()  # published: nothing is kept any more

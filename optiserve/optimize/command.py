@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--search-minutes", type=float, default=DEFAULTS.search_minutes, metavar="M",
                    help=f"the search's time for recovery, shared among its ratios (default "
                         f"{DEFAULTS.search_minutes:g})")
+    p.add_argument("--resume", action="store_true",
+                   help="take the candidates an interrupted search already pruned and recovered (kept beside the "
+                        "artifact folder until it is published) instead of recovering them again")
     p.add_argument("--search-ratios", type=_floats, default=DEFAULTS.search_ratios, metavar="R,R,...",
                    help="the fractions of channels the search removes, light to heavy (default "
                         f"{','.join(f'{r:g}' for r in DEFAULTS.search_ratios)})")
@@ -146,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         accuracy_aware=args.accuracy_aware, max_float_layers=args.max_float_layers,
         prune=args.prune, prune_channels=args.prune_channels, finetune_epochs=args.finetune_epochs,
         search="auto" if args.search is None else ("on" if args.search else "off"), search_minutes=args.search_minutes,
-        search_ratios=args.search_ratios,
+        search_ratios=args.search_ratios, resume=args.resume,
         tensorrt=args.tensorrt, fp16=args.fp16,
         calib_size=args.calib_size, calib_method=args.calib_method, int8_recipe=args.int8_recipe,
         max_accuracy_drop=args.max_accuracy_drop,

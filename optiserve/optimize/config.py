@@ -34,6 +34,7 @@ class OptimizeConfig:
                                       # the CLI's default)
     search_minutes: float = 10.0      # the search's budget for recovery
     search_ratios: tuple[float, ...] = (0.3, 0.5, 0.7)  # fractions of channels the search removes, light to heavy
+    resume: bool = False              # take the candidates an interrupted search already recovered
     tensorrt: bool = False
     fp16: bool = False
     onnx: bool = True

@@ -26,6 +26,7 @@ from optiserve.optimize.manifest import BASELINE, build_manifest, device_note, i
 from optiserve.optimize.passes import Run, Variant, passes_for, step_count
 from optiserve.optimize.passes.pruning import pruning_ratios
 from optiserve.optimize.progress import PassLog
+from optiserve.optimize.search_cache import clear_cache
 from optiserve.optimize.report import render_report
 from optiserve.optimize.validate import materialize
 from optiserve.tasks import get_task
@@ -201,6 +202,8 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             (stage / "report.md").write_text(render_report(manifest))
             if run.searched:
                 (stage / FRONTIER_PLOT).write_text(render_frontier(manifest))
+    if run.searched:  # published: what an interrupted search kept is no longer needed
+        clear_cache(out)
     return manifest
 
 

@@ -16,6 +16,7 @@ from optiserve.optimize.passes.openvino import NNCF_SUFFIX
 from optiserve.optimize.passes.registry import TORCH, Pass, Run, Variant, register_pass
 from optiserve.optimize.prune import prune_unstructured
 from optiserve.optimize.prune_channels import CannotPrune, count_flops, prune_channels
+from optiserve.optimize.search_cache import SearchCache
 from optiserve.optimize.quantize_ort import quantize_onnx_static
 from optiserve.optimize.judge import KIND_IMAGES, output_kind
 from optiserve.optimize.validate import predict
@@ -81,9 +82,13 @@ def _build_pruned_channels(run: Run) -> None:
         for names in (names for ratio in ratios for names in _variant_names(ratio, cfg)):
             run.log.passed_over(f"{names[0]} (structured pruning search)", why_not)
         return
+    cache = None
     if searching and not why_not:
         run.log.note(f"search: channels pruned at {', '.join(f'{r:.0%}' for r in ratios)} (light to heavy), each "
                      f"recovered by distillation, within {cfg.search_minutes:g} minutes")
+        cache = SearchCache(cfg.out_path, _made_of(run), cfg.resume)
+        if cfg.resume and not cache.kept():
+            run.log.note(f"--resume: no candidate of an interrupted search is kept in {cache.folder}; searching afresh")
     end = time.monotonic() + 60 * cfg.search_minutes
     for i, ratio in enumerate(ratios):
         if why_not:
@@ -91,7 +96,7 @@ def _build_pruned_channels(run: Run) -> None:
                 run.attempts.skip(f"{names[0]} (structured pruning search)", why_not, *names)
             continue
         deadline = time.monotonic() + (end - time.monotonic()) / (len(ratios) - i) if searching else None
-        gate = _pruned_channel_variants(run, ratio, deadline)
+        gate = _pruned_channel_variants(run, ratio, deadline, cache)
         if searching:  # the search's candidates: those off its frontier leave the folder (optimize/frontier.py)
             built = {name for names in _variant_names(ratio, cfg) for name in names}
             for variant in run.variants:
@@ -106,23 +111,32 @@ def _build_pruned_channels(run: Run) -> None:
                          f"minutes left")
 
 
-def _pruned_channel_variants(run: Run, ratio: float, deadline: float | None) -> tuple[str, str | None] | None:
-    """pruned<R> (structured pruning, recovered), and with --int8 its ONNX Runtime INT8 and
-    OpenVINO's INT8 by both flows; returns the recovered model's gate (status, reason), or None
-    where it was not built."""
+def _made_of(run: Run) -> dict:
+    """What decides a recovered candidate besides its ratio: a kept one is taken only where all match."""
+    cfg = run.cfg
+    return {"model": run.loaded.name, "source": run.loaded.source, "input": run.loaded.input.to_dict(),
+            "task": run.loaded.task, "dataset": run.data.name, "labels": run.label_mapping is not None,
+            "epochs": cfg.finetune_epochs, "gate": vars(cfg.gate_limits), "device": cfg.device,
+            "evaluated_on": len(run.evalset.images)}
+
+
+def _pruned_channel_variants(run: Run, ratio: float, deadline: float | None,
+                             cache: SearchCache | None) -> tuple[str, str | None] | None:
+    """pruned<R> (structured pruning, recovered; with --resume, taken from an interrupted search's
+    cache where it was kept), and with --int8 its ONNX Runtime INT8 and OpenVINO's INT8 by both
+    flows; returns the recovered model's gate (status, reason), or None where it was not built."""
     stage, loaded, cfg, attempts, variants = run.stage, run.loaded, run.cfg, run.attempts, run.variants
     name = f"pruned{round(100 * ratio)}"
     gate = None
     with attempts.attempt(f"structured pruning of {ratio:.0%} of channels, recover -> {name} (ONNX)", name):
-        try:
-            pruned_fused, settings = _prune_channels(run, ratio, deadline)
-        except CannotPrune as e:
-            attempts.cannot(f"{loaded.name}: {e}", name)
-        else:
-            export_onnx(pruned_fused, run.example, stage / f"model.{name}.onnx", output_names=output_names(loaded))
+        settings = cache.take(ratio, stage / f"model.{name}.onnx") if cache is not None else None
+        if settings is not None:
+            run.log.note(f"{name}: taken from the interrupted search, kept in {cache.folder}")
             variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32", settings))
             run.notes.append(_pruning_note(name, settings))
             gate = settings["gate_after_recovery"]["status"], settings["gate_after_recovery"]["reason"]
+        else:
+            settings, gate = _build_pruned(run, ratio, deadline, name, cache)
     if not cfg.int8:
         return gate
     title = f"INT8 ONNX Runtime of {name} -> {name}-int8"
@@ -160,6 +174,24 @@ def _pruned_channel_variants(run: Run, ratio: float, deadline: float | None) -> 
                                 {**nncf, **run.recipe.settings(), "inference_precision": "f32", "flow": "nncf",
                                  "pruning": settings}))
     return gate
+
+
+def _build_pruned(run: Run, ratio: float, deadline: float | None, name: str,
+                  cache: SearchCache | None) -> tuple[dict | None, tuple[str, str | None] | None]:
+    """Prune, recover and export pruned<R> (kept in the search's cache); its settings and gate, or
+    (None, None) where the model cannot be pruned (a `not built` row says why)."""
+    try:
+        pruned_fused, settings = _prune_channels(run, ratio, deadline)
+    except CannotPrune as e:
+        run.attempts.cannot(f"{run.loaded.name}: {e}", name)
+        return None, None
+    onnx = run.stage / f"model.{name}.onnx"
+    export_onnx(pruned_fused, run.example, onnx, output_names=output_names(run.loaded))
+    run.variants.append(Variant(name, onnx.name, "onnxruntime", "fp32", settings))
+    run.notes.append(_pruning_note(name, settings))
+    if cache is not None:
+        cache.keep(ratio, onnx, settings)
+    return settings, (settings["gate_after_recovery"]["status"], settings["gate_after_recovery"]["reason"])
 
 
 def _prune_channels(run: Run, ratio: float, deadline: float | None) -> tuple[torch.nn.Module, dict]:

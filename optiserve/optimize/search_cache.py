@@ -1,0 +1,60 @@
+"""Resuming an interrupted search. Each pruned candidate, once recovered (the search's long part),
+is kept beside the artifact folder — its ONNX file and its settings — under a key of everything
+that made it; `optimize --resume` takes a kept one instead of pruning and recovering it again. The
+folder is removed once the artifact folder is published."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from optiserve.files import atomic_write, read_json
+
+FORMAT = 1  # raised when what a kept candidate holds changes, so older ones are not taken
+
+
+def cache_folder(out: Path) -> Path:
+    """Where the candidates of a search publishing to `out` are kept: a hidden folder beside it."""
+    out = Path(out).resolve()
+    return out.with_name(f".{out.name}.search")
+
+
+class SearchCache:
+    """The recovered candidates of one search: `made_of` is everything but the ratio that decides
+    what a candidate is (the model and its weights, the data, the recovery, the gate)."""
+
+    def __init__(self, out: Path, made_of: dict, resume: bool):
+        self.folder, self.resume = cache_folder(out), resume
+        self._made_of = {"format": FORMAT, **made_of}
+
+    def _paths(self, ratio: float) -> tuple[Path, Path]:
+        text = json.dumps({**self._made_of, "ratio": ratio}, sort_keys=True, default=str)
+        key = hashlib.sha256(text.encode()).hexdigest()[:20]
+        return self.folder / f"{key}.onnx", self.folder / f"{key}.json"
+
+    def take(self, ratio: float, onnx_to: Path) -> dict | None:
+        """With --resume, the kept candidate at `ratio`, its ONNX file copied to `onnx_to`, and its
+        settings; None where there is none (or no --resume)."""
+        onnx, settings = self._paths(ratio)
+        if not self.resume or not (onnx.is_file() and settings.is_file()):
+            return None
+        shutil.copyfile(onnx, onnx_to)
+        return read_json(settings)
+
+    def keep(self, ratio: float, onnx_from: Path, settings: dict) -> None:
+        """Keep the recovered candidate at `ratio` (written atomically: an interruption leaves it whole or absent)."""
+        onnx, path = self._paths(ratio)
+        with atomic_write(onnx) as f, open(onnx_from, "rb") as source:
+            shutil.copyfileobj(source, f)
+        with atomic_write(path, "w") as f:
+            json.dump(settings, f, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+
+    def kept(self) -> int:
+        return len(list(self.folder.glob("*.json"))) if self.folder.is_dir() else 0
+
+
+def clear_cache(out: Path) -> None:
+    """Remove the kept candidates of a search that published to `out`."""
+    shutil.rmtree(cache_folder(out), ignore_errors=True)
