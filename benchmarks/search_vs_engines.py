@@ -10,6 +10,11 @@ the images are unlabelled).
 
     python benchmarks/search_vs_engines.py                   # resnet18 on digits, labelled and not
     python benchmarks/search_vs_engines.py --cases labelled  # one case
+    python benchmarks/search_vs_engines.py --cases mobilenet,vit --size 64
+
+The mobilenet and vit cases are torchvision's MobileNetV3-Small and a timm ViT-Tiny (6 blocks, 8x8
+patches) trained here on the digits as RGB PNGs at --size (benchmarks/own_models.py's images and
+training), then optimized from those weights like any user's model.
 """
 
 from __future__ import annotations
@@ -49,11 +54,60 @@ def unlabelled_digits(folder: Path) -> str:
     return f"imagefolder:{folder}"
 
 
-def measure(model: str, dataset: str, work: Path, rounds: int, weights: str | None) -> dict:
+def recalibrate_batchnorm(model, work: Path, size: int) -> None:
+    """BatchNorm statistics averaged over the whole training split: torchvision's MobileNetV3 keeps
+    them with momentum 0.01, which a few hundred steps from scratch leave far from the data (its
+    answers in eval mode stay at chance while training-mode ones are right)."""
+    import torch
+
+    from optiserve.data import load_dataset
+    from optiserve.input_spec import IMAGENET_MEAN, IMAGENET_STD, InputSpec
+
+    data = load_dataset(f"imagefolder:{work / 'digits'}", InputSpec((3, size, size), IMAGENET_MEAN, IMAGENET_STD), 10)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.reset_running_stats()
+            module.momentum = None  # a cumulative average
+    model.train()
+    with torch.no_grad():
+        for images, _ in torch.utils.data.DataLoader(data.calibration_set(), batch_size=64):
+            model(images)
+    model.eval()
+
+
+def trained_elsewhere(case: str, work: Path, size: int, epochs: int) -> tuple[str, str, dict]:
+    """MODEL, --dataset and the rest of the options of a model trained here on the digits at `size`."""
+    import torch
+    import torchvision
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from own_models import NAMES, VIT, fine_tune, write_digits
+
+    write_digits(work / "digits", size)
+    labels = work / "labels.txt"
+    labels.write_text("\n".join(NAMES) + "\n")
+    torch.manual_seed(0)
+    options = dict(labels=str(labels), input=InputOverrides((3, size, size)), num_classes=10)
+    if case == "mobilenet":
+        model = fine_tune(torchvision.models.mobilenet_v3_small(num_classes=10), work, size, epochs)
+        recalibrate_batchnorm(model, work, size)
+        name = "torchvision:mobilenet_v3_small"
+    else:
+        (work / "vit.py").write_text(VIT.replace("{size}", str(size)))
+        sys.path.insert(0, str(work))
+        from vit import build
+
+        model = fine_tune(build(), work, size, 4 * epochs, lr=5e-4)  # from scratch: more epochs, a gentler rate
+        name, options = f"{work / 'vit.py'}:build", {k: v for k, v in options.items() if k != "num_classes"}
+    torch.save(model.state_dict(), work / "weights.pth")
+    return name, f"imagefolder:{work / 'digits'}", {**options, "weights": str(work / "weights.pth")}
+
+
+def measure(model: str, dataset: str, work: Path, rounds: int, weights: str | None, **options) -> dict:
     out = work / "art"
     started = time.perf_counter()
     manifest = run_optimize(OptimizeConfig(model, weights=weights, dataset=dataset, int8=True, search="on",
-                                           latency_batch=BATCH, out=str(out), progress=True))
+                                           latency_batch=BATCH, out=str(out), progress=True, **options))
     optimize_seconds = time.perf_counter() - started
     chosen = manifest["recommended"]["throughput"]
     entry = next(v for v in manifest["variants"] if v["name"] == chosen)
@@ -75,14 +129,16 @@ def measure(model: str, dataset: str, work: Path, rounds: int, weights: str | No
     batch = np.resize(test.images, (BATCH, *test.images.shape[1:])).astype(np.float32)
     times = interleaved_times(sessions, batch, rounds, warmup=3)
     outputs = {name: predict(s, test.images).argmax(1) for name, s in sessions.items()}
-    truth = test.labels if data.labelled else outputs["fp32"]
+    model_class = [manifest["classes"].index(c) if c in manifest["classes"] else -1 for c in data.classes]
+    labelled = data.labelled and -1 not in model_class  # folders named after the model's classes
+    truth = np.asarray(model_class)[test.labels] if labelled else outputs["fp32"]
     correct = {name: (o == truth).astype(np.float64) for name, o in outputs.items()}
     rows = {}
     for name in sessions:
         d = paired_accuracy_difference(correct["fp32"], correct[name])
         rows[name] = {"images_per_s": BATCH * 1000 / statistics.median(times[name]), "accuracy": correct[name].mean(),
                       "vs_fp32": d}
-    return {"rows": rows, "optimize_seconds": optimize_seconds, "measure": "top-1" if data.labelled else
+    return {"rows": rows, "optimize_seconds": optimize_seconds, "measure": "top-1" if labelled else
             "agreement with fp32's top-1", "chosen": chosen}
 
 
@@ -90,6 +146,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="labelled,unlabelled")
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--size", type=int, default=64, help="input side of the mobilenet and vit cases (default 64)")
+    p.add_argument("--epochs", type=int, default=10, help="training epochs of the mobilenet case (the vit: 4x)")
     args = p.parse_args()
     checkpoint = default_checkpoint("resnet18", "digits")
     results = {}
@@ -98,13 +156,18 @@ def main() -> None:
             work = Path(tmp) / case
             if case == "labelled":
                 results[case] = measure("resnet18", "digits", work, args.rounds, None)
+            elif case in ("mobilenet", "vit"):
+                model, dataset, options = trained_elsewhere(case, work, args.size, args.epochs)
+                weights = options.pop("weights")
+                results[case] = measure(model, dataset, work, args.rounds, weights, **options)
             else:
                 if not checkpoint.is_file():
                     raise SystemExit(f"run the labelled case first (it trains {checkpoint})")
                 dataset = unlabelled_digits(work / "images")
                 results[case] = measure("resnet18", dataset, work, args.rounds, str(checkpoint))
     print(f"\nCPU: {cpu_line()}")
-    print(f"digits ResNet-18 (small-input), images/s at batch {BATCH}: median of {args.rounds} interleaved rounds\n")
+    print(f"digits (labelled, unlabelled: ResNet-18 small-input; mobilenet, vit: {args.size}x{args.size} RGB), "
+          f"images/s at batch {BATCH}: median of {args.rounds} interleaved rounds\n")
     print("| data | variant | images/s | vs by hand | accuracy | Δ vs fp32 [95% CI] |")
     print("|---|---|---|---|---|---|")
     for case, result in results.items():
