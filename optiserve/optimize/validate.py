@@ -1,6 +1,6 @@
-"""The accuracy gate: every variant is scored through the runtime layer against the fp32 model, by
-its task's measures (optiserve.tasks); `score` is classification's, for structured pruning's
-top-1 before and after its fine-tune."""
+"""The accuracy gate's inputs: the held-out images, materialized once, and a session's outputs for
+them through the runtime layer; each variant is scored against the fp32 model by its task's
+measures (optiserve.tasks)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from optiserve.runtime import Session
-from optiserve.tasks import get_task
-
-CLASSIFICATION = get_task("classification")
 
 
 @dataclass
@@ -44,8 +41,3 @@ def predict(session: Session, images: np.ndarray, batch_size: int = 64, keep=Non
     keep = keep or (lambda out: out)
     return np.concatenate([keep(session.run(images[i:i + batch_size])) for i in range(0, len(images), batch_size)])
 
-
-def score(logits: np.ndarray, reference: np.ndarray, labels: np.ndarray | None) -> dict:
-    """Classification's measures: top1 (None without labels), agreement of top-1 predictions with
-    fp32, max |Δ logits| against fp32."""
-    return CLASSIFICATION.measures(logits, reference, labels)

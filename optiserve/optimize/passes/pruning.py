@@ -208,7 +208,9 @@ def _prune_channels(run: Run, ratio: float, deadline: float | None) -> tuple[tor
     def outputs(model):
         return predict(TorchSession(model.eval(), "torch", torch.device("cpu"), None), evalset.images)
 
-    reference = outputs(loaded.model)
+    if run.unpruned_outputs is None:  # the same for every ratio
+        run.unpruned_outputs = outputs(loaded.model)
+    reference = run.unpruned_outputs
     reading = output_kind(loaded, cfg, reference[:KIND_IMAGES])
     reference = task.reduce(reference, reading)
     baseline = task.metrics(reference, reference, evalset.labels)

@@ -54,6 +54,7 @@ class Run:
     conversion: dict = field(default_factory=dict)  # the settings that say int8_source was converted
     label_mapping: object = None       # the model's class of each of the data's labels; None: no labels to learn from
     searched: bool = False             # whether the pruning search ran (its candidates off the frontier are dropped)
+    unpruned_outputs: object = None    # the unpruned model's outputs for the held-out images, once computed
 
     @property
     def form(self) -> str:
