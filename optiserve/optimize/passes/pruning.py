@@ -43,13 +43,9 @@ def pruning_ratios(cfg: OptimizeConfig) -> tuple[float, ...]:
     return (cfg.prune_channels,) if cfg.prune_channels is not None else tuple(cfg.search_ratios)
 
 
-def _steps_per_ratio(cfg: OptimizeConfig) -> int:
-    """prune and recover; its ONNX Runtime INT8; OpenVINO's INT8 by both flows."""
-    return 1 + cfg.int8 + 2 * (cfg.int8 and cfg.openvino)
-
-
 def _variant_names(ratio: float, cfg: OptimizeConfig) -> list[list[str]]:
-    """The variants each step of one ratio builds, in order."""
+    """The variants each step of one ratio builds, in order: prune and recover; its ONNX Runtime INT8;
+    OpenVINO's INT8 by both flows. Its length is the ratio's progress steps."""
     name = f"pruned{round(100 * ratio)}"
     steps = [[name]]
     if cfg.int8:
@@ -256,4 +252,4 @@ def _asked(cfg: OptimizeConfig) -> bool:
 
 
 register_pass(Pass("pruned-channels", TORCH, _build_pruned_channels, asked=_asked,
-                   steps=lambda cfg: len(pruning_ratios(cfg)) * _steps_per_ratio(cfg)))
+                   steps=lambda cfg: sum(len(_variant_names(r, cfg)) for r in pruning_ratios(cfg))))
