@@ -19,6 +19,7 @@ pytest.importorskip("aiohttp", reason="the load generator is in the [bench] extr
 from tune_replay import TOLERANCE, check_claim  # noqa: E402
 
 SLO_MS = 60.0
+CONFIRM_S = 8  # the default is 20 s; shorter here to keep the suite quick
 SMALL_SEARCH = ("--variants", "onnx-int8,openvino-int8", "--batch-sizes", "1,2", "--delays-ms", "2",
                 "--instances", "1", "--duration", "2", "--quiet")
 
@@ -28,7 +29,8 @@ def tuned(small_artifact, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tune") / "digits"
     shutil.copytree(small_artifact, folder)
     (folder / "serving.json").write_text(json.dumps({"timeout_ms": 20000, "max_batch_size": 64}))
-    r = run_cli("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH, timeout=900)
+    r = run_cli("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH, "--confirm-seconds",
+                str(CONFIRM_S), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "winner:" in r.stdout
     return folder
@@ -43,8 +45,8 @@ def test_tune_writes_the_winner_every_point_and_a_report(tuned):
     assert winner["settings"] == {"variants": [best["variant"]], "max_batch_size": best["max_batch_size"],
                                   "max_delay_ms": best["max_delay_ms"], "instances": best["instances"]}
     assert winner["searched"] == {"rate": best["rate"], "p99_ms": best["p99_ms"]}
-    held = winner["confirmation"]["tries"][-1]  # the claim is the load a fresh server held for 20 s
-    assert winner["confirmation"]["seconds"] == 20 and held["meets"] and held["failed"] == 0
+    held = winner["confirmation"]["tries"][-1]  # the claim is the load a fresh server held for CONFIRM_S
+    assert winner["confirmation"]["seconds"] == CONFIRM_S and held["meets"] and held["failed"] == 0
     assert held["offered"] <= best["level"] and winner["p99_ms"] == held["p99_ms"] <= SLO_MS
     assert winner["rate"] == round(0.9 * held["offered"], 1)  # a tenth of the load that held is kept spare
     assert all(not t["meets"] for t in winner["confirmation"]["tries"][:-1])  # lowered only while it missed
@@ -57,12 +59,12 @@ def test_tune_writes_the_winner_every_point_and_a_report(tuned):
     settings = json.loads((tuned / "serving.json").read_text())
     assert settings == {**winner["settings"], "timeout_ms": 20000}  # the folder's other settings are kept
     report = (tuned / "tune.md").read_text()
-    assert "Winner: " in report and "hold the load for 20 s" in report and "top-1 " in report and "![" in report and (tuned / "tune.png").stat().st_size
+    assert "Winner: " in report and f"hold the load for {CONFIRM_S} s" in report and "top-1 " in report and "![" in report and (tuned / "tune.png").stat().st_size
     assert "data:image/png;base64," in (tuned / "tune.html").read_text()
 
 
-def test_the_claimed_rate_replayed_for_20_s_keeps_p99_within_1_2x_the_objective(tuned):
-    result = check_claim(tuned, seconds=20)
+def test_the_claimed_rate_replayed_keeps_p99_within_1_2x_the_objective(tuned):
+    result = check_claim(tuned, seconds=CONFIRM_S)
     replay = result["replay"]
     assert replay["failed"] == 0, replay
     assert replay["p99_ms"] <= TOLERANCE * SLO_MS, replay
@@ -75,7 +77,7 @@ def test_closed_loop_tune_claims_callers_whose_replay_holds_the_objective(small_
     folder = tmp_path / "digits"
     shutil.copytree(small_artifact, folder)
     r = run_cli("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", "--concurrency-mode", "closed",
-                "--variants", "onnx-int8", "--batch-sizes", "1,2", "--delays-ms", "2", "--instances", "1",
+                "--variants", "onnx-int8", "--batch-sizes", "2", "--delays-ms", "2", "--instances", "1",
                 "--duration", "2", "--confirm-seconds", "5", "--quiet", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     tune = json.loads((folder / "tune.json").read_text())
