@@ -27,20 +27,20 @@ from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.models import load_model  # noqa: E402
 from optiserve.optimize.prune_channels import count_flops, prune_channels  # noqa: E402
 from optiserve.optimize.validate import materialize  # noqa: E402
-from optiserve.train.distill import distill  # noqa: E402
-from optiserve.train.schedule import scaled_lr, warmup_cosine  # noqa: E402
+from optiserve.train.distill import distill, recovery_optimizer  # noqa: E402
+from optiserve.train.schedule import warmup_cosine  # noqa: E402
 
 CHECKPOINT = Path("checkpoints/resnet18-digits.pt")
 
 
-def labels_only(model: torch.nn.Module, data, epochs: int, batch_size: int = 64, lr: float = 0.1) -> None:
+def labels_only(model: torch.nn.Module, data, epochs: int, batch_size: int = 64) -> None:
     """Cross-entropy on the labels with distill's optimizer, schedule and batches: the one change is
     what is learned."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     loader = make_loader(data.train, batch_size, torch.device("cpu"), workers=0,
                          sampler=torch.utils.data.RandomSampler(data.train, generator=g), drop_last=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=scaled_lr(lr, batch_size), momentum=0.9, weight_decay=5e-4)
+    optimizer = recovery_optimizer(model)
     scheduler = warmup_cosine(optimizer, epochs * len(loader), warmup_steps=0)
     model.train()
     for _ in range(epochs):

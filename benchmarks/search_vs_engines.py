@@ -118,11 +118,17 @@ def measure(model: str, dataset: str, work: Path, rounds: int, weights: str | No
     hand = work / "hand.openvino.xml"
     quantize_openvino_nncf(out / "model.onnx", hand, calibration_batches(data.calibration_set(), 256))
     options = RuntimeOptions(extra={"spin": False})
+    pruned = [v for v in manifest["variants"] if v["name"] != chosen and v.get("status") == "accepted"
+              and "search" in v.get("settings", {})]
+    runner_up = min(pruned, key=lambda v: v["latency_ms"][str(BATCH)], default=None)  # where it is not the pick
     sessions = {
         "by hand: OpenVINO INT8 (NNCF defaults), unpruned": load_session(
             hand, {"name": "hand", "backend": "openvino", "settings": {"inference_precision": "f32"}}, manifest,
             options),
         f"optimize's recommendation: {chosen}": load_session(out / entry["file"], entry, manifest, options),
+        **({f"its fastest pruned candidate: {runner_up['name']}": load_session(out / runner_up["file"], runner_up,
+                                                                               manifest, options)}
+           if runner_up is not None and "search" not in entry.get("settings", {}) else {}),
         "fp32": load_session(out / "model.onnx", {"name": "onnx-fp32", "backend": "onnxruntime"}, manifest, options),
     }
     test = materialize(data.test, data.labelled)

@@ -14,7 +14,7 @@ from optiserve.data import load_dataset
 from optiserve.models import load_model
 from optiserve.optimize.prune_channels import prune_channels
 from optiserve.optimize.validate import materialize
-from optiserve.train.distill import distill
+from optiserve.train.distill import distill, recalibrate_batchnorm, recover
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +82,15 @@ def test_a_segmenter_is_matched_pixel_by_pixel(digits):
     segmenter = nn.Sequential(*block(1, 32), *block(32, 32), nn.Conv2d(32, 3, 1)).eval()  # a function to match,
     with torch.no_grad():
         segmenter[-1].weight *= 10  # with scores confident enough to have a clear winner per pixel
-    student = _pruned(segmenter, test)
+    recalibrate_batchnorm(segmenter, data.calibration_set(), torch.device("cpu"), 64)  # statistics of its data,
+    student = _pruned(segmenter, test)  # as a trained model's are
 
     def pixel_agreement() -> float:
         with torch.no_grad():
             return float((student.eval()(test).argmax(1) == segmenter(test).argmax(1)).float().mean())
 
     before = pixel_agreement()
-    report = distill(student, segmenter, data, "class-scores", epochs=3, progress=False)
+    report = distill(student, segmenter, data, "class-scores", epochs=5, progress=False)
     assert report["val_distillation_loss_after"] < 0.5 * report["val_distillation_loss_before"]
     after = pixel_agreement()
     assert before < 0.85 and after > 0.9 and (1 - after) < 0.5 * (1 - before)  # half the wrong pixels, or fewer
@@ -100,3 +101,29 @@ def test_recovery_stops_at_its_deadline(digits):
     report = distill(_pruned(teacher, test), teacher, data, "class-scores", epochs=3, progress=False,
                      deadline=time.monotonic() - 1)
     assert report["steps"] == 1 and report["stopped_at_deadline"]
+
+
+def test_recovery_goes_on_in_rounds_twice_as_long_while_its_check_fails_and_stops_once_it_passes(digits):
+    teacher, data, test = digits
+    answers = iter([False, True])
+    checked = []
+
+    def good_enough(model):
+        checked.append(_agreement(model, teacher, test))
+        return next(answers)
+
+    report = recover(_pruned(teacher, test), teacher, data, "class-scores", 1, good_enough=good_enough,
+                     progress=False)
+    assert report["rounds"] == [1, 2] and report["epochs"] == 3 and report["good_enough"] is True
+    assert len(checked) == 2 and not report["undone_round"]
+
+
+def test_recovery_rounds_end_at_the_limit_or_the_deadline_whatever_the_check_says(digits):
+    teacher, data, test = digits
+    never = lambda model: False  # noqa: E731
+    report = recover(_pruned(teacher, test), teacher, data, "class-scores", 1, good_enough=never, max_rounds=2,
+                     progress=False)
+    assert len(report["rounds"]) == 2 and report["good_enough"] is False
+    late = recover(_pruned(teacher, test), teacher, data, "class-scores", 3, good_enough=never, progress=False,
+                   deadline=time.monotonic() - 1)
+    assert late["rounds"] == [3] and late["steps"] == 1 and late["stopped_at_deadline"]

@@ -110,7 +110,7 @@ def test_an_interrupted_search_resumes_from_the_candidates_it_had_recovered(smal
     from optiserve.optimize.passes import pruning
     from optiserve.optimize.search_cache import cache_folder
 
-    recovered, real = [], pruning.distill
+    recovered, real = [], pruning.recover
 
     def interrupted_in_the_second(*args, **kwargs):
         recovered.append(kwargs.get("deadline"))
@@ -118,7 +118,7 @@ def test_an_interrupted_search_resumes_from_the_candidates_it_had_recovered(smal
             raise KeyboardInterrupt  # Ctrl-C while the second ratio recovers
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pruning, "distill", interrupted_in_the_second)
+    monkeypatch.setattr(pruning, "recover", interrupted_in_the_second)
     out = tmp_path / "a"
     options = dict(weights=str(small_cnn_checkpoint), search="on", search_ratios=(0.5, 0.7), openvino=False,
                    latency_batch=4, out=str(out), progress=False)

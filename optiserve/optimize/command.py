@@ -107,7 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add structured-pruned variants with this one fraction of channels removed, recovered by "
                         "distillation (and INT8 with --int8)")
     p.add_argument("--finetune-epochs", type=int, default=DEFAULTS.finetune_epochs, metavar="N",
-                   help=f"epochs of recovery after structured pruning, by distillation from the unpruned model "
+                   help=f"epochs of recovery after structured pruning, by distillation from the unpruned model; "
+                        f"rounds twice as long follow while the validation images say it is not there yet "
                         f"(default {DEFAULTS.finetune_epochs})")
     p.add_argument("--tensorrt", action="store_true",
                    help="add TensorRT engines through torch-tensorrt (needs a CUDA GPU and the [tensorrt] extra)")

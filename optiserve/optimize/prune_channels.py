@@ -63,13 +63,14 @@ def _is_depthwise(m: nn.Module) -> bool:
 
 def _rounding_pruner():
     """torch-pruning's magnitude pruner, with kept channel counts rounded to the nearest multiple
-    (at least one multiple, and exact in layers narrower than two): its own rounding goes down, so
-    a heavy ratio rounds a narrow layer to nothing, which it then declines to prune at all."""
+    (at least one multiple, and exact in layers narrower than four: rounding 16 channels to 8 would
+    cut half of them at any ratio): its own rounding goes down, so a heavy ratio rounds a narrow
+    layer to nothing, which it then declines to prune at all."""
     import torch_pruning as tp
 
     class RoundingPruner(tp.pruner.MagnitudePruner):
         def _round_to(self, n_pruned, current_channels, round_to):
-            if current_channels < 2 * round_to:
+            if current_channels < 4 * round_to:
                 return n_pruned
             keep = max(round_to, round((current_channels - n_pruned) / round_to) * round_to)
             return max(current_channels - keep, 0)

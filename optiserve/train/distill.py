@@ -2,10 +2,12 @@
 model it was pruned from (the teacher) on the training images — knowledge distillation — plus the
 labels where the data has them. What is matched is the task's declaration (`Task.distills`):
 class scores along axis 1 (a classifier's, or a segmenter's per pixel), or vectors (an embedding).
+`recover` repeats it in rounds, each twice as long, while the student is not yet good enough.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Callable
 
@@ -20,10 +22,12 @@ from optiserve.data import DatasetSplits, default_workers, make_loader
 from optiserve.registry import Registry
 from optiserve.tasks.output_kinds import recognise_output_kind
 from optiserve.train.distributed import resolve_device
-from optiserve.train.schedule import scaled_lr, warmup_cosine
+from optiserve.train.schedule import warmup_cosine
 
 TEMPERATURE = 2.0  # softens logits so the teacher's near-misses carry over, as Hinton et al. do
 EPS = 1e-6
+LEARNING_RATE = 1e-3
+WEIGHT_DECAY = 0.01
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (student output, teacher output) -> scalar
 _MATCHES: Registry[Callable[[str], Loss]] = Registry("distillation target")
@@ -107,9 +111,16 @@ def recalibrate_batchnorm(model: nn.Module, dataset, device, batch_size: int) ->
     model.eval()
 
 
+def recovery_optimizer(model: nn.Module, lr: float = LEARNING_RATE,
+                       weight_decay: float = WEIGHT_DECAY) -> torch.optim.Optimizer:
+    """AdamW: one setting that recovers convolutional networks and transformers alike (SGD at a
+    rate that suits a ResNet undoes a ViT's recovery instead)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+
 def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: str, epochs: int,
-            label_mapping: np.ndarray | None = None, batch_size: int = 64, lr: float = 0.1,
-            weight_decay: float = 5e-4, device: str = "auto", seed: int = 0, progress: bool = True,
+            label_mapping: np.ndarray | None = None, batch_size: int = 64, lr: float = LEARNING_RATE,
+            weight_decay: float = WEIGHT_DECAY, device: str = "auto", seed: int = 0, progress: bool = True,
             deadline: float | None = None) -> dict:
     """Train `student` in place for `epochs` on `data.train` to match `teacher`'s outputs (`match`:
     "class-scores" or "vectors"); where `label_mapping` is given (the model's class of each of the
@@ -129,8 +140,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     g = torch.Generator().manual_seed(seed)
     loader = make_loader(data.train, batch_size, dev, workers=default_workers(data.in_memory),
                          sampler=RandomSampler(data.train, generator=g), drop_last=True)
-    optimizer = torch.optim.SGD(student.parameters(), lr=scaled_lr(lr, batch_size), momentum=0.9,
-                                weight_decay=weight_decay)
+    optimizer = recovery_optimizer(student, lr, weight_decay)
     scheduler = warmup_cosine(optimizer, max(1, epochs * len(loader)), warmup_steps=0)
     bar = tqdm(total=epochs * len(loader), desc="distill", unit="step", leave=False,
                disable=None if progress else True)
@@ -172,3 +182,40 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
             "matched": match, "output_kind": kind or None, "epochs": epochs, "steps": steps,
             "stopped_at_deadline": stopped, "batchnorm_recalibrated": recalibrated is not None,
             "val_distillation_loss_before": before, "val_distillation_loss_after": after}
+
+
+def recover(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: str, epochs: int,
+            good_enough: Callable[[nn.Module], bool] | None = None, max_rounds: int = 3,
+            deadline: float | None = None, **options) -> dict:
+    """`distill` for `epochs`, then, while `good_enough(student)` (a check on images recovery does
+    not learn from) says no, another round twice as long from where it stopped — a small network
+    trained on a few hundred images needs many more epochs than a large one on thousands, and
+    only the check tells which this is. Rounds stop after `max_rounds`, where the next one would
+    not fit before `deadline` (at the pace of the last), or where a round brought the student no
+    closer to the teacher (that round is undone). Returns the first round's report with the
+    rounds' epochs, steps and whether the check passed."""
+    rounds: list[dict] = []
+    passed = None
+    while True:
+        kept = copy.deepcopy(student.state_dict()) if rounds else None
+        started = time.monotonic()
+        report = distill(student, teacher, data, match, epochs, deadline=deadline, seed=len(rounds), **options)
+        if rounds and report["val_distillation_loss_after"] >= rounds[-1]["val_distillation_loss_after"]:
+            student.load_state_dict(kept)
+            rounds.append({**report, "undone": True})
+            break
+        rounds.append(report)
+        passed = good_enough(student) if good_enough is not None else None
+        pace = time.monotonic() - started
+        if passed is not False or report["stopped_at_deadline"] or len(rounds) == max_rounds:
+            break
+        if deadline is not None and time.monotonic() + 2 * pace > deadline:
+            break
+        epochs *= 2
+    kept_rounds = [r for r in rounds if not r.get("undone")]
+    return {**rounds[0], "epochs": sum(r["epochs"] for r in kept_rounds),
+            "steps": sum(r["steps"] for r in kept_rounds), "rounds": [r["epochs"] for r in rounds],
+            "undone_round": bool(rounds[-1].get("undone")), "good_enough": passed,
+            "stopped_at_deadline": any(r["stopped_at_deadline"] for r in rounds),
+            "batchnorm_recalibrated": kept_rounds[-1]["batchnorm_recalibrated"],
+            "val_distillation_loss_after": kept_rounds[-1]["val_distillation_loss_after"]}
