@@ -40,7 +40,7 @@ def labels_only(model: torch.nn.Module, data, epochs: int, batch_size: int = 64)
     g = torch.Generator().manual_seed(0)
     loader = make_loader(data.train, batch_size, torch.device("cpu"), workers=0,
                          sampler=torch.utils.data.RandomSampler(data.train, generator=g), drop_last=True)
-    optimizer = recovery_optimizer(model)
+    optimizer = recovery_optimizer(model, batch_size)
     scheduler = warmup_cosine(optimizer, epochs * len(loader), warmup_steps=0)
     model.train()
     for _ in range(epochs):

@@ -14,7 +14,7 @@ from optiserve.data import load_dataset
 from optiserve.models import load_model
 from optiserve.optimize.prune_channels import prune_channels
 from optiserve.optimize.validate import materialize
-from optiserve.train.distill import distill, recalibrate_batchnorm, recover
+from optiserve.train.distill import distill, recover
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +82,14 @@ def test_a_segmenter_is_matched_pixel_by_pixel(digits):
     segmenter = nn.Sequential(*block(1, 32), *block(32, 32), nn.Conv2d(32, 3, 1)).eval()  # a function to match,
     with torch.no_grad():
         segmenter[-1].weight *= 10  # with scores confident enough to have a clear winner per pixel
-    recalibrate_batchnorm(segmenter, data.calibration_set(), torch.device("cpu"), 64)  # statistics of its data,
-    student = _pruned(segmenter, test)  # as a trained model's are
+    student = _pruned(segmenter, test)
 
     def pixel_agreement() -> float:
         with torch.no_grad():
             return float((student.eval()(test).argmax(1) == segmenter(test).argmax(1)).float().mean())
 
     before = pixel_agreement()
-    report = distill(student, segmenter, data, "class-scores", epochs=5, progress=False)
+    report = distill(student, segmenter, data, "class-scores", epochs=3, progress=False)
     assert report["val_distillation_loss_after"] < 0.5 * report["val_distillation_loss_before"]
     after = pixel_agreement()
     assert before < 0.85 and after > 0.9 and (1 - after) < 0.5 * (1 - before)  # half the wrong pixels, or fewer
@@ -127,3 +126,12 @@ def test_recovery_rounds_end_at_the_limit_or_the_deadline_whatever_the_check_say
     late = recover(_pruned(teacher, test), teacher, data, "class-scores", 3, good_enough=never, progress=False,
                    deadline=time.monotonic() - 1)
     assert late["rounds"] == [3] and late["steps"] == 1 and late["stopped_at_deadline"]
+
+
+def test_a_layernorm_network_recovers_with_adamw_and_a_batchnorm_one_with_sgd(digits):
+    from optiserve.train.distill import recovery_optimizer
+
+    teacher, _, _ = digits
+    transformer = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
+    assert isinstance(recovery_optimizer(transformer), torch.optim.AdamW)
+    assert isinstance(recovery_optimizer(teacher), torch.optim.SGD)

@@ -22,12 +22,10 @@ from optiserve.data import DatasetSplits, default_workers, make_loader
 from optiserve.registry import Registry
 from optiserve.tasks.output_kinds import recognise_output_kind
 from optiserve.train.distributed import resolve_device
-from optiserve.train.schedule import warmup_cosine
+from optiserve.train.schedule import scaled_lr, warmup_cosine
 
 TEMPERATURE = 2.0  # softens logits so the teacher's near-misses carry over, as Hinton et al. do
 EPS = 1e-6
-LEARNING_RATE = 1e-3
-WEIGHT_DECAY = 0.01
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (student output, teacher output) -> scalar
 _MATCHES: Registry[Callable[[str], Loss]] = Registry("distillation target")
@@ -111,17 +109,21 @@ def recalibrate_batchnorm(model: nn.Module, dataset, device, batch_size: int) ->
     model.eval()
 
 
-def recovery_optimizer(model: nn.Module, lr: float = LEARNING_RATE,
-                       weight_decay: float = WEIGHT_DECAY) -> torch.optim.Optimizer:
-    """AdamW: one setting that recovers convolutional networks and transformers alike (SGD at a
-    rate that suits a ResNet undoes a ViT's recovery instead)."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+def recovery_optimizer(model: nn.Module, batch_size: int = 64) -> torch.optim.Optimizer:
+    """As such networks are trained: AdamW for a network normalised by LayerNorm alone (a
+    transformer, ConvNeXt), SGD with momentum for the others (BatchNorm's ResNets and MobileNets).
+    SGD at the rate that suits a ResNet undoes a pruned ViT's recovery; AdamW's steps, as large
+    whatever the gradient, unsettle a small convolutional network that pruning left nearly right."""
+    layer_norm = any(isinstance(m, nn.LayerNorm) for m in model.modules())
+    batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if layer_norm and not batch_norm:
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return torch.optim.SGD(model.parameters(), lr=scaled_lr(0.1, batch_size), momentum=0.9, weight_decay=5e-4)
 
 
 def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: str, epochs: int,
-            label_mapping: np.ndarray | None = None, batch_size: int = 64, lr: float = LEARNING_RATE,
-            weight_decay: float = WEIGHT_DECAY, device: str = "auto", seed: int = 0, progress: bool = True,
-            deadline: float | None = None) -> dict:
+            label_mapping: np.ndarray | None = None, batch_size: int = 64, device: str = "auto", seed: int = 0,
+            progress: bool = True, deadline: float | None = None) -> dict:
     """Train `student` in place for `epochs` on `data.train` to match `teacher`'s outputs (`match`:
     "class-scores" or "vectors"); where `label_mapping` is given (the model's class of each of the
     data's labels), its cross-entropy with the true class is added. Stops early, after a step, once
@@ -140,7 +142,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     g = torch.Generator().manual_seed(seed)
     loader = make_loader(data.train, batch_size, dev, workers=default_workers(data.in_memory),
                          sampler=RandomSampler(data.train, generator=g), drop_last=True)
-    optimizer = recovery_optimizer(student, lr, weight_decay)
+    optimizer = recovery_optimizer(student, batch_size)
     scheduler = warmup_cosine(optimizer, max(1, epochs * len(loader)), warmup_steps=0)
     bar = tqdm(total=epochs * len(loader), desc="distill", unit="step", leave=False,
                disable=None if progress else True)
