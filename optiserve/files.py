@@ -54,6 +54,23 @@ def read_json(path: str | os.PathLike):
     return read_json_bytes(Path(path).read_bytes(), path)
 
 
+def read_small_json(path: str | os.PathLike, max_bytes: int, what: str):
+    """Parse a settings file of at most `max_bytes`; a UserError naming the file and what is wrong
+    with it (too long, unreadable, not JSON, nested too deeply to be `what`)."""
+    path = Path(path)
+    name = path.name
+    try:
+        if path.stat().st_size > max_bytes:
+            raise UserError(f"{name} is over {max_bytes:,} bytes")
+        return json.loads(path.read_bytes())
+    except OSError as e:
+        raise UserError(f"{name} cannot be read: {e.strerror or e}") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{name} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise UserError(f"{name} is nested too deeply to be {what}") from None
+
+
 def read_json_bytes(data: bytes, path: str | os.PathLike):
     """Parse JSON read from `path` (named in the error)."""
     try:

@@ -54,6 +54,29 @@ def serving(folder: Path, *args: str, ready_within_s: float = 120, drain_seconds
     return served(folder, *args, ready_within_s=ready_within_s, drain_seconds=drain_seconds)
 
 
+@contextlib.contextmanager
+def in_process_server(app, ready=lambda: True, within_s: float = 120):
+    """`app` served by uvicorn in a thread on a loopback port — in this process, so a test can reach
+    into its models; yields the port once it has started and `ready()` holds, stops it afterwards."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + within_s
+    try:
+        while not (server.started and ready()):
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
 class RecordingSession:
     """A session that runs at once and notes each call in `calls`: to see the order sessions are timed in."""
 

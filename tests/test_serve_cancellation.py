@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import threading
 import time
 
 import pytest
-import uvicorn
 
-from conftest import free_port
+from conftest import in_process_server
 from optiserve.serve.app import ServeConfig, create_app
 
 SECONDS_PER_BATCH = 0.05  # the model runs one image at a time, this slowly: 40 queued = 2 s of work
@@ -26,27 +24,18 @@ def slow_server(small_artifact, caplog):
     app = create_app(ServeConfig(str(small_artifact), variants=["onnx-int8"], max_batch_size=1, max_delay_ms=0,
                                  max_queue=64))
     ran = []
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not (server.started and app.state.server.models):
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    variant = app.state.server.models["small_cnn"].variants["onnx-int8"]
-    real_run = variant.batcher.runners[0]
+    with in_process_server(app, lambda: bool(app.state.server.models)) as port:
+        variant = app.state.server.models["small_cnn"].variants["onnx-int8"]
+        real_run = variant.batcher.runners[0]
 
-    def slow_run(batch):
-        time.sleep(SECONDS_PER_BATCH)
-        ran.append(len(batch))
-        return real_run(batch)
+        def slow_run(batch):
+            time.sleep(SECONDS_PER_BATCH)
+            ran.append(len(batch))
+            return real_run(batch)
 
-    variant.batcher.runners[0] = slow_run
-    caplog.set_level(logging.INFO, logger="optiserve.serve")
-    yield port, app, ran
-    server.should_exit = True
-    thread.join(timeout=60)
+        variant.batcher.runners[0] = slow_run
+        caplog.set_level(logging.INFO, logger="optiserve.serve")
+        yield port, app, ran
 
 
 def _request(body: bytes, content_length: int | None = None) -> bytes:

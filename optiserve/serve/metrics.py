@@ -32,6 +32,13 @@ class ServerMetrics:
         self.cancelled = Counter("optiserve_requests_cancelled", "Requests whose client hung up before the "
                                  "answer (while uploading, queued, or in a batch still forming)",
                                  ["model", "variant"], registry=r)
+        self.pipeline_step = Histogram("optiserve_pipeline_step_seconds", "Time a pipeline request spent in a step "
+                                       "(its decoding, cropping and queueing included), by pipeline and the step's "
+                                       "model", ["pipeline", "step"], buckets=LATENCY_BUCKETS, registry=r)
+        self.pipeline_requests = Counter("optiserve_pipeline_requests", "Pipeline requests by outcome",
+                                         ["pipeline", "outcome"], registry=r)
+        self.pipeline_crops = Histogram("optiserve_pipeline_crops", "Crops a pipeline request's second step read",
+                                        ["pipeline"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.queue_depth = QueueDepths()
         r.register(self.queue_depth)
         self._cache: dict[tuple[str, str], dict] = {}

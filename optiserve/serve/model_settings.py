@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from optiserve.errors import UserError
+from optiserve.files import read_small_json
 from optiserve.serve.config import ServeConfig
 
 SETTINGS_FILE = "serving.json"
@@ -158,16 +159,7 @@ def read_settings_file(folder: str | Path) -> dict:
     path = Path(folder) / SETTINGS_FILE
     if not path.exists():
         return {}
-    try:
-        if path.stat().st_size > MAX_SETTINGS_BYTES:
-            raise UserError(f"{SETTINGS_FILE} is over {MAX_SETTINGS_BYTES:,} bytes")
-        data = json.loads(path.read_bytes())
-    except OSError as e:
-        raise UserError(f"{SETTINGS_FILE} cannot be read: {e.strerror or e}") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise UserError(f"{SETTINGS_FILE} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise UserError(f"{SETTINGS_FILE} is nested too deeply to be settings") from None
+    data = read_small_json(path, MAX_SETTINGS_BYTES, "settings")
     if not isinstance(data, dict):
         raise UserError(f"{SETTINGS_FILE} must hold a JSON object of settings ({', '.join(KEYS)})")
     unknown = [k for k in data if k not in KEYS]

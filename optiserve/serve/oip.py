@@ -61,6 +61,8 @@ def model_ready(server: Server, name: str, version: str | None = None) -> bool:
 def model_not_ready_reason(server: Server, name: str, version: str | None = None) -> str | None:
     """Why `name` (and `version`, if given) cannot answer now, as its ready endpoint says it; None
     when it can. 404 for a model the server does not know."""
+    if server.repository.is_pipeline(name) and name not in server.repository.status:
+        return server.repository.pipeline_not_ready_reason(name)
     if name not in server.models and name not in server.repository.status:
         raise ApiError(404, f"unknown model {name!r}; served: {', '.join(sorted(server.models)) or 'none'}")
     model = server.models.get(name)

@@ -47,20 +47,25 @@ def decode_image(data: bytes, spec: InputSpec, limits: ImageLimits = ImageLimits
             if pixels.shape[:2] == spec.size:
                 return pixels_to_input(pixels, spec, out)
             return image_to_input(Image.fromarray(pixels), spec, out)
+    return image_to_input(decode_picture(data, channel_mode(spec), limits), spec, out)
+
+
+def decode_picture(data: bytes, mode: str = "RGB", limits: ImageLimits = ImageLimits()) -> Image.Image:
+    """Image bytes -> the decoded picture in `mode` ("RGB" or "L") at its own size, by Pillow: what
+    a pipeline decodes once, then gives its first model whole and its second model in crops."""
+    if not data:
+        raise BadInput("the image is empty")
     try:
         with Image.open(io.BytesIO(data)) as im:
             _check_pixels(im.width, im.height, limits)
-            mode = channel_mode(spec)
             if im.mode == mode:
                 im.load()  # decodes; the pixels outlive the file
-                image = im
-            else:
-                image = im.convert(mode)  # decodes; the copy outlives the file
+                return im
+            return im.convert(mode)  # decodes; the copy outlives the file
     except BadInput:
         raise
     except Exception as e:  # Pillow's decoders raise many kinds (OSError, SyntaxError, struct.error, ...) on bad bytes
         raise BadInput(f"not a readable image (PNG, JPEG, ...): {type(e).__name__}: {e}"[:300]) from None
-    return image_to_input(image, spec, out)
 
 
 def image_size(data: bytes) -> tuple[int, int] | None:

@@ -20,6 +20,7 @@ from optiserve.serve.config import ServeConfig
 from optiserve.serve.metrics import ServerMetrics
 from optiserve.serve.model import BatchingConfig, ServedModel
 from optiserve.serve.model_settings import model_settings, settings_version
+from optiserve.serve.pipelines import Pipeline, is_pipeline_folder, read_pipeline
 from optiserve.serve.traffic import Shadow, TrafficError, parse_traffic
 
 log = logging.getLogger("optiserve.serve")
@@ -76,6 +77,9 @@ class ModelRepository:
                 if not self.is_repository:
                     raise  # one folder: a bad folder or variant choice is one clear line at start-up
                 self._failed(name, str(e), folder_version(found[name]))
+        self.pipelines: dict[str, Pipeline] = {}     # the repository's pipeline folders that read well
+        self.pipeline_errors: dict[str, str] = {}    # and those that do not, with why
+        self.find_pipelines()
         self._locks: dict[str, list] = {}  # name -> [lock, holders and waiters]
         self._missing: dict[str, int] = {}
         self.poller: asyncio.Task | None = None
@@ -118,6 +122,60 @@ class ModelRepository:
         if self.cfg.model_name and not self.is_repository:
             return {self.cfg.model_name: folder for folder in scan.models.values()}
         return scan.models
+
+    def find_pipelines(self) -> None:
+        """Read the repository's pipeline folders (serve/pipelines.py) afresh; a folder whose
+        pipeline.json is wrong is listed as unavailable with the reason, once logged."""
+        if not self.is_repository:
+            return
+        found, errors = {}, {}
+        try:
+            folders = sorted(p for p in self.root.iterdir() if not p.name.startswith(".") and p.is_dir())
+        except OSError:
+            return  # the models' own scan says what is wrong with the folder
+        for folder in folders:
+            if not is_pipeline_folder(folder):
+                continue
+            try:
+                found[folder.name] = read_pipeline(folder)
+            except UserError as e:
+                errors[folder.name] = str(e)
+                if self.pipeline_errors.get(folder.name) != str(e):
+                    log.error("pipeline %s: %s", folder.name, e)
+        self.pipelines, self.pipeline_errors = found, errors
+
+    def pipeline_problem(self, pipeline: Pipeline) -> str | None:
+        """Why `pipeline` cannot answer now (a step's model missing, not ready, of the wrong task, or
+        without the variant it names), or None."""
+        for i, step in enumerate(pipeline.steps):
+            model = self.models.get(step.model)
+            if model is None:
+                status = self.status.get(step.model)
+                why = (f"{status.state.lower()}{': ' + status.reason if status.reason else ''}" if status
+                       else "not in the repository")
+                return f"step {i + 1}: model {step.model!r} is {why}"
+            if step.variant is not None and step.variant not in model.variants:
+                return f"step {i + 1}: model {step.model!r} serves no variant {step.variant!r}"
+            if i == 0 and not model.task.finds_boxes:
+                return f"step 1: model {step.model!r} is a {model.task.name} model; a pipeline's first step is a detector"
+            if i == 1 and model.task.finds_boxes:
+                return f"step 2: model {step.model!r} is a detector; the second step reads each box it finds"
+        return None
+
+    def is_pipeline(self, name: str | None) -> bool:
+        return name in self.pipelines or name in self.pipeline_errors
+
+    def pipeline_not_ready_reason(self, name: str) -> str | None:
+        if name in self.pipeline_errors:
+            return self.pipeline_errors[name]
+        return self.pipeline_problem(self.pipelines[name])
+
+    def pipeline(self, name: str) -> Pipeline:
+        """The pipeline called `name`, ready to answer: 503 with the reason where it is not."""
+        why = self.pipeline_not_ready_reason(name)
+        if why is not None:
+            raise ApiError(503, f"pipeline {name!r} is not ready: {why}", {"Retry-After": "1"})
+        return self.pipelines[name]
 
     async def repository_models(self) -> dict[str, Path]:
         """The models the folder holds now (read off the event loop: a slow or network volume must not
@@ -241,6 +299,13 @@ class ModelRepository:
             if status is not None and status.version:
                 entry["version"] = status.version[:12]
             entries.append(entry)
+        await _off_loop(self.find_pipelines)
+        for name in sorted({*self.pipelines, *self.pipeline_errors} - {e["name"] for e in entries}):
+            why = self.pipeline_not_ready_reason(name)
+            if ready_only and why is not None:
+                continue
+            entries.append({"name": name, "state": "UNAVAILABLE" if why else "READY", "reason": why or "",
+                            "kind": "pipeline"})
         return entries
 
     async def load_model(self, name: str) -> ModelStatus:
@@ -285,6 +350,7 @@ class ModelRepository:
         """Bring the served models in line with the repository: load new ones, reload changed ones,
         unload removed ones (a folder must be missing from two polls in a row: a publish swaps it)."""
         found, versions = await _off_loop(self._scan_with_versions)
+        await _off_loop(self.find_pipelines)
         for name, folder in found.items():
             self._missing.pop(name, None)
             version = versions[name]

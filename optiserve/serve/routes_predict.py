@@ -10,6 +10,7 @@ from optiserve.serve import VARIANT_HEADER, tracing
 from optiserve.serve.envelope import MAX_NAME_CHARS, predict_request
 from optiserve.serve.fast_routes import ServingApp
 from optiserve.serve.multipart import Part, boundary_of, parse_form, upload_and_variant
+from optiserve.serve.pipeline_requests import answer_pipeline
 from optiserve.serve.preprocess import image_size
 from optiserve.serve.responses import FastJSONResponse
 from optiserve.serve.server import ApiError, Server
@@ -32,6 +33,11 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
             raise ApiError(415, f"unsupported content type {ctype[:100]!r}; send multipart/form-data, "
                                 f"application/json or an image ({', '.join(IMAGE_TYPES)})")
         query = request.query_params
+        if server.repository.is_pipeline(query.get("model")):
+            pipeline = server.repository.pipeline(query["model"])
+            params = _task_parameters(server.model(pipeline.per_box.model).task, query)
+            return await answer_pipeline(server, pipeline, request, ctype,
+                                         {**params, "top_k": params.get("top_k") or cfg.top_k})
         with server.admitted(query.get("model"), query.get("variant"), request) as admission:
             model = admission.model
             params = _task_parameters(model.task, query)

@@ -12,7 +12,7 @@ from optiserve.serve.binary import encode_response
 from optiserve.serve.envelope import infer_request
 from optiserve.serve.fast_routes import ServingApp
 from optiserve.serve.routes_predict import error_responses
-from optiserve.serve.server import Server
+from optiserve.serve.server import ApiError, Server
 
 
 def add_protocol_routes(app: ServingApp, server: Server) -> None:
@@ -42,7 +42,13 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
     @app.get("/v2/models/{name}/config")
     async def model_config(name: str):
         """The settings the model is served with, each with where it came from: its folder's
-        serving.json (`file`), a server flag (`flag`) or the built-in default (`default`)."""
+        serving.json (`file`), a server flag (`flag`) or the built-in default (`default`); a
+        pipeline's, its steps as pipeline.json gives them (defaults filled in)."""
+        repository = server.repository
+        if repository.is_pipeline(name) and name not in repository.status:
+            if name not in repository.pipelines:
+                raise ApiError(503, f"pipeline {name!r} is unavailable: {repository.pipeline_errors[name]}")
+            return repository.pipelines[name].to_dict()
         return oip.model_config(oip.served(server, name))
 
     def readiness(name: str, version: str | None = None) -> JSONResponse:

@@ -21,6 +21,13 @@ def model_stats(model: ServedModel, samples: bool) -> dict:
             "variants": variants, "shadow": shadow}
 
 
+def pipeline_stats(server: Server, name: str, samples: bool) -> dict:
+    """A pipeline's requests ("pipeline": outcomes and end-to-end latency) and each step's time, by
+    the step's model (its images: the uploads for the detector, the crops for the second step)."""
+    steps = server.pipeline_stats.get(name, {})
+    return {"pipeline": name, "steps": {step: stats.snapshot(samples) for step, stats in list(steps.items())}}
+
+
 def _levels(batcher) -> dict:
     """Each priority level's queue depth, the highest first, where the model has several."""
     return {"queue_depth_by_priority": batcher.depths()} if batcher.priority_levels > 1 else {}
@@ -33,10 +40,14 @@ def add_stats_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/stats")
     async def stats(samples: bool = False, model: str | None = None):
-        """Per model: latency per variant, the traffic split and why, shadow agreement. `?model=`
-        one model only; `?samples=true` adds the recent raw latencies, for `optiserve compare`."""
+        """Per model: latency per variant, the traffic split and why, shadow agreement; per pipeline,
+        each step's time. `?model=` one model (or pipeline) only; `?samples=true` adds the recent raw latencies, for `optiserve compare`."""
+        if model is not None and server.repository.is_pipeline(model) and model not in server.models:
+            return {"ready": server.reports_ready, **pipeline_stats(server, model, samples)}
         if model is not None:
             return {"ready": server.reports_ready, **model_stats(server.model(model), samples)}
         reason = server.not_ready_reason()
+        pipelines = {name: pipeline_stats(server, name, samples)["steps"] for name in server.repository.pipelines}
         return {"ready": server.reports_ready, **({"error": reason} if reason else {}),
-                "models": {name: model_stats(m, samples) for name, m in list(server.models.items())}}
+                "models": {name: model_stats(m, samples) for name, m in list(server.models.items())},
+                **({"pipelines": pipelines} if pipelines else {})}

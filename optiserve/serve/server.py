@@ -30,6 +30,7 @@ from optiserve.serve.preprocess import ImageLimits, decode_image, decoded_by_lib
 from optiserve.serve.priority import DECODE_THREAD, inference_thread, name_native_thread
 from optiserve.serve.repository import ModelRepository, ModelStatus
 from optiserve.serve.shadow import ShadowRunner
+from optiserve.serve.stats import VariantStats
 
 __all__ = ["Admission", "ApiError", "ClientGone", "ModelStatus", "ServeConfig", "Server"]
 
@@ -81,6 +82,8 @@ class Server:
                                               initargs=(DECODE_THREAD,))
         self.draining: asyncio.Task | None = None
         self.shadow = ShadowRunner(cfg, self.metrics, lambda: self.draining is not None)
+        # per pipeline, per step (its model's name) and "pipeline" for the whole request: for /stats
+        self.pipeline_stats: dict[str, dict[str, VariantStats]] = {}
 
     @property
     def models(self) -> dict[str, ServedModel]:
@@ -158,14 +161,14 @@ class Server:
 
     @contextlib.contextmanager
     def admitted(self, model_name: str | None, variant_name: str | None, request: Request | None = None,
-                 priority: tuple[object, str] | None = None) -> Iterator[Admission]:
+                 priority: tuple[object, str] | None = None, rows: int = 1) -> Iterator[Admission]:
         """Check readiness, the model and the variant, route the request, and hold one image's room
         in that variant's queue, at the request's priority, before its body is read — or answer 503,
         404, 400 or 429 at once. Under overload refusing must cost almost nothing, and only as many
         requests as there are free places may go on to be decoded: both are CPU the accepted
         requests need. An HTTP `request` is told the variant, for the variant header of whatever
         answer it gets, and gives its priority by `X-Priority` or `?priority=`; others pass
-        `priority` as (value, where it was given)."""
+        `priority` as (value, where it was given). A pipeline's second step holds `rows`, one per crop."""
         with tracing.span("admission") as span:
             self._check_ready()
             model = self.model(model_name)
@@ -179,7 +182,7 @@ class Server:
                 span.set_attributes({"optiserve.model": model.name, "optiserve.variant": variant.name,
                                      "optiserve.priority": level})
             try:
-                reservation = variant.batcher.reserve(1, level)
+                reservation = variant.batcher.reserve(rows, level)
             except QueueFull as e:
                 raise self._overloaded(model, variant, e) from None
             admission = Admission(model, variant, reservation, (model.memory or self.memory).hold())

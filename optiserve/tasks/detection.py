@@ -125,6 +125,7 @@ class Detection(Task):
     output_form = "[N, D, 6]"
     class_ids = True
     answers_at_upload_size = True
+    finds_boxes = True
     resize_modes = ("stretch", "letterbox")
     gate_minimum = GateMinimum("min_map", "mAP@0.5 against fp32's boxes")
     parameters = (Parameter("score_threshold", "fraction", "the least score of a box answered (detection)",

@@ -102,6 +102,7 @@ class Task:
     # What a pruned copy learns to match of the model it came from while it recovers (train/distill.py):
     # "class-scores" along axis 1, "vectors"; None where the answers cannot be matched one to one.
     distills: str | None = None
+    finds_boxes: bool = False            # whether its answers are boxes a pipeline's next step can read crops of
 
     def class_count(self, width: int) -> int:
         """How many class names an output `width` wide has (a one-channel map has two: not, and is)."""

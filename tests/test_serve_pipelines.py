@@ -1,0 +1,245 @@
+"""Pipelines: a repository folder's pipeline.json chains a detector and a classifier; one upload to
+/predict is decoded once, the detector's boxes are cut from it and each crop is read by the
+classifier through its own batcher. On real models and images: a small detector trained here to
+find scikit-learn's digits pasted on a dark background, and the digits classifier."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import ROOT, in_process_server, serving
+from optiserve.errors import UserError
+from optiserve.models import InputOverrides
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+from optiserve.serve.app import ServeConfig, create_app
+from optiserve.serve.pipelines import Crops, cut, parse_pipeline
+from optiserve.tasks.detection import iou
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from digit_scenes import MEAN, SIDE, STD, TRAIN_DIGITS, export_detector, scene, train_detector  # noqa: E402
+
+READER = {"steps": [{"model": "finder"},
+                     {"model": "digits", "crops": {"min_score": 0.5, "classes": ["digit"], "max_crops": 8}}]}
+
+
+@pytest.fixture(scope="module")
+def finder_artifact(tmp_path_factory) -> Path:
+    """The digit finder, trained here, exported to ONNX as a user's exporter would, and optimized."""
+    work = tmp_path_factory.mktemp("finder")
+    onnx = export_detector(train_detector(steps=400), work / "finder.onnx")
+    labels = work / "labels.txt"
+    labels.write_text("digit\n")
+    rng = np.random.default_rng(1)
+    pictures = work / "scenes"
+    pictures.mkdir()
+    for i in range(48):
+        scene(rng, int(rng.integers(1, 4)), range(TRAIN_DIGITS)).image.save(pictures / f"{i}.png")
+    out = work / "art"
+    run_optimize(OptimizeConfig(str(onnx), task="detection", dataset=f"imagefolder:{pictures}", int8=False,
+                                openvino=False, latency_batch=2, input=InputOverrides((3, SIDE, SIDE), MEAN, STD),
+                                labels=str(labels),
+                                out=str(out), progress=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def repository(finder_artifact, small_artifact, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("repo") / "models"
+    root.mkdir()
+    shutil.copytree(finder_artifact, root / "finder")
+    shutil.copytree(small_artifact, root / "digits")
+    for name, content in (("reader", json.dumps(READER)),
+                          ("waits", json.dumps({"steps": [{"model": "finder"}, {"model": "absent"}]})),
+                          ("broken", "{not json")):
+        (root / name).mkdir()
+        (root / name / "pipeline.json").write_text(content)
+    return root
+
+
+TOKEN = "pipeline-admin-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def server(repository, tmp_path_factory):
+    token = tmp_path_factory.mktemp("token") / "admin-token"
+    token.write_text(TOKEN)
+    with serving(repository, "--admin-token-file", str(token), "--model-control", "explicit",
+                 "--load-model", "*") as (base, _):
+        yield base
+
+
+def _png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_each_digit_the_detector_finds_is_read_by_the_classifier(server):
+    rng = np.random.default_rng(7)
+    found = read = right = placed = 0
+    with httpx.Client(base_url=server, timeout=60) as client:
+        for _ in range(24):
+            s = scene(rng, int(rng.integers(1, 4)), range(TRAIN_DIGITS, 1797))
+            r = client.post("/predict?model=reader", content=_png(s.image), headers={"content-type": "image/png"})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["model"] == "reader" and len(body["detections"]) == 1
+            steps = body["latency_ms"]["steps"]
+            assert [(st["step"], st["model"]) for st in steps][:1] == [(1, "finder")]
+            boxes = body["detections"][0]
+            placed += len(s.boxes)
+            if not boxes:
+                continue
+            assert steps[1]["model"] == "digits" and steps[1]["crops"] == sum("predictions" in b for b in boxes)
+            overlap = iou(np.asarray([b["box"] for b in boxes]), np.asarray(s.boxes, dtype=np.float64))
+            for i, box in enumerate(boxes):
+                j = int(overlap[i].argmax())
+                if overlap[i, j] < 0.5:
+                    continue
+                found += 1
+                read += "predictions" in box
+                right += box["predictions"][0]["class"] == str(s.digits[j])
+    assert found >= 0.9 * placed, (found, placed)
+    assert read == found and right >= 0.85 * found, (right, found)
+
+
+def test_an_image_with_nothing_to_find_answers_an_empty_list(server):
+    empty = Image.fromarray(np.full((SIDE, SIDE), 10, dtype=np.uint8)).convert("RGB")
+    r = httpx.post(f"{server}/predict?model=reader", content=_png(empty), headers={"content-type": "image/png"})
+    assert r.status_code == 200 and r.json()["detections"] == [[]]
+    assert [st["step"] for st in r.json()["latency_ms"]["steps"]] == [1]  # nothing for the second step
+
+
+def test_the_index_lists_pipelines_ready_or_not_with_why_and_config_gives_the_settings(server):
+    index = {e["name"]: e for e in httpx.post(f"{server}/v2/repository/index", json={}, headers=ADMIN).json()}
+    assert index["reader"]["state"] == "READY" and index["reader"]["kind"] == "pipeline"
+    assert index["waits"]["state"] == "UNAVAILABLE"
+    assert index["waits"]["reason"] == "step 2: model 'absent' is not in the repository"
+    assert index["broken"]["state"] == "UNAVAILABLE" and "pipeline.json is not valid JSON" in index["broken"]["reason"]
+    assert httpx.get(f"{server}/v2/models/reader/ready").status_code == 200
+    waits = httpx.get(f"{server}/v2/models/waits/ready")
+    assert waits.status_code == 503 and "'absent' is not in the repository" in waits.json()["error"]
+    config = httpx.get(f"{server}/v2/models/reader/config").json()
+    assert config["steps"][1] == {"model": "digits", "variant": None, "crops": {
+        "min_score": 0.5, "classes": ["digit"], "margin": 0.0, "max_crops": 8}}
+
+
+def test_a_pipeline_that_cannot_answer_says_why_in_one_status(server):
+    png = _png(scene(np.random.default_rng(0), 1, range(TRAIN_DIGITS, 1797)).image)
+    r = httpx.post(f"{server}/predict?model=waits", content=png, headers={"content-type": "image/png"})
+    assert r.status_code == 503 and "step 2: model 'absent' is not in the repository" in r.json()["error"]
+    r = httpx.post(f"{server}/predict?model=broken", content=png, headers={"content-type": "image/png"})
+    assert r.status_code == 503 and "not valid JSON" in r.json()["error"]
+    r = httpx.post(f"{server}/predict?model=reader", json={"inputs": [[[[0.0]]]]})
+    assert r.status_code == 415 and "takes an uploaded image" in r.json()["error"]
+    r = httpx.post(f"{server}/predict?model=reader", content=b"not a png", headers={"content-type": "image/png"})
+    assert r.status_code == 400 and "not a readable image" in r.json()["error"]
+
+
+def test_each_step_s_time_is_in_stats_and_the_metrics(server):
+    png = _png(scene(np.random.default_rng(5), 2, range(TRAIN_DIGITS, 1797)).image)
+    assert httpx.post(f"{server}/predict?model=reader", content=png, headers={"content-type": "image/png"}).is_success
+    steps = httpx.get(f"{server}/stats?model=reader").json()["steps"]
+    assert {"pipeline", "finder", "digits"} <= set(steps)
+    assert steps["pipeline"]["outcomes"]["ok"] >= 1 and steps["finder"]["latency_ms"]["p50"] > 0
+    assert steps["digits"]["images"] >= 2  # the crops it read
+    assert "reader" in httpx.get(f"{server}/stats").json()["pipelines"]
+    metrics = httpx.get(f"{server}/metrics").text
+    assert 'optiserve_pipeline_step_seconds_count{pipeline="reader",step="digits"}' in metrics
+    assert 'optiserve_pipeline_requests_total{outcome="ok",pipeline="reader"}' in metrics
+
+
+def test_reloading_the_second_step_under_load_fails_no_pipeline_request(server):
+    png = _png(scene(np.random.default_rng(3), 3, range(TRAIN_DIGITS, 1797)).image)
+    stop, statuses = threading.Event(), []
+
+    def client():
+        with httpx.Client(base_url=server, timeout=60) as c:
+            while not stop.is_set():
+                r = c.post("/predict?model=reader", content=png, headers={"content-type": "image/png"})
+                statuses.append(r.status_code if r.status_code != 200 or r.json()["detections"][0] else "none")
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    before = len(statuses)
+    reload = httpx.post(f"{server}/v2/repository/models/digits/load", json={}, headers=ADMIN, timeout=120)
+    time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert reload.status_code == 200, reload.text
+    assert len(statuses) > before > 0 and set(statuses) == {200}, sorted(set(map(str, statuses)))
+
+
+SECONDS_PER_CROP = 0.1
+
+
+def test_a_pipeline_request_whose_client_hangs_up_runs_none_of_its_queued_crops(repository):
+    """In-process, the classifier made slow (one crop at a time, SECONDS_PER_CROP each): ten clients
+    each send a scene of three digits and hang up while their crops are queued."""
+    app = create_app(ServeConfig(str(repository), max_batch_size=1, max_delay_ms=0, max_queue=64))
+    with in_process_server(app, lambda: app.state.server.reports_ready) as port:
+        ran = []
+        for variant in app.state.server.models["digits"].variants.values():
+            real = variant.batcher.runners[0]
+
+            def slow(batch, real=real):
+                time.sleep(SECONDS_PER_CROP)
+                ran.append(len(batch))
+                return real(batch)
+
+            variant.batcher.runners[0] = slow
+        png = _png(scene(np.random.default_rng(4), 3, range(TRAIN_DIGITS, 1797)).image)
+        request = (f"POST /predict?model=reader HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                   f"Content-Length: {len(png)}\r\n\r\n").encode() + png
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
+        for c in clients:
+            c.sendall(request)
+        time.sleep(0.4)
+        for c in clients:
+            c.close()
+        time.sleep(30 * SECONDS_PER_CROP + 0.5)  # what their 30 crops would have taken
+        assert 1 <= len(ran) <= 10, f"{len(ran)} of 30 abandoned crops were still run"  # some had begun
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as c:  # one that stays is answered
+            c.sendall(request)
+            assert c.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("data, message", [
+    ([], 'must hold {"steps": [...]}'),
+    ({"steps": [{"model": "a"}]}, "steps must list two steps"),
+    ({"steps": [{"model": "a"}, {"model": "a"}]}, "both steps name model 'a'"),
+    ({"steps": [{"model": "a", "crops": {}}, {"model": "b"}]}, "`crops` belongs to the second"),
+    ({"steps": [{"model": "a"}, {"model": "b", "crops": {"min_score": 2}}]}, "crops.min_score must be a number in"),
+    ({"steps": [{"model": "a"}, {"model": "b", "crops": {"max_crops": 0}}]}, "crops.max_crops must be an integer"),
+    ({"steps": [{"model": "a"}, {"model": "b", "crops": {"size": 3}}]}, "unknown crops key 'size'"),
+    ({"steps": [{"model": "a"}, {"mode": "b"}]}, "step 2: unknown key 'mode'"),
+    ({"steps": [{"model": "p"}, {"model": "b"}]}, "a step names the pipeline itself"),
+])
+def test_a_pipeline_json_that_cannot_work_is_one_line_naming_the_fix(data, message):
+    with pytest.raises(UserError, match=None) as caught:
+        parse_pipeline(data, "p")
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_crop_is_the_box_widened_by_its_margin_within_the_picture():
+    picture = Image.new("RGB", (100, 50))
+    assert cut(picture, [10, 10, 30, 20], 0.0).size == (20, 10)
+    assert cut(picture, [10, 10, 30, 20], 0.5).size == (40, 20)
+    assert cut(picture, [90, 40, 100, 50], 0.5).size == (15, 15)  # clipped at the picture's edge
+    assert Crops().max_crops == 16
