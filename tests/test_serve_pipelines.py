@@ -60,6 +60,7 @@ def repository(finder_artifact, small_artifact, tmp_path_factory) -> Path:
     root.mkdir()
     shutil.copytree(finder_artifact, root / "finder")
     shutil.copytree(small_artifact, root / "digits")
+    (root / "digits" / "pipeline.json").write_text(json.dumps(READER))  # a model's folder stays a model
     for name, content in (("reader", json.dumps(READER)),
                           ("waits", json.dumps({"steps": [{"model": "finder"}, {"model": "absent"}]})),
                           ("broken", "{not json")):
@@ -126,6 +127,7 @@ def test_an_image_with_nothing_to_find_answers_an_empty_list(server):
 def test_the_index_lists_pipelines_ready_or_not_with_why_and_config_gives_the_settings(server):
     index = {e["name"]: e for e in httpx.post(f"{server}/v2/repository/index", json={}, headers=ADMIN).json()}
     assert index["reader"]["state"] == "READY" and index["reader"]["kind"] == "pipeline"
+    assert index["digits"]["state"] == "READY" and "kind" not in index["digits"]
     assert index["waits"]["state"] == "UNAVAILABLE"
     assert index["waits"]["reason"] == "step 2: model 'absent' is not in the repository"
     assert index["broken"]["state"] == "UNAVAILABLE" and "pipeline.json is not valid JSON" in index["broken"]["reason"]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from optiserve.artifacts import MANIFEST
 from optiserve.errors import UserError
 from optiserve.files import read_small_json
 
@@ -77,7 +78,12 @@ class Pipeline:
 
 
 def is_pipeline_folder(folder: Path) -> bool:
-    return (folder / PIPELINE_FILE).is_file()
+    """Whether `folder` holds a pipeline.json and no manifest.json (a model's folder is a model);
+    False for a folder that cannot be read (the models' scan says why)."""
+    try:
+        return (folder / PIPELINE_FILE).is_file() and not (folder / MANIFEST).exists()
+    except OSError:
+        return False
 
 
 def read_pipeline(folder: str | Path, name: str | None = None) -> Pipeline:

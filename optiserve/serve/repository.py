@@ -130,7 +130,7 @@ class ModelRepository:
             return
         found, errors = {}, {}
         try:
-            folders = sorted(p for p in self.root.iterdir() if not p.name.startswith(".") and p.is_dir())
+            folders = sorted(p for p in self.root.iterdir() if not p.name.startswith("."))
         except OSError:
             return  # the models' own scan says what is wrong with the folder
         for folder in folders:
