@@ -21,7 +21,7 @@ from tune_replay import TOLERANCE, check_claim  # noqa: E402
 SLO_MS = 60.0
 CONFIRM_S = 8  # the default is 20 s; shorter here to keep the suite quick
 SMALL_SEARCH = ("--variants", "onnx-int8,openvino-int8", "--batch-sizes", "1,2", "--delays-ms", "2",
-                "--instances", "1", "--duration", "2", "--quiet")
+                "--instances", "1", "--duration", "2", "--quiet", "--confirm-seconds", str(CONFIRM_S))
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,7 @@ def tuned(small_artifact, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tune") / "digits"
     shutil.copytree(small_artifact, folder)
     (folder / "serving.json").write_text(json.dumps({"timeout_ms": 20000, "max_batch_size": 64}))
-    r = run_cli("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH, "--confirm-seconds",
-                str(CONFIRM_S), timeout=900)
+    r = run_cli("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "winner:" in r.stdout
     return folder
