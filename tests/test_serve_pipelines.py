@@ -244,4 +244,5 @@ def test_a_crop_is_the_box_widened_by_its_margin_within_the_picture():
     assert cut(picture, [10, 10, 30, 20], 0.0).size == (20, 10)
     assert cut(picture, [10, 10, 30, 20], 0.5).size == (40, 20)
     assert cut(picture, [90, 40, 100, 50], 0.5).size == (15, 15)  # clipped at the picture's edge
+    assert cut(picture, [100, 50, 100, 50], 0.0).size == (1, 1)  # a box on the far edge: its last pixel
     assert Crops().max_crops == 16

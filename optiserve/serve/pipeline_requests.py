@@ -30,7 +30,7 @@ async def answer_pipeline(server: Server, pipeline: Pipeline, request: Request, 
                             f"body), not {ctype or 'no content type'}")
     started = time.perf_counter()
     try:
-        answer = await _answer(server, pipeline, request, params)
+        answer = await _answer(server, pipeline, request, ctype, params, started)
     except ApiError as e:
         _count(server, pipeline, _OUTCOMES.get(e.status, "bad_request" if e.status < 500 else "error"))
         raise
@@ -62,11 +62,10 @@ def _step_done(server: Server, pipeline: Pipeline, step: str, seconds: float, im
     _stats(server, pipeline.name, step).record_request("ok", 1000 * seconds, images)
 
 
-async def _answer(server: Server, pipeline: Pipeline, request: Request, params: dict) -> FastJSONResponse:
-    started = time.perf_counter()
+async def _answer(server: Server, pipeline: Pipeline, request: Request, ctype: str, params: dict,
+                  started: float) -> FastJSONResponse:
     first, second = pipeline.detector, pipeline.per_box
     crops = second.crops
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     with server.admitted(first.model, first.variant, request) as admission:
         detector = admission.model
         body = await server.read_body(request, admission)

@@ -168,7 +168,8 @@ def cut(picture: Image.Image, box: list[float], margin: float) -> Image.Image:
     cut from the picture (clipped to it; at least one pixel)."""
     x1, y1, x2, y2 = box
     dx, dy = margin * (x2 - x1), margin * (y2 - y1)
-    left, top = max(0, int(round(x1 - dx))), max(0, int(round(y1 - dy)))
+    left = min(picture.width - 1, max(0, int(round(x1 - dx))))  # a box on the far edge keeps a pixel
+    top = min(picture.height - 1, max(0, int(round(y1 - dy))))
     right = min(picture.width, max(left + 1, int(round(x2 + dx))))
     bottom = min(picture.height, max(top + 1, int(round(y2 + dy))))
     return picture.crop((left, top, right, bottom))
