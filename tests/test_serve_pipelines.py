@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import ROOT, in_process_server, serving
+from conftest import ROOT, free_port, in_process_server, serving
 from optiserve.errors import UserError
 from optiserve.models import InputOverrides
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
@@ -74,12 +74,19 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def server(repository, tmp_path_factory):
+def addresses(repository, tmp_path_factory):
+    """The server's HTTP base URL and gRPC address."""
     token = tmp_path_factory.mktemp("token") / "admin-token"
     token.write_text(TOKEN)
+    grpc_port = free_port()
     with serving(repository, "--admin-token-file", str(token), "--model-control", "explicit",
-                 "--load-model", "*") as (base, _):
-        yield base
+                 "--load-model", "*", "--grpc-port", str(grpc_port)) as (base, _):
+        yield base, f"127.0.0.1:{grpc_port}"
+
+
+@pytest.fixture(scope="module")
+def server(addresses):
+    return addresses[0]
 
 
 def _png(image: Image.Image) -> bytes:
@@ -188,6 +195,86 @@ def test_reloading_the_second_step_under_load_fails_no_pipeline_request(server):
     assert len(statuses) > before > 0 and set(statuses) == {200}, sorted(set(map(str, statuses)))
 
 
+def test_the_protocol_s_infer_on_a_pipeline_answers_the_boxes_and_each_crop_s_outputs_over_http_and_grpc(
+        addresses, repository):
+    """tritonclient, unmodified: the image as an encoded file (BYTES) or as pixels (UINT8); the
+    boxes are /predict's, and each crop's probabilities name the class /predict read there."""
+    httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is in the [dev] extra")
+    base, grpc_address = addresses
+    classes = json.loads((repository / "digits" / "manifest.json").read_text())["classes"]
+    s = scene(np.random.default_rng(11), 3, range(TRAIN_DIGITS, 1797))
+    png, pixels = _png(s.image), np.asarray(s.image.convert("RGB"))
+    predicted = httpx.post(f"{base}/predict?model=reader", content=png, headers={"content-type": "image/png"})
+    assert predicted.status_code == 200, predicted.text
+    found = predicted.json()["detections"][0]
+    assert len(found) >= 2, found
+
+    def same_as_predict(result, source: str) -> None:
+        boxes, box_index = result.as_numpy("boxes"), result.as_numpy("box_index")
+        assert boxes.shape == (len(found), 4) and result.as_numpy("class_ids").dtype == np.int64, source
+        np.testing.assert_allclose(boxes, [f["box"] for f in found], atol=1e-4, err_msg=source)
+        np.testing.assert_allclose(result.as_numpy("scores"), [f["score"] for f in found], atol=1e-5, err_msg=source)
+        read = [i for i, f in enumerate(found) if "predictions" in f]
+        assert box_index.tolist() == read, source  # each crop's row of `boxes`
+        probabilities = result.as_numpy("probabilities")
+        assert probabilities.shape == (len(read), len(classes)), source
+        assert [classes[k] for k in probabilities.argmax(axis=1)] == \
+            [found[i]["predictions"][0]["class"] for i in read], source
+
+    client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
+    metadata = client.get_model_metadata("reader")
+    assert metadata["inputs"] == [{"name": "image", "datatype": "BYTES", "shape": [1]}]
+    assert [o["name"] for o in metadata["outputs"]] == ["boxes", "scores", "class_ids", "box_index", "logits",
+                                                          "probabilities"]
+    encoded = httpclient.InferInput("image", [1], "BYTES")
+    encoded.set_data_from_numpy(np.array([png], dtype=object))
+    same_as_predict(client.infer("reader", [encoded]), "HTTP, an encoded file as binary data")
+    raw = httpclient.InferInput("image", list(pixels.shape), "UINT8")
+    raw.set_data_from_numpy(pixels, binary_data=False)
+    same_as_predict(client.infer("reader", [raw]), "HTTP, JSON pixels")
+    with grpcclient.InferenceServerClient(grpc_address) as grpc_client:
+        assert grpc_client.is_model_ready("reader")
+        encoded = grpcclient.InferInput("image", [1], "BYTES")
+        encoded.set_data_from_numpy(np.array([png], dtype=object))
+        same_as_predict(grpc_client.infer("reader", [encoded]), "gRPC, an encoded file")
+        raw = grpcclient.InferInput("image", [1, *pixels.shape], "UINT8")
+        raw.set_data_from_numpy(pixels[None])
+        result = grpc_client.infer("reader", [raw], outputs=[grpcclient.InferRequestedOutput("box_index"),
+                                                              grpcclient.InferRequestedOutput("probabilities"),
+                                                              grpcclient.InferRequestedOutput("boxes"),
+                                                              grpcclient.InferRequestedOutput("scores"),
+                                                              grpcclient.InferRequestedOutput("class_ids")])
+        same_as_predict(result, "gRPC, raw pixels")
+        assert result.get_response().parameters["crops"].int64_param == len(result.as_numpy("box_index"))
+
+    empty = np.full((SIDE, SIDE, 3), 10, dtype=np.uint8)
+    answer = httpx.post(f"{base}/v2/models/reader/infer", json={
+        "inputs": [{"name": "image", "shape": list(empty.shape), "datatype": "UINT8", "data": empty.ravel().tolist()}]})
+    assert answer.status_code == 200, answer.text
+    shapes = {o["name"]: o["shape"] for o in answer.json()["outputs"]}
+    assert shapes["boxes"] == [0, 4] and shapes["box_index"] == [0] and shapes["probabilities"] == [0, len(classes)]
+
+
+@pytest.mark.parametrize("tensor, status, message", [
+    ({"name": "image", "shape": [2], "datatype": "BYTES", "data": ["aGk=", "aGk="]}, 400, "one image per request"),
+    ({"name": "image", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [0.0] * 192}, 400, "a pipeline takes one image"),
+    ({"name": "image", "shape": [2, 2, 3], "datatype": "UINT8", "data": [300] * 12}, 400, "integers 0..255"),
+    ({"name": "image", "shape": [1], "datatype": "BYTES", "data": ["bm90IGFuIGltYWdl"]}, 400, "not a readable image"),
+])
+def test_a_protocol_request_a_pipeline_cannot_take_is_a_4xx_saying_what_it_takes(server, tensor, status, message):
+    r = httpx.post(f"{server}/v2/models/reader/infer", json={"inputs": [tensor]})
+    assert r.status_code == status and message in r.json()["error"], r.text
+
+
+def test_a_pipeline_has_no_versions_and_a_pipeline_not_ready_answers_503_over_the_protocol(server):
+    body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": ["aGk="]}]}
+    r = httpx.post(f"{server}/v2/models/reader/versions/onnx-int8/infer", json=body)
+    assert r.status_code == 404 and "has no versions" in r.json()["error"]
+    r = httpx.post(f"{server}/v2/models/waits/infer", json=body)
+    assert r.status_code == 503 and "'absent' is not in the repository" in r.json()["error"]
+
+
 SECONDS_PER_CROP = 0.1
 
 
@@ -246,3 +333,32 @@ def test_a_crop_is_the_box_widened_by_its_margin_within_the_picture():
     assert cut(picture, [90, 40, 100, 50], 0.5).size == (15, 15)  # clipped at the picture's edge
     assert cut(picture, [100, 50, 100, 50], 0.0).size == (1, 1)  # a box on the far edge: its last pixel
     assert Crops().max_crops == 16
+
+
+def test_a_grpc_pipeline_request_may_give_the_image_as_typed_contents():
+    from optiserve.grpc_protocol import pb
+    from optiserve.grpc_protocol.infer_wire import InferMessage
+    from optiserve.serve.pipeline_protocol import grpc_request, picture_of
+    from optiserve.serve.preprocess import BadInput, ImageLimits
+
+    names = ("boxes", "scores", "class_ids", "box_index", "logits", "probabilities")
+    picture = Image.fromarray(np.arange(48, dtype=np.uint8).reshape(4, 4, 3))
+    request = pb.ModelInferRequest(model_name="reader", outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(
+        name="boxes")])
+    request.inputs.add(name="image", datatype="BYTES", shape=[1]).contents.bytes_contents.append(_png(picture))
+    given = grpc_request(InferMessage(request, []), names, ImageLimits())
+    assert given.outputs == [("boxes", False)]
+    assert np.array_equal(np.asarray(picture_of(given.image, ImageLimits())), np.asarray(picture))
+    request = pb.ModelInferRequest(model_name="reader")
+    request.inputs.add(name="image", datatype="UINT8", shape=[4, 4, 3]).contents.uint_contents.extend(range(48))
+    given = grpc_request(InferMessage(request, []), names, ImageLimits())
+    assert np.array_equal(given.image, np.asarray(picture)) and [n for n, _ in given.outputs] == list(names)
+    with pytest.raises(BadInput, match="over the server's limit of 10 pixels"):
+        grpc_request(InferMessage(request, []), names, ImageLimits(max_pixels=10))
+
+
+def test_a_second_step_with_an_output_named_as_the_boxes_tensors_is_refused():
+    from optiserve.serve.pipelines import output_clash
+
+    assert output_clash("digits", ("logits", "probabilities")) is None
+    assert "has an output named 'scores'" in output_clash("scorer", ("scores",))

@@ -77,7 +77,7 @@ def parse_json(data: bytes, tensor_at: tuple = ()) -> dict:
     return value
 
 
-def _name(value, field: str, optional: bool = True) -> str | None:
+def name_field(value, field: str, optional: bool = True) -> str | None:
     if value is None and optional:
         return None
     if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
@@ -102,7 +102,7 @@ def top_k(value, classes: int) -> int | None:
     return max(1, min(value, classes))
 
 
-def _dict(value, field: str) -> dict:
+def object_field(value, field: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -151,7 +151,7 @@ def predict_request(data: bytes, spec: InputSpec, classes: int, max_images: int,
     body = parse_json(data, tensor_at=("inputs",))
     if "inputs" not in body:
         raise BadInput('JSON requests need "inputs": nested lists [N, C, H, W] or base64 images')
-    variant, k = _name(body.get("variant"), "variant"), top_k(body.get("top_k"), classes)
+    variant, k = name_field(body.get("variant"), "variant"), top_k(body.get("top_k"), classes)
     inputs = body["inputs"]
     if not isinstance(inputs, (list, np.ndarray)) or not len(inputs):
         raise BadInput('"inputs" must be a non-empty list: base64 images, or nested lists [N, C, H, W]')
@@ -205,16 +205,16 @@ def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_i
         raise BadInput(str(e)) from None
     before_parsing(head, spec, json_images or max_images, hold)
     body = parse_json(head, tensor_at=("inputs", 0, "data"))
-    params = _dict(body.get("parameters"), "parameters")
+    params = object_field(body.get("parameters"), "parameters")
     inputs = body.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
         raise BadInput('expected "inputs": [{"name": "input", "shape": [N, C, H, W], "datatype": "FP32", "data": [...]}]')
     tensor = inputs[0]
-    _name(tensor.get("name"), "inputs[0].name", optional=False)
+    name_field(tensor.get("name"), "inputs[0].name", optional=False)
     shape = tensor.get("shape")
     datatype = tensor.get("datatype")
     count, dtype = check_tensor(shape, datatype, spec, max_images)
-    size = _dict(tensor.get("parameters"), "inputs[0].parameters").get("binary_data_size")
+    size = object_field(tensor.get("parameters"), "inputs[0].parameters").get("binary_data_size")
     if size is None:
         if tail:
             raise BadInput(f"{len(tail)} bytes of binary data follow the JSON, but no input has binary_data_size")
@@ -236,11 +236,11 @@ def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_i
     if flat.size != count:
         raise BadInput(f"input data has {flat.size} values but shape {shape} needs {count}")
     images = tensor_batch(flat.reshape(shape), spec)
-    return InferRequest(images, _outputs(body.get("outputs"), params, output_names), _id(body.get("id")),
+    return InferRequest(images, requested_outputs(body.get("outputs"), params, output_names), id_field(body.get("id")),
                         params.get("priority"))
 
 
-def _outputs(requested, params: dict, output_names: tuple[str, ...]) -> list[tuple[str, bool]]:
+def requested_outputs(requested, params: dict, output_names: tuple[str, ...]) -> list[tuple[str, bool]]:
     default_binary = bool(params.get("binary_data_output", False))
     if requested is None:
         return [(name, default_binary) for name in output_names]
@@ -251,10 +251,10 @@ def _outputs(requested, params: dict, output_names: tuple[str, ...]) -> list[tup
         if not isinstance(out, dict) or out.get("name") not in output_names:
             raise BadInput(f"unknown output {_show(out.get('name') if isinstance(out, dict) else out)}; "
                            f"outputs: {', '.join(output_names)}")
-        out_params = _dict(out.get("parameters"), "outputs[].parameters")
+        out_params = object_field(out.get("parameters"), "outputs[].parameters")
         outputs.append((out["name"], bool(out_params.get("binary_data", default_binary))))
     return outputs
 
 
-def _id(value) -> str | None:
-    return None if value is None else _name(value, "id")
+def id_field(value) -> str | None:
+    return None if value is None else name_field(value, "id")

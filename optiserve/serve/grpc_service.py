@@ -26,10 +26,11 @@ from google.protobuf.message import DecodeError
 
 from optiserve.grpc_protocol import METHODS, SERVICE, pb
 from optiserve.grpc_protocol.infer_wire import InferMessage, read_infer_request
-from optiserve.serve import VARIANT_HEADER, oip, tracing
+from optiserve.serve import VARIANT_HEADER, oip, pipeline_protocol, tracing
 from optiserve.serve.admin_auth import AdminAuth
 from optiserve.serve.logs import REQUEST_ID_KEY, accepted_request_id, request_id
 from optiserve.serve.envelope import MAX_NAME_CHARS, OUTPUTS, InferRequest, check_tensor
+from optiserve.serve.pipeline_requests import counted, run_pipeline
 from optiserve.serve.preprocess import BadInput, tensor_batch
 from optiserve.serve.server import ApiError, Server
 
@@ -88,6 +89,23 @@ def parse_infer(message: InferMessage, spec, max_images: int, output_names: tupl
                         request.id or None)
 
 
+def _response(response, requested: list[tuple[str, bool]], tensor: Callable[[str], np.ndarray],
+              parameters: dict[str, int]):
+    """`response` (a ModelInferResponse) with the `requested` outputs (name, as raw bytes), each
+    `tensor(name)`, and the integer `parameters`."""
+    for out_name, raw in requested:
+        data = tensor(out_name)
+        datatype = oip.datatype(data)
+        out = response.outputs.add(name=out_name, datatype=datatype, shape=data.shape)
+        if raw:
+            response.raw_output_contents.append(oip.little_endian(data).tobytes())
+        else:
+            getattr(out.contents, OUTPUT_CONTENTS[datatype]).extend(data.reshape(-1).tolist())
+    for key, value in parameters.items():
+        response.parameters[key].int64_param = value
+    return response
+
+
 def requested_priority(request) -> object:
     """The request's `priority` parameter as sent (tritonclient sends a uint64), or None."""
     if "priority" not in request.parameters:
@@ -118,8 +136,13 @@ class InferenceService:
                                                            request.version or None))
 
     async def ModelMetadata(self, request, context):
-        version = request.version or None
-        meta = oip.model_metadata(oip.served(self.server, _required(request.name, "name"), version), version)
+        version, name = request.version or None, _required(request.name, "name")
+        if oip.is_pipeline(self.server, name):
+            pipeline = self.server.repository.pipeline(name)
+            pipeline_protocol.check_unversioned(pipeline, version)
+            meta = pipeline_protocol.metadata(pipeline, self.server.model(pipeline.per_box.model))
+        else:
+            meta = oip.model_metadata(oip.served(self.server, name, version), version)
         meta.pop("version", None)
         tensors = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
@@ -130,6 +153,8 @@ class InferenceService:
     async def ModelInfer(self, message: InferMessage, context):
         server, request = self.server, message.request
         name, version = _required(request.model_name, "model_name"), request.model_version or None
+        if oip.is_pipeline(server, name):
+            return await self._pipeline_infer(message, name, context)
         if version is not None and server.started:
             oip.served(server, name, version)  # NOT_FOUND for an unknown version, before queueing
         with server.admitted(name, version, priority=(requested_priority(request), "parameters.priority")) \
@@ -143,20 +168,36 @@ class InferenceService:
             parsed = parse_infer(*args) if message.raw else await server.decode(parse_infer, *args)
             outputs, timing = await server.infer(admission, parsed.images, _deadline_s(context))
         with tracing.span("response"):
-            response = pb.ModelInferResponse(model_name=name, model_version=admission.variant.name, id=parsed.id or "")
-            for out_name, raw in parsed.outputs:
-                data = oip.output_tensor(admission.model, out_name, outputs)
-                datatype = oip.datatype(data)
-                out = response.outputs.add(name=out_name, datatype=datatype, shape=data.shape)
-                if raw:
-                    response.raw_output_contents.append(oip.little_endian(data).tobytes())
-                else:
-                    getattr(out.contents, OUTPUT_CONTENTS[datatype]).extend(data.reshape(-1).tolist())
-            for key, value in oip.timing_parameters(timing).items():
-                response.parameters[key].int64_param = value
+            response = _response(pb.ModelInferResponse(model_name=name, model_version=admission.variant.name,
+                                                        id=parsed.id or ""),
+                                 parsed.outputs, lambda out_name: oip.output_tensor(admission.model, out_name, outputs),
+                                 oip.timing_parameters(timing))
         if server.shadow.wanted(admission):
             await server.shadow.start(admission, parsed.images, outputs[0])
         return response
+
+    async def _pipeline_infer(self, message: InferMessage, name: str, context):
+        """A pipeline's infer (serve/pipeline_protocol.py), answered as its HTTP twin answers it."""
+        server, request = self.server, message.request
+        pipeline = server.repository.pipeline(name)
+        pipeline_protocol.check_unversioned(pipeline, request.model_version or None)
+        names = pipeline_protocol.output_names(server.model(pipeline.per_box.model))
+        given: list[pipeline_protocol.PipelineInput] = []
+
+        async def read_picture(admission):
+            admission.held.grow(message.size, "its message")
+            parsed = await server.decode(pipeline_protocol.grpc_request, message, names, server.image_limits)
+            given.append(parsed)
+            return await server.decode(pipeline_protocol.picture_of, parsed.image, server.image_limits)
+
+        run = await counted(server, pipeline, run_pipeline(
+            server, pipeline, read_picture, priority=(requested_priority(request), "parameters.priority"),
+            deadline_s=_deadline_s(context)))
+        context.set_trailing_metadata(((VARIANT_KEY, run.variant),))
+        with tracing.span("response"):
+            tensors = pipeline_protocol.output_tensors(run)
+            return _response(pb.ModelInferResponse(model_name=name, id=given[0].id or ""), given[0].outputs,
+                             tensors.__getitem__, pipeline_protocol.timing_parameters(run))
 
     # ---- the model repository ---------------------------------------------------------------------
     def _authorize(self, context) -> None:

@@ -21,6 +21,11 @@ def server_metadata() -> dict:
     return {"name": "optiserve", "version": optiserve.__version__, "extensions": EXTENSIONS}
 
 
+def is_pipeline(server: Server, name: str) -> bool:
+    """Whether `name` is one of the repository's pipelines (a model folder of that name is a model)."""
+    return server.repository.is_pipeline(name) and name not in server.repository.status
+
+
 def check_version(model: ServedModel, version: str | None) -> None:
     """404 for a version (a variant) the model does not have."""
     if version is not None and version not in model.entry_names:
@@ -61,7 +66,7 @@ def model_ready(server: Server, name: str, version: str | None = None) -> bool:
 def model_not_ready_reason(server: Server, name: str, version: str | None = None) -> str | None:
     """Why `name` (and `version`, if given) cannot answer now, as its ready endpoint says it; None
     when it can. 404 for a model the server does not know."""
-    if server.repository.is_pipeline(name) and name not in server.repository.status:
+    if is_pipeline(server, name):
         return server.repository.pipeline_not_ready_reason(name)
     if name not in server.models and name not in server.repository.status:
         raise ApiError(404, f"unknown model {name!r}; served: {', '.join(sorted(server.models)) or 'none'}")

@@ -1,36 +1,55 @@
-"""/predict on a pipeline (serve/pipelines.py): the upload decoded once; the detector's input made
-from the decoded picture; the boxes it finds cut from that picture in the uploaded image's pixels
-(not from the detector's resized input); every crop queued in the second model's own
-DynamicBatcher, so crops of many requests batch together. The request keeps its priority, its
-deadline and its watch on the client through both steps."""
+"""A request on a pipeline (serve/pipelines.py), whichever route carries it: the input read and
+decoded once; the detector's input made from the decoded picture; the boxes it finds cut from that
+picture in the uploaded image's pixels (not from the detector's resized input); every crop queued
+in the second model's own DynamicBatcher, so crops of many requests batch together. The request
+keeps its priority, its deadline and its watch on the client through both steps. /predict answers
+in the tasks' JSON (here), the Open Inference Protocol in tensors (pipeline_protocol.py)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import numpy as np
 from fastapi import Request
+from PIL import Image
 
 from optiserve.data.image_input import image_to_input
 from optiserve.serve import VARIANT_HEADER, tracing
+from optiserve.serve.model import ServedModel
 from optiserve.serve.multipart import boundary_of, parse_form, upload_and_variant
-from optiserve.serve.pipelines import Pipeline, chosen_boxes, cut
+from optiserve.serve.pipelines import Pipeline, chosen_rows, cut
 from optiserve.serve.preprocess import BadInput, decode_picture
 from optiserve.serve.responses import FastJSONResponse
-from optiserve.serve.server import ApiError, ClientGone, Server
+from optiserve.serve.server import Admission, ApiError, ClientGone, Server
 from optiserve.serve.stats import VariantStats
 
+ReadPicture = Callable[[Admission], Awaitable[Image.Image]]
 
-async def answer_pipeline(server: Server, pipeline: Pipeline, request: Request, ctype: str, params: dict):
-    """The pipeline's answer to one uploaded image: each box the detector found (as the detection
-    task answers it) with, for the boxes its crops settings choose, the second model's answer.
-    Counted by outcome, with each step's time, in /stats and the metrics."""
-    if ctype not in ("multipart/form-data",) and not ctype.startswith("image/"):
-        raise ApiError(415, f"pipeline {pipeline.name!r} takes an uploaded image (multipart/form-data or an image "
-                            f"body), not {ctype or 'no content type'}")
+
+@dataclass
+class PipelineRun:
+    """What one image's pass through a pipeline found: the detector's boxes (the detection task's
+    answer, best first, in the image's pixels), the rows of them the second step read, that
+    step's model and its outputs for those crops (every output, the task's first; None where no
+    box was chosen), each step's timing, and the detector's variant."""
+
+    found: list[dict]
+    chosen: list[int]
+    per_box_model: ServedModel
+    per_box_outputs: tuple[np.ndarray, ...] | None
+    steps: list[dict]
+    variant: str
+    seconds: float
+
+
+async def counted(server: Server, pipeline: Pipeline, answering: Awaitable):
+    """`answering`'s result, the request counted by its outcome (with its time where it succeeded)
+    in /stats and the metrics."""
     started = time.perf_counter()
     try:
-        answer = await _answer(server, pipeline, request, ctype, params, started)
+        answer = await answering
     except ApiError as e:
         _count(server, pipeline, _OUTCOMES.get(e.status, "bad_request" if e.status < 500 else "error"))
         raise
@@ -42,6 +61,69 @@ async def answer_pipeline(server: Server, pipeline: Pipeline, request: Request, 
         raise
     _count(server, pipeline, "ok", time.perf_counter() - started)
     return answer
+
+
+async def run_pipeline(server: Server, pipeline: Pipeline, read_picture: ReadPicture, request: Request | None = None,
+                       priority: tuple[object, str] | None = None, deadline_s: float | None = None) -> PipelineRun:
+    """One image through `pipeline`: `read_picture` reads and decodes the request's image under the
+    detector's admission (its bytes held against the server's budget); an HTTP `request` is watched
+    for a client that hangs up, a gRPC call gives its `priority` and `deadline_s` instead."""
+    started = time.perf_counter()
+    first, second = pipeline.detector, pipeline.per_box
+    crops = second.crops
+    with server.admitted(first.model, first.variant, request, priority=priority) as admission:
+        detector = admission.model
+        picture = await read_picture(admission)
+        admission.held.grow(3 * picture.width * picture.height, "its decoded image")
+        image = (await server.decode(image_to_input, picture, detector.spec))[None]
+        (raw, *_), detector_timing = await server.infer(admission, image, deadline_s, request=request)
+        with tracing.span("pipeline boxes"):
+            found = detector.task.answer(raw, detector.manifest, {"score_threshold": crops.min_score,
+                                                                  "sizes": [picture.size]})["detections"][0]
+        chosen = chosen_rows(found, crops)
+        first_done = time.perf_counter()
+        _step_done(server, pipeline, detector.name, first_done - started, 1)
+        steps = [{"step": 1, "model": detector.name, "variant": admission.variant.name, **detector_timing}]
+        per_box_model, outputs = server.model(second.model), None
+        if chosen:
+            own = detector.settings.timeout_ms / 1000 if deadline_s is None else \
+                min(deadline_s, detector.settings.timeout_ms / 1000)
+            per_box_model, outputs, step = await _per_box(
+                server, pipeline, request, picture, [found[i] for i in chosen], admission.reservation.priority,
+                own_timeout_s=own - (first_done - started))
+            _step_done(server, pipeline, step["model"], time.perf_counter() - first_done, len(chosen))
+            steps.append(step)
+        server.metrics.pipeline_crops.labels(pipeline.name).observe(len(chosen))
+        variant = admission.variant.name
+    return PipelineRun(found, chosen, per_box_model, outputs, steps, variant, time.perf_counter() - started)
+
+
+async def answer_pipeline(server: Server, pipeline: Pipeline, request: Request, ctype: str, params: dict):
+    """/predict on a pipeline: each box the detector found (as the detection task answers it) with,
+    for the boxes its crops settings choose, the second model's answer in its task's form."""
+    if ctype not in ("multipart/form-data",) and not ctype.startswith("image/"):
+        raise ApiError(415, f"pipeline {pipeline.name!r} takes an uploaded image (multipart/form-data or an image "
+                            f"body), not {ctype or 'no content type'}")
+
+    async def read_picture(admission: Admission) -> Image.Image:
+        body = await server.read_body(request, admission)
+        data = upload_and_variant(parse_form(body, boundary_of(request.headers["content-type"])))[0].data \
+            if ctype == "multipart/form-data" else body
+        del body
+        return await server.decode(decode_picture, data, "RGB", server.image_limits)
+
+    async def answer() -> FastJSONResponse:
+        run = await run_pipeline(server, pipeline, read_picture, request)
+        if run.per_box_outputs is not None:
+            model = run.per_box_model
+            answers = model.task.answer(run.per_box_outputs[0], model.manifest, {**params, "sizes": None})
+            for k, i in enumerate(run.chosen):
+                run.found[i].update({key: value[k] for key, value in answers.items()})
+        return FastJSONResponse({"model": pipeline.name, "detections": [run.found],
+                                 "latency_ms": {"server_ms": 1000 * run.seconds, "steps": run.steps}},
+                                headers={VARIANT_HEADER: run.variant})
+
+    return await counted(server, pipeline, answer())
 
 
 _OUTCOMES = {429: "rejected", 503: "unavailable", 504: "timeout", 500: "error"}
@@ -62,47 +144,10 @@ def _step_done(server: Server, pipeline: Pipeline, step: str, seconds: float, im
     _stats(server, pipeline.name, step).record_request("ok", 1000 * seconds, images)
 
 
-async def _answer(server: Server, pipeline: Pipeline, request: Request, ctype: str, params: dict,
-                  started: float) -> FastJSONResponse:
-    first, second = pipeline.detector, pipeline.per_box
-    crops = second.crops
-    with server.admitted(first.model, first.variant, request) as admission:
-        detector = admission.model
-        body = await server.read_body(request, admission)
-        data = upload_and_variant(parse_form(body, boundary_of(request.headers["content-type"])))[0].data \
-            if ctype == "multipart/form-data" else body
-        del body
-        picture = await server.decode(decode_picture, data, "RGB", server.image_limits)
-        del data
-        admission.held.grow(3 * picture.width * picture.height, "its decoded image")
-        image = (await server.decode(image_to_input, picture, detector.spec))[None]
-        (raw, *_), detector_timing = await server.infer(admission, image, request=request)
-        with tracing.span("pipeline boxes"):
-            found = detector.task.answer(raw, detector.manifest, {"score_threshold": crops.min_score,
-                                                                  "sizes": [picture.size]})["detections"][0]
-        chosen = chosen_boxes(found, crops)
-        first_done = time.perf_counter()
-        _step_done(server, pipeline, detector.name, first_done - started, 1)
-        steps = [{"step": 1, "model": detector.name, "variant": admission.variant.name, **detector_timing}]
-        if chosen:
-            level = admission.reservation.priority
-            answers, step = await _per_box(server, pipeline, request, picture, chosen, level, params,
-                                           own_timeout_s=detector.settings.timeout_ms / 1000 - (first_done - started))
-            _step_done(server, pipeline, step["model"], time.perf_counter() - first_done, len(chosen))
-            steps.append(step)
-            for box, answer in zip(chosen, answers):
-                box.update(answer)
-        server.metrics.pipeline_crops.labels(pipeline.name).observe(len(chosen))
-        variant = admission.variant.name
-    seconds = time.perf_counter() - started
-    return FastJSONResponse({"model": pipeline.name, "detections": [found],
-                             "latency_ms": {"server_ms": 1000 * seconds, "steps": steps}},
-                            headers={VARIANT_HEADER: variant})
-
-
-async def _per_box(server: Server, pipeline: Pipeline, request: Request, picture, boxes: list[dict], level: int,
-                   params: dict, own_timeout_s: float) -> tuple[list[dict], dict]:
-    """The second model's answer for each box's crop, through its batcher; and the step's timing."""
+async def _per_box(server: Server, pipeline: Pipeline, request: Request | None, picture: Image.Image,
+                   boxes: list[dict], level: int, own_timeout_s: float
+                   ) -> tuple[ServedModel, tuple[np.ndarray, ...], dict]:
+    """The second model's outputs for each box's crop, through its batcher; and the step's timing."""
     step = pipeline.per_box
     margin = step.crops.margin
     with server.admitted(step.model, step.variant, None, rows=len(boxes),
@@ -115,7 +160,6 @@ async def _per_box(server: Server, pipeline: Pipeline, request: Request, picture
         inputs = await server.decode(crop_inputs)
         if own_timeout_s <= 0:
             raise ApiError(504, f"pipeline {pipeline.name!r}: not answered within the detector's timeout")
-        (raw, *_), timing = await server.infer(admission, inputs, deadline_s=own_timeout_s, request=request)
-        answer = model.task.answer(raw, model.manifest, {**params, "sizes": None})
-    per_box = [{key: value[i] for key, value in answer.items()} for i in range(len(boxes))]
-    return per_box, {"step": 2, "model": model.name, "variant": admission.variant.name, "crops": len(boxes), **timing}
+        outputs, timing = await server.infer(admission, inputs, deadline_s=own_timeout_s, request=request)
+    return model, outputs, {"step": 2, "model": model.name, "variant": admission.variant.name, "crops": len(boxes),
+                            **timing}

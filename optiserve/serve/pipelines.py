@@ -30,6 +30,10 @@ from optiserve.files import read_small_json
 PIPELINE_FILE = "pipeline.json"
 MAX_PIPELINE_BYTES = 64 * 1024
 MAX_CROPS = 256
+# what the Open Inference Protocol answers for the boxes (serve/pipeline_protocol.py), beside the
+# second step's own outputs
+BOX_OUTPUTS = {"boxes": ("FP32", [-1, 4]), "scores": ("FP32", [-1]), "class_ids": ("INT64", [-1]),
+               "box_index": ("INT64", [-1])}
 CROP_KEYS = {"min_score": "a number in [0, 1]", "classes": "a list of class names", "margin": "a number in [0, 1]",
              "max_crops": f"an integer from 1 to {MAX_CROPS}"}
 
@@ -156,9 +160,20 @@ def _crops(crops: object, where: str) -> Crops:
                  number("margin", Crops.margin), count)
 
 
-def chosen_boxes(detections: list[dict], crops: Crops) -> list[dict]:
-    """The detections (the detection task's answer for one image, best first) the second step reads."""
-    wanted = [d for d in detections if d["score"] >= crops.min_score
+def output_clash(model: str, outputs: tuple[str, ...]) -> str | None:
+    """Why a model with these protocol outputs cannot be a pipeline's second step (one is named as
+    a tensor the pipeline answers for the boxes), or None."""
+    clash = [name for name in outputs if name in BOX_OUTPUTS]
+    if clash:
+        return (f"model {model!r} has an output named {clash[0]!r}, which a pipeline answers for the boxes "
+                f"({', '.join(BOX_OUTPUTS)})")
+    return None
+
+
+def chosen_rows(detections: list[dict], crops: Crops) -> list[int]:
+    """Which of the detections (the detection task's answer for one image, best first) the second
+    step reads: their rows, in order."""
+    wanted = [i for i, d in enumerate(detections) if d["score"] >= crops.min_score
               and (crops.classes is None or str(d["class"]) in crops.classes)]
     return wanted[:crops.max_crops]
 

@@ -20,7 +20,7 @@ from optiserve.serve.config import ServeConfig
 from optiserve.serve.metrics import ServerMetrics
 from optiserve.serve.model import BatchingConfig, ServedModel
 from optiserve.serve.model_settings import model_settings, settings_version
-from optiserve.serve.pipelines import Pipeline, is_pipeline_folder, read_pipeline
+from optiserve.serve.pipelines import Pipeline, is_pipeline_folder, output_clash, read_pipeline
 from optiserve.serve.traffic import Shadow, TrafficError, parse_traffic
 
 log = logging.getLogger("optiserve.serve")
@@ -160,6 +160,8 @@ class ModelRepository:
                 return f"step 1: model {step.model!r} is a {model.task.name} model; a pipeline's first step is a detector"
             if i == 1 and model.task.finds_boxes:
                 return f"step 2: model {step.model!r} is a detector; the second step reads each box it finds"
+            if i == 1 and (clash := output_clash(model.name, model.protocol_outputs)):
+                return f"step 2: {clash}"
         return None
 
     def is_pipeline(self, name: str | None) -> bool:

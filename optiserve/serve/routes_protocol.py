@@ -3,14 +3,19 @@ every served model. A model's variants are its versions."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 from fastapi import Request
+from PIL import Image
 from fastapi.responses import JSONResponse, Response
 
-from optiserve.serve import VARIANT_HEADER, oip, tracing
+from optiserve.serve import VARIANT_HEADER, oip, pipeline_protocol, tracing
 from optiserve.serve.binary import HEADER as BINARY_HEADER
 from optiserve.serve.binary import encode_response
 from optiserve.serve.envelope import infer_request
 from optiserve.serve.fast_routes import ServingApp
+from optiserve.serve.pipeline_requests import counted, run_pipeline
 from optiserve.serve.routes_predict import error_responses
 from optiserve.serve.server import ApiError, Server
 
@@ -33,6 +38,9 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
 
     @app.get("/v2/models/{name}")
     async def model_metadata(name: str):
+        if oip.is_pipeline(server, name):
+            pipeline = server.repository.pipeline(name)
+            return pipeline_protocol.metadata(pipeline, server.model(pipeline.per_box.model))
         return oip.model_metadata(oip.served(server, name), None)
 
     @app.get("/v2/models/{name}/versions/{version}")
@@ -45,7 +53,7 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
         serving.json (`file`), a server flag (`flag`) or the built-in default (`default`); a
         pipeline's, its steps as pipeline.json gives them (defaults filled in)."""
         repository = server.repository
-        if repository.is_pipeline(name) and name not in repository.status:
+        if oip.is_pipeline(server, name):
             if name not in repository.pipelines:
                 raise ApiError(503, f"pipeline {name!r} is unavailable: {repository.pipeline_errors[name]}")
             return repository.pipelines[name].to_dict()
@@ -67,6 +75,8 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
 
     async def oip_infer(request: Request, name: str, version: str | None):
         """JSON tensors, or the binary tensor data extension (tritonclient's default)."""
+        if oip.is_pipeline(server, name):
+            return await pipeline_infer(request, name, version)
         if version is not None and server.started:
             oip.served(server, name, version)  # 404 in the protocol's words: an unknown version
         with server.admitted(name, version, request) as admission:
@@ -80,26 +90,33 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
             tensors, timing = await server.infer(admission, parsed.images, request=request)
         with tracing.span("response"):
             variant = admission.variant.name
-            outputs, binary = [], []
-            for out_name, as_binary in parsed.outputs:
-                data = oip.output_tensor(model, out_name, tensors)
-                entry = {"name": out_name, "datatype": oip.datatype(data), "shape": list(data.shape)}
-                if as_binary:
-                    binary.append((entry, data))
-                else:
-                    entry["data"] = data.reshape(-1).tolist()
-                outputs.append(entry)
-            response = {"model_name": name, "model_version": variant, "outputs": outputs,
-                        "parameters": oip.timing_parameters(timing)}
-            if parsed.id is not None:
-                response["id"] = parsed.id
-            content, header_length = encode_response(response, binary)
-            headers = {VARIANT_HEADER: variant}
-            background = server.shadow.task(admission, parsed.images, tensors[0])
-            if header_length is None:
-                return Response(content, media_type="application/json", headers=headers, background=background)
-            return Response(content, media_type="application/octet-stream",
-                            headers={**headers, BINARY_HEADER: str(header_length)}, background=background)
+            return tensors_response({"model_name": name, "model_version": variant}, parsed.outputs,
+                                    lambda out_name: oip.output_tensor(model, out_name, tensors),
+                                    oip.timing_parameters(timing), parsed.id, {VARIANT_HEADER: variant},
+                                    server.shadow.task(admission, parsed.images, tensors[0]))
+
+    async def pipeline_infer(request: Request, name: str, version: str | None):
+        """A pipeline's infer: one image in (pipeline_protocol.py), its boxes and the second step's
+        outputs for the crops out."""
+        pipeline = server.repository.pipeline(name)  # 503 with the reason where a step is not ready
+        pipeline_protocol.check_unversioned(pipeline, version)
+        names = pipeline_protocol.output_names(server.model(pipeline.per_box.model))
+        given: list[pipeline_protocol.PipelineInput] = []
+
+        async def read_picture(admission) -> Image.Image:
+            body = await server.read_body(request, admission)
+            parsed = await server.decode(pipeline_protocol.http_request, body, request.headers.get(BINARY_HEADER),
+                                         names, server.image_limits, admission.hold_json)
+            del body
+            server.reprioritize(admission, parsed.priority, request)
+            given.append(parsed)
+            return await server.decode(pipeline_protocol.picture_of, parsed.image, server.image_limits)
+
+        run = await counted(server, pipeline, run_pipeline(server, pipeline, read_picture, request))
+        with tracing.span("response"):
+            tensors = pipeline_protocol.output_tensors(run)
+            return tensors_response({"model_name": name}, given[0].outputs, tensors.__getitem__,
+                                    pipeline_protocol.timing_parameters(run), given[0].id, {VARIANT_HEADER: run.variant})
 
     # Fast routes (fast_routes.py), not FastAPI endpoints: FastAPI's layers, dependency solving
     # and validation cost CPU the model needs, and these take nothing but the path and the body.
@@ -112,6 +129,29 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
 
     app.add_fast_route("/v2/models/{name}/infer", infer, _infer_operation(False))
     app.add_fast_route("/v2/models/{name}/versions/{version}/infer", infer_version, _infer_operation(True))
+
+
+def tensors_response(identity: dict, requested: list[tuple[str, bool]], tensor: Callable[[str], np.ndarray],
+                     parameters: dict, request_id: str | None, headers: dict, background=None) -> Response:
+    """An infer's answer: `identity` (model name, version), the `requested` outputs (name, as
+    binary data), each `tensor(name)`, as JSON or JSON and binary tensor data."""
+    outputs, binary = [], []
+    for out_name, as_binary in requested:
+        data = tensor(out_name)
+        entry = {"name": out_name, "datatype": oip.datatype(data), "shape": list(data.shape)}
+        if as_binary:
+            binary.append((entry, data))
+        else:
+            entry["data"] = data.reshape(-1).tolist()
+        outputs.append(entry)
+    response = {**identity, "outputs": outputs, "parameters": parameters}
+    if request_id is not None:
+        response["id"] = request_id
+    content, header_length = encode_response(response, binary)
+    if header_length is None:
+        return Response(content, media_type="application/json", headers=headers, background=background)
+    return Response(content, media_type="application/octet-stream",
+                    headers={**headers, BINARY_HEADER: str(header_length)}, background=background)
 
 
 def _infer_operation(versioned: bool) -> dict:

@@ -1,0 +1,238 @@
+"""The Open Inference Protocol on a pipeline (serve/pipelines.py): its metadata, what its infer
+takes and what it answers, over either transport.
+
+Its infer takes one image: a BYTES tensor of shape [1] holding the encoded file (PNG, JPEG, ...;
+as binary data, gRPC's `bytes_contents`, or in JSON a base64 string) or a UINT8 tensor
+[H, W, 3] (or [1, H, W, 3]; 1 channel for grey) of RGB pixels. It answers the boxes the detector
+found, in the image's pixels, best first — `boxes` [B, 4] (x1, y1, x2, y2), `scores` [B],
+`class_ids` [B] — and the second step's outputs for the boxes it read, one row per crop, under
+that model's own output names, with `box_index` [K]: the row of `boxes` each crop was cut from.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from optiserve.serve import oip
+from optiserve.serve.binary import BinaryFormatError, split_body
+from optiserve.serve.envelope import (MAX_NAME_CHARS, OTHER_FIELDS_COMMAS, PYTHON_NUMBER_BYTES, TooManyValues,
+                                      id_field, name_field, object_field, parse_json, requested_outputs)
+from optiserve.serve.model import ServedModel
+from optiserve.serve.pipeline_requests import PipelineRun
+from optiserve.serve.pipelines import BOX_OUTPUTS, Pipeline
+from optiserve.serve.preprocess import BadInput, ImageLimits, decode_picture
+from optiserve.serve.server import ApiError
+
+INPUT_NAME = "image"
+NUMPY_TYPES = {name: dtype for dtype, name in oip.DATATYPES.items()}
+TAKES = ("one image: BYTES [1] (an encoded PNG, JPEG, ...) or UINT8 [H, W, 3] (RGB pixels; [1, H, W, 3] "
+         "and 1 channel for grey too)")
+
+
+@dataclass
+class PipelineInput:
+    """A pipeline infer request, checked: the image (its encoded bytes, or its pixels [H, W, C]),
+    the outputs asked for (name, as binary), the request's id and `parameters.priority` as sent."""
+
+    image: bytes | np.ndarray
+    outputs: list[tuple[str, bool]]
+    id: str | None = None
+    priority: object = None
+
+
+def output_names(per_box: ServedModel) -> tuple[str, ...]:
+    """What an infer on the pipeline may answer: the boxes, then the second step's outputs."""
+    return (*BOX_OUTPUTS, *per_box.protocol_outputs)
+
+
+def metadata(pipeline: Pipeline, per_box: ServedModel) -> dict:
+    """GET /v2/models/{pipeline}: its input and outputs, with the second step's shapes."""
+    step_outputs = oip.model_metadata(per_box, None)["outputs"]
+    return {"name": pipeline.name, "versions": [], "platform": "optiserve_pipeline",
+            "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [1]}],
+            "outputs": [{"name": name, "datatype": kind, "shape": shape} for name, (kind, shape) in BOX_OUTPUTS.items()]
+            + step_outputs}
+
+
+def output_tensors(run: PipelineRun) -> dict[str, np.ndarray]:
+    """Every output an infer on the pipeline may answer, for one run."""
+    found = run.found
+    tensors = {"boxes": np.array([f["box"] for f in found], dtype=np.float32).reshape(-1, 4),
+               "scores": np.array([f["score"] for f in found], dtype=np.float32),
+               "class_ids": np.array([f["class_id"] for f in found], dtype=np.int64),
+               "box_index": np.array(run.chosen, dtype=np.int64)}
+    model = run.per_box_model
+    if run.per_box_outputs is not None:
+        for name in model.protocol_outputs:
+            tensors[name] = oip.output_tensor(model, name, run.per_box_outputs)
+    else:  # nothing was cut: each output with no rows, in the shape and type its metadata gives
+        for out in oip.model_metadata(model, None)["outputs"]:
+            tensors[out["name"]] = np.zeros([max(d, 0) for d in out["shape"]], dtype=NUMPY_TYPES[out["datatype"]])
+    return tensors
+
+
+def timing_parameters(run: PipelineRun) -> dict[str, int]:
+    """The response's parameters: microseconds in the server, each step's, and the crops read."""
+    params = {"server_us": round(1e6 * run.seconds), "crops": len(run.chosen)}
+    for step in run.steps:
+        params[f"step{step['step']}_us"] = round(1000 * step["server_ms"])
+    return params
+
+
+def picture_of(image: bytes | np.ndarray, limits: ImageLimits) -> Image.Image:
+    """The RGB picture the request sent (decoded, for encoded bytes)."""
+    if isinstance(image, np.ndarray):
+        return Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).convert("RGB")
+    return decode_picture(image, "RGB", limits)
+
+
+# ---- the HTTP request ------------------------------------------------------------------------------
+
+def http_request(data: bytes, header_length: str | None, names: tuple[str, ...], limits: ImageLimits,
+                 hold=None) -> PipelineInput:
+    """The protocol's infer request over HTTP (JSON, or JSON and binary tensor data), checked."""
+    try:
+        head, tail = split_body(data, header_length)
+    except BinaryFormatError as e:
+        raise BadInput(str(e)) from None
+    commas = head.count(b",")
+    most = 3 * limits.max_pixels + OTHER_FIELDS_COMMAS
+    if commas > most:
+        raise TooManyValues(f"the JSON holds {commas + 1:,} values or more, more than an image of the server's "
+                            f"{limits.max_pixels:,} pixels has; send the image as binary data or as its file")
+    if hold is not None:
+        hold(PYTHON_NUMBER_BYTES * (commas + 1))
+    body = parse_json(head)
+    params = object_field(body.get("parameters"), "parameters")
+    inputs = body.get("inputs")
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise BadInput(f'a pipeline\'s "inputs" hold {TAKES}')
+    tensor = inputs[0]
+    name_field(tensor.get("name"), "inputs[0].name", optional=False)
+    shape, datatype = tensor.get("shape"), tensor.get("datatype")
+    count = _check_image_tensor(shape, datatype, limits)
+    size = object_field(tensor.get("parameters"), "inputs[0].parameters").get("binary_data_size")
+    if size is None:
+        if tail:
+            raise BadInput(f"{len(tail)} bytes of binary data follow the JSON, but no input has binary_data_size")
+        image = _json_image(tensor.get("data"), datatype, shape, count)
+    else:
+        if isinstance(size, bool) or not isinstance(size, int) or size != len(tail):
+            raise BadInput(f"binary_data_size is {str(size)[:20]} but {len(tail):,} bytes follow the JSON")
+        image = _binary_image(tail, datatype, shape, count)
+    return PipelineInput(image, requested_outputs(body.get("outputs"), params, names), id_field(body.get("id")),
+                         params.get("priority"))
+
+
+def _json_image(data, datatype: str, shape: list[int], count: int) -> bytes | np.ndarray:
+    if data is None:
+        raise BadInput('the input needs "data" (or binary_data_size with binary tensor data)')
+    if datatype == "BYTES":
+        while isinstance(data, list) and len(data) == 1:
+            data = data[0]
+        if not isinstance(data, str):
+            raise BadInput("a BYTES image in JSON is one base64 string (or send it as binary data)")
+        try:
+            return base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadInput("a BYTES image in JSON must be base64-encoded") from None
+    try:
+        values = np.asarray(data, dtype=np.int64).reshape(-1)
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        raise BadInput("UINT8 pixels must be a (possibly nested) list of integers 0..255") from None
+    if values.size != count:
+        raise BadInput(f"input data has {values.size} values but shape {shape} needs {count}")
+    if values.size and (values.min() < 0 or values.max() > 255):
+        raise BadInput("UINT8 pixels must be integers 0..255")
+    return _pixels(values.astype(np.uint8), shape)
+
+
+def _binary_image(tail, datatype: str, shape: list[int], count: int) -> bytes | np.ndarray:
+    if datatype == "BYTES":
+        return _length_prefixed(bytes(tail))
+    if len(tail) != count:
+        raise BadInput(f"UINT8 shape {shape} needs {count:,} bytes, got {len(tail):,}")
+    return _pixels(np.frombuffer(tail, dtype=np.uint8), shape)
+
+
+def _length_prefixed(data: bytes) -> bytes:
+    """A BYTES tensor's one element in the protocol's binary form: its length (4 bytes, little-endian), then it."""
+    if len(data) < 4:
+        raise BadInput("a BYTES tensor's binary data starts with its element's length (4 bytes)")
+    (length,) = struct.unpack_from("<I", data)
+    if length != len(data) - 4:
+        raise BadInput(f"the BYTES element says {length:,} bytes, but {len(data) - 4:,} follow its length; "
+                       f"a pipeline takes one image")
+    return data[4:]
+
+
+def _check_image_tensor(shape, datatype, limits: ImageLimits) -> int:
+    """The tensor's number of values (elements for BYTES), or BadInput saying what a pipeline takes."""
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+        raise BadInput("input shape must be a list of positive integers")
+    if datatype == "BYTES":
+        if math.prod(shape) != 1:
+            raise BadInput(f"a pipeline takes one image per request; got BYTES of shape {shape} (send several requests)")
+        return 1
+    if datatype != "UINT8":
+        raise BadInput(f"a pipeline takes {TAKES}; got {str(datatype)[:20]}")
+    dims = shape[1:] if len(shape) == 4 and shape[0] == 1 else shape
+    if len(dims) != 3 or dims[2] not in (1, 3):
+        raise BadInput(f"a pipeline takes {TAKES}; got UINT8 of shape {shape}")
+    if dims[0] * dims[1] > limits.max_pixels:
+        raise BadInput(f"the image is {dims[1]}x{dims[0]}, over the server's limit of {limits.max_pixels:,} pixels")
+    return math.prod(shape)
+
+
+def _pixels(flat: np.ndarray, shape: list[int]) -> np.ndarray:
+    return flat.reshape(shape[-3:])
+
+
+# ---- the gRPC request ------------------------------------------------------------------------------
+
+def grpc_request(message, names: tuple[str, ...], limits: ImageLimits) -> PipelineInput:
+    """A ModelInferRequest on a pipeline, checked as its HTTP twin: the image as raw_input_contents
+    or typed contents (`bytes_contents`, `uint_contents`)."""
+    request, raw = message.request, message.raw
+    if len(request.inputs) != 1:
+        raise BadInput(f"a pipeline takes {TAKES}; got {len(request.inputs)} input tensors")
+    tensor = request.inputs[0]
+    if not tensor.name or len(tensor.name) > MAX_NAME_CHARS:
+        raise BadInput(f"the input tensor needs a name of 1 to {MAX_NAME_CHARS} characters")
+    shape = list(tensor.shape)
+    count = _check_image_tensor(shape, tensor.datatype, limits)
+    if raw:
+        if len(raw) != 1 or tensor.HasField("contents"):
+            raise BadInput("give the image once: one raw_input_contents entry, or typed contents")
+        image = _binary_image(raw[0], tensor.datatype, shape, count)
+    elif tensor.datatype == "BYTES":
+        if len(tensor.contents.bytes_contents) != 1:
+            raise BadInput("a pipeline takes one image: one entry in contents.bytes_contents")
+        image = tensor.contents.bytes_contents[0]
+    else:
+        values = tensor.contents.uint_contents
+        if len(values) != count:
+            raise BadInput(f"input contents.uint_contents has {len(values):,} values but shape {shape} needs {count:,}")
+        flat = np.asarray(values, dtype=np.int64)
+        if flat.size and flat.max() > 255:
+            raise BadInput("UINT8 pixels must be integers 0..255")
+        image = _pixels(flat.astype(np.uint8), shape)
+    outputs = []
+    for out in request.outputs:
+        if out.name not in names:
+            raise BadInput(f"unknown output {out.name[:40]!r}; outputs: {', '.join(names)}")
+        outputs.append((out.name, bool(raw)))
+    return PipelineInput(image, outputs or [(n, bool(raw)) for n in names], request.id or None)
+
+
+def check_unversioned(pipeline: Pipeline, version: str | None) -> None:
+    """A pipeline has no versions: 404 for one asked for."""
+    if version is not None:
+        raise ApiError(404, f"pipeline {pipeline.name!r} has no versions; its steps name their variants")
