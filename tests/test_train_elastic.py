@@ -119,7 +119,7 @@ def test_a_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(tmp_p
 @needs_netns
 def test_with_nnodes_1_to_2_the_first_node_finishes_alone_when_the_second_one_is_cut_off(tmp_path):
     out = tmp_path / "shrunk.pt"
-    epochs = 20
+    epochs = 10
     with netns.two_nodes() as (a, b), tempfile.TemporaryFile("w+") as log_a, tempfile.TemporaryFile("w+") as log_b:
         agents = [_agent(b, a, "1:2", out, epochs, log_b, "--max-restarts=3", train_extra=("--collective-timeout-s", "15")),
                   _agent(a, a, "1:2", out, epochs, log_a, "--max-restarts=3", train_extra=("--collective-timeout-s", "15"))]
