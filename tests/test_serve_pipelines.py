@@ -275,6 +275,39 @@ def test_a_pipeline_has_no_versions_and_a_pipeline_not_ready_answers_503_over_th
     assert r.status_code == 503 and "'absent' is not in the repository" in r.json()["error"]
 
 
+def test_a_pipeline_is_unloaded_and_loaded_again_through_the_repository_api_its_steps_staying(server):
+    png = _png(scene(np.random.default_rng(6), 2, range(TRAIN_DIGITS, 1797)).image)
+    predict = dict(content=png, headers={"content-type": "image/png"})
+    try:
+        assert httpx.post(f"{server}/v2/repository/models/reader/unload", json={}, headers=ADMIN).status_code == 200
+        index = {e["name"]: e for e in httpx.post(f"{server}/v2/repository/index", json={}, headers=ADMIN).json()}
+        assert (index["reader"]["state"], index["reader"]["reason"]) == ("UNAVAILABLE", "unloaded")
+        assert index["digits"]["state"] == index["finder"]["state"] == "READY"  # other clients may call them
+        r = httpx.post(f"{server}/predict?model=reader", **predict)
+        assert r.status_code == 503 and r.json()["error"] == "pipeline 'reader' is not ready: unloaded"
+        assert httpx.get(f"{server}/v2/models/reader/ready").status_code == 503
+        assert httpx.post(f"{server}/predict?model=digits", **predict).status_code == 200
+    finally:
+        load = httpx.post(f"{server}/v2/repository/models/reader/load", json={}, headers=ADMIN, timeout=120)
+    assert load.status_code == 200, load.text
+    assert httpx.post(f"{server}/predict?model=reader", **predict).status_code == 200
+    refused = httpx.post(f"{server}/v2/repository/models/waits/load", json={}, headers=ADMIN)
+    assert refused.status_code == 400 and "step model 'absent'" in refused.json()["error"]
+    refused = httpx.post(f"{server}/v2/repository/models/broken/load", json={}, headers=ADMIN)
+    assert refused.status_code == 400 and "not valid JSON" in refused.json()["error"]
+
+
+def test_a_pipeline_named_at_start_up_loads_its_steps_models_and_no_other(repository):
+    app = create_app(ServeConfig(str(repository), model_control="explicit", load_models=["reader"]))
+    with in_process_server(app, lambda: app.state.server.reports_ready):
+        server = app.state.server
+        assert set(server.models) == {"finder", "digits"}
+        assert server.repository.pipeline_not_ready_reason("reader") is None
+        assert server.repository.pipeline_not_ready_reason("waits").startswith("not loaded (POST /v2/repository")
+    with pytest.raises(UserError, match="--load-model names 'nothing', not in .*pipelines: reader, waits"):
+        create_app(ServeConfig(str(repository), model_control="explicit", load_models=["nothing"]))
+
+
 SECONDS_PER_CROP = 0.1
 
 

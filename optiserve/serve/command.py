@@ -100,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--load-model ones, then what the repository API asks; poll: follow the folder, "
                         "loading new, reloading changed and unloading removed models")
     p.add_argument("--load-model", action="append", default=None, metavar="NAME", dest="load_models",
-                   help="with --model-control explicit: a model to load at start-up (repeatable; * for all)")
+                   help="with --model-control explicit: a model to load at start-up, or a pipeline with its "
+                        "steps' models (repeatable; * for all)")
     p.add_argument("--poll-seconds", type=float, default=DEFAULTS.poll_seconds, metavar="S",
                    help=f"with --model-control poll: how often the repository is re-read (default "
                         f"{DEFAULTS.poll_seconds:g})")

@@ -67,6 +67,13 @@ class ModelRepository:
         self.status: dict[str, ModelStatus] = {name: ModelStatus("UNAVAILABLE", reason="not loaded")
                                                for name in found}
         self.pending: dict[str, ServedModel] = {}     # read and checked at construction, loaded by start()
+        self.pipelines: dict[str, Pipeline] = {}     # the repository's pipeline folders that read well
+        self.pipeline_errors: dict[str, str] = {}    # and those that do not, with why
+        self.find_pipelines()
+        # under --model-control explicit, the pipelines loaded (named at start-up or loaded since); else
+        # None: every pipeline of the folder answers once its steps' models do
+        self.pipelines_loaded: set[str] | None = None
+        self.pipelines_unloaded: set[str] = set()    # unloaded on request (said so where they are listed)
         # the models readiness waits for: those named at start-up, until one is unloaded or removed on purpose
         startup = self._startup_models(found)
         self.required: set[str] = set(startup)
@@ -77,9 +84,6 @@ class ModelRepository:
                 if not self.is_repository:
                     raise  # one folder: a bad folder or variant choice is one clear line at start-up
                 self._failed(name, str(e), folder_version(found[name]))
-        self.pipelines: dict[str, Pipeline] = {}     # the repository's pipeline folders that read well
-        self.pipeline_errors: dict[str, str] = {}    # and those that do not, with why
-        self.find_pipelines()
         self._locks: dict[str, list] = {}  # name -> [lock, holders and waiters]
         self._missing: dict[str, int] = {}
         self.poller: asyncio.Task | None = None
@@ -87,16 +91,24 @@ class ModelRepository:
 
     # ---- which models, from where ----------------------------------------------------------------
     def _startup_models(self, found: dict[str, Path]) -> list[str]:
+        """The models to load at start-up; under --model-control explicit, a pipeline named by
+        --load-model is loaded with its steps' models."""
         if self.cfg.model_control != "explicit":
             return list(found)
         wanted = self.cfg.load_models or []
         if "*" in wanted:
+            self.pipelines_loaded = {*self.pipelines, *self.pipeline_errors}
             return list(found)
-        unknown = [n for n in wanted if n not in found]
+        pipelines = [n for n in wanted if n not in found and self.is_pipeline(n)]
+        unknown = [n for n in wanted if n not in found and n not in pipelines]
         if unknown:
             raise UserError(f"--load-model names {', '.join(map(repr, unknown))}, not in {self.root} "
-                            f"(models: {', '.join(found) or 'none'})")
-        return list(dict.fromkeys(wanted))
+                            f"(models: {', '.join(found) or 'none'}"
+                            f"{'; pipelines: ' + ', '.join(sorted(self.pipelines)) if self.pipelines else ''})")
+        self.pipelines_loaded = set(pipelines)
+        steps = [step.model for n in pipelines if n in self.pipelines for step in self.pipelines[n].steps
+                 if step.model in found]
+        return list(dict.fromkeys(n for n in [*wanted, *steps] if n in found))
 
     def _prepare(self, name: str, folder: Path) -> ServedModel:
         """The model in `folder`, its manifest and serving.json read and checked (not loaded yet)."""
@@ -170,6 +182,9 @@ class ModelRepository:
     def pipeline_not_ready_reason(self, name: str) -> str | None:
         if name in self.pipeline_errors:
             return self.pipeline_errors[name]
+        if self.pipelines_loaded is not None and name not in self.pipelines_loaded:
+            return "unloaded" if name in self.pipelines_unloaded else \
+                f"not loaded (POST /v2/repository/models/{name}/load loads it and its steps' models)"
         return self.pipeline_problem(self.pipelines[name])
 
     def pipeline(self, name: str) -> Pipeline:
@@ -312,11 +327,14 @@ class ModelRepository:
 
     async def load_model(self, name: str) -> ModelStatus:
         """Load `name` from the repository, or reload it if it is served (zero downtime). Raises
-        ApiError 400 with the reason when it cannot be loaded (a served version keeps serving)."""
+        ApiError 400 with the reason when it cannot be loaded (a served version keeps serving).
+        A pipeline is read again and its steps' models loaded where they are not served."""
         self._check_not_stopping()
         async with self._exclusive(name):
             found = await self.repository_models()
             folder = found.get(name)
+            if folder is None and await self._pipeline_folder(name):
+                return await self._load_pipeline(name)
             if folder is None:
                 raise ApiError(400, f"no model {name!r} in the repository {self.root} (models: "
                                     f"{', '.join(found) or 'none'})")
@@ -332,10 +350,44 @@ class ModelRepository:
                 raise ApiError(400, self.status[name].reason)
             return self.status[name]
 
+    async def _pipeline_folder(self, name: str) -> bool:
+        """Whether `name` is one of the repository's pipelines, its folders read again."""
+        await _off_loop(self.find_pipelines)
+        return self.is_pipeline(name) and name not in self.status
+
+    async def _load_pipeline(self, name: str) -> ModelStatus:
+        """Serve pipeline `name`: its pipeline.json as read now, and each step's model loaded where
+        it is not served (one served already is left as it is). 400 with the reason when a step
+        cannot answer."""
+        if name in self.pipeline_errors:
+            raise ApiError(400, f"pipeline {name!r}: {self.pipeline_errors[name]}")
+        pipeline = self.pipelines[name]
+        for step in pipeline.steps:
+            if step.model not in self.models:
+                try:
+                    await self.load_model(step.model)
+                except ApiError as e:
+                    raise ApiError(400, f"pipeline {name!r}: step model {step.model!r}: {e.message}") from None
+        if self.pipelines_loaded is not None:
+            self.pipelines_loaded.add(name)
+        self.pipelines_unloaded.discard(name)
+        why = self.pipeline_problem(pipeline)
+        if why is not None:
+            raise ApiError(400, f"pipeline {name!r} cannot answer: {why}")
+        log.info("pipeline %s: serving (%s)", name, " -> ".join(step.model for step in pipeline.steps))
+        return ModelStatus("READY")
+
     async def unload_model(self, name: str) -> None:
-        """Stop admitting requests for `name`, answer what it already admitted, then free it."""
+        """Stop admitting requests for `name`, answer what it already admitted, then free it. A
+        pipeline stops answering; its steps' models stay loaded (other clients may call them)."""
         self._check_not_stopping()
         async with self._exclusive(name):
+            if name not in self.models and name not in self.status and await self._pipeline_folder(name):
+                if self.pipelines_loaded is not None:
+                    self.pipelines_loaded.discard(name)
+                    self.pipelines_unloaded.add(name)
+                log.info("pipeline %s: unloaded", name)
+                return
             model = self.models.pop(name, None)
             if model is None:
                 if name not in self.status and name not in await self.repository_models():
