@@ -371,7 +371,8 @@ def test_a_crop_is_the_box_widened_by_its_margin_within_the_picture():
 def test_a_grpc_pipeline_request_may_give_the_image_as_typed_contents():
     from optiserve.grpc_protocol import pb
     from optiserve.grpc_protocol.infer_wire import InferMessage
-    from optiserve.serve.pipeline_protocol import grpc_request, picture_of
+    from optiserve.serve.grpc_service import parse_pipeline_infer as grpc_request
+    from optiserve.serve.pipeline_protocol import picture_of
     from optiserve.serve.preprocess import BadInput, ImageLimits
 
     names = ("boxes", "scores", "class_ids", "box_index", "logits", "probabilities")

@@ -31,7 +31,8 @@ from optiserve.serve.admin_auth import AdminAuth
 from optiserve.serve.logs import REQUEST_ID_KEY, accepted_request_id, request_id
 from optiserve.serve.envelope import MAX_NAME_CHARS, OUTPUTS, InferRequest, check_tensor
 from optiserve.serve.pipeline_requests import counted, run_pipeline
-from optiserve.serve.preprocess import BadInput, tensor_batch
+from optiserve.serve.pipeline_protocol import PipelineInput
+from optiserve.serve.preprocess import BadInput, ImageLimits, tensor_batch
 from optiserve.serve.server import ApiError, Server
 
 log = logging.getLogger("optiserve.serve")
@@ -55,11 +56,7 @@ def parse_infer(message: InferMessage, spec, max_images: int, output_names: tupl
     """A ModelInferRequest's one input, [N, C, H, W] as raw bytes (`raw_input_contents`, FP32/FP16/FP64)
     or typed contents (`fp32_contents` / `fp64_contents`), checked as the HTTP protocol checks it."""
     request, raw = message.request, message.raw
-    if len(request.inputs) != 1:
-        raise BadInput(f"expected exactly one input tensor (\"input\", [N, C, H, W]), got {len(request.inputs)}")
-    tensor = request.inputs[0]
-    if not tensor.name or len(tensor.name) > MAX_NAME_CHARS:
-        raise BadInput(f"the input tensor needs a name of 1 to {MAX_NAME_CHARS} characters")
+    tensor = _one_input(request, '("input", [N, C, H, W])')
     shape = list(tensor.shape)
     count, dtype = check_tensor(shape, tensor.datatype, spec, max_images)
     if raw:
@@ -80,13 +77,55 @@ def parse_infer(message: InferMessage, spec, max_images: int, output_names: tupl
         if len(values) != count:
             raise BadInput(f"input contents.{field} has {len(values):,} values but shape {shape} needs {count:,}")
         flat = np.asarray(values, dtype=dtype)
+    return InferRequest(tensor_batch(flat.reshape(shape), spec), _requested(request, output_names, bool(raw)),
+                        request.id or None)
+
+
+def parse_pipeline_infer(message: InferMessage, names: tuple[str, ...], limits: ImageLimits) -> PipelineInput:
+    """A ModelInferRequest on a pipeline (serve/pipeline_protocol.py), checked as its HTTP twin: the
+    image as raw_input_contents or typed contents (`bytes_contents`, `uint_contents`)."""
+    request, raw = message.request, message.raw
+    tensor = _one_input(request, f"({pipeline_protocol.TAKES})")
+    shape = list(tensor.shape)
+    count = pipeline_protocol.check_image_tensor(shape, tensor.datatype, limits)
+    if raw:
+        if len(raw) != 1 or tensor.HasField("contents"):
+            raise BadInput("give the image once: one raw_input_contents entry, or typed contents")
+        image = pipeline_protocol.binary_image(raw[0], tensor.datatype, shape, count)
+    elif tensor.datatype == "BYTES":
+        if len(tensor.contents.bytes_contents) != 1:
+            raise BadInput("a pipeline takes one image: one entry in contents.bytes_contents")
+        image = tensor.contents.bytes_contents[0]
+    else:
+        values = tensor.contents.uint_contents
+        if len(values) != count:
+            raise BadInput(f"input contents.uint_contents has {len(values):,} values but shape {shape} needs {count:,}")
+        flat = np.asarray(values, dtype=np.int64)
+        if flat.size and flat.max() > 255:
+            raise BadInput("UINT8 pixels must be integers 0..255")
+        image = pipeline_protocol.pixels(flat.astype(np.uint8), shape)
+    return PipelineInput(image, _requested(request, names, bool(raw)), request.id or None)
+
+
+def _one_input(request, expected: str):
+    """The request's one input tensor, named; BadInput saying what was `expected` otherwise."""
+    if len(request.inputs) != 1:
+        raise BadInput(f"expected exactly one input tensor {expected}, got {len(request.inputs)}")
+    tensor = request.inputs[0]
+    if not tensor.name or len(tensor.name) > MAX_NAME_CHARS:
+        raise BadInput(f"the input tensor needs a name of 1 to {MAX_NAME_CHARS} characters")
+    return tensor
+
+
+def _requested(request, names: tuple[str, ...], raw: bool) -> list[tuple[str, bool]]:
+    """The outputs the request asks for (all of `names` when none), answered as raw bytes where its
+    input came so."""
     outputs = []
     for out in request.outputs:
-        if out.name not in output_names:
-            raise BadInput(f"unknown output {out.name[:40]!r}; outputs: {', '.join(output_names)}")
-        outputs.append((out.name, bool(raw)))
-    return InferRequest(tensor_batch(flat.reshape(shape), spec), outputs or [(n, bool(raw)) for n in output_names],
-                        request.id or None)
+        if out.name not in names:
+            raise BadInput(f"unknown output {out.name[:40]!r}; outputs: {', '.join(names)}")
+        outputs.append((out.name, raw))
+    return outputs or [(name, raw) for name in names]
 
 
 def _response(response, requested: list[tuple[str, bool]], tensor: Callable[[str], np.ndarray],
@@ -182,11 +221,11 @@ class InferenceService:
         pipeline = server.repository.pipeline(name)
         pipeline_protocol.check_unversioned(pipeline, request.model_version or None)
         names = pipeline_protocol.output_names(server.model(pipeline.per_box.model))
-        given: list[pipeline_protocol.PipelineInput] = []
+        given: list[PipelineInput] = []
 
         async def read_picture(admission):
             admission.held.grow(message.size, "its message")
-            parsed = await server.decode(pipeline_protocol.grpc_request, message, names, server.image_limits)
+            parsed = await server.decode(parse_pipeline_infer, message, names, server.image_limits)
             given.append(parsed)
             return await server.decode(pipeline_protocol.picture_of, parsed.image, server.image_limits)
 

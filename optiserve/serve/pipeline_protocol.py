@@ -1,5 +1,6 @@
 """The Open Inference Protocol on a pipeline (serve/pipelines.py): its metadata, what its infer
-takes and what it answers, over either transport.
+takes and what it answers, over either transport (the HTTP request is read here, the gRPC
+message by grpc_service.parse_pipeline_infer with the checks here).
 
 Its infer takes one image: a BYTES tensor of shape [1] holding the encoded file (PNG, JPEG, ...;
 as binary data, gRPC's `bytes_contents`, or in JSON a base64 string) or a UINT8 tensor
@@ -22,7 +23,7 @@ from PIL import Image
 
 from optiserve.serve import oip
 from optiserve.serve.binary import BinaryFormatError, split_body
-from optiserve.serve.envelope import (MAX_NAME_CHARS, OTHER_FIELDS_COMMAS, PYTHON_NUMBER_BYTES, TooManyValues,
+from optiserve.serve.envelope import (OTHER_FIELDS_COMMAS, PYTHON_NUMBER_BYTES, TooManyValues,
                                       id_field, name_field, object_field, parse_json, requested_outputs)
 from optiserve.serve.model import ServedModel
 from optiserve.serve.pipeline_requests import PipelineRun
@@ -117,7 +118,7 @@ def http_request(data: bytes, header_length: str | None, names: tuple[str, ...],
     tensor = inputs[0]
     name_field(tensor.get("name"), "inputs[0].name", optional=False)
     shape, datatype = tensor.get("shape"), tensor.get("datatype")
-    count = _check_image_tensor(shape, datatype, limits)
+    count = check_image_tensor(shape, datatype, limits)
     size = object_field(tensor.get("parameters"), "inputs[0].parameters").get("binary_data_size")
     if size is None:
         if tail:
@@ -126,7 +127,7 @@ def http_request(data: bytes, header_length: str | None, names: tuple[str, ...],
     else:
         if isinstance(size, bool) or not isinstance(size, int) or size != len(tail):
             raise BadInput(f"binary_data_size is {str(size)[:20]} but {len(tail):,} bytes follow the JSON")
-        image = _binary_image(tail, datatype, shape, count)
+        image = binary_image(tail, datatype, shape, count)
     return PipelineInput(image, requested_outputs(body.get("outputs"), params, names), id_field(body.get("id")),
                          params.get("priority"))
 
@@ -151,15 +152,15 @@ def _json_image(data, datatype: str, shape: list[int], count: int) -> bytes | np
         raise BadInput(f"input data has {values.size} values but shape {shape} needs {count}")
     if values.size and (values.min() < 0 or values.max() > 255):
         raise BadInput("UINT8 pixels must be integers 0..255")
-    return _pixels(values.astype(np.uint8), shape)
+    return pixels(values.astype(np.uint8), shape)
 
 
-def _binary_image(tail, datatype: str, shape: list[int], count: int) -> bytes | np.ndarray:
+def binary_image(tail, datatype: str, shape: list[int], count: int) -> bytes | np.ndarray:
     if datatype == "BYTES":
         return _length_prefixed(bytes(tail))
     if len(tail) != count:
         raise BadInput(f"UINT8 shape {shape} needs {count:,} bytes, got {len(tail):,}")
-    return _pixels(np.frombuffer(tail, dtype=np.uint8), shape)
+    return pixels(np.frombuffer(tail, dtype=np.uint8), shape)
 
 
 def _length_prefixed(data: bytes) -> bytes:
@@ -173,7 +174,7 @@ def _length_prefixed(data: bytes) -> bytes:
     return data[4:]
 
 
-def _check_image_tensor(shape, datatype, limits: ImageLimits) -> int:
+def check_image_tensor(shape, datatype, limits: ImageLimits) -> int:
     """The tensor's number of values (elements for BYTES), or BadInput saying what a pipeline takes."""
     if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
         raise BadInput("input shape must be a list of positive integers")
@@ -191,45 +192,8 @@ def _check_image_tensor(shape, datatype, limits: ImageLimits) -> int:
     return math.prod(shape)
 
 
-def _pixels(flat: np.ndarray, shape: list[int]) -> np.ndarray:
+def pixels(flat: np.ndarray, shape: list[int]) -> np.ndarray:
     return flat.reshape(shape[-3:])
-
-
-# ---- the gRPC request ------------------------------------------------------------------------------
-
-def grpc_request(message, names: tuple[str, ...], limits: ImageLimits) -> PipelineInput:
-    """A ModelInferRequest on a pipeline, checked as its HTTP twin: the image as raw_input_contents
-    or typed contents (`bytes_contents`, `uint_contents`)."""
-    request, raw = message.request, message.raw
-    if len(request.inputs) != 1:
-        raise BadInput(f"a pipeline takes {TAKES}; got {len(request.inputs)} input tensors")
-    tensor = request.inputs[0]
-    if not tensor.name or len(tensor.name) > MAX_NAME_CHARS:
-        raise BadInput(f"the input tensor needs a name of 1 to {MAX_NAME_CHARS} characters")
-    shape = list(tensor.shape)
-    count = _check_image_tensor(shape, tensor.datatype, limits)
-    if raw:
-        if len(raw) != 1 or tensor.HasField("contents"):
-            raise BadInput("give the image once: one raw_input_contents entry, or typed contents")
-        image = _binary_image(raw[0], tensor.datatype, shape, count)
-    elif tensor.datatype == "BYTES":
-        if len(tensor.contents.bytes_contents) != 1:
-            raise BadInput("a pipeline takes one image: one entry in contents.bytes_contents")
-        image = tensor.contents.bytes_contents[0]
-    else:
-        values = tensor.contents.uint_contents
-        if len(values) != count:
-            raise BadInput(f"input contents.uint_contents has {len(values):,} values but shape {shape} needs {count:,}")
-        flat = np.asarray(values, dtype=np.int64)
-        if flat.size and flat.max() > 255:
-            raise BadInput("UINT8 pixels must be integers 0..255")
-        image = _pixels(flat.astype(np.uint8), shape)
-    outputs = []
-    for out in request.outputs:
-        if out.name not in names:
-            raise BadInput(f"unknown output {out.name[:40]!r}; outputs: {', '.join(names)}")
-        outputs.append((out.name, bool(raw)))
-    return PipelineInput(image, outputs or [(n, bool(raw)) for n in names], request.id or None)
 
 
 def check_unversioned(pipeline: Pipeline, version: str | None) -> None:
