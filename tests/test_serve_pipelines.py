@@ -32,6 +32,10 @@ from digit_scenes import MEAN, SIDE, STD, TRAIN_DIGITS, export_detector, scene, 
 
 READER = {"steps": [{"model": "finder"},
                      {"model": "digits", "crops": {"min_score": 0.5, "classes": ["digit"], "max_crops": 8}}]}
+BRANCHES = {"steps": [{"model": "finder"},  # every digit read, and the best one read by a second model too
+                       {"model": "digits", "crops": {"min_score": 0.5, "max_crops": 8}},
+                       {"model": "best", "crops": {"min_score": 0.5, "classes": ["digit"], "max_crops": 1}}]}
+CATS = {"steps": [{"model": "finder"}, {"model": "digits", "crops": {"classes": ["cat"]}}]}  # a class it never finds
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +64,9 @@ def repository(finder_artifact, small_artifact, tmp_path_factory) -> Path:
     root.mkdir()
     shutil.copytree(finder_artifact, root / "finder")
     shutil.copytree(small_artifact, root / "digits")
+    shutil.copytree(small_artifact, root / "best")  # the same classifier, another name: a second reader
     (root / "digits" / "pipeline.json").write_text(json.dumps(READER))  # a model's folder stays a model
-    for name, content in (("reader", json.dumps(READER)),
+    for name, content in (("reader", json.dumps(READER)), ("branches", json.dumps(BRANCHES)), ("cats", json.dumps(CATS)),
                           ("waits", json.dumps({"steps": [{"model": "finder"}, {"model": "absent"}]})),
                           ("broken", "{not json")):
         (root / name).mkdir()
@@ -256,6 +261,40 @@ def test_the_protocol_s_infer_on_a_pipeline_answers_the_boxes_and_each_crop_s_ou
     assert shapes["boxes"] == [0, 4] and shapes["box_index"] == [0] and shapes["probabilities"] == [0, len(classes)]
 
 
+def test_several_models_read_the_boxes_their_own_crops_settings_choose(addresses, repository):
+    """The branch: each later step reads the boxes its own `crops` choose, and answers under its
+    model's name; a step whose classes the detector never finds reads nothing."""
+    httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    base, _ = addresses
+    png = _png(scene(np.random.default_rng(12), 3, range(TRAIN_DIGITS, 1797)).image)
+    r = httpx.post(f"{base}/predict?model=branches&top_k=1", content=png, headers={"content-type": "image/png"})
+    assert r.status_code == 200, r.text
+    found = r.json()["detections"][0]
+    assert len(found) >= 2 and all("digits" in box and "predictions" not in box for box in found)
+    assert "best" in found[0] and not any("best" in box for box in found[1:])  # max_crops 1: the best box only
+    # the same classifier under two names (each served by the variant it measured fastest) reads the same
+    assert found[0]["best"]["predictions"][0]["class"] == found[0]["digits"]["predictions"][0]["class"]
+    assert [(st["step"], st["model"], st.get("crops")) for st in r.json()["latency_ms"]["steps"]] == [
+        (1, "finder", None), (2, "digits", len(found)), (3, "best", 1)]
+
+    client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
+    names = [o["name"] for o in client.get_model_metadata("branches")["outputs"]]
+    assert names == ["boxes", "scores", "class_ids", "digits.box_index", "digits.logits", "digits.probabilities",
+                     "best.box_index", "best.logits", "best.probabilities"]
+    image = httpclient.InferInput("image", [1], "BYTES")
+    image.set_data_from_numpy(np.array([png], dtype=object))
+    result = client.infer("branches", [image])
+    assert result.as_numpy("digits.box_index").tolist() == list(range(len(found)))
+    assert result.as_numpy("best.box_index").tolist() == [0]
+    assert result.as_numpy("best.probabilities")[0].argmax() == result.as_numpy("digits.probabilities")[0].argmax()
+
+    r = httpx.post(f"{base}/predict?model=cats", content=png, headers={"content-type": "image/png"})
+    assert r.status_code == 200 and r.json()["detections"][0] and not any("predictions" in b for b in r.json()["detections"][0])
+    result = client.infer("cats", [image])
+    assert result.as_numpy("box_index").shape == (0,) and result.as_numpy("probabilities").shape == (0, 10)
+    assert result.as_numpy("boxes").shape == (len(found), 4)
+
+
 @pytest.mark.parametrize("tensor, status, message", [
     ({"name": "image", "shape": [2], "datatype": "BYTES", "data": ["aGk=", "aGk="]}, 400, "one image per request"),
     ({"name": "image", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [0.0] * 192}, 400, "a pipeline takes one image"),
@@ -304,7 +343,7 @@ def test_a_pipeline_named_at_start_up_loads_its_steps_models_and_no_other(reposi
         assert set(server.models) == {"finder", "digits"}
         assert server.repository.pipeline_not_ready_reason("reader") is None
         assert server.repository.pipeline_not_ready_reason("waits").startswith("not loaded (POST /v2/repository")
-    with pytest.raises(UserError, match="--load-model names 'nothing', not in .*pipelines: reader, waits"):
+    with pytest.raises(UserError, match="--load-model names 'nothing', not in .*pipelines: branches, cats, reader, waits"):
         create_app(ServeConfig(str(repository), model_control="explicit", load_models=["nothing"]))
 
 
@@ -344,14 +383,16 @@ def test_a_pipeline_request_whose_client_hangs_up_runs_none_of_its_queued_crops(
 
 @pytest.mark.parametrize("data, message", [
     ([], 'must hold {"steps": [...]}'),
-    ({"steps": [{"model": "a"}]}, "steps must list two steps"),
-    ({"steps": [{"model": "a"}, {"model": "a"}]}, "both steps name model 'a'"),
-    ({"steps": [{"model": "a", "crops": {}}, {"model": "b"}]}, "`crops` belongs to the second"),
+    ({"steps": [{"model": "a"}]}, "steps must list a detector, then 1 to 4 models"),
+    ({"steps": [{"model": m} for m in "abcdef"]}, "steps must list a detector, then 1 to 4 models"),
+    ({"steps": [{"model": "a"}, {"model": "b"}, {"model": "a"}]}, "two steps name model 'a'"),
+    ({"steps": [{"model": "a", "crops": {}}, {"model": "b"}]}, "`crops` belongs to the later ones"),
     ({"steps": [{"model": "a"}, {"model": "b", "crops": {"min_score": 2}}]}, "crops.min_score must be a number in"),
     ({"steps": [{"model": "a"}, {"model": "b", "crops": {"max_crops": 0}}]}, "crops.max_crops must be an integer"),
     ({"steps": [{"model": "a"}, {"model": "b", "crops": {"size": 3}}]}, "unknown crops key 'size'"),
     ({"steps": [{"model": "a"}, {"mode": "b"}]}, "step 2: unknown key 'mode'"),
     ({"steps": [{"model": "p"}, {"model": "b"}]}, "a step names the pipeline itself"),
+    ({"steps": [{"model": "a"}, {"model": "b"}, {"model": "score"}]}, "'score' is a box's own key"),
 ])
 def test_a_pipeline_json_that_cannot_work_is_one_line_naming_the_fix(data, message):
     with pytest.raises(UserError, match=None) as caught:

@@ -179,7 +179,7 @@ class InferenceService:
         if oip.is_pipeline(self.server, name):
             pipeline = self.server.repository.pipeline(name)
             pipeline_protocol.check_unversioned(pipeline, version)
-            meta = pipeline_protocol.metadata(pipeline, self.server.model(pipeline.per_box.model))
+            meta = pipeline_protocol.metadata(pipeline, pipeline_protocol.step_models(self.server, pipeline))
         else:
             meta = oip.model_metadata(oip.served(self.server, name, version), version)
         meta.pop("version", None)
@@ -220,7 +220,7 @@ class InferenceService:
         server, request = self.server, message.request
         pipeline = server.repository.pipeline(name)
         pipeline_protocol.check_unversioned(pipeline, request.model_version or None)
-        names = pipeline_protocol.output_names(server.model(pipeline.per_box.model))
+        names = pipeline_protocol.output_names(pipeline_protocol.step_models(server, pipeline))
         given: list[PipelineInput] = []
 
         async def read_picture(admission):

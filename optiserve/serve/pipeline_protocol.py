@@ -6,8 +6,10 @@ Its infer takes one image: a BYTES tensor of shape [1] holding the encoded file 
 as binary data, gRPC's `bytes_contents`, or in JSON a base64 string) or a UINT8 tensor
 [H, W, 3] (or [1, H, W, 3]; 1 channel for grey) of RGB pixels. It answers the boxes the detector
 found, in the image's pixels, best first — `boxes` [B, 4] (x1, y1, x2, y2), `scores` [B],
-`class_ids` [B] — and the second step's outputs for the boxes it read, one row per crop, under
+`class_ids` [B] — and each later step's outputs for the boxes it read, one row per crop, under
 that model's own output names, with `box_index` [K]: the row of `boxes` each crop was cut from.
+Where several models read the boxes, each one's tensors are named `MODEL.OUTPUT` (`digits.box_index`,
+`digits.probabilities`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from optiserve.serve.envelope import (OTHER_FIELDS_COMMAS, PYTHON_NUMBER_BYTES, 
                                       id_field, name_field, object_field, parse_json, requested_outputs)
 from optiserve.serve.model import ServedModel
 from optiserve.serve.pipeline_requests import PipelineRun
-from optiserve.serve.pipelines import BOX_OUTPUTS, Pipeline
+from optiserve.serve.pipelines import BOX_OUTPUTS, ROW_INDEX, Pipeline
 from optiserve.serve.preprocess import BadInput, ImageLimits, decode_picture
-from optiserve.serve.server import ApiError
+from optiserve.serve.server import ApiError, Server
 
 INPUT_NAME = "image"
 NUMPY_TYPES = {name: dtype for dtype, name in oip.DATATYPES.items()}
@@ -48,18 +50,34 @@ class PipelineInput:
     priority: object = None
 
 
-def output_names(per_box: ServedModel) -> tuple[str, ...]:
-    """What an infer on the pipeline may answer: the boxes, then the second step's outputs."""
-    return (*BOX_OUTPUTS, *per_box.protocol_outputs)
+def step_models(server: Server, pipeline: Pipeline) -> list[ServedModel]:
+    """The served models of the pipeline's later steps, in order."""
+    return [server.model(step.model) for step in pipeline.per_box]
 
 
-def metadata(pipeline: Pipeline, per_box: ServedModel) -> dict:
-    """GET /v2/models/{pipeline}: its input and outputs, with the second step's shapes."""
-    step_outputs = oip.model_metadata(per_box, None)["outputs"]
+def _prefix(models: list[ServedModel], model: ServedModel) -> str:
+    """Where several models read the boxes, each one's tensors are named `MODEL.OUTPUT`."""
+    return f"{model.name}." if len(models) > 1 else ""
+
+
+def output_names(models: list[ServedModel]) -> tuple[str, ...]:
+    """What an infer on the pipeline may answer: the boxes, then each later step's rows and outputs."""
+    names = list(BOX_OUTPUTS)
+    for model in models:
+        prefix = _prefix(models, model)
+        names += [prefix + ROW_INDEX, *(prefix + name for name in model.protocol_outputs)]
+    return tuple(names)
+
+
+def metadata(pipeline: Pipeline, models: list[ServedModel]) -> dict:
+    """GET /v2/models/{pipeline}: its input and outputs, with the later steps' shapes."""
+    outputs = [{"name": name, "datatype": kind, "shape": shape} for name, (kind, shape) in BOX_OUTPUTS.items()]
+    for model in models:
+        prefix = _prefix(models, model)
+        outputs.append({"name": prefix + ROW_INDEX, "datatype": "INT64", "shape": [-1]})
+        outputs += [{**out, "name": prefix + out["name"]} for out in oip.model_metadata(model, None)["outputs"]]
     return {"name": pipeline.name, "versions": [], "platform": "optiserve_pipeline",
-            "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [1]}],
-            "outputs": [{"name": name, "datatype": kind, "shape": shape} for name, (kind, shape) in BOX_OUTPUTS.items()]
-            + step_outputs}
+            "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [1]}], "outputs": outputs}
 
 
 def output_tensors(run: PipelineRun) -> dict[str, np.ndarray]:
@@ -67,21 +85,24 @@ def output_tensors(run: PipelineRun) -> dict[str, np.ndarray]:
     found = run.found
     tensors = {"boxes": np.array([f["box"] for f in found], dtype=np.float32).reshape(-1, 4),
                "scores": np.array([f["score"] for f in found], dtype=np.float32),
-               "class_ids": np.array([f["class_id"] for f in found], dtype=np.int64),
-               "box_index": np.array(run.chosen, dtype=np.int64)}
-    model = run.per_box_model
-    if run.per_box_outputs is not None:
-        for name in model.protocol_outputs:
-            tensors[name] = oip.output_tensor(model, name, run.per_box_outputs)
-    else:  # nothing was cut: each output with no rows, in the shape and type its metadata gives
-        for out in oip.model_metadata(model, None)["outputs"]:
-            tensors[out["name"]] = np.zeros([max(d, 0) for d in out["shape"]], dtype=NUMPY_TYPES[out["datatype"]])
+               "class_ids": np.array([f["class_id"] for f in found], dtype=np.int64)}
+    models = [part.model for part in run.per_box]
+    for part in run.per_box:
+        model, prefix = part.model, _prefix(models, part.model)
+        tensors[prefix + ROW_INDEX] = np.array(part.rows, dtype=np.int64)
+        if part.outputs is not None:
+            for name in model.protocol_outputs:
+                tensors[prefix + name] = oip.output_tensor(model, name, part.outputs)
+        else:  # it read no box: each output with no rows, in the shape and type its metadata gives
+            for out in oip.model_metadata(model, None)["outputs"]:
+                tensors[prefix + out["name"]] = np.zeros([max(d, 0) for d in out["shape"]],
+                                                         dtype=NUMPY_TYPES[out["datatype"]])
     return tensors
 
 
 def timing_parameters(run: PipelineRun) -> dict[str, int]:
     """The response's parameters: microseconds in the server, each step's, and the crops read."""
-    params = {"server_us": round(1e6 * run.seconds), "crops": len(run.chosen)}
+    params = {"server_us": round(1e6 * run.seconds), "crops": sum(len(part.rows) for part in run.per_box)}
     for step in run.steps:
         params[f"step{step['step']}_us"] = round(1000 * step["server_ms"])
     return params

@@ -7,6 +7,7 @@ in the tasks' JSON (here), the Open Inference Protocol in tensors (pipeline_prot
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -29,16 +30,24 @@ ReadPicture = Callable[[Admission], Awaitable[Image.Image]]
 
 
 @dataclass
+class StepRun:
+    """One later step's part of a run: its model, the rows of the detector's boxes it read, its
+    outputs for their crops (every output, the task's first; None where it read none), its timing."""
+
+    model: ServedModel
+    rows: list[int]
+    outputs: tuple[np.ndarray, ...] | None = None
+    timing: dict | None = None
+
+
+@dataclass
 class PipelineRun:
     """What one image's pass through a pipeline found: the detector's boxes (the detection task's
-    answer, best first, in the image's pixels), the rows of them the second step read, that
-    step's model and its outputs for those crops (every output, the task's first; None where no
-    box was chosen), each step's timing, and the detector's variant."""
+    answer, best first, in the image's pixels), each later step's part, each step's timing, and
+    the detector's variant."""
 
     found: list[dict]
-    chosen: list[int]
-    per_box_model: ServedModel
-    per_box_outputs: tuple[np.ndarray, ...] | None
+    per_box: list[StepRun]
     steps: list[dict]
     variant: str
     seconds: float
@@ -67,40 +76,51 @@ async def run_pipeline(server: Server, pipeline: Pipeline, read_picture: ReadPic
                        priority: tuple[object, str] | None = None, deadline_s: float | None = None) -> PipelineRun:
     """One image through `pipeline`: `read_picture` reads and decodes the request's image under the
     detector's admission (its bytes held against the server's budget); an HTTP `request` is watched
-    for a client that hangs up, a gRPC call gives its `priority` and `deadline_s` instead."""
+    for a client that hangs up, a gRPC call gives its `priority` and `deadline_s` instead. The
+    later steps read their crops at the same time, each through its own model's batcher."""
     started = time.perf_counter()
-    first, second = pipeline.detector, pipeline.per_box
-    crops = second.crops
-    with server.admitted(first.model, first.variant, request, priority=priority) as admission:
+    with server.admitted(pipeline.detector.model, pipeline.detector.variant, request, priority=priority) as admission:
         detector = admission.model
         picture = await read_picture(admission)
         admission.held.grow(3 * picture.width * picture.height, "its decoded image")
         image = (await server.decode(image_to_input, picture, detector.spec))[None]
         (raw, *_), detector_timing = await server.infer(admission, image, deadline_s, request=request)
         with tracing.span("pipeline boxes"):
-            found = detector.task.answer(raw, detector.manifest, {"score_threshold": crops.min_score,
+            threshold = min(step.crops.min_score for step in pipeline.per_box)
+            found = detector.task.answer(raw, detector.manifest, {"score_threshold": threshold,
                                                                   "sizes": [picture.size]})["detections"][0]
-        chosen = chosen_rows(found, crops)
         first_done = time.perf_counter()
         _step_done(server, pipeline, detector.name, first_done - started, 1)
         steps = [{"step": 1, "model": detector.name, "variant": admission.variant.name, **detector_timing}]
-        per_box_model, outputs = server.model(second.model), None
-        if chosen:
-            own = detector.settings.timeout_ms / 1000 if deadline_s is None else \
-                min(deadline_s, detector.settings.timeout_ms / 1000)
-            per_box_model, outputs, step = await _per_box(
-                server, pipeline, request, picture, [found[i] for i in chosen], admission.reservation.priority,
-                own_timeout_s=own - (first_done - started))
-            _step_done(server, pipeline, step["model"], time.perf_counter() - first_done, len(chosen))
-            steps.append(step)
-        server.metrics.pipeline_crops.labels(pipeline.name).observe(len(chosen))
+        own = detector.settings.timeout_ms / 1000 if deadline_s is None else \
+            min(deadline_s, detector.settings.timeout_ms / 1000)
+        parts = [StepRun(server.model(step.model), chosen_rows(found, step.crops)) for step in pipeline.per_box]
+        reading = [(k, part) for k, part in enumerate(parts) if part.rows]
+        if reading:
+            reads = asyncio.gather(*(_per_box(server, pipeline, k, picture, [found[i] for i in part.rows],
+                                              admission.reservation.priority, own - (first_done - started))
+                                     for k, part in reading))
+            try:
+                results = await (reads if request is None else server.unless_client_leaves(reads, request, admission))
+            except BaseException:
+                reads.cancel()  # one step failed (or the client left): the others' crops are not run either
+                raise
+            for (k, part), (model, outputs, timing) in zip(reading, results):
+                part.model, part.outputs, part.timing = model, outputs, timing
+                _step_done(server, pipeline, model.name, timing["step_ms"] / 1000, len(part.rows))
+                steps.append({"step": k + 2, "model": model.name, **{key: value for key, value in timing.items()
+                                                                       if key != "step_ms"}})
+        server.metrics.pipeline_crops.labels(pipeline.name).observe(sum(len(part.rows) for part in parts))
         variant = admission.variant.name
-    return PipelineRun(found, chosen, per_box_model, outputs, steps, variant, time.perf_counter() - started)
+    return PipelineRun(found, parts, steps, variant, time.perf_counter() - started)
 
 
-async def answer_pipeline(server: Server, pipeline: Pipeline, request: Request, ctype: str, params: dict):
+async def answer_pipeline(server: Server, pipeline: Pipeline, request: Request, ctype: str,
+                          params: dict[str, dict]):
     """/predict on a pipeline: each box the detector found (as the detection task answers it) with,
-    for the boxes its crops settings choose, the second model's answer in its task's form."""
+    for the boxes a later step's crops settings choose, that model's answer in its task's form
+    (under the model's name where several models read the boxes). `params`: each later step's
+    model's task parameters, by model."""
     if ctype not in ("multipart/form-data",) and not ctype.startswith("image/"):
         raise ApiError(415, f"pipeline {pipeline.name!r} takes an uploaded image (multipart/form-data or an image "
                             f"body), not {ctype or 'no content type'}")
@@ -114,11 +134,15 @@ async def answer_pipeline(server: Server, pipeline: Pipeline, request: Request, 
 
     async def answer() -> FastJSONResponse:
         run = await run_pipeline(server, pipeline, read_picture, request)
-        if run.per_box_outputs is not None:
-            model = run.per_box_model
-            answers = model.task.answer(run.per_box_outputs[0], model.manifest, {**params, "sizes": None})
-            for k, i in enumerate(run.chosen):
-                run.found[i].update({key: value[k] for key, value in answers.items()})
+        several = len(run.per_box) > 1
+        for part in run.per_box:
+            if part.outputs is None:
+                continue
+            model = part.model
+            answers = model.task.answer(part.outputs[0], model.manifest, {**params[model.name], "sizes": None})
+            for k, i in enumerate(part.rows):
+                answer = {key: value[k] for key, value in answers.items()}
+                run.found[i].update({model.name: answer} if several else answer)
         return FastJSONResponse({"model": pipeline.name, "detections": [run.found],
                                  "latency_ms": {"server_ms": 1000 * run.seconds, "steps": run.steps}},
                                 headers={VARIANT_HEADER: run.variant})
@@ -144,11 +168,12 @@ def _step_done(server: Server, pipeline: Pipeline, step: str, seconds: float, im
     _stats(server, pipeline.name, step).record_request("ok", 1000 * seconds, images)
 
 
-async def _per_box(server: Server, pipeline: Pipeline, request: Request | None, picture: Image.Image,
-                   boxes: list[dict], level: int, own_timeout_s: float
-                   ) -> tuple[ServedModel, tuple[np.ndarray, ...], dict]:
-    """The second model's outputs for each box's crop, through its batcher; and the step's timing."""
-    step = pipeline.per_box
+async def _per_box(server: Server, pipeline: Pipeline, k: int, picture: Image.Image, boxes: list[dict], level: int,
+                   own_timeout_s: float) -> tuple[ServedModel, tuple[np.ndarray, ...], dict]:
+    """Later step `k`'s outputs for each box's crop, through its model's batcher; and the step's
+    timing (`step_ms`: from the boxes to its answer, cutting the crops included)."""
+    t0 = time.perf_counter()
+    step = pipeline.per_box[k]
     margin = step.crops.margin
     with server.admitted(step.model, step.variant, None, rows=len(boxes),
                          priority=(min(level, server.model(step.model).settings.priority_levels), "")) as admission:
@@ -160,6 +185,6 @@ async def _per_box(server: Server, pipeline: Pipeline, request: Request | None, 
         inputs = await server.decode(crop_inputs)
         if own_timeout_s <= 0:
             raise ApiError(504, f"pipeline {pipeline.name!r}: not answered within the detector's timeout")
-        outputs, timing = await server.infer(admission, inputs, deadline_s=own_timeout_s, request=request)
-    return model, outputs, {"step": 2, "model": model.name, "variant": admission.variant.name, "crops": len(boxes),
-                            **timing}
+        outputs, timing = await server.infer(admission, inputs, deadline_s=own_timeout_s)
+    return model, outputs, {"variant": admission.variant.name, "crops": len(boxes), **timing,
+                            "step_ms": 1000 * (time.perf_counter() - t0)}

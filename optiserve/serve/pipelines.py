@@ -1,18 +1,20 @@
 """Pipelines: a folder in the model repository whose `pipeline.json` chains served models — a
-detector, then a second model run on one crop per box it found (a classifier or an embedder
-reading each digit, face or product). This module reads and checks the file and cuts the crops;
-routes_predict.py runs a pipeline request through each step's own batcher.
+detector, then one or more models each run on one crop per box it found (a classifier or an
+embedder reading each digit, face or product). This module reads and checks the file and cuts the
+crops; pipeline_requests.py runs a pipeline request through each step's own batcher.
 
     {"steps": [
        {"model": "finder"},
        {"model": "digits", "variant": "onnx-int8",
-        "crops": {"min_score": 0.5, "classes": ["digit"], "margin": 0.1, "max_crops": 16}}]}
+        "crops": {"min_score": 0.5, "classes": ["digit"], "margin": 0.1, "max_crops": 16}},
+       {"model": "faces", "crops": {"classes": ["face"]}}]}
 
 A step names a model of the repository and, optionally, its variant (else the model's traffic
-split). The second step's `crops` says which boxes it reads: scoring at least `min_score`, of the
+split). Each later step's `crops` says which boxes it reads: scoring at least `min_score`, of the
 detector's `classes` (all where absent), at most `max_crops` per image, best first, each cut from
-the uploaded image with `margin` of its width and height added on every side, then resized as the
-second model's input says.
+the uploaded image with `margin` of its width and height added on every side, then resized as
+that model's input says. Several later steps branch: each reads the boxes its own `crops` choose,
+all at once.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from optiserve.files import read_small_json
 PIPELINE_FILE = "pipeline.json"
 MAX_PIPELINE_BYTES = 64 * 1024
 MAX_CROPS = 256
+MAX_PER_BOX_STEPS = 4
 # what the Open Inference Protocol answers for the boxes (serve/pipeline_protocol.py), beside the
 # second step's own outputs
-BOX_OUTPUTS = {"boxes": ("FP32", [-1, 4]), "scores": ("FP32", [-1]), "class_ids": ("INT64", [-1]),
-               "box_index": ("INT64", [-1])}
+BOX_OUTPUTS = {"boxes": ("FP32", [-1, 4]), "scores": ("FP32", [-1]), "class_ids": ("INT64", [-1])}
+ROW_INDEX = "box_index"  # beside a later step's outputs: the row of `boxes` each of its crops was cut from
+BOX_KEYS = ("box", "score", "class", "class_id")  # a detected box's own keys in /predict's answer
 CROP_KEYS = {"min_score": "a number in [0, 1]", "classes": "a list of class names", "margin": "a number in [0, 1]",
              "max_crops": f"an integer from 1 to {MAX_CROPS}"}
 
@@ -52,7 +56,7 @@ class Crops:
 class Step:
     model: str
     variant: str | None = None
-    crops: Crops | None = None   # the second step's: one input per box of the first
+    crops: Crops | None = None   # a later step's: one input per box of the first it reads
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,9 @@ class Pipeline:
         return self.steps[0]
 
     @property
-    def per_box(self) -> Step:
-        return self.steps[1]
+    def per_box(self) -> tuple[Step, ...]:
+        """The steps that read the detector's boxes, one crop each."""
+        return self.steps[1:]
 
     def to_dict(self) -> dict:
         """The settings as pipeline.json holds them, defaults filled in (GET /v2/models/{name}/config)."""
@@ -100,21 +105,25 @@ def read_pipeline(folder: str | Path, name: str | None = None) -> Pipeline:
 
 def parse_pipeline(data: object, name: str) -> Pipeline:
     if not isinstance(data, dict) or set(data) != {"steps"}:
-        raise UserError(f'{PIPELINE_FILE} must hold {{"steps": [...]}}: a detector, then the model run on each '
+        raise UserError(f'{PIPELINE_FILE} must hold {{"steps": [...]}}: a detector, then the models run on each '
                         f"box it finds")
     steps = data["steps"]
-    if not isinstance(steps, list) or len(steps) != 2:
-        raise UserError(f"{PIPELINE_FILE}: steps must list two steps, a detector and the model run on each box "
-                        f"it finds")
+    if not isinstance(steps, list) or not 2 <= len(steps) <= 1 + MAX_PER_BOX_STEPS:
+        raise UserError(f"{PIPELINE_FILE}: steps must list a detector, then 1 to {MAX_PER_BOX_STEPS} models run on "
+                        f"each box it finds")
     parsed = tuple(_step(step, i) for i, step in enumerate(steps))
     if parsed[0].crops is not None:
-        raise UserError(f"{PIPELINE_FILE}: the first step reads the uploaded image; `crops` belongs to the second")
-    if parsed[1].crops is None:
-        parsed = (parsed[0], Step(parsed[1].model, parsed[1].variant, Crops()))
-    if parsed[0].model == parsed[1].model:
-        raise UserError(f"{PIPELINE_FILE}: both steps name model {parsed[0].model!r}")
-    if parsed[0].model == name or parsed[1].model == name:
+        raise UserError(f"{PIPELINE_FILE}: the first step reads the uploaded image; `crops` belongs to the later ones")
+    parsed = (parsed[0], *(step if step.crops else Step(step.model, step.variant, Crops()) for step in parsed[1:]))
+    models = [step.model for step in parsed]
+    twice = next((m for i, m in enumerate(models) if m in models[:i]), None)
+    if twice is not None:
+        raise UserError(f"{PIPELINE_FILE}: two steps name model {twice!r}")
+    if name in models:
         raise UserError(f"{PIPELINE_FILE}: a step names the pipeline itself ({name!r})")
+    if len(parsed) > 2 and (taken := next((m for m in models[1:] if m in BOX_KEYS), None)):
+        raise UserError(f"{PIPELINE_FILE}: with several models reading the boxes each box holds their answers "
+                        f"under their names, and {taken!r} is a box's own key ({', '.join(BOX_KEYS)})")
     return Pipeline(name, parsed)
 
 
@@ -125,7 +134,7 @@ def _step(step: object, i: int) -> Step:
     unknown = set(step) - {"model", "variant", "crops"}
     if unknown:
         raise UserError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(sorted(map(repr, unknown)))}; "
-                        f"a step has model, variant and (the second) crops")
+                        f"a step has model, variant and (after the first) crops")
     model, variant = step.get("model"), step.get("variant")
     if not isinstance(model, str) or not model:
         raise UserError(f"{where}: model must name a model of the repository")
@@ -163,10 +172,10 @@ def _crops(crops: object, where: str) -> Crops:
 def output_clash(model: str, outputs: tuple[str, ...]) -> str | None:
     """Why a model with these protocol outputs cannot be a pipeline's second step (one is named as
     a tensor the pipeline answers for the boxes), or None."""
-    clash = [name for name in outputs if name in BOX_OUTPUTS]
+    clash = [name for name in outputs if name in (*BOX_OUTPUTS, ROW_INDEX)]
     if clash:
         return (f"model {model!r} has an output named {clash[0]!r}, which a pipeline answers for the boxes "
-                f"({', '.join(BOX_OUTPUTS)})")
+                f"({', '.join((*BOX_OUTPUTS, ROW_INDEX))})")
     return None
 
 

@@ -170,9 +170,9 @@ class ModelRepository:
                 return f"step {i + 1}: model {step.model!r} serves no variant {step.variant!r}"
             if i == 0 and not model.task.finds_boxes:
                 return f"step 1: model {step.model!r} is a {model.task.name} model; a pipeline's first step is a detector"
-            if i == 1 and model.task.finds_boxes:
-                return f"step 2: model {step.model!r} is a detector; the second step reads each box it finds"
-            if i == 1 and (clash := output_clash(model.name, model.protocol_outputs)):
+            if i >= 1 and model.task.finds_boxes:
+                return f"step {i + 1}: model {step.model!r} is a detector; the later steps read each box it finds"
+            if i == 1 and len(pipeline.per_box) == 1 and (clash := output_clash(model.name, model.protocol_outputs)):
                 return f"step 2: {clash}"
         return None
 

@@ -35,9 +35,10 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
         query = request.query_params
         if server.repository.is_pipeline(query.get("model")):
             pipeline = server.repository.pipeline(query["model"])
-            params = _task_parameters(server.model(pipeline.per_box.model).task, query)
+            params = {step.model: _task_parameters(server.model(step.model).task, query) for step in pipeline.per_box}
             return await answer_pipeline(server, pipeline, request, ctype,
-                                         {**params, "top_k": params.get("top_k") or cfg.top_k})
+                                         {model: {**given, "top_k": given.get("top_k") or cfg.top_k}
+                                          for model, given in params.items()})
         with server.admitted(query.get("model"), query.get("variant"), request) as admission:
             model = admission.model
             params = _task_parameters(model.task, query)

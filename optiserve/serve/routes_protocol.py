@@ -40,7 +40,7 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
     async def model_metadata(name: str):
         if oip.is_pipeline(server, name):
             pipeline = server.repository.pipeline(name)
-            return pipeline_protocol.metadata(pipeline, server.model(pipeline.per_box.model))
+            return pipeline_protocol.metadata(pipeline, pipeline_protocol.step_models(server, pipeline))
         return oip.model_metadata(oip.served(server, name), None)
 
     @app.get("/v2/models/{name}/versions/{version}")
@@ -100,7 +100,7 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
         outputs for the crops out."""
         pipeline = server.repository.pipeline(name)  # 503 with the reason where a step is not ready
         pipeline_protocol.check_unversioned(pipeline, version)
-        names = pipeline_protocol.output_names(server.model(pipeline.per_box.model))
+        names = pipeline_protocol.output_names(pipeline_protocol.step_models(server, pipeline))
         given: list[pipeline_protocol.PipelineInput] = []
 
         async def read_picture(admission) -> Image.Image:

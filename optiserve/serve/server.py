@@ -291,7 +291,7 @@ class Server:
                 staging.give_back(row)
             raise
 
-    async def _unless_client_leaves(self, submitted, request: Request, admission: Admission):
+    async def unless_client_leaves(self, submitted, request: Request, admission: Admission):
         """Await `submitted` while watching the connection: once the client hangs up (the ASGI
         `http.disconnect`), the submission is cancelled, which drops its rows from the queue or from
         a batch still forming (the batcher skips cancelled rows), and ClientGone is raised."""
@@ -340,7 +340,7 @@ class Server:
             admission.held.grow(images.nbytes, "its decoded images")
             queued = time.perf_counter()
             submitted = variant.batcher.submit(images, timeout, admission.reservation)
-            result = await (submitted if request is None else self._unless_client_leaves(submitted, request, admission))
+            result = await (submitted if request is None else self.unless_client_leaves(submitted, request, admission))
         except QueueFull as e:
             raise self._overloaded(model, variant, e) from None
         except TimeoutError as e:
