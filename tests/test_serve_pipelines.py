@@ -381,6 +381,35 @@ def test_a_pipeline_request_whose_client_hangs_up_runs_none_of_its_queued_crops(
             assert c.recv(65536).startswith(b"HTTP/1.1 200")
 
 
+def test_a_branch_that_fails_fails_the_request_and_drops_the_other_branch_s_queued_crops(repository):
+    """In-process: `best` fails at once, `digits` is slow (one crop at a time, SECONDS_PER_CROP each)."""
+    app = create_app(ServeConfig(str(repository), max_batch_size=1, max_delay_ms=0, max_queue=64))
+    with in_process_server(app, lambda: app.state.server.reports_ready) as port:
+        ran = []
+        for variant in app.state.server.models["digits"].variants.values():
+            real = variant.batcher.runners[0]
+
+            def slow(batch, real=real):
+                time.sleep(SECONDS_PER_CROP)
+                ran.append(len(batch))
+                return real(batch)
+
+            variant.batcher.runners[0] = slow
+        for variant in app.state.server.models["best"].variants.values():
+            def broken(batch):
+                raise RuntimeError("this runtime broke")
+
+            variant.batcher.runners[0] = broken
+        png = _png(scene(np.random.default_rng(4), 3, range(TRAIN_DIGITS, 1797)).image)
+        r = httpx.post(f"http://127.0.0.1:{port}/predict?model=branches", content=png,
+                       headers={"content-type": "image/png"}, timeout=30)
+        assert r.status_code == 500 and "this runtime broke" in r.json()["error"], r.text
+        time.sleep(3 * SECONDS_PER_CROP + 0.3)  # what digits' three crops would have taken
+        assert len(ran) <= 1, f"{len(ran)} of 3 crops were run after the other branch failed"
+        stats = httpx.get(f"http://127.0.0.1:{port}/stats?model=branches").json()["steps"]
+        assert stats["pipeline"]["outcomes"]["error"] == 1
+
+
 @pytest.mark.parametrize("data, message", [
     ([], 'must hold {"steps": [...]}'),
     ({"steps": [{"model": "a"}]}, "steps must list a detector, then 1 to 4 models"),

@@ -97,13 +97,16 @@ async def run_pipeline(server: Server, pipeline: Pipeline, read_picture: ReadPic
         parts = [StepRun(server.model(step.model), chosen_rows(found, step.crops)) for step in pipeline.per_box]
         reading = [(k, part) for k, part in enumerate(parts) if part.rows]
         if reading:
-            reads = asyncio.gather(*(_per_box(server, pipeline, k, picture, [found[i] for i in part.rows],
-                                              admission.reservation.priority, own - (first_done - started))
-                                     for k, part in reading))
+            reads = [asyncio.ensure_future(_per_box(server, pipeline, k, picture, [found[i] for i in part.rows],
+                                                    admission.reservation.priority, own - (first_done - started)))
+                     for k, part in reading]
             try:
-                results = await (reads if request is None else server.unless_client_leaves(reads, request, admission))
+                every = asyncio.gather(*reads)
+                # a client that hangs up is counted as the pipeline's (its detector answered it already)
+                results = await (every if request is None else server.unless_client_leaves(every, request, None))
             except BaseException:
-                reads.cancel()  # one step failed (or the client left): the others' crops are not run either
+                for read in reads:  # one step failed (or the client left): the others' crops are not run either
+                    read.cancel()
                 raise
             for (k, part), (model, outputs, timing) in zip(reading, results):
                 part.model, part.outputs, part.timing = model, outputs, timing

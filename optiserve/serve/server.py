@@ -291,7 +291,7 @@ class Server:
                 staging.give_back(row)
             raise
 
-    async def unless_client_leaves(self, submitted, request: Request, admission: Admission):
+    async def unless_client_leaves(self, submitted, request: Request, admission: Admission | None):
         """Await `submitted` while watching the connection: once the client hangs up (the ASGI
         `http.disconnect`), the submission is cancelled, which drops its rows from the queue or from
         a batch still forming (the batcher skips cancelled rows), and ClientGone is raised."""
