@@ -5,6 +5,7 @@ find scikit-learn's digits pasted on a dark background, and the digits classifie
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import shutil
@@ -17,6 +18,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from conftest import ROOT, free_port, in_process_server, serving
@@ -466,3 +469,100 @@ def test_a_second_step_with_an_output_named_as_the_boxes_tensors_is_refused():
 
     assert output_clash("digits", ("logits", "probabilities")) is None
     assert "has an output named 'scores'" in output_clash("scorer", ("scores",))
+
+
+def _tiny_png() -> bytes:
+    return _png(Image.fromarray(np.arange(12, dtype=np.uint8).reshape(2, 2, 3)))
+
+
+def _mostly(usual, other):
+    """`usual` nine times in ten, else `other` (one_of would draw each as often)."""
+    return st.integers(0, 9).flatmap(lambda k: usual if k else other)
+
+
+_values = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(allow_nan=True), st.text(max_size=8),
+                    st.lists(st.integers(-1, 256), max_size=12))
+_pixels = st.lists(st.integers(-1, 256), min_size=0, max_size=48)
+_shapes = st.lists(st.integers(1, 4), min_size=1, max_size=4)
+_tensors = st.fixed_dictionaries({
+    "name": _mostly(st.just("image"), _values),
+    "shape": _mostly(st.one_of(_shapes, st.just([1]), st.just([2, 2, 3]), st.just([1, 4, 4, 1])),
+                     st.one_of(st.lists(st.one_of(st.integers(-1, 5), st.booleans(), st.just(10 ** 12)), max_size=5),
+                               _values)),
+    "datatype": _mostly(st.sampled_from(["BYTES", "UINT8", "FP32", ""]), _values)}, optional={
+    "data": _mostly(st.one_of(_pixels, st.lists(st.lists(st.integers(0, 255), max_size=3), max_size=4),
+                              st.just([base64.b64encode(_tiny_png()).decode()]), st.just(["bm90IGFuIGltYWdl"])),
+                    _values),
+    "parameters": _mostly(st.fixed_dictionaries({"binary_data_size": st.one_of(st.integers(0, 80), _values)}),
+                          _values)})
+_bodies = st.fixed_dictionaries({
+    "inputs": _mostly(st.lists(_tensors, min_size=1, max_size=1),
+                      st.one_of(st.lists(st.one_of(_tensors, _values), max_size=2), _values))}, optional={
+    "outputs": st.one_of(_values, st.lists(st.one_of(_values, st.fixed_dictionaries({"name": st.sampled_from(
+        ["boxes", "logits", "nope"])})), max_size=2)),
+    "parameters": st.one_of(_values, st.dictionaries(st.sampled_from(["priority", "binary_data_output"]), _values)),
+    "id": _values})
+_tails = st.one_of(st.binary(max_size=16), st.just(len(_tiny_png()).to_bytes(4, "little") + _tiny_png()),
+                   st.binary(min_size=12, max_size=12))
+
+
+@st.composite
+def _well_formed(draw) -> tuple[dict, bytes, str | None, np.ndarray]:
+    """A request as a client would write it: pixels as UINT8 in JSON or binary data, or the PNG
+    file as BYTES in JSON (base64) or binary data; and the RGB pixels it carries."""
+    h, w, c = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.sampled_from([1, 3]))
+    pixels = np.array(draw(st.lists(st.integers(0, 255), min_size=h * w * c, max_size=h * w * c)), dtype=np.uint8)
+    shape = [h, w, c] if draw(st.booleans()) else [1, h, w, c]
+    png = _png(Image.fromarray(pixels.reshape(h, w, c)[..., 0] if c == 1 else pixels.reshape(h, w, c)))
+    kind = draw(st.sampled_from(["UINT8 JSON", "UINT8 binary", "BYTES JSON", "BYTES binary"]))
+    tensor, tail = {"name": "image", "shape": shape, "datatype": "UINT8"}, b""
+    if kind == "UINT8 JSON":
+        tensor["data"] = pixels.tolist()
+    elif kind == "UINT8 binary":
+        tensor["parameters"], tail = {"binary_data_size": pixels.size}, pixels.tobytes()
+    elif kind == "BYTES JSON":
+        tensor.update(shape=[1], datatype="BYTES", data=[base64.b64encode(png).decode()])
+    else:
+        tail = len(png).to_bytes(4, "little") + png
+        tensor.update(shape=[1], datatype="BYTES", parameters={"binary_data_size": len(tail)})
+    rgb = np.asarray(Image.fromarray(pixels.reshape(h, w, c)[..., 0] if c == 1 else pixels.reshape(h, w, c)).convert("RGB"))
+    return {"inputs": [tensor]}, tail, "exact" if tail else None, rgb
+
+
+OUTPUT_NAMES = ("boxes", "scores", "class_ids", "box_index", "logits")
+
+
+def _read(body: dict, tail: bytes, header: str | None):
+    from optiserve.serve.pipeline_protocol import http_request, picture_of
+    from optiserve.serve.preprocess import ImageLimits
+
+    head = json.dumps(body).encode()
+    data, length = (head + tail, {"exact": str(len(head)), "junk": "x1", "99999": "99999"}[header]) if header else \
+        (head, None)
+    limits = ImageLimits(max_pixels=10_000)
+    given = http_request(data, length, OUTPUT_NAMES, limits)
+    return given, picture_of(given.image, limits)
+
+
+@settings(max_examples=100, deadline=None, database=None, derandomize=True)
+@given(request=_well_formed())
+def test_a_well_formed_protocol_request_to_a_pipeline_gives_the_pixels_it_carries(request):
+    body, tail, header, rgb = request
+    given, picture = _read(body, tail, header)
+    assert np.array_equal(np.asarray(picture), rgb) and [n for n, _ in given.outputs] == list(OUTPUT_NAMES)
+
+
+@settings(max_examples=300, deadline=None, database=None, derandomize=True)
+@given(body=_bodies, tail=_tails, header=st.sampled_from([None, "exact", "junk", "99999"]))
+def test_whatever_a_protocol_request_to_a_pipeline_holds_it_becomes_an_image_or_one_bad_input(body, tail, header):
+    """Read as the server reads it, whatever its fields hold: an image and the outputs asked for,
+    or BadInput (a 4xx with its reason) — never another exception."""
+    from optiserve.serve.preprocess import BadInput
+
+    try:
+        given, picture = _read(body, tail, header)
+    except BadInput as e:
+        assert str(e) and "\n" not in str(e)
+        return
+    assert picture.mode == "RGB" and picture.width * picture.height <= 10_000
+    assert given.outputs and all(name in OUTPUT_NAMES for name, _ in given.outputs)
