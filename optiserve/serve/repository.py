@@ -374,7 +374,8 @@ class ModelRepository:
         why = self.pipeline_problem(pipeline)
         if why is not None:
             raise ApiError(400, f"pipeline {name!r} cannot answer: {why}")
-        log.info("pipeline %s: serving (%s)", name, " -> ".join(step.model for step in pipeline.steps))
+        log.info("pipeline %s: serving (%s, then %s on its boxes)", name, pipeline.detector.model,
+                 ", ".join(step.model for step in pipeline.per_box))
         return ModelStatus("READY")
 
     async def unload_model(self, name: str) -> None:

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 from fastapi import Request
-from PIL import Image
 from fastapi.responses import JSONResponse, Response
+from PIL import Image
 
 from optiserve.serve import VARIANT_HEADER, oip, pipeline_protocol, tracing
 from optiserve.serve.binary import HEADER as BINARY_HEADER
@@ -45,6 +45,8 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
 
     @app.get("/v2/models/{name}/versions/{version}")
     async def version_metadata(name: str, version: str):
+        if oip.is_pipeline(server, name):
+            pipeline_protocol.check_unversioned(server.repository.pipeline(name), version)
         return oip.model_metadata(oip.served(server, name, version), version)
 
     @app.get("/v2/models/{name}/config")
@@ -96,8 +98,8 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
                                     server.shadow.task(admission, parsed.images, tensors[0]))
 
     async def pipeline_infer(request: Request, name: str, version: str | None):
-        """A pipeline's infer: one image in (pipeline_protocol.py), its boxes and the second step's
-        outputs for the crops out."""
+        """A pipeline's infer: one image in (pipeline_protocol.py), its boxes and the later steps'
+        outputs for their crops out."""
         pipeline = server.repository.pipeline(name)  # 503 with the reason where a step is not ready
         pipeline_protocol.check_unversioned(pipeline, version)
         names = pipeline_protocol.output_names(pipeline_protocol.step_models(server, pipeline))
