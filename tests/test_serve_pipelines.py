@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from conftest import ROOT, free_port, in_process_server, serving
+from conftest import ROOT, free_port, in_process_server, run_cli, serving
 from optiserve.errors import UserError
 from optiserve.models import InputOverrides
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
@@ -296,6 +296,34 @@ def test_several_models_read_the_boxes_their_own_crops_settings_choose(addresses
     result = client.infer("cats", [image])
     assert result.as_numpy("box_index").shape == (0,) and result.as_numpy("probabilities").shape == (0, 10)
     assert result.as_numpy("boxes").shape == (len(found), 4)
+
+
+def test_bench_http_drives_a_pipeline_by_upload_protocol_and_grpc(addresses, tmp_path):
+    """`optiserve bench http --model PIPELINE`: raw uploads to /predict, or each scene's file as a
+    BYTES tensor over the protocol (HTTP and gRPC); every request answered and counted by the pipeline."""
+    from optiserve.bench.results import load_results
+
+    base, grpc_address = addresses
+    scenes = tmp_path / "scenes"
+    scenes.mkdir()
+    rng = np.random.default_rng(13)
+    for i in range(6):
+        scene(rng, int(rng.integers(1, 4)), range(TRAIN_DIGITS, 1797)).image.save(scenes / f"{i}.png")
+    before = httpx.get(f"{base}/stats?model=reader").json()["steps"].get("pipeline", {}).get("outcomes", {}).get("ok", 0)
+    sent = 0
+    for protocol in ("predict-raw", "v2-binary", "grpc"):
+        out = tmp_path / f"{protocol}.json"
+        r = run_cli("bench", "http", base, "--model", "reader", "--protocol", protocol, "--images", str(scenes),
+                    "--concurrency", "2", "--duration", "1", "--warmup", "0.3", "--out", str(out), "--quiet",
+                    *(["--grpc-target", grpc_address] if protocol == "grpc" else []))
+        assert r.returncode == 0, r.stderr[-2000:]
+        run, = load_results(out)["runs"]
+        assert len(run.records["ok"]) > 5 and all(run.records["ok"]), (protocol, set(run.records["error"]))
+        sent += len(run.records["ok"])
+    after = httpx.get(f"{base}/stats?model=reader").json()["steps"]["pipeline"]["outcomes"]["ok"]
+    assert after - before >= sent  # and the warm-ups
+    r = run_cli("bench", "http", base, "--model", "nothing", "--duration", "1", "--quiet")
+    assert r.returncode == 2 and "reader (a pipeline)" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("tensor, status, message", [

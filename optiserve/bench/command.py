@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h = sub.add_parser("http", help="load generator against a running `optiserve serve` (over HTTP or gRPC)")
     h.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8000")
     h.add_argument("--model", default=None, metavar="NAME",
-                   help="the model to load (default: the server's only model)")
+                   help="the model to load, or a pipeline of the repository (default: the server's only model)")
     h.add_argument("--variants", type=_names, default=None, metavar="A,B",
                    help="measure each named variant in turn (default: send requests without a variant, "
                         "so the server's A/B split routes them)")
@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="predict: image uploads to /predict (default); predict-raw: each image as the raw body of a "
                         "/predict request (content-type image/png, ...); v2-binary: each image's tensor over the Open "
                         "Inference Protocol with binary tensors (as tritonclient.http sends); grpc: the same over gRPC "
-                        "ModelInfer with raw tensors (as tritonclient.grpc sends)")
+                        "ModelInfer with raw tensors (as tritonclient.grpc sends); to a pipeline, v2-binary and grpc "
+                        "send each image's file as a BYTES tensor")
     h.add_argument("--grpc-target", default=None, metavar="HOST:PORT",
                    help="with --protocol grpc: the server's gRPC address (default: URL's host, port 8001)")
     h.add_argument("--timeout", type=float, default=60.0, metavar="S",

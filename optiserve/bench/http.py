@@ -12,14 +12,15 @@ from optiserve.bench.loadgen import Load, generate_load
 from optiserve.bench.payloads import image_tensors
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run, make_results
-from optiserve.bench.senders import PROTOCOLS, BinaryTensorSender, GrpcSender, PredictSender, RawImageSender, Sender
+from optiserve.bench.senders import (PROTOCOLS, BinaryTensorSender, GrpcSender, PipelineBinarySender, PredictSender,
+                                     RawImageSender, Sender)
 from optiserve.errors import UserError
 from optiserve.input_spec import InputSpec
 
 
 def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0, model: str | None = None) -> dict:
     """One served model's /stats (model, input, variants with accuracy and size): `model`, or the
-    only one served; a clear error when the URL is not an optiserve server, is not ready yet, or
+    only one served; for a pipeline, its name and kind; a clear error when the URL is not an optiserve server, is not ready yet, or
     serves several models and none was named."""
     import httpx
 
@@ -41,10 +42,13 @@ def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0, 
     models = facts.get("models") or {}
     if model is None and len(models) == 1:
         model = next(iter(models))
+    if model is not None and model in (facts.get("pipelines") or {}):
+        return {"model": model, "kind": "pipeline", "variants": {}}  # its variants are its steps'
     if model not in models:
+        names = [*models, *(f"{p} (a pipeline)" for p in facts.get("pipelines") or {})]
         raise UserError(f"{base} serves {', '.join(models) or 'no model'}: name one with --model"
                         if model is None else f"{base} does not serve a model {model!r} (it serves "
-                                              f"{', '.join(models) or 'none'})")
+                                              f"{', '.join(names) or 'none'})")
     return models[model]
 
 
@@ -56,6 +60,10 @@ def make_sender(protocol: str, base_url: str, images: list[bytes], facts: dict, 
         return PredictSender(base_url, images, model, variant)
     if protocol == "predict-raw":
         return RawImageSender(base_url, images, model, variant)
+    if facts.get("kind") == "pipeline" and protocol == "v2-binary":
+        return PipelineBinarySender(base_url, images, model)
+    if facts.get("kind") == "pipeline" and protocol == "grpc":
+        return GrpcSender.to_pipeline(grpc_target or default_grpc_target(base_url), images, model)
     tensors = image_tensors(images, InputSpec.from_dict(facts["input"]))
     if protocol == "v2-binary":
         return BinaryTensorSender(base_url, tensors, model, variant)

@@ -1,5 +1,6 @@
 """How the load generator sends one request, per protocol: `/predict` image uploads, the Open
-Inference Protocol over HTTP with binary tensors, or over gRPC with raw tensors. Each sender
+Inference Protocol over HTTP with binary tensors, or over gRPC with raw tensors (to a pipeline,
+the image's file as a BYTES tensor). Each sender
 prepares its payloads once, before the clock starts, so the client spends as little CPU per
 request as it can on the cores it shares with the server, and answers every send with an Outcome
 (never an exception): the load generator records failures, it does not drop them."""
@@ -152,6 +153,27 @@ class BinaryTensorSender(PredictSender):
         return _failure(status, variant, _json(body), body)
 
 
+class PipelineBinarySender(BinaryTensorSender):
+    """The Open Inference Protocol's infer on a pipeline over HTTP: each image's file as a BYTES
+    tensor in binary data (as `tritonclient.http` sends one), the boxes' rows asked for."""
+
+    def __init__(self, base_url: str, images: list[bytes], pipeline: str):
+        PredictSender.__init__(self, base_url, [], None, None, f"/v2/models/{pipeline}/infer")
+        self.bodies = []
+        for image in images:
+            element = bytes_element(image)
+            head = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                                           "parameters": {"binary_data_size": len(element)}}],
+                               "outputs": [{"name": "boxes", "parameters": {"binary_data": True}}]}).encode()
+            self.bodies.append((head + element, {"Inference-Header-Content-Length": str(len(head)),
+                                                 "Content-Type": "application/octet-stream"}))
+
+
+def bytes_element(data: bytes) -> bytes:
+    """One element of a BYTES tensor as the protocol's binary data holds it: its length, then it."""
+    return len(data).to_bytes(4, "little") + data
+
+
 class GrpcSender:
     """`ModelInfer` over gRPC with the tensor in `raw_input_contents` (what `tritonclient.grpc`
     sends), each request serialized once up front."""
@@ -170,6 +192,20 @@ class GrpcSender:
             request.raw_input_contents.append(x.astype("<f4").tobytes())
             self.requests.append(request.SerializeToString())
         self.response = pb.ModelInferResponse
+
+    @classmethod
+    def to_pipeline(cls, target: str, images: list[bytes], pipeline: str) -> "GrpcSender":
+        """`ModelInfer` on a pipeline: each image's file as a BYTES tensor in raw_input_contents."""
+        from optiserve.grpc_protocol import pb
+
+        sender = cls(target, [], pipeline)
+        for image in images:
+            request = pb.ModelInferRequest(model_name=pipeline)
+            request.inputs.add(name="image", datatype="BYTES", shape=[1])
+            request.outputs.add(name="boxes")
+            request.raw_input_contents.append(bytes_element(image))
+            sender.requests.append(request.SerializeToString())
+        return sender
 
     def __len__(self) -> int:
         return len(self.requests)
