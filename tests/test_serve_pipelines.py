@@ -381,21 +381,27 @@ def test_a_pipeline_named_at_start_up_loads_its_steps_models_and_no_other(reposi
 SECONDS_PER_CROP = 0.1
 
 
+def _slow_digits(app) -> list[int]:
+    """Make the in-process server's classifier take SECONDS_PER_CROP a batch; the sizes of the batches it runs."""
+    ran = []
+    for variant in app.state.server.models["digits"].variants.values():
+        real = variant.batcher.runners[0]
+
+        def slow(batch, real=real):
+            time.sleep(SECONDS_PER_CROP)
+            ran.append(len(batch))
+            return real(batch)
+
+        variant.batcher.runners[0] = slow
+    return ran
+
+
 def test_a_pipeline_request_whose_client_hangs_up_runs_none_of_its_queued_crops(repository):
     """In-process, the classifier made slow (one crop at a time, SECONDS_PER_CROP each): ten clients
     each send a scene of three digits and hang up while their crops are queued."""
     app = create_app(ServeConfig(str(repository), max_batch_size=1, max_delay_ms=0, max_queue=64))
     with in_process_server(app, lambda: app.state.server.reports_ready) as port:
-        ran = []
-        for variant in app.state.server.models["digits"].variants.values():
-            real = variant.batcher.runners[0]
-
-            def slow(batch, real=real):
-                time.sleep(SECONDS_PER_CROP)
-                ran.append(len(batch))
-                return real(batch)
-
-            variant.batcher.runners[0] = slow
+        ran = _slow_digits(app)
         png = _png(scene(np.random.default_rng(4), 3, range(TRAIN_DIGITS, 1797)).image)
         request = (f"POST /predict?model=reader HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
                    f"Content-Length: {len(png)}\r\n\r\n").encode() + png
@@ -416,16 +422,7 @@ def test_a_branch_that_fails_fails_the_request_and_drops_the_other_branch_s_queu
     """In-process: `best` fails at once, `digits` is slow (one crop at a time, SECONDS_PER_CROP each)."""
     app = create_app(ServeConfig(str(repository), max_batch_size=1, max_delay_ms=0, max_queue=64))
     with in_process_server(app, lambda: app.state.server.reports_ready) as port:
-        ran = []
-        for variant in app.state.server.models["digits"].variants.values():
-            real = variant.batcher.runners[0]
-
-            def slow(batch, real=real):
-                time.sleep(SECONDS_PER_CROP)
-                ran.append(len(batch))
-                return real(batch)
-
-            variant.batcher.runners[0] = slow
+        ran = _slow_digits(app)
         for variant in app.state.server.models["best"].variants.values():
             def broken(batch):
                 raise RuntimeError("this runtime broke")
