@@ -31,13 +31,13 @@ ReadPicture = Callable[[Admission], Awaitable[Image.Image]]
 
 @dataclass
 class StepRun:
-    """One later step's part of a run: its model, the rows of the detector's boxes it read, its
-    outputs for their crops (every output, the task's first; None where it read none), its timing."""
+    """One later step's part of a run: its model, the rows of the detector's boxes it read, and its
+    outputs for their crops (every output, the task's first; None where it read none). Its timing
+    is in the run's `steps`."""
 
     model: ServedModel
     rows: list[int]
     outputs: tuple[np.ndarray, ...] | None = None
-    timing: dict | None = None
 
 
 @dataclass
@@ -109,7 +109,7 @@ async def run_pipeline(server: Server, pipeline: Pipeline, read_picture: ReadPic
                     read.cancel()
                 raise
             for (k, part), (model, outputs, timing) in zip(reading, results):
-                part.model, part.outputs, part.timing = model, outputs, timing
+                part.model, part.outputs = model, outputs
                 _step_done(server, pipeline, model.name, timing["step_ms"] / 1000, len(part.rows))
                 steps.append({"step": k + 2, "model": model.name, **{key: value for key, value in timing.items()
                                                                        if key != "step_ms"}})

@@ -33,8 +33,8 @@ PIPELINE_FILE = "pipeline.json"
 MAX_PIPELINE_BYTES = 64 * 1024
 MAX_CROPS = 256
 MAX_PER_BOX_STEPS = 4
-# what the Open Inference Protocol answers for the boxes (serve/pipeline_protocol.py), beside the
-# second step's own outputs
+# what the Open Inference Protocol answers for the boxes (serve/pipeline_protocol.py), beside each
+# later step's own outputs
 BOX_OUTPUTS = {"boxes": ("FP32", [-1, 4]), "scores": ("FP32", [-1]), "class_ids": ("INT64", [-1])}
 ROW_INDEX = "box_index"  # beside a later step's outputs: the row of `boxes` each of its crops was cut from
 BOX_KEYS = ("box", "score", "class", "class_id")  # a detected box's own keys in /predict's answer
@@ -170,8 +170,8 @@ def _crops(crops: object, where: str) -> Crops:
 
 
 def output_clash(model: str, outputs: tuple[str, ...]) -> str | None:
-    """Why a model with these protocol outputs cannot be a pipeline's second step (one is named as
-    a tensor the pipeline answers for the boxes), or None."""
+    """Why a model with these protocol outputs cannot be a pipeline's only later step (one is named
+    as a tensor the pipeline answers for the boxes; several later steps' tensors are prefixed), or None."""
     clash = [name for name in outputs if name in (*BOX_OUTPUTS, ROW_INDEX)]
     if clash:
         return (f"model {model!r} has an output named {clash[0]!r}, which a pipeline answers for the boxes "
@@ -180,8 +180,8 @@ def output_clash(model: str, outputs: tuple[str, ...]) -> str | None:
 
 
 def chosen_rows(detections: list[dict], crops: Crops) -> list[int]:
-    """Which of the detections (the detection task's answer for one image, best first) the second
-    step reads: their rows, in order."""
+    """Which of the detections (the detection task's answer for one image, best first) a later step
+    reads by its `crops`: their rows, in order."""
     wanted = [i for i, d in enumerate(detections) if d["score"] >= crops.min_score
               and (crops.classes is None or str(d["class"]) in crops.classes)]
     return wanted[:crops.max_crops]
