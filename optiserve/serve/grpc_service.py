@@ -97,13 +97,8 @@ def parse_pipeline_infer(message: InferMessage, names: tuple[str, ...], limits: 
             raise BadInput("a pipeline takes one image: one entry in contents.bytes_contents")
         image = tensor.contents.bytes_contents[0]
     else:
-        values = tensor.contents.uint_contents
-        if len(values) != count:
-            raise BadInput(f"input contents.uint_contents has {len(values):,} values but shape {shape} needs {count:,}")
-        flat = np.asarray(values, dtype=np.int64)
-        if flat.size and flat.max() > 255:
-            raise BadInput("UINT8 pixels must be integers 0..255")
-        image = pipeline_protocol.pixels(flat.astype(np.uint8), shape)
+        image = pipeline_protocol.pixels_of_integers(np.asarray(tensor.contents.uint_contents, dtype=np.int64), shape,
+                                                     count, "input contents.uint_contents")
     return PipelineInput(image, _requested(request, names, bool(raw)), request.id or None)
 
 

@@ -169,8 +169,13 @@ def _json_image(data, datatype: str, shape: list[int], count: int) -> bytes | np
         values = np.asarray(data, dtype=np.int64).reshape(-1)
     except (ValueError, TypeError, OverflowError, RecursionError):
         raise BadInput("UINT8 pixels must be a (possibly nested) list of integers 0..255") from None
+    return pixels_of_integers(values, shape, count, "input data")
+
+
+def pixels_of_integers(values: np.ndarray, shape: list[int], count: int, where: str) -> np.ndarray:
+    """Integers sent one by one (JSON, gRPC's typed contents) as the image's UINT8 pixels [H, W, C]."""
     if values.size != count:
-        raise BadInput(f"input data has {values.size} values but shape {shape} needs {count}")
+        raise BadInput(f"{where} has {values.size:,} values but shape {shape} needs {count:,}")
     if values.size and (values.min() < 0 or values.max() > 255):
         raise BadInput("UINT8 pixels must be integers 0..255")
     return pixels(values.astype(np.uint8), shape)
