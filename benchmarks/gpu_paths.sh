@@ -2,7 +2,8 @@
 # Runs every GPU path of optiserve once on a machine with a CUDA GPU and says, step by step, what
 # happened: training on CUDA (one process, then torchrun with NCCL and SyncBatchNorm), optimize
 # --device cuda (and --tensorrt --fp16, which needs torch-tensorrt), bench engine on CUDA, and
-# serve --device cuda answering /predict, the protocol's infer and a short load. A step that
+# serve --device cuda answering /predict, the protocol's infer and a short load; a detector
+# optimized and served on CUDA, and a detect -> crop -> classify pipeline of it and the classifier. A step that
 # fails is reported and the next one still runs; the exit status counts the failed steps.
 #
 # Then a model repository on CUDA: load/unload cycles (GPU memory must come back), the measured
@@ -56,6 +57,7 @@ step optimize-cuda $PY -m optiserve optimize resnet18 --weights "$W/ckpt.pt" $on
     --out "$W/art" --no-progress
 step optimize-cuda-int8 $PY -m optiserve optimize resnet18 --weights "$W/ckpt.pt" $onnx --int8 --device cuda \
     --out "$W/art-int8" --no-progress
+step detect-pipeline-cuda $PY benchmarks/gpu_detection_pipeline.py "$W/art-int8" "$W/det" --device cuda
 step optimize-tensorrt $PY -m optiserve optimize resnet18 --weights "$W/ckpt.pt" --tensorrt --fp16 --device cuda \
     --out "$W/art-trt" --no-progress
 step bench-engine-cuda $PY -m optiserve bench engine "$W/art" --device cuda --batch-sizes 1,32 --duration 2 \

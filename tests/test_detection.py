@@ -178,6 +178,17 @@ def test_a_detector_is_optimized_and_each_variant_judged_by_map_against_fp32(ssd
     assert "mAP@0.5 vs fp32 [95% CI]" in report and "(--min-map)" in report
 
 
+def test_a_detector_s_torchscript_names_no_device_so_it_runs_on_whichever_it_is_loaded_on(ssd_artifact):
+    """A trace keeps a device the model asks for (`torch.arange(device=x.device)`) as a constant, and
+    the TorchScript traced on the CPU then fails on CUDA mixing the two; each traced variant names none."""
+    out, manifest = ssd_artifact
+    traced = [v for v in manifest["variants"] if v["backend"] == "torchscript"]
+    assert {v["name"] for v in traced} >= {"torchscript", "torch-bf16"}
+    for variant in traced:
+        graph = str(torch.jit.load(out / variant["file"]).graph)
+        assert "Device = prim::Constant" not in graph, variant["name"]
+
+
 def test_a_served_detector_answers_torchvision_s_boxes_and_boxes_in_the_uploaded_pixels(ssd_artifact, detector):
     httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
     out, manifest = ssd_artifact

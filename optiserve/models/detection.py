@@ -62,13 +62,16 @@ class SingleShotDetections(nn.Module):
         best, anchor = scores.transpose(1, 2).topk(top, dim=2)             # [N, K-1, top] per class
         candidates = torch.gather(boxes.unsqueeze(1).expand(n, k, a, 4), 2,
                                   anchor.unsqueeze(-1).expand(n, k, top, 4))  # [N, K-1, top, 4]
-        labels = torch.arange(1, k + 1, device=x.device, dtype=scores.dtype).view(1, k, 1).expand(n, k, top)
+        # Counting along ones made from the scores, not torch.arange(device=x.device): a trace keeps
+        # that device as a constant, and the TorchScript would then fail on any other device.
+        ones = torch.ones_like(best)
+        labels = ones.cumsum(1)                                              # 1 .. K-1 along classes
         best = torch.where(best > self.score_thresh, best, torch.zeros_like(best))
         # One NMS call for every image and class: each (image, class) moved to a place of its own,
         # classes along x, images along y, so boxes of different groups never overlap.
         side = float(max(self.image_size) + 1)
         shift_x = labels * side
-        shift_y = torch.arange(n, device=x.device, dtype=scores.dtype).view(n, 1, 1).expand(n, k, top) * side
+        shift_y = (ones.cumsum(0) - 1) * side
         shift = torch.stack([shift_x, shift_y, shift_x, shift_y], dim=-1)
         flat_scores = best.reshape(-1)
         keep = nms((candidates + shift).reshape(-1, 4), flat_scores, self.nms_thresh)
