@@ -27,7 +27,8 @@ from optiserve.errors import UserError
 from optiserve.models import InputOverrides
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 from optiserve.serve.app import ServeConfig, create_app
-from optiserve.serve.pipelines import Crops, cut, parse_pipeline
+from optiserve.pipeline_file import Crops, parse_pipeline
+from optiserve.serve.pipelines import cut
 from optiserve.tasks.detection import iou
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol on a pipeline (serve/pipelines.py): its metadata, what its infer
+"""The Open Inference Protocol on a pipeline (optiserve/pipeline_file.py): its metadata, what its infer
 takes and what it answers, over either transport (the HTTP request is read here, the gRPC
 message by grpc_service.parse_pipeline_infer with the checks here).
 
@@ -29,7 +29,8 @@ from optiserve.serve.envelope import (OTHER_FIELDS_COMMAS, PYTHON_NUMBER_BYTES, 
                                       id_field, name_field, object_field, parse_json, requested_outputs)
 from optiserve.serve.model import ServedModel
 from optiserve.serve.pipeline_requests import PipelineRun
-from optiserve.serve.pipelines import BOX_OUTPUTS, ROW_INDEX, Pipeline
+from optiserve.pipeline_file import Pipeline
+from optiserve.serve.pipelines import BOX_OUTPUTS, ROW_INDEX
 from optiserve.serve.preprocess import BadInput, ImageLimits, decode_picture
 from optiserve.serve.server import ApiError, Server
 

@@ -1,4 +1,4 @@
-"""A request on a pipeline (serve/pipelines.py), whichever route carries it: the input read and
+"""A request on a pipeline (optiserve/pipeline_file.py), whichever route carries it: the input read and
 decoded once; the detector's input made from the decoded picture; the boxes it finds cut from that
 picture in the uploaded image's pixels (not from the detector's resized input); every crop queued
 in the second model's own DynamicBatcher, so crops of many requests batch together. The request
@@ -20,7 +20,8 @@ from optiserve.data.image_input import image_to_input
 from optiserve.serve import VARIANT_HEADER, tracing
 from optiserve.serve.model import ServedModel
 from optiserve.serve.multipart import boundary_of, parse_form, upload_and_variant
-from optiserve.serve.pipelines import Pipeline, chosen_rows, cut
+from optiserve.pipeline_file import Pipeline
+from optiserve.serve.pipelines import chosen_rows, cut
 from optiserve.serve.preprocess import BadInput, decode_picture
 from optiserve.serve.responses import FastJSONResponse
 from optiserve.serve.server import Admission, ApiError, ClientGone, Server

@@ -20,7 +20,8 @@ from optiserve.serve.config import ServeConfig
 from optiserve.serve.metrics import ServerMetrics
 from optiserve.serve.model import BatchingConfig, ServedModel
 from optiserve.serve.model_settings import model_settings, settings_version
-from optiserve.serve.pipelines import Pipeline, is_pipeline_folder, output_clash, read_pipeline
+from optiserve.pipeline_file import Pipeline, is_pipeline_folder, read_pipeline
+from optiserve.serve.pipelines import output_clash
 from optiserve.serve.traffic import Shadow, TrafficError, parse_traffic
 
 log = logging.getLogger("optiserve.serve")
@@ -136,7 +137,7 @@ class ModelRepository:
         return scan.models
 
     def find_pipelines(self) -> None:
-        """Read the repository's pipeline folders (serve/pipelines.py) afresh; a folder whose
+        """Read the repository's pipeline folders (optiserve/pipeline_file.py) afresh; a folder whose
         pipeline.json is wrong is listed as unavailable with the reason, once logged."""
         if not self.is_repository:
             return
