@@ -197,3 +197,29 @@ def small_artifact(small_cnn_checkpoint, tmp_path_factory) -> Path:
     run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True, out=str(out),
                                 progress=False, latency_batch=4))
     return out
+
+
+@pytest.fixture(scope="session")
+def finder_artifact(tmp_path_factory) -> Path:
+    """The digit finder (benchmarks/digit_scenes.py), trained here, exported to ONNX as a user's
+    exporter would, and optimized; a detector for pipelines."""
+    from optiserve.models import InputOverrides
+    from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from digit_scenes import MEAN, SIDE, STD, TRAIN_DIGITS, export_detector, scene, train_detector
+
+    work = tmp_path_factory.mktemp("finder")
+    onnx = export_detector(train_detector(steps=400), work / "finder.onnx")
+    labels = work / "labels.txt"
+    labels.write_text("digit\n")
+    rng = np.random.default_rng(1)
+    pictures = work / "scenes"
+    pictures.mkdir()
+    for i in range(48):
+        scene(rng, int(rng.integers(1, 4)), range(TRAIN_DIGITS)).image.save(pictures / f"{i}.png")
+    out = work / "art"
+    run_optimize(OptimizeConfig(str(onnx), task="detection", dataset=f"imagefolder:{pictures}", int8=False,
+                                openvino=False, latency_batch=2, input=InputOverrides((3, SIDE, SIDE), MEAN, STD),
+                                labels=str(labels), out=str(out), progress=False))
+    return out

@@ -24,15 +24,13 @@ from PIL import Image
 
 from conftest import ROOT, free_port, in_process_server, run_cli, serving
 from optiserve.errors import UserError
-from optiserve.models import InputOverrides
-from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 from optiserve.serve.app import ServeConfig, create_app
 from optiserve.pipeline_file import Crops, parse_pipeline
 from optiserve.serve.pipelines import cut
 from optiserve.tasks.detection import iou
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from digit_scenes import MEAN, SIDE, STD, TRAIN_DIGITS, export_detector, scene, train_detector  # noqa: E402
+from digit_scenes import SIDE, TRAIN_DIGITS, scene  # noqa: E402
 
 READER = {"steps": [{"model": "finder"},
                      {"model": "digits", "crops": {"min_score": 0.5, "classes": ["digit"], "max_crops": 8}}]}
@@ -40,26 +38,6 @@ BRANCHES = {"steps": [{"model": "finder"},  # every digit read, and the best one
                        {"model": "digits", "crops": {"min_score": 0.5, "max_crops": 8}},
                        {"model": "best", "crops": {"min_score": 0.5, "classes": ["digit"], "max_crops": 1}}]}
 CATS = {"steps": [{"model": "finder"}, {"model": "digits", "crops": {"classes": ["cat"]}}]}  # a class it never finds
-
-
-@pytest.fixture(scope="module")
-def finder_artifact(tmp_path_factory) -> Path:
-    """The digit finder, trained here, exported to ONNX as a user's exporter would, and optimized."""
-    work = tmp_path_factory.mktemp("finder")
-    onnx = export_detector(train_detector(steps=400), work / "finder.onnx")
-    labels = work / "labels.txt"
-    labels.write_text("digit\n")
-    rng = np.random.default_rng(1)
-    pictures = work / "scenes"
-    pictures.mkdir()
-    for i in range(48):
-        scene(rng, int(rng.integers(1, 4)), range(TRAIN_DIGITS)).image.save(pictures / f"{i}.png")
-    out = work / "art"
-    run_optimize(OptimizeConfig(str(onnx), task="detection", dataset=f"imagefolder:{pictures}", int8=False,
-                                openvino=False, latency_batch=2, input=InputOverrides((3, SIDE, SIDE), MEAN, STD),
-                                labels=str(labels),
-                                out=str(out), progress=False))
-    return out
 
 
 @pytest.fixture(scope="module")

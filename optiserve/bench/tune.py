@@ -56,7 +56,6 @@ CONFIRM_TRIES = 5         # loads the winner is confirmed at, each CONFIRM_BACKO
 CONFIRM_BACKOFF = 0.85
 CLAIM_SHARE = 0.9         # an open loop claims this share of the load that held: near capacity a load that held
 # once can still meet a stall on the next run, and the spare tenth is what lets the queue drain after one
-MEASURED_KEYS = {"variant", "max_batch_size", "max_delay_ms", "instances", "rate", "meets", "steps", "level", "p99_ms"}
 
 
 @dataclass
@@ -158,6 +157,16 @@ def accuracy_text(manifest: dict, entry: dict) -> str:
     return f"{text} ({entry['status']})" if entry.get("status") else text
 
 
+def instance_counts(cfg: TuneConfig) -> list[int]:
+    """The instances per variant tried: as asked, else 1, and 2 where there are 2 cores or more."""
+    return cfg.instances or ([1, 2] if (os.cpu_count() or 1) >= 2 else [1])
+
+
+def delays_ms(cfg: TuneConfig) -> list[float]:
+    """The batching delays tried above batch size 1: as asked, else 1 ms and a tenth of the objective."""
+    return cfg.delays_ms or sorted({1.0, round(cfg.slo_p99_ms / 10, 1)})
+
+
 def server_failure(e: RuntimeError) -> str:
     """One line on why a server did not start: its own error line where it printed one."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
@@ -222,15 +231,26 @@ def _meets(step: dict, cfg: TuneConfig) -> bool:
     return step["requests"] > 0 and step["failed"] == 0 and step["p99_ms"] <= cfg.slo_p99_ms and keeps_up
 
 
-def _is_measured(point, variants: set[str]) -> bool:
-    """Whether a resumed tune.json point has the shape `Tuner._measure` writes, for one of `variants`."""
+def is_point(point, variants: set[str]) -> bool:
+    """Whether `point` (from a tune.json) holds a Point's fields, for one of `variants`."""
     def whole(x) -> bool:
         return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
-    return isinstance(point, dict) and MEASURED_KEYS <= set(point) and point["variant"] in variants and \
-        whole(point["max_batch_size"]) and whole(point["instances"]) and \
-        isinstance(point["max_delay_ms"], (int, float)) and isinstance(point["meets"], bool) and \
-        isinstance(point["rate"], (int, float)) and isinstance(point["steps"], list)
+    return isinstance(point, dict) and {"variant", "max_batch_size", "max_delay_ms", "instances"} <= set(point) and \
+        point["variant"] in variants and whole(point["max_batch_size"]) and whole(point["instances"]) and \
+        isinstance(point["max_delay_ms"], (int, float)) and not isinstance(point["max_delay_ms"], bool)
+
+
+def is_result(point) -> bool:
+    """Whether a resumed tune.json point holds what `Tuner._measure` writes beside the point's fields."""
+    return isinstance(point, dict) and {"rate", "meets", "steps", "level", "p99_ms"} <= set(point) and \
+        isinstance(point["meets"], bool) and isinstance(point["rate"], (int, float)) and \
+        isinstance(point["steps"], list)
+
+
+def _is_measured(point, variants: set[str]) -> bool:
+    """Whether a resumed tune.json point has the shape `Tuner._measure` writes, for one of `variants`."""
+    return is_result(point) and is_point(point, variants)
 
 
 class Tuner:
@@ -238,9 +258,7 @@ class Tuner:
 
     def __init__(self, cfg: TuneConfig):
         self.cfg = cfg
-        self.manifest = read_manifest(cfg.folder)
-        self.model = self.manifest.get("model")
-        self.own = own_settings(cfg.folder)  # kept in every point's settings, and in what is written
+        self._read_folder()
         self.points: dict[str, dict] = {}
         self.confirmed_before: dict | None = None  # a resumed tune.json's confirmed winner
         self.line = ProgressLine(cfg.progress)
@@ -250,33 +268,17 @@ class Tuner:
         if cfg.resume:
             self._resume()
 
+    def _read_folder(self) -> None:
+        self.manifest = read_manifest(self.cfg.folder)
+        self.model = self.manifest.get("model")
+        self.own = own_settings(self.cfg.folder)  # kept in every point's settings, and in what is written
+
     # ---- the search --------------------------------------------------------------------------
     def run(self) -> dict:
         cfg = self.cfg
-        names, left_out = candidates(self.manifest, cfg)
-        entries = {e["name"]: e for e in self.manifest["variants"]}
-        instances = cfg.instances or ([1, 2] if (os.cpu_count() or 1) >= 2 else [1])
-        delays = cfg.delays_ms or sorted({1.0, round(cfg.slo_p99_ms / 10, 1)})
-        self.total = len(names) * len(instances) * sum(1 if b == 1 else len(delays) for b in cfg.batch_sizes)
-        pruned: dict[str, str] = {}
         with tempfile.TemporaryDirectory(prefix="optiserve-tune-") as tmp:
-            stage = stage_folder(cfg.folder, Path(tmp))
-            for variant in names:
-                incumbent = self.winner()
-                ceiling = offline_ceiling(entries[variant])
-                if incumbent is not None and ceiling and ceiling < incumbent["rate"]:
-                    pruned[variant] = (f"its engine ran at {ceiling:.0f} images/s offline, below the incumbent's "
-                                       f"{incumbent['rate']:.0f} served")
-                    continue
-                for n in instances:
-                    best_before = None
-                    for b in cfg.batch_sizes:
-                        here = [self._measure(stage, Point(variant, b, 0.0 if b == 1 else d, n))
-                                for d in ([0.0] if b == 1 else delays)]
-                        best = max(r["rate"] for r in here)
-                        if best_before is not None and best <= best_before * DOUBLING_GAIN:
-                            break  # doubling the batch stopped paying
-                        best_before = max(best, best_before or 0.0)
+            stage = self._stage(Path(tmp))
+            left_out, pruned = self._search(stage)
             winner = self.winner()
             if winner is None:
                 self.line.done(f"tune: {len(self.points)} points measured in {time.monotonic() - self.started:.0f} s")
@@ -297,6 +299,47 @@ class Tuner:
         self._write_settings(winner)
         return result
 
+    def _stage(self, into: Path) -> Path:
+        """What each point's server serves: a copy of the model folder."""
+        return stage_folder(self.cfg.folder, into)
+
+    def _search(self, stage: Path) -> tuple[dict[str, str], dict[str, str]]:
+        """Measure the points worth measuring: each variant (fastest offline first, skipped where its
+        engine cannot beat the incumbent), instances, batch sizes doubling while doubling pays, and
+        the delays. Returns the variants left out and those pruned, each with why."""
+        cfg = self.cfg
+        names, left_out = candidates(self.manifest, cfg)
+        entries = {e["name"]: e for e in self.manifest["variants"]}
+        instances = instance_counts(cfg)
+        self.total = len(names) * len(instances) * sum(1 if b == 1 else len(delays_ms(cfg)) for b in cfg.batch_sizes)
+        pruned: dict[str, str] = {}
+        for variant in names:
+            incumbent = self.winner()
+            ceiling = offline_ceiling(entries[variant])
+            if incumbent is not None and ceiling and ceiling < incumbent["rate"]:
+                pruned[variant] = (f"its engine ran at {ceiling:.0f} images/s offline, below the incumbent's "
+                                   f"{incumbent['rate']:.0f} served")
+                continue
+            for n in instances:
+                self._batch_sizes(stage, lambda b, d: Point(variant, b, d, n))
+        return left_out, pruned
+
+    def _batch_sizes(self, stage: Path, point_at) -> None:
+        """Measure `point_at(max_batch_size, delay_ms)` for each batch size in turn (every delay above
+        batch size 1) until doubling the batch size stops raising the throughput."""
+        best_before = None
+        for b in self.cfg.batch_sizes:
+            here = [self._measure(stage, point_at(b, 0.0 if b == 1 else d))
+                    for d in ([0.0] if b == 1 else delays_ms(self.cfg))]
+            best = max(r["rate"] for r in here)
+            if best_before is not None and best <= best_before * DOUBLING_GAIN:
+                break  # doubling the batch stopped paying
+            best_before = max(best, best_before or 0.0)
+
+    def point_of(self, measured: dict) -> Point:
+        """The point a measured result (a tune.json point, or the winner) was measured at."""
+        return Point.of(measured)
+
     def _measure(self, stage: Path, point: Point) -> dict:
         if point.key in self.points:
             return self.points[point.key]
@@ -306,7 +349,7 @@ class Tuner:
             with self._serving(stage, point) as base:
                 steps = self._closed_search(base, point) if self.cfg.mode == "closed" else self._open_search(base, point)
         except RuntimeError as e:  # its server did not start or died (serve/launch.py): this point's row, not the end
-            result = {**asdict(point), "rate": 0.0, "p99_ms": None, "level": None, "meets": False, "capacity": 0.0,
+            result = {**self._fields(point), "rate": 0.0, "p99_ms": None, "level": None, "meets": False, "capacity": 0.0,
                       "steps": [], "failed": server_failure(e)}
             self.points[point.key] = result
             self._save()
@@ -314,12 +357,16 @@ class Tuner:
         capacity = max(s["rps"] for s in steps)
         good = [s for s in steps if s["meets"]]
         best = max(good, key=lambda s: s["rps"]) if good else None
-        result = {**asdict(point), "rate": best["rps"] if best else 0.0, "p99_ms": best["p99_ms"] if best else None,
+        result = {**self._fields(point), "rate": best["rps"] if best else 0.0, "p99_ms": best["p99_ms"] if best else None,
                   "level": best["level"] if best else None, "meets": best is not None,
                   "capacity": capacity, "steps": steps}
         self.points[point.key] = result
         self._save()
         return result
+
+    def _fields(self, point: Point) -> dict:
+        """What tune.json keeps of the point a result was measured at."""
+        return asdict(point)
 
     @contextlib.contextmanager
     def _serving(self, stage: Path, point: Point):
@@ -341,7 +388,7 @@ class Tuner:
         try:
             confirmation = before["confirmation"]
             held = confirmation["tries"][-1]
-            if before["settings"] != Point.of(winner).settings() or confirmation["seconds"] != self.cfg.confirm_s \
+            if before["settings"] != self.point_of(winner).settings() or confirmation["seconds"] != self.cfg.confirm_s \
                     or held["meets"] is not True:
                 return None
             rate = round(CLAIM_SHARE * float(held["level"]), 1) if self.cfg.mode == "open" else float(held["rps"])
@@ -355,7 +402,7 @@ class Tuner:
         offered one that held; a closed loop's is the throughput its callers got). UserError
         (tune.json kept, so --resume only confirms again) when no load held."""
         cfg = self.cfg
-        point = Point.of(winner)
+        point = self.point_of(winner)
         level = winner["level"]
         tries = []
         with self._serving(stage, point) as base:
@@ -382,10 +429,10 @@ class Tuner:
 
     def _load(self, base: str, mode: str, level: float, point: Point, seconds: float | None = None,
               warmup_s: float | None = None) -> dict:
+        variant = getattr(point, "variant", None)  # a pipeline's point names a variant per step, none for the whole
         load = Load(mode, level, seconds or self.cfg.duration_s,
-                    self.cfg.warmup_s if warmup_s is None else warmup_s, point.variant, timeout_s=60,
-                    model=self.model)
-        sender = RawImageSender(base, self.cfg.images, self.model, point.variant)
+                    self.cfg.warmup_s if warmup_s is None else warmup_s, variant, timeout_s=60, model=self.model)
+        sender = RawImageSender(base, self.cfg.images, self.model, variant)
         run = asyncio.run(generate_load(base, self.cfg.images, load, sender=sender))
         step = _summary(run, level if mode == "open" else None)
         step["meets"] = _meets(step, self.cfg)
@@ -440,11 +487,12 @@ class Tuner:
         return max(good, key=lambda p: (p["rate"], -p["instances"], -p["max_batch_size"]))
 
     def _closest(self) -> str:
-        steps = [(s["p99_ms"], p["variant"], s) for p in self.points.values() for s in p["steps"] if s["requests"]]
+        steps = [(s["p99_ms"], self.point_of(p).key, s) for p in self.points.values() for s in p["steps"]
+                 if s["requests"]]
         if not steps:
             return "nothing answered"
-        p99, variant, step = min(steps, key=lambda x: x[0])
-        return f"p99 {p99:.1f} ms, {variant} at {step['level']:g}"
+        p99, point, step = min(steps, key=lambda x: x[0])
+        return f"p99 {p99:.1f} ms, {point} at {step['level']:g}"
 
     def _show(self, point: Point, what: str) -> None:
         elapsed = time.monotonic() - self.started
@@ -459,7 +507,7 @@ class Tuner:
         if left_out is not None:
             doc["left_out"], doc["pruned"] = left_out, pruned or {}
         if winner is not None and confirmation is not None:
-            doc["winner"] = {"settings": Point.of(winner).settings(),
+            doc["winner"] = {"settings": self.point_of(winner).settings(),
                              "rate": confirmation["rate"], "p99_ms": confirmation["p99_ms"], "mode": self.cfg.mode,
                              **({"concurrency": confirmation["level"]} if self.cfg.mode == "closed" else {}),
                              "searched": {"rate": winner["rate"], "p99_ms": winner["p99_ms"]},
@@ -477,8 +525,7 @@ class Tuner:
         try:
             doc = json.loads(path.read_text())
             objective, points = doc["objective"], doc["points"]
-            variants = {e["name"] for e in self.manifest["variants"]}
-            measured = {Point.of(p).key: p for p in points if _is_measured(p, variants)}
+            measured = {self.point_of(p).key: p for p in points if self._is_measured(p)}
             if len(measured) != len(points):
                 raise ValueError("a point is not one tune measured of this folder's variants")
         except (ValueError, KeyError, TypeError) as e:
@@ -489,8 +536,12 @@ class Tuner:
         self.points = measured
         self.confirmed_before = doc.get("winner") if isinstance(doc.get("winner"), dict) else None
 
+    def _is_measured(self, point) -> bool:
+        """Whether a resumed tune.json point is one this tuner measures."""
+        return _is_measured(point, {e["name"] for e in self.manifest["variants"]})
+
     def _write_settings(self, winner: dict) -> None:
         """serving.json: the settings the winner was measured with."""
-        point = Point.of(winner)
+        point = self.point_of(winner)
         with atomic_write(self.cfg.folder / SETTINGS_FILE, "w") as f:
             json.dump(point_settings(self.own, point), f, indent=1)

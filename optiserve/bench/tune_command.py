@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-HELP = "search variants x batch size x delay x instances for the highest throughput meeting a p99 objective"
+HELP = "search variants x batch size x delay x instances for the highest throughput meeting a p99 objective " \
+       "(a model's, or each model's of a pipeline)"
 DESCRIPTION = """\
 Serve the model folder's variants with real `optiserve serve` processes under the project's load
 generator, and find the variant, max batch size, batching delay and instances with the highest
@@ -16,7 +17,14 @@ versions), tune.md and tune.html (the table and a plot of each variant's Pareto 
 
   optiserve tune artifacts/resnet18-digits --slo-p99-ms 50
   optiserve tune artifacts/resnet18-digits --slo-p99-ms 50 --max-accuracy-drop 0.5 --duration 20
-  optiserve tune artifacts/resnet18-digits --slo-p99-ms 50 --resume      (after an interruption)"""
+  optiserve tune artifacts/resnet18-digits --slo-p99-ms 50 --resume      (after an interruption)
+
+A pipeline's folder in a repository (its pipeline.json) tunes each of its steps' models, one at a
+time, for the most pictures per second the pipeline answers within the objective, driven with the
+pictures --images holds; each model's serving.json is written, and tune.json and the report go into
+the pipeline's folder. --variants then takes MODEL:VARIANT.
+
+  optiserve tune models/reader --slo-p99-ms 100 --images scenes/"""
 
 
 def _number_list(convert, least: float, example: str):
@@ -42,7 +50,8 @@ _floats = _number_list(float, 0, "1,5")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = DESCRIPTION
-    p.add_argument("artifact_dir", metavar="MODEL_DIR", help="a folder written by `optimize`")
+    p.add_argument("artifact_dir", metavar="MODEL_DIR",
+                   help="a folder written by `optimize`, or a pipeline's folder in a repository")
     p.add_argument("--slo-p99-ms", type=float, required=True, metavar="X", help="the p99 latency objective, in ms")
     p.add_argument("--max-accuracy-drop", type=float, default=None, metavar="PTS",
                    help="leave out variants more than PTS points below fp32 in the measure their task's gate "
@@ -57,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="open: the highest request rate meeting the objective without backlog (default); "
                         "closed: the highest throughput of 1, 2, 4, ... concurrent callers meeting it")
     p.add_argument("--variants", default=None, metavar="A,B",
-                   help="the variants to tune (default: every accepted variant that can run here)")
+                   help="the variants to tune (default: every accepted variant that can run here); on a "
+                        "pipeline MODEL:VARIANT")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32], metavar="1,2,4",
                    help="max batch sizes tried, in order until doubling stops paying (default 1,2,...,32)")
     p.add_argument("--delays-ms", type=_floats, default=None, metavar="1,5",
@@ -65,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=_ints, default=None, metavar="1,2",
                    help="instances per variant tried (default: 1, and 2 with 2 cores or more)")
     p.add_argument("--images", default=None, metavar="DIR",
-                   help="images to send (default: random PNGs at the model's input size)")
+                   help="images to send (default: random PNGs at the model's input size; a pipeline needs "
+                        "pictures like those it will serve)")
     p.add_argument("--resume", action="store_true", help="go on from the folder's tune.json, skipping measured points")
     p.add_argument("--quiet", action="store_true", help="no progress line")
 
@@ -76,20 +87,29 @@ def run(args: argparse.Namespace) -> int:
     from optiserve.bench.tune import TuneConfig, Tuner
     from optiserve.bench.tune_report import write_tune_report
     from optiserve.errors import UserError
+    from optiserve.pipeline_file import is_pipeline_folder
 
     folder = Path(args.artifact_dir)
     if args.slo_p99_ms <= 0 or args.duration <= 0 or args.confirm_seconds <= 0:
         raise UserError("--slo-p99-ms, --duration and --confirm-seconds must be positive")
     if args.max_accuracy_drop is not None and args.max_accuracy_drop < 0:
         raise UserError("--max-accuracy-drop is points of accuracy, at least 0")
-    manifest = read_manifest(folder)
-    side = max(manifest["input"]["shape"][1:])
-    images = images_from_folder(args.images) if args.images else dataset_images("synthetic", side, count=64)
+    pipeline = is_pipeline_folder(folder)
+    if pipeline and not args.images:
+        raise UserError(f"tuning the pipeline {folder.name} needs --images DIR: pictures like those it will serve, "
+                        f"so its later steps get the boxes they will get")
+    if args.images:
+        images = images_from_folder(args.images)
+    else:
+        images = dataset_images("synthetic", max(read_manifest(folder)["input"]["shape"][1:]), count=64)
     cfg = TuneConfig(folder, args.slo_p99_ms, args.max_accuracy_drop, args.duration, mode=args.concurrency_mode,
                      variants=[v for v in args.variants.split(",") if v] if args.variants else None,
                      batch_sizes=args.batch_sizes, delays_ms=args.delays_ms, instances=args.instances,
                      images=images, confirm_s=args.confirm_seconds, resume=args.resume, progress=not args.quiet)
+    if pipeline:
+        return _tune_pipeline(cfg)
     doc = Tuner(cfg).run()
+    manifest = read_manifest(folder)
     files = write_tune_report(doc, manifest, folder)
     w = doc["winner"]
     s = w["settings"]
@@ -97,4 +117,21 @@ def run(args: argparse.Namespace) -> int:
           f"{s['instances']} instance(s): {w['rate']:.1f} requests/s at p99 {w['p99_ms']:.1f} ms "
           f"held for {w['confirmation']['seconds']:g} s (objective {args.slo_p99_ms:g} ms)")
     print(f"wrote {folder / 'serving.json'}, {folder / 'tune.json'}, {files['md']}, {files['html']}")
+    return 0
+
+
+def _tune_pipeline(cfg) -> int:
+    from optiserve.bench.tune_pipeline import PipelineTuner
+    from optiserve.bench.tune_report import settings_text, write_pipeline_tune_report
+
+    tuner = PipelineTuner(cfg)
+    doc = tuner.run()
+    files = write_pipeline_tune_report(doc, tuner.manifests, cfg.folder)
+    w = doc["winner"]
+    for name, settings in w["settings"].items():
+        print(f"{name}: {settings_text(settings)}")
+    print(f"pipeline {doc['model']}: {w['rate']:.1f} pictures/s at p99 {w['p99_ms']:.1f} ms held for "
+          f"{w['confirmation']['seconds']:g} s (objective {cfg.slo_p99_ms:g} ms)")
+    written = ", ".join(str(tuner.repository / name / "serving.json") for name in w["settings"])
+    print(f"wrote {written}, {cfg.folder / 'tune.json'}, {files['md']}, {files['html']}")
     return 0

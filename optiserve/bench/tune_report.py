@@ -24,12 +24,12 @@ def pareto_front(steps: list[dict]) -> list[dict]:
     return front
 
 
-def plot_fronts(doc: dict, path: Path) -> bool:
-    """Every load step as a dot (throughput, p99) per variant, its Pareto front as a line, the
-    objective as a dashed line and the winner circled."""
+def plot_fronts(doc: dict, path: Path, series=lambda p: p["variant"], unit: str = "requests") -> bool:
+    """Every load step as a dot (throughput, p99) per series of points (by default each variant's),
+    its Pareto front as a line, the objective as a dashed line and the winner circled."""
     steps = {}
     for p in doc["points"]:
-        steps.setdefault(p["variant"], []).extend(s for s in p["steps"] if s["requests"] and not s.get("probe"))
+        steps.setdefault(series(p), []).extend(s for s in p["steps"] if s["requests"] and not s.get("probe"))
     if not any(steps.values()):
         return False
     plt = _pyplot()
@@ -45,7 +45,7 @@ def plot_fronts(doc: dict, path: Path) -> bool:
     if winner:
         ax.scatter([winner["rate"]], [winner["p99_ms"]], s=160, facecolors="none", edgecolors="black", lw=1.5,
                    label="winner", zorder=5)
-    ax.set_xlabel("throughput (answered requests/s)")
+    ax.set_xlabel(f"throughput (answered {unit}/s)")
     ax.set_ylabel("p99 latency (ms)")
     ax.set_yscale("log")
     ax.set_title(f"{doc.get('model') or 'model'}: throughput against p99, every load step measured")
@@ -55,30 +55,41 @@ def plot_fronts(doc: dict, path: Path) -> bool:
     return True
 
 
-def tune_blocks(doc: dict, manifest: dict, plotted: bool) -> list[tuple]:
+def _objective(doc: dict) -> tuple:
     obj, env = doc["objective"], doc.get("environment") or {}
-    blocks: list[tuple] = [("h1", f"Tuning report: {doc.get('model') or 'model'}")]
     mode = "open loop: the highest request rate whose p99 meets the objective with every request answered " \
            "and no backlog" if obj["mode"] == "open" else "closed loop: the highest throughput of 1, 2, 4, ... " \
                                                           "concurrent callers whose p99 meets the objective"
-    blocks.append(("p", f"Objective: p99 ≤ {obj['slo_p99_ms']:g} ms, {mode}; {obj['duration_s']:g} s measured per "
-                        f"load step. {env.get('cpu', '?')}; optiserve {env.get('optiserve', '?')}, onnxruntime "
-                        f"{env.get('onnxruntime', '?')}, openvino {env.get('openvino', '?')}, torch "
-                        f"{env.get('torch', '?')}; {doc.get('created', '')}."))
+    return ("p", f"Objective: p99 ≤ {obj['slo_p99_ms']:g} ms, {mode}; {obj['duration_s']:g} s measured per "
+                 f"load step. {env.get('cpu', '?')}; optiserve {env.get('optiserve', '?')}, onnxruntime "
+                 f"{env.get('onnxruntime', '?')}, openvino {env.get('openvino', '?')}, torch "
+                 f"{env.get('torch', '?')}; {doc.get('created', '')}.")
+
+
+def settings_text(s: dict) -> str:
+    """One model's tuned serving settings in words."""
+    return (f"{s['variants'][0]}, max batch {s['max_batch_size']}, delay {s['max_delay_ms']:g} ms, "
+            f"{s['instances']} instance{'s' if s['instances'] > 1 else ''}")
+
+
+def _confirmation(doc: dict, unit: str) -> tuple:
+    winner, mode = doc["winner"], doc["objective"]["mode"]
+    tries = winner["confirmation"]["tries"]
+    held = "; ".join(f"{t['level']:g}{' req/s' if mode == 'open' else ' callers'}: p99 {t['p99_ms']:.1f} ms"
+                     f"{'' if t['meets'] else ' (missed)'}" for t in tries)
+    spare = "the claim keeps a tenth of it spare" if mode == "open" else "its callers are the claim"
+    return ("p", f"The search measured {winner['searched']['rate']:.1f} {unit}/s at p99 "
+                 f"{winner['searched']['p99_ms']:.1f} ms; a fresh server then had to hold the load for "
+                 f"{winner['confirmation']['seconds']:g} s ({held}): {spare}.")
+
+
+def tune_blocks(doc: dict, manifest: dict, plotted: bool) -> list[tuple]:
+    blocks: list[tuple] = [("h1", f"Tuning report: {doc.get('model') or 'model'}"), _objective(doc)]
     winner = doc.get("winner")
     if winner:
-        s = winner["settings"]
-        blocks.append(("p", f"Winner: {s['variants'][0]}, max batch {s['max_batch_size']}, delay "
-                            f"{s['max_delay_ms']:g} ms, {s['instances']} instance{'s' if s['instances'] > 1 else ''}: "
-                            f"{winner['rate']:.1f} requests/s at p99 {winner['p99_ms']:.1f} ms (written to "
-                            f"serving.json)."))
-        tries = winner["confirmation"]["tries"]
-        held = "; ".join(f"{t['level']:g}{' req/s' if obj['mode'] == 'open' else ' callers'}: p99 {t['p99_ms']:.1f} ms"
-                         f"{'' if t['meets'] else ' (missed)'}" for t in tries)
-        spare = "the claim keeps a tenth of it spare" if obj["mode"] == "open" else "its callers are the claim"
-        blocks.append(("p", f"The search measured {winner['searched']['rate']:.1f} requests/s at p99 "
-                            f"{winner['searched']['p99_ms']:.1f} ms; a fresh server then had to hold the load for "
-                            f"{winner['confirmation']['seconds']:g} s ({held}): {spare}."))
+        blocks.append(("p", f"Winner: {settings_text(winner['settings'])}: {winner['rate']:.1f} requests/s at p99 "
+                            f"{winner['p99_ms']:.1f} ms (written to serving.json)."))
+        blocks.append(_confirmation(doc, "requests"))
     rows = [[p["variant"], str(p["max_batch_size"]), f"{p['max_delay_ms']:g}", str(p["instances"]),
              f"{p['rate']:.1f}" if p["meets"] else "—", f"{p['p99_ms']:.1f}" if p["meets"] else "—",
              f"failed: {p['failed']}" if p.get("failed") else str(len(p["steps"]))]
@@ -102,10 +113,53 @@ def tune_blocks(doc: dict, manifest: dict, plotted: bool) -> list[tuple]:
     return blocks
 
 
+def pipeline_tune_blocks(doc: dict, manifests: dict[str, dict], plotted: bool) -> list[tuple]:
+    """A pipeline's tuning report: each model's winning settings, every point measured (a column per
+    model) and the accuracy of each model's variants from its manifest."""
+    blocks: list[tuple] = [("h1", f"Tuning report: pipeline {doc.get('model')}"), _objective(doc),
+                           ("p", "The load: the pictures given, each uploaded to the pipeline's /predict. The models "
+                                 "were tuned one at a time in the pipeline's order, the others held at the best "
+                                 "found so far.")]
+    winner = doc.get("winner")
+    if winner:
+        chosen = "; ".join(f"{name}: {settings_text(s)}" for name, s in winner["settings"].items())
+        blocks.append(("p", f"Winner: {chosen} — {winner['rate']:.1f} pictures/s at p99 {winner['p99_ms']:.1f} ms "
+                            f"(written to each model's serving.json)."))
+        blocks.append(_confirmation(doc, "pictures"))
+    models = list(manifests)
+    rows = [[*(f"{p['models'][m]['variant']} b{p['models'][m]['max_batch_size']} d{p['models'][m]['max_delay_ms']:g} "
+               f"i{p['models'][m]['instances']}" for m in models), p.get("varied") or "— (start)",
+             f"{p['rate']:.1f}" if p["meets"] else "—", f"{p['p99_ms']:.1f}" if p["meets"] else "—",
+             f"failed: {p['failed']}" if p.get("failed") else str(len(p["steps"]))]
+            for p in sorted(doc["points"], key=lambda p: -p["rate"])]
+    blocks += [("h2", "Points measured"),
+               ("table", [*models, "varied", "pictures/s meeting the objective", "its p99 ms", "load steps"], rows)]
+    left_out = doc.get("left_out") or {}
+    variant_rows = [[f"{m}:{e['name']}", accuracy_text(manifest, e),
+                     "measured" if any(p["models"][m]["variant"] == e["name"] for p in doc["points"])
+                     else left_out.get(f"{m}:{e['name']}") or "not measured"]
+                    for m, manifest in manifests.items() for e in manifest.get("variants", [])]
+    blocks += [("h2", "Variants"), ("table", ["model:variant", "accuracy (manifest)", "tuned"], variant_rows)]
+    if plotted:
+        blocks += [("h2", "Throughput against p99"),
+                   ("img", PLOT, "each load step, by the model whose settings it varied; lines: Pareto fronts")]
+    return blocks
+
+
+def write_pipeline_tune_report(doc: dict, manifests: dict[str, dict], folder: Path) -> dict[str, Path]:
+    """tune.md, tune.html and tune.png of a pipeline's tuning, in its folder."""
+    plotted = plot_fronts(doc, folder / PLOT, series=lambda p: f"{p.get('varied') or 'start'} varied",
+                          unit="pictures")
+    return _write(pipeline_tune_blocks(doc, manifests, plotted), folder, plotted)
+
+
 def write_tune_report(doc: dict, manifest: dict, folder: Path) -> dict[str, Path]:
     """tune.md, tune.html (plot embedded) and tune.png in `folder`."""
     plotted = plot_fronts(doc, folder / PLOT)
-    blocks = tune_blocks(doc, manifest, plotted)
+    return _write(tune_blocks(doc, manifest, plotted), folder, plotted)
+
+
+def _write(blocks: list[tuple], folder: Path, plotted: bool) -> dict[str, Path]:
     files = {"md": folder / "tune.md", "html": folder / "tune.html"}
     with atomic_write(files["md"], "w") as f:
         f.write(render_markdown(blocks))
