@@ -3,9 +3,9 @@ of its steps' models, together, for the highest rate of pictures the pipeline an
 p99 objective.
 
 The whole space is the product of every model's, too large to measure, so the models are tuned one
-at a time in the pipeline's order — each one's variants × instances × batch sizes (doubling while
-it pays) × delays, with the other models held at the best found so far — the way a person would,
-but measured. A model starts at its folder's own serving.json where that names one of its variants
+at a time in the pipeline's order, the other models held at the best found so far — the way a
+person would, but measured: first each of the model's variants at the settings it has, then the
+best variant's instances × batch sizes (doubling while it pays) × delays. A model starts at its folder's own serving.json where that names one of its variants
 (tuned alone before, say), else at its fastest variant offline, batching up to 8. Each point serves
 a staged copy of the repository (the pipeline and its models, hard-linked) with the serving.json
 each model would get, and the load is the pipeline's own: the pictures given, uploaded to
@@ -133,19 +133,33 @@ class PipelineTuner(Tuner):
             left_out.update(left)
         instances = instance_counts(cfg)
         grid = len(instances) * sum(1 if b == 1 else len(delays_ms(cfg)) for b in cfg.batch_sizes)
-        self.total = 1 + sum(len(n) for n in names.values()) * grid
+        self.total = 1 + sum(len(n) for n in names.values()) + len(names) * grid
         current = PipelinePoint(tuple((model, self._start(model, names[model])) for model in self.manifests))
         self.varying = None
         self._measure(stage, current)
         for model in self.manifests:
             self.varying = model
-            for variant in names[model]:
-                for n in instances:
-                    self._batch_sizes(stage, lambda b, d: current.with_model(model, Point(variant, b, d, n)))
-            best = self.winner()
-            if best is not None:  # the best so far: this round's, or the point it started from
-                current = self.point_of(best)
+            current = self._best_variant(stage, current, model, names[model])
+            variant = dict(current.models)[model].variant
+            for n in instances:
+                self._batch_sizes(stage, lambda b, d: current.with_model(model, Point(variant, b, d, n)))
+            current = self._best_since(current)
         return left_out, {}
+
+    def _best_variant(self, stage: Path, current: PipelinePoint, model: str, names: list[str]) -> PipelinePoint:
+        """`current` with `model`'s variant the best of `names`, each measured at the batch size,
+        delay and instances `model` has in `current` (engines serving a small model differ less
+        than its batching does, so only the best one's settings are searched)."""
+        at = dict(current.models)[model]
+        for variant in names:
+            self._measure(stage, current.with_model(model, dataclasses.replace(at, variant=variant)))
+        return self._best_since(current)
+
+    def _best_since(self, current: PipelinePoint) -> PipelinePoint:
+        """The best point measured so far, which is `current` or one that differs from it in the
+        model just searched; `current` where nothing has met the objective yet."""
+        best = self.winner()
+        return current if best is None else self.point_of(best)
 
     def point_of(self, measured: dict) -> PipelinePoint:
         return PipelinePoint.of(measured)
