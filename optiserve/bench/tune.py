@@ -141,14 +141,16 @@ def accuracy_drop(manifest: dict, entry: dict) -> float | None:
     return get_task(manifest.get("task")).accuracy_drop(entry["accuracy"], baseline["accuracy"])
 
 
-ACCURACY_MEASURES = {"top1": "top-1", "miou": "mIoU", "map50": "mAP@0.5", "cosine_mean": "cosine to fp32",
+ACCURACY_MEASURES = {"top1": "top-1", "miou": "mIoU", "miou_fp32": "mIoU vs fp32", "map50": "mAP@0.5",
+                     "map50_fp32": "mAP@0.5 vs fp32", "cosine_mean": "cosine to fp32",
                      "agreement": "agreement with fp32"}
 
 
 def accuracy_text(manifest: dict, entry: dict) -> str:
     """The variant's accuracy as the manifest records it, for the report."""
     acc = entry.get("accuracy") or {}
-    parts = [f"{label} {acc[key]:.4f}" if key == "cosine_mean" else f"{label} {100 * acc[key]:.2f}%"
+    parts = [f"{label} {acc[key]:.4f}" if key in ("cosine_mean", "map50", "map50_fp32") else
+             f"{label} {100 * acc[key]:.2f}%"
              for key, label in ACCURACY_MEASURES.items() if isinstance(acc.get(key), (int, float))]
     drop = accuracy_drop(manifest, entry)
     if drop and entry["name"] != manifest.get("baseline"):

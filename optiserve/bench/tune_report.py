@@ -148,7 +148,7 @@ def pipeline_tune_blocks(doc: dict, manifests: dict[str, dict], plotted: bool) -
 
 def write_pipeline_tune_report(doc: dict, manifests: dict[str, dict], folder: Path) -> dict[str, Path]:
     """tune.md, tune.html and tune.png of a pipeline's tuning, in its folder."""
-    plotted = plot_fronts(doc, folder / PLOT, series=lambda p: f"{p.get('varied') or 'start'} varied",
+    plotted = plot_fronts(doc, folder / PLOT, series=lambda p: f"{p['varied']} varied" if p.get("varied") else "start",
                           unit="pictures")
     return _write(pipeline_tune_blocks(doc, manifests, plotted), folder, plotted)
 
