@@ -3,9 +3,12 @@ serving.json tune wrote), replay the rate tune.json claims open-loop for 20 s wi
 own (aiohttp, requests sent on a fixed schedule whether or not earlier ones were answered, each
 timed from when it was due), and check that p99 stays within 1.2x the objective with no failures.
 A closed-loop claim (`tune --concurrency-mode closed`) is replayed with its number of callers.
+A pipeline's folder is replayed against its repository served as `optiserve serve REPOSITORY`
+(each model with the serving.json tune wrote), the pictures of --images uploaded to the pipeline.
 
     optiserve tune artifacts/resnet18-digits --slo-p99-ms 50
     python benchmarks/tune_replay.py artifacts/resnet18-digits
+    python benchmarks/tune_replay.py models/reader --images scenes/
 
 Needs the [bench] extra (aiohttp). Prints the CPU, the claim, what the replay measured, and the
 verdict; exits 1 when the claim does not hold.
@@ -24,7 +27,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from optiserve.bench.payloads import dataset_images  # noqa: E402
+from optiserve.bench.payloads import dataset_images, images_from_folder  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402
 
@@ -85,27 +88,37 @@ async def replay(base: str, images: list[bytes], seconds: float, rate: float | N
             "answered_per_s": len(latencies) / took}
 
 
-def check_claim(folder: Path, seconds: float = 20.0) -> dict:
-    """Serve `folder` with its serving.json and replay tune.json's claimed rate; the claim, the
-    replay's figures and whether p99 stayed within TOLERANCE x the objective with no failures."""
+def check_claim(folder: Path, seconds: float = 20.0, images: list[bytes] | None = None) -> dict:
+    """Serve `folder` with its serving.json (a pipeline's folder: its repository, each model with
+    its own) and replay tune.json's claimed rate with `images` (default: random PNGs at the model's
+    input size); the claim, the replay's figures and whether p99 stayed within TOLERANCE x the
+    objective with no failures."""
     tune = json.loads((folder / "tune.json").read_text())
-    manifest = json.loads((folder / "manifest.json").read_text())
     winner, objective = tune["winner"], tune["objective"]["slo_p99_ms"]
     load = {"callers": int(winner["concurrency"])} if winner["mode"] == "closed" else {"rate": winner["rate"]}
-    with served(folder) as (base, _):
+    pipeline = (folder / "pipeline.json").is_file()
+    if images is None:
+        if pipeline:
+            raise SystemExit("a pipeline is replayed with the pictures it was tuned with: give --images DIR")
+        manifest = json.loads((folder / "manifest.json").read_text())
         images = dataset_images("synthetic", max(manifest["input"]["shape"][1:]), count=32)
-        asyncio.run(replay(base, images, 2.0, **load))  # warm the connections and the server
-        measured = asyncio.run(replay(base, images, seconds, **load))
+    model = folder.name if pipeline else None
+    with served(folder.parent if pipeline else folder) as (base, _):
+        asyncio.run(replay(base, images, 2.0, model=model, **load))  # warm the connections and the server
+        measured = asyncio.run(replay(base, images, seconds, model=model, **load))
     holds = measured["failed"] == 0 and measured["p99_ms"] <= TOLERANCE * objective
     return {"claim": winner, "objective_ms": objective, "replay": measured, "holds": holds}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir", help="a folder `optiserve tune` has written serving.json and tune.json into")
+    p.add_argument("model_dir", help="a folder `optiserve tune` has written serving.json and tune.json into, or a pipeline's "
+                                        "folder it tuned")
     p.add_argument("--seconds", type=float, default=20.0, help="how long the claimed rate is replayed (default 20)")
+    p.add_argument("--images", default=None, metavar="DIR", help="the pictures sent (a pipeline's are needed)")
     args = p.parse_args()
-    result = check_claim(Path(args.model_dir), args.seconds)
+    images = images_from_folder(args.images) if args.images else None
+    result = check_claim(Path(args.model_dir), args.seconds, images)
     claim, replayed = result["claim"], result["replay"]
     print(f"machine: {cpu_line()}")
     print(f"claim: {claim['rate']:.1f} requests/s at p99 {claim['p99_ms']:.1f} ms with {claim['settings']} "

@@ -21,6 +21,7 @@ from optiserve.errors import UserError
 sys.path.insert(0, str(ROOT / "benchmarks"))
 pytest.importorskip("aiohttp", reason="the load generator is in the [bench] extra")
 from digit_scenes import TRAIN_DIGITS, scene  # noqa: E402
+from tune_replay import TOLERANCE, check_claim  # noqa: E402
 
 SLO_MS = 150.0
 READER = {"steps": [{"model": "finder"}, {"model": "digits", "crops": {"min_score": 0.5, "max_crops": 8}}]}
@@ -83,9 +84,19 @@ def test_a_pipeline_s_models_are_tuned_together_and_each_gets_its_serving_json(t
     assert not (tuned / "reader" / "serving.json").exists()  # a pipeline has no settings of its own
     report = (tuned / "reader" / "tune.md").read_text()
     assert "Tuning report: pipeline reader" in report and "Winner: finder: " in report
-    assert "| finder | digits | varied |" in report and "digits:onnx-int8" in report
+    assert "| finder | digits | varied |" in report and "digits:onnx-int8 | top-1 " in report
+    assert "finder:onnx-fp32 | mAP@0.5 vs fp32 " in report  # the detector's accuracy as its manifest holds it
     assert (tuned / "reader" / "tune.png").stat().st_size and "data:image/png;base64," in \
         (tuned / "reader" / "tune.html").read_text()
+
+
+def test_the_claimed_rate_replayed_on_the_repository_keeps_p99_within_1_2x_the_objective(tuned, scenes):
+    pictures = [path.read_bytes() for path in sorted(scenes.iterdir())]
+    result = check_claim(tuned / "reader", seconds=5, images=pictures)
+    replay = result["replay"]
+    assert replay["failed"] == 0 and replay["answered"] > 0, replay
+    assert replay["p99_ms"] <= TOLERANCE * SLO_MS, replay
+    assert result["holds"]
 
 
 def test_resume_on_a_pipeline_measures_nothing_again(tuned, scenes):
