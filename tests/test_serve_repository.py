@@ -5,6 +5,7 @@ the measured default variant, and the admin token that guards what changes what 
 from __future__ import annotations
 
 import io
+import json
 import shutil
 from pathlib import Path
 
@@ -261,6 +262,33 @@ def test_without_ab_a_model_is_served_by_its_fastest_accepted_variant_measured_a
                                         f"1 and 4, this server batches up to 8): {choice['variant']}")
         assert stats["traffic"] == {"weights": {choice["variant"]: 1.0}, "set_by": "fastest", "shadow": None}
         assert c.post("/predict", json={"inputs": ZEROS}).json()["variant"] == choice["variant"]
+
+
+def test_a_republished_model_keeps_the_default_timed_for_its_last_version_while_it_serves(small_artifact, repository,
+                                                                                          token_file):
+    """Timing the variants takes the cores from the requests being served: a version with the same
+    variant files (a folder republished with a new note, labels or settings) keeps the choice timed
+    for the version it replaces; one serving other variants is timed again."""
+    cfg = ServeConfig(str(repository), model_control="explicit", load_models=["digits-a"],
+                      admin_token_file=token_file, max_batch_size=8, max_delay_ms=1)
+    with TestClient(create_app(cfg)) as c:
+        until(lambda: _ready(c))
+        server = c.app.state.server
+        first, v1 = server.models["digits-a"].choice, server.models["digits-a"].version
+        assert first["source"] == "timed" and "timed_for_version" not in first  # batch 8: the optimizer timed 1 and 4
+        for note in ("republished", "republished again"):
+            publish_copy(small_artifact, repository / "digits-a", note)
+            assert c.post("/v2/repository/models/digits-a/load", headers=_admin()).status_code == 200
+            model = server.models["digits-a"]
+            assert model.version != v1 and model.choice["timed_for_version"] == v1
+            assert {k: v for k, v in model.choice.items() if k not in ("why", "timed_for_version")} == \
+                {k: v for k, v in first.items() if k != "why"}
+            assert model.choice["why"] == f"{first['why']} [timed for version {v1[:12]}, whose variant files these are]"
+            assert c.post("/predict?model=digits-a", json={"inputs": ZEROS}).json()["variant"] == first["variant"]
+        (repository / "digits-a" / "serving.json").write_text(json.dumps({"variants": ["onnx-fp32", "onnx-int8"]}))
+        assert c.post("/v2/repository/models/digits-a/load", headers=_admin()).status_code == 200
+        other = server.models["digits-a"].choice
+        assert "timed_for_version" not in other and set(other["images_per_s"]) == {"onnx-fp32", "onnx-int8"}
 
 
 def test_a_request_with_more_images_than_a_queue_holds_is_413_and_raw_image_bodies_are_accepted(small_artifact):

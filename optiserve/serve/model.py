@@ -93,6 +93,7 @@ class ServedModel:
         # what set the split: --ab, serving.json, default, fastest, api
         self.traffic_source = (SETTINGS_FILE if from_file else "--ab") if settings.ab else "default"
         self.choice: dict | None = None  # why the default split chose its variant, when it was measured
+        self.timed_on: tuple | None = None  # what a choice timed here depended on (see choose_fastest)
         self.shadow: Shadow | None = None
         self.shadow_stats: dict[str, ShadowStats] = {}
         self.variants: dict[str, ServedVariant] = {}
@@ -137,12 +138,15 @@ class ServedModel:
             await self.close(0)
             raise
 
-    def choose_fastest(self, max_batch_size: int, seconds: float, threads: int | None) -> dict | None:
+    def choose_fastest(self, max_batch_size: int, seconds: float, threads: int | None,
+                       replaced: "ServedModel | None" = None) -> dict | None:
         """Send the default traffic to the accepted variant with the highest throughput at
         `max_batch_size`, by the rule the optimizer recommends with (a tie within noise goes to the
         smaller file: see runtime.fastest): the optimizer's own record where this machine matches
         the one it timed on (runtime.recorded), else timed here and now for at most `seconds`
-        (0: not timed; the record whatever machine it came from, else the first candidate).
+        (0: not timed; the record whatever machine it came from, else the first candidate) — unless
+        the version this one `replaced` was timed here on the same variant files, devices, threads
+        and batch size: a republished folder is not timed again while it serves.
         Blocking: run it off the event loop. None when there is nothing to choose between."""
         accepted = [n for n in self.variants if self.variants[n].loaded.entry.get("status") == "accepted"]
         candidates = accepted or list(self.variants)
@@ -157,6 +161,14 @@ class ServedModel:
         if seconds <= 0:
             self.choice = {"variant": candidates[0], "batch_size": max_batch_size, "source": "first",
                            "why": f"not timed (--choose-seconds 0) and {recorded.reason}: the first candidate"}
+            return self.choice
+        self.timed_on = (max_batch_size, threads, tuple(sorted(
+            (n, entries[n].get("sha256"), self.variants[n].loaded.session.device) for n in candidates)))
+        if replaced is not None and replaced.timed_on == self.timed_on and replaced.choice is not None:
+            first = replaced.choice.get("timed_for_version", replaced.version)
+            why = replaced.choice["why"].split(" [timed for version ")[0]
+            self.choice = {**replaced.choice, "timed_for_version": first,
+                           "why": f"{why} [timed for version {first[:12]}, whose variant files these are]"}
             return self.choice
         batch = np.random.default_rng(0).standard_normal((max_batch_size, *self.spec.shape), dtype=np.float32)
         sizes = {n: entries[n].get("size_bytes") or 0 for n in candidates}

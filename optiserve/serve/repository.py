@@ -264,7 +264,7 @@ class ModelRepository:
             return
         loop = asyncio.get_running_loop()
         choice = await loop.run_in_executor(self.loader, model.choose_fastest, model.settings.max_batch_size,
-                                            self.cfg.choose_seconds, self.cfg.threads)
+                                            self.cfg.choose_seconds, self.cfg.threads, old)
         if choice is not None:
             model.set_traffic({choice["variant"]: 1.0}, None, False, source="fastest")
             log.info("model %s: serving %s by default: %s", model.name, choice["variant"], choice["why"])
