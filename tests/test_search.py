@@ -134,3 +134,19 @@ def test_an_interrupted_search_resumes_from_the_candidates_it_had_recovered(smal
     assert candidates["pruned50"]["settings"]["recovery"]["epochs"] == 5
     assert any(note.startswith("pruned50: ") for note in manifest["notes"])
     assert not cache_folder(out).exists()  # published: nothing is kept any more
+
+
+@pytest.mark.parametrize("damaged", ["{not json", "[]", '{"recovery": null}', '{"gate_after_recovery": {"status": 1}}'])
+def test_a_kept_candidate_whose_settings_were_damaged_is_built_again_not_a_failed_pass(tmp_path, damaged):
+    from optiserve.optimize.search_cache import SearchCache
+
+    cache = SearchCache(tmp_path / "a", {"model": "small_cnn"}, resume=True)
+    onnx = tmp_path / "candidate.onnx"
+    onnx.write_bytes(b"an onnx file")
+    settings = {"gate_after_recovery": {"status": "accepted", "reason": None}, "recovery": None}
+    cache.keep(0.5, onnx, settings)
+    assert cache.take(0.5, tmp_path / "taken.onnx") == settings
+    assert (tmp_path / "taken.onnx").read_bytes() == b"an onnx file"
+    (kept,) = cache.folder.glob("*.json")
+    kept.write_text(damaged)  # edited by hand, or cut short
+    assert cache.take(0.5, tmp_path / "again.onnx") is None and not (tmp_path / "again.onnx").exists()

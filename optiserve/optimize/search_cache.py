@@ -10,9 +10,11 @@ import json
 import shutil
 from pathlib import Path
 
+from optiserve.errors import UserError
 from optiserve.files import atomic_write, read_json
 
 FORMAT = 1  # raised when what a kept candidate holds changes, so older ones are not taken
+GATE = "gate_after_recovery"  # what a kept candidate's settings must hold: its gate's status and reason
 
 
 def cache_folder(out: Path) -> Path:
@@ -36,12 +38,20 @@ class SearchCache:
 
     def take(self, ratio: float, onnx_to: Path) -> dict | None:
         """With --resume, the kept candidate at `ratio`, its ONNX file copied to `onnx_to`, and its
-        settings; None where there is none (or no --resume)."""
-        onnx, settings = self._paths(ratio)
-        if not self.resume or not (onnx.is_file() and settings.is_file()):
+        settings; None where there is none (or no --resume), or where its settings are not what
+        `keep` wrote (edited by hand, cut short by a full disk): it is then built again."""
+        onnx, path = self._paths(ratio)
+        if not self.resume or not (onnx.is_file() and path.is_file()):
+            return None
+        try:
+            settings = read_json(path)
+            gate = settings[GATE]
+            if not isinstance(gate["status"], str) or not isinstance(gate["reason"], (str, type(None))):
+                return None
+        except (UserError, KeyError, TypeError):
             return None
         shutil.copyfile(onnx, onnx_to)
-        return read_json(settings)
+        return settings
 
     def keep(self, ratio: float, onnx_from: Path, settings: dict) -> None:
         """Keep the recovered candidate at `ratio` (written atomically: an interruption leaves it whole or absent)."""

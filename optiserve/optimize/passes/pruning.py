@@ -17,7 +17,7 @@ from optiserve.optimize.passes.openvino import NNCF_SUFFIX
 from optiserve.optimize.passes.registry import TORCH, Pass, Run, Variant, register_pass
 from optiserve.optimize.prune import prune_unstructured
 from optiserve.optimize.prune_channels import CannotPrune, count_flops, prune_channels
-from optiserve.optimize.search_cache import SearchCache
+from optiserve.optimize.search_cache import GATE, SearchCache
 from optiserve.optimize.quantize_ort import quantize_onnx_static
 from optiserve.optimize.judge import KIND_IMAGES, output_kind
 from optiserve.optimize.validate import EvalSet, materialize, predict
@@ -131,7 +131,7 @@ def _pruned_channel_variants(run: Run, ratio: float, deadline: float | None,
             run.log.note(f"{name}: taken from the interrupted search, kept in {cache.folder}")
             variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32", settings))
             run.notes.append(_pruning_note(name, settings))
-            gate = settings["gate_after_recovery"]["status"], settings["gate_after_recovery"]["reason"]
+            gate = settings[GATE]["status"], settings[GATE]["reason"]
         else:
             settings, gate = _build_pruned(run, ratio, deadline, name, cache)
     if not cfg.int8:
@@ -188,7 +188,7 @@ def _build_pruned(run: Run, ratio: float, deadline: float | None, name: str,
     run.notes.append(_pruning_note(name, settings))
     if cache is not None:
         cache.keep(ratio, onnx, settings)
-    return settings, (settings["gate_after_recovery"]["status"], settings["gate_after_recovery"]["reason"])
+    return settings, (settings[GATE]["status"], settings[GATE]["reason"])
 
 
 MIN_CHECK_IMAGES = 20  # fewer validation images than this: recovery runs one round, unchecked
@@ -227,7 +227,7 @@ def _prune_channels(run: Run, ratio: float, deadline: float | None) -> tuple[tor
     after, baseline = measured(pruned)
     settings["test_after_recovery"] = task.headline(after)
     status, reason = task.gate(after, baseline, cfg.gate_limits, run.why_not)
-    settings["gate_after_recovery"] = {"status": status, "reason": reason}
+    settings[GATE] = {"status": status, "reason": reason}
     return fuse_conv_bn(pruned), settings
 
 
