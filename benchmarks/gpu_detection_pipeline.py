@@ -35,32 +35,39 @@ SIDE = 160
 CLASSES = 4  # background and three
 
 
-def digit_pictures(n: int) -> np.ndarray:
-    """n of scikit-learn's digits as [n, 3, SIDE, SIDE] pictures in [0, 1]."""
+def normalize(images: np.ndarray) -> np.ndarray:
+    """[N, 3, H, W] pixels in [0, 1] -> SSDlite's input (mean 0.5, std 0.5)."""
+    return ((images - 0.5) / 0.5).astype(np.float32)
+
+
+def digit_pictures(n: int, start: int = 0) -> np.ndarray:
+    """n of scikit-learn's digits from `start` as [n, 3, SIDE, SIDE] pictures in [0, 1]."""
     import torch
     from sklearn.datasets import load_digits
 
-    digits = torch.from_numpy(load_digits().images[:n] / 16.0).float()[:, None].expand(n, 3, 8, 8)
+    digits = torch.from_numpy(load_digits().images[start:start + n] / 16.0).float()[:, None].expand(n, 3, 8, 8)
     return torch.nn.functional.interpolate(digits, size=(SIDE, SIDE), mode="bilinear").numpy()
 
 
-def detector_weights(path: Path) -> None:
-    """SSDlite with BatchNorm statistics of digit pictures and a spread head (random weights would
-    score every box alike), saved as a state dict."""
+def spread_ssdlite(classes: int, pictures: np.ndarray):
+    """torchvision's SSDlite whose BatchNorm statistics come from `pictures` and whose head is
+    spread, as a trained detector's is (random weights score every box alike); in eval mode,
+    resizing to SIDE."""
     import torch
     import torchvision
 
     torch.manual_seed(0)
-    model = torchvision.models.get_model(SSD.split(":")[1], weights=None, weights_backbone=None, num_classes=CLASSES)
+    model = torchvision.models.get_model(SSD.split(":")[1], weights=None, weights_backbone=None, num_classes=classes)
     model.train()
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.BatchNorm2d):
-                module.momentum = None
-        model.backbone(torch.from_numpy(((digit_pictures(1000) - 0.5) / 0.5).astype(np.float32)))
+                module.momentum = None  # a cumulative average over the pictures
+        model.backbone(torch.from_numpy(normalize(pictures)))
         for p in model.head.parameters():
             p.normal_(0, 0.3)
-    torch.save(model.state_dict(), path)
+    model.eval().transform.fixed_size = (SIDE, SIDE)
+    return model
 
 
 def png(picture: np.ndarray) -> bytes:
@@ -83,7 +90,9 @@ def main() -> int:
     (work / "pictures").mkdir(exist_ok=True)
     for i, picture in enumerate(pictures[:64]):
         (work / "pictures" / f"{i}.png").write_bytes(png(picture))
-    detector_weights(work / "ssdlite.pth")
+    import torch
+
+    torch.save(spread_ssdlite(CLASSES, digit_pictures(1000)).state_dict(), work / "ssdlite.pth")
 
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "optiserve", "optimize", SSD, "--weights", str(work / "ssdlite.pth"),

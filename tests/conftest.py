@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -88,6 +89,18 @@ class RecordingSession:
     def run(self, batch):
         self.calls.append(self.name)
         return np.zeros((len(batch), 10), np.float32)
+
+
+def pipeline_repository(root: Path, models: dict[str, Path], pipelines: dict[str, object]) -> Path:
+    """A model repository at `root`: a copy of each artifact folder of `models` under its name, and
+    a folder per pipeline of `pipelines` holding its pipeline.json (an object, or the file's text)."""
+    root.mkdir()
+    for name, artifact in models.items():
+        shutil.copytree(artifact, root / name)
+    for name, content in pipelines.items():
+        (root / name).mkdir()
+        (root / name / "pipeline.json").write_text(content if isinstance(content, str) else json.dumps(content))
+    return root
 
 
 def repository_of(artifact: Path, root: Path, names: tuple[str, ...]) -> Path:

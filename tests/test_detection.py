@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,7 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from conftest import serving
+from conftest import ROOT, serving
 from optiserve.data.image_input import image_to_input
 from optiserve.errors import UserError
 from optiserve.input_spec import InputSpec, placement
@@ -23,22 +24,10 @@ from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 from optiserve.tasks.detection import Matched, average_precision
 
 torchvision = pytest.importorskip("torchvision")
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_detection_pipeline import SIDE, SSD, digit_pictures, normalize, spread_ssdlite  # noqa: E402
 
-SSD = "torchvision:ssdlite320_mobilenet_v3_large"
-SIDE = 160
 CLASSES = 4  # background and three
-
-
-def normalize(images: np.ndarray) -> np.ndarray:
-    """[N, 3, H, W] pixels in [0, 1] -> SSDlite's input (mean 0.5, std 0.5)."""
-    return ((images - 0.5) / 0.5).astype(np.float32)
-
-
-def digit_pictures(n: int, start: int = 0) -> np.ndarray:
-    """n of scikit-learn's digits as [n, 3, SIDE, SIDE] pictures in [0, 1]."""
-    digits = load_digits().images[start:start + n] / 16.0
-    x = torch.from_numpy(digits).float()[:, None].expand(n, 3, 8, 8)
-    return torch.nn.functional.interpolate(x, size=(SIDE, SIDE), mode="bilinear").numpy()
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +35,7 @@ def detector(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     """An SSDlite whose BatchNorm statistics come from digit pictures and whose head is spread, as a
     trained detector's is (random weights score every box alike), saved as a plain state dict; and
     torchvision's own module for it, resizing to SIDE."""
-    torch.manual_seed(0)
-    model = torchvision.models.get_model(SSD.split(":")[1], weights=None, weights_backbone=None, num_classes=CLASSES)
-    model.train()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.BatchNorm2d):
-                module.momentum = None  # a cumulative average over the pictures
-        model.backbone(torch.from_numpy(normalize(digit_pictures(32, 1000))))
-        for p in model.head.parameters():
-            p.normal_(0, 0.3)
-    model.eval().transform.fixed_size = (SIDE, SIDE)
+    model = spread_ssdlite(CLASSES, digit_pictures(32, 1000))
     path = tmp_path_factory.mktemp("ssd") / "ssdlite.pth"
     torch.save(model.state_dict(), path)
     return path, model

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import shutil
 import socket
 import sys
 import threading
@@ -22,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from conftest import ROOT, free_port, in_process_server, run_cli, serving
+from conftest import ROOT, free_port, in_process_server, pipeline_repository, run_cli, serving
 from optiserve.errors import UserError
 from optiserve.serve.app import ServeConfig, create_app
 from optiserve.pipeline_file import Crops, parse_pipeline
@@ -42,17 +41,13 @@ CATS = {"steps": [{"model": "finder"}, {"model": "digits", "crops": {"classes": 
 
 @pytest.fixture(scope="module")
 def repository(finder_artifact, small_artifact, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("repo") / "models"
-    root.mkdir()
-    shutil.copytree(finder_artifact, root / "finder")
-    shutil.copytree(small_artifact, root / "digits")
-    shutil.copytree(small_artifact, root / "best")  # the same classifier, another name: a second reader
+    root = pipeline_repository(
+        tmp_path_factory.mktemp("repo") / "models",
+        {"finder": finder_artifact, "digits": small_artifact,
+         "best": small_artifact},  # the same classifier, another name: a second reader
+        {"reader": READER, "branches": BRANCHES, "cats": CATS,
+         "waits": {"steps": [{"model": "finder"}, {"model": "absent"}]}, "broken": "{not json"})
     (root / "digits" / "pipeline.json").write_text(json.dumps(READER))  # a model's folder stays a model
-    for name, content in (("reader", json.dumps(READER)), ("branches", json.dumps(BRANCHES)), ("cats", json.dumps(CATS)),
-                          ("waits", json.dumps({"steps": [{"model": "finder"}, {"model": "absent"}]})),
-                          ("broken", "{not json")):
-        (root / name).mkdir()
-        (root / name / "pipeline.json").write_text(content)
     return root
 
 

@@ -6,14 +6,13 @@ report goes into the pipeline's folder."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, pipeline_repository, run_cli
 from optiserve.bench.tune import TuneConfig
 from optiserve.bench.tune_pipeline import PipelineTuner
 from optiserve.errors import UserError
@@ -41,13 +40,9 @@ def scenes(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def repository(finder_artifact, small_artifact, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("tune-repo") / "models"
-    root.mkdir()
-    shutil.copytree(finder_artifact, root / "finder")
-    shutil.copytree(small_artifact, root / "digits")
+    root = pipeline_repository(tmp_path_factory.mktemp("tune-repo") / "models",
+                               {"finder": finder_artifact, "digits": small_artifact}, {"reader": READER})
     (root / "digits" / "serving.json").write_text(json.dumps({"timeout_ms": 20000}))
-    (root / "reader").mkdir()
-    (root / "reader" / "pipeline.json").write_text(json.dumps(READER))
     return root
 
 
