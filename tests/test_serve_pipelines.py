@@ -238,12 +238,20 @@ def test_the_protocol_s_infer_on_a_pipeline_answers_the_boxes_and_each_crop_s_ou
     assert shapes["boxes"] == [0, 4] and shapes["box_index"] == [0] and shapes["probabilities"] == [0, len(classes)]
 
 
+def _crops_read(base: str, pipeline: str, step: str) -> float:
+    """The crops `step` of `pipeline` has read so far, from /metrics (0 before any)."""
+    key = f'optiserve_pipeline_crops_sum{{pipeline="{pipeline}",step="{step}"}} '
+    lines = [line for line in httpx.get(f"{base}/metrics").text.splitlines() if line.startswith(key)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
 def test_several_models_read_the_boxes_their_own_crops_settings_choose(addresses, repository):
     """The branch: each later step reads the boxes its own `crops` choose, and answers under its
     model's name; a step whose classes the detector never finds reads nothing."""
     httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
     base, _ = addresses
     png = _png(scene(np.random.default_rng(12), 3, range(TRAIN_DIGITS, 1797)).image)
+    before = {step: _crops_read(base, "branches", step) for step in ("digits", "best")}
     r = httpx.post(f"{base}/predict?model=branches&top_k=1", content=png, headers={"content-type": "image/png"})
     assert r.status_code == 200, r.text
     found = r.json()["detections"][0]
@@ -253,6 +261,8 @@ def test_several_models_read_the_boxes_their_own_crops_settings_choose(addresses
     assert found[0]["best"]["predictions"][0]["class"] == found[0]["digits"]["predictions"][0]["class"]
     assert [(st["step"], st["model"], st.get("crops")) for st in r.json()["latency_ms"]["steps"]] == [
         (1, "finder", None), (2, "digits", len(found)), (3, "best", 1)]
+    after = {step: _crops_read(base, "branches", step) for step in ("digits", "best")}
+    assert after == {"digits": before["digits"] + len(found), "best": before["best"] + 1}  # each branch's own
 
     client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
     names = [o["name"] for o in client.get_model_metadata("branches")["outputs"]]

@@ -37,8 +37,9 @@ class ServerMetrics:
                                        "model", ["pipeline", "step"], buckets=LATENCY_BUCKETS, registry=r)
         self.pipeline_requests = Counter("optiserve_pipeline_requests", "Pipeline requests by outcome",
                                          ["pipeline", "outcome"], registry=r)
-        self.pipeline_crops = Histogram("optiserve_pipeline_crops", "Crops a pipeline request's second step read",
-                                        ["pipeline"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.pipeline_crops = Histogram("optiserve_pipeline_crops", "Crops a later step of a pipeline read in one "
+                                        "request, by pipeline and the step's model", ["pipeline", "step"],
+                                        buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.queue_depth = QueueDepths()
         r.register(self.queue_depth)
         self._cache: dict[tuple[str, str], dict] = {}

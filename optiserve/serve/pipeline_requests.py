@@ -114,7 +114,8 @@ async def run_pipeline(server: Server, pipeline: Pipeline, read_picture: ReadPic
                 _step_done(server, pipeline, model.name, timing["step_ms"] / 1000, len(part.rows))
                 steps.append({"step": k + 2, "model": model.name, **{key: value for key, value in timing.items()
                                                                        if key != "step_ms"}})
-        server.metrics.pipeline_crops.labels(pipeline.name).observe(sum(len(part.rows) for part in parts))
+        for step, part in zip(pipeline.per_box, parts):
+            server.metrics.pipeline_crops.labels(pipeline.name, step.model).observe(len(part.rows))
         variant = admission.variant.name
     return PipelineRun(found, parts, steps, variant, time.perf_counter() - started)
 
