@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT, pipeline_repository, run_cli
 from optiserve.bench.tune import TuneConfig
-from optiserve.bench.tune_pipeline import PipelineTuner
+from optiserve.bench.tune_pipeline import PipelineTuner, cannot_beat
 from optiserve.errors import UserError
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -64,6 +64,8 @@ def test_a_pipeline_s_models_are_tuned_together_and_each_gets_its_serving_json(t
     assert [p["varied"] for p in points] == [None, "digits"]
     assert {p["models"]["digits"]["variant"] for p in points} == {"onnx-int8", "onnx-fp32"}
     assert points[0]["models"]["finder"] == points[1]["models"]["finder"]
+    for p in points:  # what each model ran per picture, as the server counted: one upload, and its crops
+        assert p["per_picture"]["finder"] == 1.0 and 1.0 <= p["per_picture"]["digits"] <= 3.0
     assert all(m["max_batch_size"] == 2 and m["max_delay_ms"] == 2 and m["instances"] == 1
                for p in points for m in p["models"].values())
     best = max((p for p in points if p["meets"]), key=lambda p: p["rate"])
@@ -119,3 +121,13 @@ def test_pipeline_tune_mistakes_are_one_line_naming_the_fix(repository, scenes, 
     (lone / "pipeline.json").write_text(json.dumps(READER))
     with pytest.raises(UserError, match="its step 'finder' has no model folder"):
         tuner(lone)
+
+
+def test_a_variant_whose_engine_cannot_run_a_picture_s_images_at_the_served_rate_is_not_measured():
+    """Offline the classifier's engine ran 2,000 images/s at its best batch (4 in 2 ms); a picture
+    brings 3 crops, so it cannot pass 667 pictures/s however it is served."""
+    entry = {"latency_ms": {"1": 1.0, "4": 2.0}}
+    assert cannot_beat(entry, 3.0, 600.0) is None
+    assert cannot_beat(entry, 3.0, 700.0) == ("its engine ran at 2000 images/s offline: at 3.00 images a picture, "
+                                              "667 pictures/s, below the 700 already served")
+    assert cannot_beat(entry, None, 700.0) is None and cannot_beat({"latency_ms": {}}, 3.0, 700.0) is None

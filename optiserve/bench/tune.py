@@ -350,6 +350,7 @@ class Tuner:
         try:
             with self._serving(stage, point) as base:
                 steps = self._closed_search(base, point) if self.cfg.mode == "closed" else self._open_search(base, point)
+                observed = self._observe(base)
         except RuntimeError as e:  # its server did not start or died (serve/launch.py): this point's row, not the end
             result = {**self._fields(point), "rate": 0.0, "p99_ms": None, "level": None, "meets": False, "capacity": 0.0,
                       "steps": [], "failed": server_failure(e)}
@@ -361,10 +362,14 @@ class Tuner:
         best = max(good, key=lambda s: s["rps"]) if good else None
         result = {**self._fields(point), "rate": best["rps"] if best else 0.0, "p99_ms": best["p99_ms"] if best else None,
                   "level": best["level"] if best else None, "meets": best is not None,
-                  "capacity": capacity, "steps": steps}
+                  "capacity": capacity, "steps": steps, **observed}
         self.points[point.key] = result
         self._save()
         return result
+
+    def _observe(self, base: str) -> dict:
+        """What else tune.json keeps of a point, read from its server after the load (nothing here)."""
+        return {}
 
     def _fields(self, point: Point) -> dict:
         """What tune.json keeps of the point a result was measured at."""

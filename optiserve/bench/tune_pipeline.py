@@ -24,7 +24,7 @@ from pathlib import Path
 
 from optiserve.artifacts import is_artifact_folder, read_manifest
 from optiserve.bench.tune import (SETTINGS_FILE, Point, Tuner, candidates, delays_ms, instance_counts, is_point,
-                                  is_result, own_settings, point_settings, stage_folder)
+                                  is_result, offline_ceiling, own_settings, point_settings, stage_folder)
 from optiserve.errors import UserError
 from optiserve.files import atomic_write
 from optiserve.pipeline_file import read_pipeline
@@ -82,6 +82,7 @@ class PipelineTuner(Tuner):
         self.pinned = {step.model: step.variant for step in pipeline.steps if step.variant}
         self.asked = self._asked_variants()
         self.varying: str | None = None  # the model whose settings the current round searches
+        self.pruned: dict[str, str] = {}
 
     def _asked_variants(self) -> dict[str, list[str]]:
         """--variants on a pipeline: MODEL:VARIANT entries, grouped by model."""
@@ -144,16 +145,41 @@ class PipelineTuner(Tuner):
             for n in instances:
                 self._batch_sizes(stage, lambda b, d: current.with_model(model, Point(variant, b, d, n)))
             current = self._best_since(current)
-        return left_out, {}
+        return left_out, self.pruned
 
     def _best_variant(self, stage: Path, current: PipelinePoint, model: str, names: list[str]) -> PipelinePoint:
         """`current` with `model`'s variant the best of `names`, each measured at the batch size,
         delay and instances `model` has in `current` (engines serving a small model differ less
         than its batching does, so only the best one's settings are searched)."""
         at = dict(current.models)[model]
+        entries = {e["name"]: e for e in self.manifests[model]["variants"]}
         for variant in names:
+            incumbent = self.winner()
+            why = None if variant == at.variant or incumbent is None else \
+                cannot_beat(entries[variant], self.per_picture(model), incumbent["rate"])
+            if why:
+                self.pruned[f"{model}:{variant}"] = why
+                continue
             self._measure(stage, current.with_model(model, dataclasses.replace(at, variant=variant)))
         return self._best_since(current)
+
+    def per_picture(self, model: str) -> float | None:
+        """How many images `model` ran per picture the pipeline answered, as the servers counted
+        them (1 for the detector; the crops it read for a later step); None before any count."""
+        counts = [p["per_picture"][model] for p in self.points.values()
+                  if isinstance(p.get("per_picture"), dict) and isinstance(p["per_picture"].get(model), (int, float))]
+        return sum(counts) / len(counts) if counts else None
+
+    def _observe(self, base: str) -> dict:
+        """Each model's images per picture in the load just run, from the server's /stats."""
+        import httpx
+
+        try:
+            steps = httpx.get(f"{base}/stats", params={"model": self.model}, timeout=30).json()["steps"]
+            pictures = steps[next(iter(self.manifests))]["images"]
+            return {"per_picture": {m: round(steps[m]["images"] / pictures, 3) for m in self.manifests}}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, ZeroDivisionError):
+            return {}  # not counted: nothing is pruned by it
 
     def _best_since(self, current: PipelinePoint) -> PipelinePoint:
         """The best point measured so far, which is `current` or one that differs from it in the
@@ -194,3 +220,16 @@ class PipelineTuner(Tuner):
         for name, p in self.point_of(winner).models:
             with atomic_write(self.repository / name / SETTINGS_FILE, "w") as f:
                 json.dump(point_settings(self.own[name], p), f, indent=1)
+
+
+def cannot_beat(entry: dict, per_picture: float | None, rate: float) -> str | None:
+    """Why a variant need not be measured: its engine, timed offline by `optimize`, cannot run the
+    images the model gets per picture at the `rate` (pictures/s) already served; None where it might
+    (or where nothing says how many images a picture brings)."""
+    ceiling = offline_ceiling(entry)
+    if not ceiling or not per_picture:
+        return None
+    if ceiling / per_picture >= rate:
+        return None
+    return (f"its engine ran at {ceiling:.0f} images/s offline: at {per_picture:.2f} images a picture, "
+            f"{ceiling / per_picture:.0f} pictures/s, below the {rate:.0f} already served")

@@ -134,10 +134,10 @@ def pipeline_tune_blocks(doc: dict, manifests: dict[str, dict], plotted: bool) -
             for p in sorted(doc["points"], key=lambda p: -p["rate"])]
     blocks += [("h2", "Points measured"),
                ("table", [*models, "varied", "pictures/s meeting the objective", "its p99 ms", "load steps"], rows)]
-    left_out = doc.get("left_out") or {}
+    why_not = {**(doc.get("left_out") or {}), **(doc.get("pruned") or {})}
     variant_rows = [[f"{m}:{e['name']}", accuracy_text(manifest, e),
                      "measured" if any(p["models"][m]["variant"] == e["name"] for p in doc["points"])
-                     else left_out.get(f"{m}:{e['name']}") or "not measured"]
+                     else why_not.get(f"{m}:{e['name']}") or "not measured"]
                     for m, manifest in manifests.items() for e in manifest.get("variants", [])]
     blocks += [("h2", "Variants"), ("table", ["model:variant", "accuracy (manifest)", "tuned"], variant_rows)]
     if plotted:
