@@ -436,10 +436,10 @@ class Tuner:
 
     def _load(self, base: str, mode: str, level: float, point: Point, seconds: float | None = None,
               warmup_s: float | None = None) -> dict:
-        variant = getattr(point, "variant", None)  # a pipeline's point names a variant per step, none for the whole
         load = Load(mode, level, seconds or self.cfg.duration_s,
-                    self.cfg.warmup_s if warmup_s is None else warmup_s, variant, timeout_s=60, model=self.model)
-        sender = RawImageSender(base, self.cfg.images, self.model, variant)
+                    self.cfg.warmup_s if warmup_s is None else warmup_s, point.variant, timeout_s=60,
+                    model=self.model)
+        sender = RawImageSender(base, self.cfg.images, self.model, point.variant)
         run = asyncio.run(generate_load(base, self.cfg.images, load, sender=sender))
         step = _summary(run, level if mode == "open" else None)
         step["meets"] = _meets(step, self.cfg)

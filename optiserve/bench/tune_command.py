@@ -108,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
                      images=images, confirm_s=args.confirm_seconds, resume=args.resume, progress=not args.quiet)
     if pipeline:
         return _tune_pipeline(cfg)
-    doc = Tuner(cfg).run()
-    manifest = read_manifest(folder)
-    files = write_tune_report(doc, manifest, folder)
+    tuner = Tuner(cfg)
+    doc = tuner.run()
+    files = write_tune_report(doc, tuner.manifest, folder)
     w = doc["winner"]
     s = w["settings"]
     print(f"winner: {s['variants'][0]}, max batch {s['max_batch_size']}, delay {s['max_delay_ms']:g} ms, "

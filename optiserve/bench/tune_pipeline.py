@@ -47,6 +47,11 @@ class PipelinePoint:
         return " + ".join(f"{name}: {point.key}" for name, point in self.models)
 
     @property
+    def variant(self) -> None:
+        """No one variant answers: the requests go to the pipeline, each model's variant is in `models`."""
+        return None
+
+    @property
     def max_batch_size(self) -> int:
         return max(point.max_batch_size for _, point in self.models)
 
