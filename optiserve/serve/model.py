@@ -93,7 +93,8 @@ class ServedModel:
         # what set the split: --ab, serving.json, default, fastest, api
         self.traffic_source = (SETTINGS_FILE if from_file else "--ab") if settings.ab else "default"
         self.choice: dict | None = None  # why the default split chose its variant, when it was measured
-        self.timed_on: tuple | None = None  # what a choice timed here depended on (see choose_fastest)
+        # a choice timed by this server: (what it depended on, the choice as timed, the version timed)
+        self.timed: tuple[tuple, dict, str] | None = None
         self.shadow: Shadow | None = None
         self.shadow_stats: dict[str, ShadowStats] = {}
         self.variants: dict[str, ServedVariant] = {}
@@ -162,13 +163,13 @@ class ServedModel:
             self.choice = {"variant": candidates[0], "batch_size": max_batch_size, "source": "first",
                            "why": f"not timed (--choose-seconds 0) and {recorded.reason}: the first candidate"}
             return self.choice
-        self.timed_on = (max_batch_size, threads, tuple(sorted(
+        basis = (max_batch_size, threads, tuple(sorted(
             (n, entries[n].get("sha256"), self.variants[n].loaded.session.device) for n in candidates)))
-        if replaced is not None and replaced.timed_on == self.timed_on and replaced.choice is not None:
-            first = replaced.choice.get("timed_for_version", replaced.version)
-            why = replaced.choice["why"].split(" [timed for version ")[0]
-            self.choice = {**replaced.choice, "timed_for_version": first,
-                           "why": f"{why} [timed for version {first[:12]}, whose variant files these are]"}
+        if replaced is not None and replaced.timed is not None and replaced.timed[0] == basis:
+            self.timed = replaced.timed
+            _, timed, version = self.timed
+            self.choice = {**timed, "timed_for_version": version,
+                           "why": f"{timed['why']} [timed for version {version[:12]}, whose variant files these are]"}
             return self.choice
         batch = np.random.default_rng(0).standard_normal((max_batch_size, *self.spec.shape), dtype=np.float32)
         sizes = {n: entries[n].get("size_bytes") or 0 for n in candidates}
@@ -179,6 +180,7 @@ class ServedModel:
                        "why": f"highest throughput at batch {max_batch_size}, timed at start-up ({recorded.reason}): "
                               f"{choice.describe()}",
                        "images_per_s": {n: round(t, 1) for n, t in throughput.items()}, **choice.to_dict()}
+        self.timed = (basis, self.choice, self.version)
         return self.choice
 
     def set_traffic(self, shares: dict[str, float] | None, shadow: Shadow | None, shadow_given: bool,
