@@ -112,8 +112,8 @@ def check_claim(folder: Path, seconds: float = 20.0, images: list[bytes] | None 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model_dir", help="a folder `optiserve tune` has written serving.json and tune.json into, or a pipeline's "
-                                        "folder it tuned")
+    p.add_argument("model_dir", help="a folder `optiserve tune` has written serving.json and tune.json into, "
+                                     "or a pipeline's folder it tuned")
     p.add_argument("--seconds", type=float, default=20.0, help="how long the claimed rate is replayed (default 20)")
     p.add_argument("--images", default=None, metavar="DIR", help="the pictures sent (a pipeline's are needed)")
     args = p.parse_args()

@@ -4,9 +4,11 @@ p99 objective.
 
 The whole space is the product of every model's, too large to measure, so the models are tuned one
 at a time in the pipeline's order, the other models held at the best found so far — the way a
-person would, but measured: first each of the model's variants at the settings it has, then the
-best variant's instances × batch sizes (doubling while it pays) × delays. A model starts at its folder's own serving.json where that names one of its variants
-(tuned alone before, say), else at its fastest variant offline, batching up to 8. Each point serves
+person would, but measured: first each of the model's variants at the settings it has (a variant
+whose offline engine speed cannot carry the model's images per picture at the rate already served
+is skipped), then the best variant's instances × batch sizes (doubling while it pays) × delays. A
+model starts at its folder's own serving.json where that names one of its variants (tuned alone
+before, say), else at its fastest variant offline, batching up to 8. Each point serves
 a staged copy of the repository (the pipeline and its models, hard-linked) with the serving.json
 each model would get, and the load is the pipeline's own: the pictures given, uploaded to
 /predict?model=PIPELINE, so the later steps see the boxes they will get. The winner is confirmed

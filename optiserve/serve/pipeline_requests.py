@@ -1,7 +1,7 @@
-"""A request on a pipeline (optiserve/pipeline_file.py), whichever route carries it: the input read and
-decoded once; the detector's input made from the decoded picture; the boxes it finds cut from that
-picture in the uploaded image's pixels (not from the detector's resized input); every crop queued
-in the second model's own DynamicBatcher, so crops of many requests batch together. The request
+"""A request on a pipeline (optiserve/pipeline_file.py), whichever route carries it: the input
+read and decoded once; the detector's input made from the decoded picture; the boxes it finds cut
+from that picture in the uploaded image's pixels (not from the detector's resized input); every
+crop queued in the second model's own DynamicBatcher, so crops of many requests batch together. The request
 keeps its priority, its deadline and its watch on the client through both steps. /predict answers
 in the tasks' JSON (here), the Open Inference Protocol in tensors (pipeline_protocol.py)."""
 
@@ -17,10 +17,10 @@ from fastapi import Request
 from PIL import Image
 
 from optiserve.data.image_input import image_to_input
+from optiserve.pipeline_file import Pipeline
 from optiserve.serve import VARIANT_HEADER, tracing
 from optiserve.serve.model import ServedModel
 from optiserve.serve.multipart import boundary_of, parse_form, upload_and_variant
-from optiserve.pipeline_file import Pipeline
 from optiserve.serve.pipelines import chosen_rows, cut
 from optiserve.serve.preprocess import BadInput, decode_picture
 from optiserve.serve.responses import FastJSONResponse
