@@ -323,10 +323,9 @@ def test_an_unloaded_model_frees_its_sessions_and_batchers(repository, token_fil
         assert 'model="digits-b"' not in c.get("/metrics").text.split("optiserve_queue_depth")[-1]
 
 
-def test_a_retired_version_s_reference_cycles_are_collected_though_a_later_load_froze_them(
-        repository, token_file):
-    """After each load the server freezes the heap out of the collector's sight; garbage that was
-    frozen must still be collected, or every reload leaves its cycles behind for good."""
+def test_a_retired_version_held_by_a_frozen_cycle_still_frees_its_sessions_and_batchers(repository, token_file):
+    """After each load the server freezes the heap out of the collector's sight, and never unfreezes
+    it; a cycle frozen through a served version keeps that version's shell, not what it served with."""
     import weakref
 
     class Node:
@@ -335,14 +334,42 @@ def test_a_retired_version_s_reference_cycles_are_collected_though_a_later_load_
     cfg = ServeConfig(str(repository), model_control="explicit", load_models=["digits-b"], admin_token_file=token_file)
     with TestClient(create_app(cfg)) as c:
         until(lambda: _ready(c))
+        model = c.app.state.server.models["digits-b"]
         cycle = Node()
-        cycle.me, cycle.model = cycle, c.app.state.server.models["digits-b"]
-        c.app.state.server.models["digits-b"].cycle = cycle   # a cycle through the served version
-        held = weakref.ref(cycle)
-        del cycle
+        cycle.me, cycle.model, model.cycle = cycle, model, cycle  # a cycle through the served version
+        held = [weakref.ref(o) for v in model.variants.values() for o in (v.loaded.session, v.batcher)]
+        del cycle, model
         assert c.post("/v2/repository/models/digits-a/load", headers=_admin()).status_code == 200  # freezes it
         assert c.post("/v2/repository/models/digits-b/unload", headers=_admin()).status_code == 200
-        assert held() is None
+        assert held and [r() for r in held] == [None] * len(held)
+
+
+def test_loads_and_unloads_never_make_the_collector_walk_the_frozen_heap(repository, token_file):
+    """A full collection of everything torch and the runtimes made holds the GIL long enough to show
+    in every client's p99; a load or an unload while serving must not put that heap back in sight."""
+    import gc
+
+    walked: list[int] = []
+
+    def on_collect(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            walked.append(len(gc.get_objects(generation=2)))
+
+    cfg = ServeConfig(str(repository), model_control="explicit", load_models=["digits-a"], admin_token_file=token_file)
+    with TestClient(create_app(cfg)) as c:
+        until(lambda: _ready(c))
+        frozen = gc.get_freeze_count()
+        assert frozen > 100_000  # torch, the runtimes and the app
+        gc.callbacks.append(on_collect)
+        try:
+            for _ in range(2):
+                assert c.post("/v2/repository/models/digits-b/load", headers=_admin()).status_code == 200
+                assert c.post("/predict?model=digits-b", json={"inputs": ZEROS}).status_code == 200
+                assert c.post("/v2/repository/models/digits-b/unload", headers=_admin()).status_code == 200
+        finally:
+            gc.callbacks.remove(on_collect)
+    assert walked, "a load and an unload each settle the heap with a collection"
+    assert max(walked) < frozen / 10, (max(walked), frozen)
 
 
 def _rss_kib(pid: int) -> int:

@@ -28,14 +28,15 @@ log = logging.getLogger("optiserve.serve")
 
 
 def settle_heap() -> None:
-    """After a load or a retirement: collect, then put what is alive out of the collector's sight.
+    """After a load or a retirement: collect what is not frozen, then freeze what is alive.
 
     What is loaded (torch, the runtimes, the sessions) lives until it is unloaded; left in sight,
     each full collection walks all of it and stalls the event loop long enough to show in p99
-    (docs/performance.md, "Memory over 50 reloads under traffic"). Frozen objects are never collected, though, even once garbage: a retired version's
-    reference cycles would stay for good. So the frozen ones are let go first and the collection
-    sees everything, once per load or retirement."""
-    gc.unfreeze()
+    (docs/performance.md, "Memory over 50 reloads under traffic"). Nothing is unfrozen again: the
+    one full collection that would follow walks every object torch and the runtimes made, holding
+    the GIL: a stall at every load and unload that showed as p99 under reloads. A retired version
+    that a frozen cycle still holds keeps only its shell: its close() drops its sessions and
+    batchers, which reference counting then frees."""
     gc.collect()
     gc.freeze()
 
