@@ -44,6 +44,14 @@ def reported_facts(entry: dict) -> dict:
     return {k: entry.get(k) for k in REPORTED_FACTS}
 
 
+def chosen_accuracy(entry: dict) -> dict | None:
+    """The accuracy every decision about a variant reads (its gate, the frontier, tune's budget): the
+    validation split's, where the manifest records it; a manifest from before it recorded both has
+    only the one figure. `accuracy` itself is the test split's, which only reports."""
+    validation = entry.get("validation")
+    return validation.get("accuracy") if validation else entry.get("accuracy")
+
+
 def file_facts(path: Path) -> dict:
     return {"sha256": sha256_file(path), "size_bytes": path.stat().st_size}
 

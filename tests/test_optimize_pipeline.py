@@ -100,12 +100,12 @@ def test_variants_are_scored_against_fp32_by_name_whatever_order_they_come_in(ar
                                  by_name[n]["settings"]) for n in ("onnx-int8", "fp32")]  # fp32 last
     cfg = OptimizeConfig("small_cnn", latency_batch=2, progress=False)
     attempts = Attempts(PassLog(0, enabled=False), out, [])
-    entries, timed, _ = judge.validate(variants, out, loaded, materialize(data.test, True), cfg, "", "fp32", attempts)
+    entries, timed, _ = judge.validate(variants, out, loaded, materialize(data.val, True), cfg, "", "fp32", attempts)
     assert [e["name"] for e in entries] == ["onnx-int8", "fp32"]  # the caller's order is kept
     assert set(timed.sessions) == {"onnx-int8", "fp32"} and set(timed.times) == {"1", "2"}  # for the recommendation
     int8, fp32 = entries
-    assert fp32["accuracy"]["agreement"] == 1.0 and fp32["status"] == "accepted"
-    assert int8["accuracy"] == by_name["onnx-int8"]["accuracy"]  # measured against fp32, as in the build
+    assert fp32["validation"]["accuracy"]["agreement"] == 1.0 and fp32["status"] == "accepted"
+    assert int8["validation"] == by_name["onnx-int8"]["validation"]  # measured against fp32, as in the build
     assert int8["status"] == "accepted"  # gated against fp32's top-1, not left unvalidated
 
 
@@ -122,8 +122,10 @@ def test_pruned_variants_record_sparsity_size_and_accuracy_around_the_recovery(a
     assert pruned["recovery"]["method"] == "distillation from the unpruned model and the labels"
     recovered = pruned["recovery"]["val_distillation_loss_after"]
     assert recovered < 0.2 * pruned["recovery"]["val_distillation_loss_before"]
-    assert pruned["test_after_recovery"]["top1"] > pruned["test_before_recovery"]["top1"]
-    assert by_name["pruned50"]["accuracy"]["top1"] == pytest.approx(pruned["test_after_recovery"]["top1"], abs=0.01)
+    assert pruned["validation_after_recovery"]["top1"] > pruned["validation_before_recovery"]["top1"]
+    # judged on the validation images the recovery was checked on; the ONNX file scores as the module did
+    assert by_name["pruned50"]["validation"]["accuracy"]["top1"] == pytest.approx(
+        pruned["validation_after_recovery"]["top1"], abs=0.01)
     assert by_name["pruned50-int8"]["size_bytes"] < by_name["pruned50"]["size_bytes"] / 2
     assert any(n.startswith("pruned50: ") and "epochs of recovery" in n for n in manifest["notes"])
 

@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from optiserve.artifacts import read_manifest
+from optiserve.artifacts import chosen_accuracy, read_manifest
 from optiserve.bench.loadgen import Load, generate_load
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import environment
@@ -131,14 +131,15 @@ def candidates(manifest: dict, cfg: TuneConfig) -> tuple[list[str], dict[str, st
 
 def accuracy_drop(manifest: dict, entry: dict) -> float | None:
     """Points of the measure its task's gate judges that the variant lost against the baseline, as
-    the optimizer measured them on held-out data (0 for the baseline; tasks.Task.accuracy_drop);
-    None where nothing was measured."""
+    the optimizer measured them on the validation images, which choose (0 for the baseline;
+    tasks.Task.accuracy_drop); None where nothing was measured."""
     if entry["name"] == manifest.get("baseline"):
         return 0.0
     baseline = next((e for e in manifest["variants"] if e["name"] == manifest.get("baseline")), None)
-    if not entry.get("accuracy") or not baseline or not baseline.get("accuracy"):
+    accuracy, base = chosen_accuracy(entry), chosen_accuracy(baseline) if baseline else None
+    if not accuracy or not base:
         return None
-    return get_task(manifest.get("task")).accuracy_drop(entry["accuracy"], baseline["accuracy"])
+    return get_task(manifest.get("task")).accuracy_drop(accuracy, base)
 
 
 ACCURACY_MEASURES = {"top1": "top-1", "miou": "mIoU", "miou_fp32": "mIoU vs fp32", "map50": "mAP@0.5",
@@ -154,7 +155,8 @@ def accuracy_text(manifest: dict, entry: dict) -> str:
              for key, label in ACCURACY_MEASURES.items() if isinstance(acc.get(key), (int, float))]
     drop = accuracy_drop(manifest, entry)
     if drop and entry["name"] != manifest.get("baseline"):
-        parts.append(f"{-drop:+.2f} points vs {manifest.get('baseline')}")
+        where = " on validation" if entry.get("validation") else ""  # the budget's basis; the figures above: test
+        parts.append(f"{-drop:+.2f} points vs {manifest.get('baseline')}{where}")
     text = ", ".join(parts) or "not measured"
     return f"{text} ({entry['status']})" if entry.get("status") else text
 

@@ -15,7 +15,7 @@ from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from optiserve.data.image_input import image_to_input
-from optiserve.data.splits import DatasetSplits, random_split, stratified_split
+from optiserve.data.splits import DatasetSplits, random_split, split_in_halves, stratified_split
 from optiserve.errors import UserError, first_line
 from optiserve.input_spec import InputSpec
 
@@ -140,7 +140,8 @@ def _unlabelled_splits(root: Path, files: list[Path], spec: InputSpec, seed: int
 
 def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0, masks: str | None = None,
                             ignore_index: int = 255, boxes: str | None = None) -> DatasetSplits:
-    """Use PATH/train, PATH/val and PATH/test when present; otherwise split PATH deterministically, stratified;
+    """Use PATH/train, PATH/val and PATH/test when present (with only one of val/ and test/, it is split in
+    a validation half that chooses and a test half that reports); otherwise split PATH deterministically, stratified;
     images straight in PATH with no class subfolders are an unlabelled set, or with `masks` (a folder
     of class-id PNGs named after the images) a segmentation set, or with `boxes` (a COCO-format file)
     a detection set."""
@@ -156,13 +157,21 @@ def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0, masks: st
     loose = image_files(root)
     if loose and not any(p.is_dir() for p in root.iterdir()):
         return _unlabelled_splits(root, loose, spec, seed)
+    split_note = ""
     if (root / "train").is_dir() and ((root / "val").is_dir() or (root / "test").is_dir()):
         train = _folder(root / "train", train_transform(spec))
-        test_dir = root / "test" if (root / "test").is_dir() else root / "val"
-        val_dir = root / "val" if (root / "val").is_dir() else root / "test"
-        val, test = _folder(val_dir, EvalPreprocess(spec)), _folder(test_dir, EvalPreprocess(spec))
-        if val.classes != train.classes or test.classes != train.classes:
+        held_out = [name for name in ("val", "test") if (root / name).is_dir()]
+        folders = [_folder(root / name, EvalPreprocess(spec)) for name in held_out]
+        if any(f.classes != train.classes for f in folders):
             raise UserError(f"{root}: train, val and test folders must hold the same class subfolders")
+        if len(folders) == 2:
+            val, test = folders
+        else:  # one held-out folder (ImageNet's train/ + val/): validation chooses, test reports, never the same
+            choose, report = split_in_halves(np.asarray(folders[0].targets), seed)
+            val, test = Subset(folders[0], choose), Subset(folders[0], report)
+            split_note = (f"{root.name} has train/ and {held_out[0]}/ only: {held_out[0]}/'s {len(folders[0])} images "
+                          f"were split by class (seed {seed}) into {len(choose)} validation images that choose and "
+                          f"{len(report)} test images that report")
         classes = train.classes
         calib = _folder(root / "train", EvalPreprocess(spec))
     else:
@@ -176,5 +185,5 @@ def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0, masks: st
         calib = Subset(full_eval, tr)
         classes = full_eval.classes
     return DatasetSplits(f"imagefolder:{root}", train, val, test, list(classes), spec, calib=calib,
-                         in_memory=False)
+                         in_memory=False, split_note=split_note)
 

@@ -16,7 +16,8 @@ SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # train / val / test
 
 @dataclass
 class DatasetSplits:
-    """Three disjoint splits. Calibration draws from `train`, accuracy checks use `test`, never the same images."""
+    """Three disjoint splits, with three roles that never mix: `train` fits (calibration, recovery),
+    `val` chooses (every gate decision, the search's stop, the recommendation), `test` only reports."""
 
     name: str
     train: Dataset
@@ -33,6 +34,7 @@ class DatasetSplits:
     # for a crowd region not scored, class id).
     truth: str = "classes"
     left_out: int = 0        # images the data holds but cannot use (no mask, not annotated), for the report to say
+    split_note: str = ""     # how the validation and test splits were made where the data did not give both
 
     def calibration_set(self) -> Dataset:
         return self.calib if self.calib is not None else self.train
@@ -53,6 +55,15 @@ def stratified_split(labels: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.
     train, val = train_test_split(rest, test_size=val_f / (train_f + val_f), stratify=labels[rest],
                                   random_state=seed)
     return np.sort(train), np.sort(val), np.sort(test)
+
+
+def split_in_halves(labels: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic (validation, test) halves of one held-out folder, stratified by class where every
+    class has two images: the first chooses, the second only reports."""
+    idx = np.arange(len(labels))
+    stratify = labels if np.unique(labels, return_counts=True)[1].min() >= 2 else None
+    choose, report = train_test_split(idx, test_size=0.5, stratify=stratify, random_state=seed)
+    return np.sort(choose), np.sort(report)
 
 
 class TensorImageDataset(Dataset):

@@ -1,10 +1,10 @@
 """Accuracy-aware INT8: when the quantized model misses its task's gate, keep its most sensitive
 layers in floating point, one at a time, until it passes or a limit is reached.
 
-A layer's sensitivity is measured on validation images (never the test images the gate uses): the
-model is quantized with only that layer in INT8 (its inputs, weights and output), and the further its
-outputs then stray from fp32's (mean squared difference: logits, vectors, per-pixel scores), the
-more sensitive it is. Measured this way, every layer that quantizes a badly-scaled tensor shows it
+A layer's sensitivity and the gate are both measured on validation images (the test images only
+report, after every choice): the model is quantized with only that layer in INT8 (its inputs,
+weights and output), and the further its outputs then stray from fp32's (mean squared difference:
+logits, vectors, per-pixel scores), the more sensitive it is. Measured this way, every layer that quantizes a badly-scaled tensor shows it
 (a producer, a pass-through pooling, the consumer); leaving one layer at a time in float would not,
 as its neighbours still quantize the same tensor. This takes one quantization per layer, so it runs
 only for a variant that failed.

@@ -1,16 +1,17 @@
 """The search's frontier: the judged variants no other beats on both speed (at the throughput
-batch) and accuracy (the task's headline measure). The search's own candidates off the frontier,
+batch) and accuracy (the task's headline measure on the validation images, which choose). The search's own candidates off the frontier,
 or rejected by the gate, leave the folder; their rows stay in the manifest with why."""
 
 from __future__ import annotations
 
+from optiserve.artifacts import chosen_accuracy
 from optiserve.tasks import get_task
 
 SERVABLE = ("accepted", "unvalidated")
 
 
 def _value(task, entry: dict) -> float:
-    value = next(iter(task.headline(entry["accuracy"]).values()))
+    value = next(iter(task.headline(chosen_accuracy(entry)).values()))
     return float("-inf") if value is None else float(value)
 
 
@@ -36,7 +37,7 @@ def mark_frontier(entries: list[dict], batch: int, task_name: str) -> None:
 
 
 def _measure(task, entry: dict) -> str:
-    name, value = next(iter(task.headline(entry["accuracy"]).items()))
+    name, value = next(iter(task.headline(chosen_accuracy(entry)).items()))
     return f"{name} {100 * value:.2f}%" if value is not None else f"{name} not measured"
 
 
@@ -46,7 +47,7 @@ def drop_off_frontier(entries: list[dict]) -> tuple[list[dict], list[dict]]:
     kept, dropped = [], []
     for e in entries:
         if "search" in e["settings"] and not e["frontier"]["on"]:
-            dropped.append({k: e.get(k) for k in ("name", "backend", "precision", "status", "reason", "accuracy",
+            dropped.append({k: e.get(k) for k in ("name", "backend", "precision", "status", "reason", "validation",
                                                   "latency_ms", "size_bytes", "settings")}
                            | {"dropped": e["frontier"]["why"]})
         else:

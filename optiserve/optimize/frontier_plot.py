@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from xml.sax.saxutils import escape
 
+from optiserve.artifacts import chosen_accuracy
 from optiserve.tasks import get_task
 
 WIDTH, HEIGHT, MARGIN = 720, 440, 64
@@ -22,11 +23,12 @@ def _points(manifest: dict) -> list[dict]:
     rows += [(d, "dropped") for d in manifest["search"]["dropped"]]
     points = []
     for entry, place in rows:
-        value = next(iter(task.headline(entry["accuracy"]).values()))
+        accuracy = chosen_accuracy(entry)  # what the frontier was drawn on
+        value = next(iter(task.headline(accuracy).values()))
         if value is None:
             continue
         y = 100 * value
-        d = entry["accuracy"].get("vs_baseline")
+        d = accuracy.get("vs_baseline")
         low, high = (y + d["ci95"][0] - d["points"], y + d["ci95"][1] - d["points"]) if d else (y, y)
         points.append({"name": entry["name"], "x": int(n) * 1000 / entry["latency_ms"][n], "y": y, "low": low,
                        "high": high, "place": place})
@@ -37,7 +39,7 @@ def render_frontier(manifest: dict) -> str:
     """The SVG text of the frontier plot of a manifest whose run searched."""
     points = _points(manifest)
     task = get_task(manifest.get("task"))
-    measure = next(iter(task.headline(manifest["variants"][0]["accuracy"])))
+    measure = next(iter(task.headline(chosen_accuracy(manifest["variants"][0]))))
     xs = [math.log10(p["x"]) for p in points]
     ys = [v for p in points for v in (p["low"], p["high"])]
     x0, x1 = min(xs) - 0.05, max(xs) + 0.3  # room for the fastest one's name
@@ -58,7 +60,7 @@ def render_frontier(manifest: dict) -> str:
            f'<line x1="{MARGIN}" y1="{MARGIN}" x2="{MARGIN}" y2="{HEIGHT - MARGIN}" stroke="black"/>',
            f'<text x="{WIDTH / 2}" y="{HEIGHT - 20}" text-anchor="middle">images/s (log scale)</text>',
            f'<text x="16" y="{HEIGHT / 2}" transform="rotate(-90 16 {HEIGHT / 2})" text-anchor="middle">'
-           f'{escape(measure)} (%)</text>']
+           f'validation {escape(measure)} (%)</text>']
     for tick in range(math.floor(x0), math.ceil(x1) + 1):
         for step in (1, 2, 5):
             value = step * 10 ** tick

@@ -1,6 +1,7 @@
 """Every variant judged and timed through the runtime layer, the way the server will run it: its
-task's gate against the baseline on the held-out images, then call times in interleaved rounds;
-and the recommendation drawn from those times."""
+task's gate against the baseline on the validation images, then call times in interleaved rounds;
+the recommendation drawn from those times; and, after every choice, each finished variant's
+accuracy on the test images, which only reports."""
 
 from __future__ import annotations
 
@@ -70,16 +71,17 @@ class Timed:
             by_name.pop(name, None)
 
 
-def validate(variants: list[Variant], stage: Path, loaded, evalset: EvalSet, cfg: OptimizeConfig, why_not: str,
-              baseline_name: str, attempts: Attempts) -> tuple[list[dict], Timed]:
-    """Each variant loaded through the runtime, judged by its task's gate against the baseline and
-    timed; one its engine cannot run is not built (with the reason), one whose judging raises has
-    failed; either way its files are deleted and the others go on. The baseline failing ends the run."""
+def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg: OptimizeConfig, why_not: str,
+              baseline_name: str, attempts: Attempts) -> tuple[list[dict], Timed, dict]:
+    """Each variant loaded through the runtime, judged by its task's gate against the baseline on the
+    validation images (`validation` in its entry: what every choice reads) and timed; one its engine
+    cannot run is not built (with the reason), one whose judging raises has failed; either way its
+    files are deleted and the others go on. The baseline failing ends the run."""
     base_manifest = session_manifest(loaded)
     # an idle session must not slow the next; threads as stated, so a server can tell it runs with the same
     options = RuntimeOptions(device=cfg.device, threads=usable_cores(), extra={"spin": False})
-    batch1 = evalset.images[:1]
-    batch_n = np.resize(evalset.images, (cfg.latency_batch, *evalset.images.shape[1:])).astype(np.float32)
+    batch1 = valset.images[:1]
+    batch_n = np.resize(valset.images, (cfg.latency_batch, *valset.images.shape[1:])).astype(np.float32)
     if baseline_name not in [v.name for v in variants]:
         raise RuntimeError(f"no {baseline_name} variant to validate the others against")
     # The baseline by name, validated first: every other variant is scored against it, whatever the order.
@@ -99,8 +101,8 @@ def validate(variants: list[Variant], stage: Path, loaded, evalset: EvalSet, cfg
         try:
             session = load_session(stage / v.file, entry, base_manifest, options)
             if v.name == baseline_name:  # what its scores hold decides how every variant's are read
-                reading = output_kind(loaded, cfg, session.run(evalset.images[:KIND_IMAGES]))
-            logits = predict(session, evalset.images, keep=lambda raw: task.reduce(raw, reading))
+                reading = output_kind(loaded, cfg, session.run(valset.images[:KIND_IMAGES]))
+            logits = predict(session, valset.images, keep=lambda raw: task.reduce(raw, reading))
         except Exception as e:  # built, but its engine cannot run it: said in the report, not fatal
             if v.name == baseline_name:
                 raise
@@ -110,10 +112,11 @@ def validate(variants: list[Variant], stage: Path, loaded, evalset: EvalSet, cfg
         if reference is None:
             reference = logits
         try:
-            entry["accuracy"] = task.metrics(logits, reference, evalset.labels)
+            accuracy = task.metrics(logits, reference, valset.labels)
             if v.name == baseline_name:
-                baseline = entry["accuracy"]
-            entry["status"], entry["reason"] = task.gate(entry["accuracy"], baseline, limits, why_not)
+                baseline = accuracy
+            entry["validation"] = {"images": len(valset.images), "accuracy": accuracy}
+            entry["status"], entry["reason"] = task.gate(accuracy, baseline, limits, why_not)
         except Exception as e:
             if v.name == baseline_name:
                 raise
@@ -150,3 +153,26 @@ def recommend(entries: list[dict], timed: Timed, n: int) -> dict | None:
         recommended[key] = choice.chosen
         recommended["evidence"][key] = choice.to_dict()
     return recommended
+
+
+def report_on_test(entries: list[dict], timed: Timed, testset: EvalSet, loaded, cfg: OptimizeConfig, why_not: str,
+                   baseline_name: str, reading: dict) -> None:
+    """Each finished variant's `accuracy` on the test images, read once, after every choice was made
+    on the validation images: the table's figure and its interval. The task's gate is applied to it
+    only to say (`on_test`) where a variant accepted on validation falls outside the budget on test;
+    nothing is decided by it."""
+    task = get_task(loaded.task)
+    keep = lambda raw: task.reduce(raw, reading)  # noqa: E731
+    reference = predict(timed.sessions[baseline_name], testset.images, keep=keep)
+    baseline = task.metrics(reference, reference, testset.labels)
+    for entry in sorted(entries, key=lambda e: e["name"] != baseline_name):
+        name = entry["name"]
+        try:
+            outputs = reference if name == baseline_name else predict(timed.sessions[name], testset.images, keep=keep)
+            entry["accuracy"] = task.metrics(outputs, reference, testset.labels)
+        except Exception as e:  # it ran on the validation images; said in its row, not the end of the run
+            entry["accuracy"] = None
+            entry["on_test"] = {"status": "not measured", "reason": first_line(e, True, 200)}
+            continue
+        status, reason = task.gate(entry["accuracy"], baseline, cfg.gate_limits, why_not)
+        entry["on_test"] = {"status": status, "reason": reason, "images": len(testset.images)}

@@ -18,7 +18,7 @@ BASELINE = "fp32"  # the variant a torch model's others are checked against
 BUILT_WITH = ("torch", "torchvision", "onnx", "nncf", "torch-pruning")  # beside the engines the variants run on
 
 
-def build_manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_eval) -> dict:
+def build_manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_validation, n_test) -> dict:
     """The manifest of a run: the model, its input and outputs, the data, every variant's entry."""
     return {
         "format": artifacts.FORMAT,
@@ -33,7 +33,10 @@ def build_manifest(loaded, data, entries, recommended, cfg, why_not, notes, n_ev
         # every output the model serves, the one the task reads first (served under the task's names)
         "outputs": loaded.outputs or [{"name": OUTPUT_NAME, "dtype": "float32", "shape": list(loaded.output_shape)}],
         "source": {"model": loaded.name, **loaded.source},
-        "dataset": {"name": data.name, "eval_split": "test", "eval_images": n_eval, "calibration_split": "train"},
+        # the three roles: train fits (calibration, recovery), validation chooses, test only reports
+        "dataset": {"name": data.name, "calibration_split": "train", "choose_split": "val",
+                    "choose_images": n_validation, "eval_split": "test", "eval_images": n_test,
+                    **({"split_note": data.split_note} if data.split_note else {})},
         "accuracy_meaningful": not why_not,
         "accuracy_note": why_not or None,
         "baseline": BASELINE,

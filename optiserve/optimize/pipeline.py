@@ -21,14 +21,14 @@ from optiserve.optimize.attempts import LOG_FILE, Attempts
 from optiserve.optimize.config import OptimizeConfig  # noqa: F401  importers take it from here too
 from optiserve.optimize.frontier import drop_off_frontier, mark_frontier
 from optiserve.optimize.frontier_plot import FILE as FRONTIER_PLOT, render_frontier
-from optiserve.optimize.judge import recommend, validate
+from optiserve.optimize.judge import recommend, report_on_test, validate
 from optiserve.optimize.manifest import BASELINE, build_manifest, device_note, int8_comparison
 from optiserve.optimize.passes import Run, Variant, passes_for, step_count
 from optiserve.optimize.passes.pruning import pruning_ratios
 from optiserve.optimize.progress import PassLog
 from optiserve.optimize.search_cache import clear_cache
 from optiserve.optimize.report import render_report
-from optiserve.optimize.validate import materialize
+from optiserve.optimize.validate import EvalSet, materialize
 from optiserve.tasks import get_task
 
 
@@ -104,6 +104,18 @@ def _check_box_classes(boxes: np.ndarray, classes: list[str], cfg: OptimizeConfi
                         f"COCO detectors number them)")
 
 
+def _held_out(split, data: DatasetSplits, loaded: LoadedModel, cfg: OptimizeConfig, mapping) -> EvalSet:
+    """A held-out split's images with their labels in the model's classes (or its checked masks or boxes)."""
+    held = materialize(split, data.labelled, data.truth)
+    if data.truth == "masks":
+        _check_mask_classes(held.labels, loaded.classes, cfg)
+    elif data.truth == "boxes":
+        _check_box_classes(held.labels, loaded.classes, cfg)
+    else:
+        held.labels = None if mapping is None else np.asarray(mapping)[held.labels]
+    return held
+
+
 def _judged_by_agreement(loaded: LoadedModel, data: DatasetSplits, why_not: str, mapping) -> list[str]:
     """The note that says a classifier is judged without labels, and why."""
     if why_not or loaded.task != "classification" or mapping is not None:
@@ -139,27 +151,25 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         data = load_dataset(cfg.dataset, loaded.input, len(loaded.classes), masks=cfg.masks,
                             ignore_index=cfg.ignore_index, boxes=cfg.boxes)
         why_not, mapping = _check_compatible(loaded, data)
-        evalset = materialize(data.test, data.labelled, data.truth)
-        if data.truth == "masks":
-            _check_mask_classes(evalset.labels, loaded.classes, cfg)
-        elif data.truth == "boxes":
-            _check_box_classes(evalset.labels, loaded.classes, cfg)
-        else:
-            evalset.labels = None if mapping is None else np.asarray(mapping)[evalset.labels]
+        valset = _held_out(data.val, data, loaded, cfg, mapping)
+        testset = _held_out(data.test, data, loaded, cfg, mapping)
     left_out = [f"{data.left_out} images {LEFT_OUT[data.truth]} left out"] if data.left_out else []
-    log.note("; ".join([f"{len(evalset.images)} held-out test images; calibration draws from the train split",
-                        *left_out]))
+    log.note("; ".join([f"fit on the train split (calibration, recovery); choose on {len(valset.images)} validation "
+                        f"images (every gate and choice); report on {len(testset.images)} test images, after "
+                        f"every choice", *([data.split_note] if data.split_note else []), *left_out]))
 
     torch.manual_seed(0)
-    example, check = torch.from_numpy(evalset.images[:4]), torch.from_numpy(evalset.images[-4:])
+    example, check = torch.from_numpy(valset.images[:4]), torch.from_numpy(valset.images[-4:])
     out = cfg.out_path
     with artifacts.staging_folder(out) as stage:
         variants: list[Variant] = []
         notes: list[str] = [f"dataset {data.name}: {n}" for n in left_out] + _judged_by_agreement(loaded, data, why_not,
                                                                                                     mapping)
+        if data.split_note:
+            notes.append(f"dataset {data.name}: {data.split_note}")
         skipped: list[dict] = []  # variants this machine cannot run fast, with the reason: rows of their own
         attempts = Attempts(log, stage, skipped)
-        run = Run(stage, loaded, data, evalset, cfg, why_not, log, attempts, variants, notes, example, check,
+        run = Run(stage, loaded, data, valset, cfg, why_not, log, attempts, variants, notes, example, check,
                   label_mapping=None if mapping is None else np.asarray(mapping))
         passes = passes_for(run.form, cfg)
         for each in passes:  # every pass after the baseline is an attempt: one that raises
@@ -167,7 +177,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         baseline = "onnx-fp32" if run.form == "onnx" else BASELINE
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
-            entries, timed, kind = validate(variants, stage, loaded, evalset, cfg, why_not, baseline, attempts)
+            entries, timed, kind = validate(variants, stage, loaded, valset, cfg, why_not, baseline, attempts)
             for each in passes:
                 if each.settle is not None:
                     entries, settled = each.settle(entries, cfg.latency_batch, timed)
@@ -178,6 +188,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                 for row in dropped:
                     timed.drop(row["name"])
             recommended = recommend(entries, timed, cfg.latency_batch)
+            report_on_test(entries, timed, testset, loaded, cfg, why_not, baseline, kind)  # every choice is made
             if kind.get("output_kind", "logits") != "logits":
                 notes.append(f"the model's output holds {kind['output_kind']} ({kind['output_kind_from']}): "
                              f"/predict, the protocol's probabilities and the gate read them as they are, never "
@@ -186,7 +197,8 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             notes += int8_comparison(entries, cfg.latency_batch)
             notes += device_note(entries)
         with log.step(f"write {out}"):
-            manifest = build_manifest(loaded, data, entries, recommended, cfg, why_not, notes, len(evalset.images))
+            manifest = build_manifest(loaded, data, entries, recommended, cfg, why_not, notes, len(valset.images),
+                                      len(testset.images))
             manifest["baseline"] = baseline
             manifest.update(kind)
             manifest["skipped"] = skipped

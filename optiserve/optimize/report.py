@@ -3,6 +3,7 @@ recommendation and why, read from the manifest alone."""
 
 from __future__ import annotations
 
+from optiserve.artifacts import chosen_accuracy
 from optiserve.machine import cpu_line
 from optiserve.optimize.attempts import LOG_FILE
 from optiserve.runtime.fastest import describe as describe_choice
@@ -27,12 +28,21 @@ def summary_rows(manifest: dict) -> list[list[str]]:
         rows.append([v["name"], v["backend"], v["precision"], *task.cells(v["accuracy"], base["accuracy"]),
                      _size(v["size_bytes"]), _size(v["size_compressed_bytes"]), f"{lat1:.2f}", f"{latn:.2f}",
                      f"{base['latency_ms']['1'] / lat1:.2f}× / {base['latency_ms'][n] / latn:.2f}×",
-                     v["status"] + _marks(manifest, v["name"])])
+                     _status(v) + _marks(manifest, v["name"])])
     for failure in manifest.get("failed") or []:  # said in the table, not only in a note
         rows.append([failure["name"], *["—"] * 10, f"failed: {failure['reason']}"])
     for skip in manifest.get("skipped") or []:
         rows.append([skip["name"], *["—"] * 10, f"not built: {skip['reason']}"])
     return rows
+
+
+def _status(entry: dict) -> str:
+    """The gate's word on the validation images, and where the test images, which only report,
+    put an accepted variant outside the budget (never hidden, never acted on)."""
+    on_test = entry.get("on_test") or {}
+    if entry["status"] == "accepted" and on_test.get("status") == "rejected":
+        return f"accepted on validation; outside the budget on test: {on_test['reason']}"
+    return entry["status"]
 
 
 def summary_header(manifest: dict) -> list[str]:
@@ -64,7 +74,7 @@ def search_lines(manifest: dict) -> list[str]:
         return []
     n = str(manifest["latency_batch"])
     task = get_task(manifest.get("task"))
-    base = next(v for v in manifest["variants"] if v["name"] == manifest["baseline"])
+    base = chosen_accuracy(next(v for v in manifest["variants"] if v["name"] == manifest["baseline"]))
     rows = [(v, "**on the frontier**" if v["frontier"]["on"] else f"kept, off the frontier: {v['frontier']['why']}")
             for v in manifest["variants"]]
     rows += [(d, f"dropped: {d['dropped']}") for d in search["dropped"]]
@@ -73,15 +83,27 @@ def search_lines(manifest: dict) -> list[str]:
     lines = ["", f"## Search: speed against accuracy (channels pruned at {', '.join(f'{r:.0%}' for r in search['ratios'])}, "
                  f"each recovered by distillation)", "",
              f"Fastest first at batch {n}. A variant is on the frontier when no other servable one is both at "
-             f"least as fast and at least as accurate; the search's own candidates off it are not published. "
+             f"least as fast and at least as accurate on the validation images (the accuracy shown here: the "
+             f"frontier is a choice, so the test images do not draw it); the search's own candidates off it are "
+             f"not published. "
              f"Dropped candidates keep their row in `manifest.json` (`search.dropped`).", "",
              "![speed against accuracy](frontier.svg)", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for v, why in rows:
         latency = v["latency_ms"][n]
         lines.append("| " + " | ".join([v["name"], f"{latency:.2f}", f"{1000 * int(n) / latency:.0f}",
-                                        *task.cells(v["accuracy"], base["accuracy"]), why]) + " |")
+                                        *task.cells(chosen_accuracy(v), base), why]) + " |")
     return lines
+
+
+def _data_roles(dataset: dict) -> str:
+    """What each split did: validation chose, test only reported."""
+    test = f"Accuracy on {dataset['eval_images']} held-out test images, read once after every choice"
+    if "choose_images" not in dataset:  # a manifest from before the roles were recorded
+        return f"{test}."
+    split = f" ({dataset['split_note']})" if dataset.get("split_note") else ""
+    return (f"{test}; every variant was accepted or rejected, and the search and the recommendation made, on "
+            f"{dataset['choose_images']} validation images{split}.")
 
 
 def _size(n: int) -> str:
@@ -91,9 +113,8 @@ def _size(n: int) -> str:
 def render_report(manifest: dict) -> str:
     header, rows = summary_header(manifest), summary_rows(manifest)
     lines = [f"# optimize report: {manifest['model']} on {manifest['dataset']['name']}", "",
-             f"Weights: `{manifest['source']['weights']}`. Accuracy on {manifest['dataset']['eval_images']} held-out "
-             f"test images; latency is the median of repeated runs after warm-up, through the same runtime "
-             f"layer the server uses.", ""]
+             f"Weights: `{manifest['source']['weights']}`. {_data_roles(manifest['dataset'])} Latency is the "
+             f"median of repeated runs after warm-up, through the same runtime layer the server uses.", ""]
     if not manifest["accuracy_meaningful"]:
         lines += [f"**Accuracy is not validated here: {manifest['accuracy_note']}.** Agreement and max |Δ| "
                   f"against fp32 are still measured.", ""]

@@ -21,7 +21,7 @@ from optiserve.optimize.passes.registry import BOTH, TORCH, Pass, Run, Variant, 
 from optiserve.optimize.quantize_ort import quantize_onnx_static
 from optiserve.optimize.quantize_torch import NothingQuantized, quantize_torch_dynamic, quantize_torch_fx
 from optiserve.optimize.trace import save_torchscript
-from optiserve.optimize.validate import EvalSet, materialize, predict
+from optiserve.optimize.validate import EvalSet, predict
 from optiserve.runtime import RuntimeOptions, load_session
 from optiserve.tasks import get_task
 
@@ -39,7 +39,7 @@ def _prepare_int8(run: Run) -> None:
         run.recipe = recipe_for_module(run.fused, cfg.int8_recipe)
     run.notes += _recipe_note(run.recipe, cfg.int8_recipe != "auto")
     run.batches = calibration_batches(run.data.calibration_set(), cfg.calib_size)
-    run.accuracy_aware = _accuracy_aware(stage, run.loaded, run.data, run.evalset, run.batches, cfg, run.why_not,
+    run.accuracy_aware = _accuracy_aware(stage, run.loaded, run.valset, run.batches, cfg, run.why_not,
                                          run.log)
 
 
@@ -73,9 +73,10 @@ def _recipe_note(recipe: QuantRecipe, asked: bool) -> list[str]:
     return [f"INT8 recipe for a {recipe.architecture} ({why}): {recipe.description}{tail}"]
 
 
-def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: OptimizeConfig, why_not: str, log):
+def _accuracy_aware(stage: Path, loaded, valset: EvalSet, batches, cfg: OptimizeConfig, why_not: str, log):
     """fp32 file, int8 file, settings -> settings: re-quantizes an ONNX INT8 model that misses its
-    task's gate with its most sensitive layers (measured on validation images) kept in float."""
+    task's gate on the validation images with its most sensitive layers (measured on the same
+    images) kept in float: the test images only report, after every choice."""
     if not cfg.accuracy_aware or why_not:
         return lambda fp32, int8, settings: settings
     base_manifest = session_manifest(loaded)
@@ -87,18 +88,18 @@ def _accuracy_aware(stage: Path, loaded, data, evalset: EvalSet, batches, cfg: O
         return predict(session, images, keep=keep)
 
     def run(fp32: str, int8: str, settings: dict) -> dict:
-        reading = output_kind(loaded, cfg, logits(stage / fp32, evalset.images[:KIND_IMAGES]))
+        reading = output_kind(loaded, cfg, logits(stage / fp32, valset.images[:KIND_IMAGES]))
         reduce = lambda raw: task.reduce(raw, reading)  # noqa: E731
-        reference = logits(stage / fp32, evalset.images, reduce)
-        baseline = task.metrics(reference, reference, evalset.labels)
+        reference = logits(stage / fp32, valset.images, reduce)
+        baseline = task.metrics(reference, reference, valset.labels)
 
-        def gate_on_test(path: Path):  # the same gate validate applies, on the same test images
-            accuracy = task.metrics(logits(path, evalset.images, reduce), reference, evalset.labels)
+        def gate_on_validation(path: Path):  # the same gate validate applies, on the same validation images
+            accuracy = task.metrics(logits(path, valset.images, reduce), reference, valset.labels)
             return (*task.gate(accuracy, baseline, cfg.gate_limits, ""), task.headline(accuracy))
 
         out = keep_sensitive_layers_in_float(stage / fp32, stage / int8, batches, cfg.calib_method,
-                                             lambda: materialize(data.val, data.labelled).images,
-                                             logits, gate_on_test, settings, cfg.max_float_layers,
+                                             lambda: valset.images,
+                                             logits, gate_on_validation, settings, cfg.max_float_layers,
                                              **sensitivity(loaded))
         if "accuracy_aware" in out:
             kept = out["accuracy_aware"]["float_layers"]

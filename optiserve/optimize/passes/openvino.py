@@ -90,7 +90,7 @@ def _pick_flow(entries: list[dict], n: int, timed: Timed, name: str, nncf_name: 
     passing = [e for e in (qdq, nncf_) if e["status"] == "accepted"]
     winner = min(passing, key=lambda e: e["latency_ms"][str(n)]) if passing else qdq
     loser = nncf_ if winner is qdq else qdq
-    comparison = {e["settings"]["flow"]: {"status": e["status"], "accuracy": e["accuracy"],
+    comparison = {e["settings"]["flow"]: {"status": e["status"], "validation": e["validation"],
                                           "latency_ms": e["latency_ms"]} for e in (qdq, nncf_)}
     winner["settings"] = {**winner["settings"], "flow_comparison": comparison}
     timed.drop(loser["name"])

@@ -20,7 +20,7 @@ from optiserve.optimize.prune_channels import CannotPrune, count_flops, prune_ch
 from optiserve.optimize.search_cache import GATE, SearchCache
 from optiserve.optimize.quantize_ort import quantize_onnx_static
 from optiserve.optimize.judge import KIND_IMAGES, output_kind
-from optiserve.optimize.validate import EvalSet, materialize, predict
+from optiserve.optimize.validate import EvalSet, predict
 from optiserve.runtime.torch_backends import TorchSession
 from optiserve.tasks import get_task
 from optiserve.train.distill import recover
@@ -114,7 +114,7 @@ def _made_of(run: Run) -> dict:
     return {"model": run.loaded.name, "source": run.loaded.source, "input": run.loaded.input.to_dict(),
             "task": run.loaded.task, "dataset": run.data.name, "labels": run.label_mapping is not None,
             "epochs": cfg.finetune_epochs, "gate": vars(cfg.gate_limits), "device": cfg.device,
-            "evaluated_on": len(run.evalset.images)}
+            "evaluated_on": len(run.valset.images)}
 
 
 def _pruned_channel_variants(run: Run, ratio: float, deadline: float | None,
@@ -195,18 +195,18 @@ MIN_CHECK_IMAGES = 20  # fewer validation images than this: recovery runs one ro
 
 
 def _prune_channels(run: Run, ratio: float, deadline: float | None) -> tuple[torch.nn.Module, dict]:
-    """Structured pruning of the unfused model, judged on the test images by the task's gate right
-    after pruning and after recovery (distillation from the unpruned model, with the labels where
-    the data has the model's classes, in rounds while the task's gate on the validation images
-    fails, until `deadline`), then fused."""
+    """Structured pruning of the unfused model, judged on the validation images by the task's gate
+    right after pruning and after recovery (distillation from the unpruned model on the train images,
+    with the labels where the data has the model's classes, in rounds while that gate fails, until
+    `deadline`), then fused. The test images are not read here: they report, after every choice."""
     loaded, cfg, example = run.loaded, run.cfg, run.example
     pruned, info = prune_channels(loaded.model, ratio, example)
     flops_before, flops_after = count_flops(loaded.model, example[:1]), count_flops(pruned, example[:1])
     settings = {"method": "structured L1 channel pruning (torch-pruning's dependency graph)", **info,
                 "macs_before": flops_before, "macs_after": flops_after}
     task = get_task(loaded.task)
-    measured = _judge_against_unpruned(run, "test", run.evalset)
-    settings["test_before_recovery"] = task.headline(measured(pruned)[0])
+    measured = _judge_against_unpruned(run, run.valset)
+    settings["validation_before_recovery"] = task.headline(measured(pruned)[0])
     if run.why_not or cfg.finetune_epochs == 0:
         settings["recovery"] = None
         run.log.note(f"no recovery after pruning ({run.why_not or '--finetune-epochs 0'})")
@@ -215,17 +215,15 @@ def _prune_channels(run: Run, ratio: float, deadline: float | None) -> tuple[tor
         run.log.note(f"recovering for {cfg.finetune_epochs} epochs (more, in rounds, while the validation images "
                      f"say it is not there yet): distillation from the unpruned model on {run.data.name}'s train "
                      f"images{labels}")
-        val = _validation_set(run)
         check = None
-        if val is not None:
-            on_val = _judge_against_unpruned(run, "val", val)
-            check = lambda model: task.gate(*on_val(model), cfg.gate_limits)[0] == "accepted"  # noqa: E731
+        if len(run.valset.images) >= MIN_CHECK_IMAGES:
+            check = lambda model: task.gate(*measured(model), cfg.gate_limits)[0] == "accepted"  # noqa: E731
         settings["recovery"] = recover(pruned, loaded.model, run.data, task.distills, cfg.finetune_epochs,
                                        good_enough=check, label_mapping=run.label_mapping, device=cfg.device,
                                        progress=cfg.progress, deadline=deadline)
         run.log.note(_recovery_line(settings["recovery"]))
     after, baseline = measured(pruned)
-    settings["test_after_recovery"] = task.headline(after)
+    settings["validation_after_recovery"] = task.headline(after)
     status, reason = task.gate(after, baseline, cfg.gate_limits, run.why_not)
     settings[GATE] = {"status": status, "reason": reason}
     return fuse_conv_bn(pruned), settings
@@ -240,29 +238,17 @@ def _recovery_line(report: dict) -> str:
     return f"recovered for {rounds} epochs{why}: {check}"
 
 
-def _validation_set(run: Run) -> EvalSet | None:
-    """The validation images with their labels in the model's classes, as the test images are; None
-    where there are too few to check anything."""
-    data = run.data
-    if len(data.val) < MIN_CHECK_IMAGES:
-        return None
-    val = materialize(data.val, data.labelled, data.truth)
-    if data.truth == "classes":
-        val.labels = None if run.label_mapping is None else run.label_mapping[val.labels]
-    return val
-
-
-def _judge_against_unpruned(run: Run, split: str, images: EvalSet) -> Callable[[torch.nn.Module], tuple[dict, dict]]:
+def _judge_against_unpruned(run: Run, images: EvalSet) -> Callable[[torch.nn.Module], tuple[dict, dict]]:
     """model -> (its task's metrics on `images` against the unpruned model's, the unpruned model's own),
-    the unpruned model's outputs computed once per split for every ratio."""
+    the unpruned model's outputs computed once for every ratio."""
     task = get_task(run.loaded.task)
 
     def outputs(model):
         return predict(TorchSession(model.eval(), "torch", torch.device("cpu"), None), images.images)
 
-    if split not in run.unpruned_outputs:
-        run.unpruned_outputs[split] = outputs(run.loaded.model)
-    reference = run.unpruned_outputs[split]
+    if run.unpruned_outputs is None:
+        run.unpruned_outputs = outputs(run.loaded.model)
+    reference = run.unpruned_outputs
     reading = output_kind(run.loaded, run.cfg, reference[:KIND_IMAGES])
     reference = task.reduce(reference, reading)
     baseline = task.metrics(reference, reference, images.labels)
@@ -272,9 +258,9 @@ def _judge_against_unpruned(run: Run, split: str, images: EvalSet) -> Callable[[
 def _pruning_note(name: str, s: dict) -> str:
     text = (f"{name}: {s['parameters_after'] / s['parameters_before']:.0%} of the parameters and "
             f"{s['macs_after'] / s['macs_before']:.0%} of the multiply-adds remain")
-    (measure, before), after = next(iter(s["test_before_recovery"].items())), s["test_after_recovery"]
+    (measure, before), after = next(iter(s["validation_before_recovery"].items())), s["validation_after_recovery"]
     if before is not None:
-        text += (f"; test {measure} {100 * before:.2f}% right after pruning, {100 * after[measure]:.2f}% after "
+        text += (f"; validation {measure} {100 * before:.2f}% right after pruning, {100 * after[measure]:.2f}% after "
                  + (f"{s['recovery']['epochs']} epochs of recovery" if s['recovery'] else "pruning alone"))
     return text
 

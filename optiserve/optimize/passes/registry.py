@@ -37,7 +37,7 @@ class Run:
     stage: Path
     loaded: LoadedModel
     data: DatasetSplits
-    evalset: EvalSet
+    valset: EvalSet                    # the validation images: every choice (gate, search stop, fallback)
     cfg: OptimizeConfig
     why_not: str                       # why accuracy cannot be judged ("" where it can)
     log: PassLog
@@ -54,8 +54,7 @@ class Run:
     conversion: dict = field(default_factory=dict)  # the settings that say int8_source was converted
     label_mapping: object = None       # the model's class of each of the data's labels; None: no labels to learn from
     searched: bool = False             # whether the pruning search ran (its candidates off the frontier are dropped)
-    unpruned_outputs: dict = field(default_factory=dict)  # the unpruned model's outputs per split ("test",
-    # "val"), computed once for every ratio
+    unpruned_outputs: object = None    # the unpruned model's outputs on the validation images, once for every ratio
 
     @property
     def form(self) -> str:
