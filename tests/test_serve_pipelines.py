@@ -476,6 +476,46 @@ def test_a_branch_that_fails_fails_the_request_and_drops_the_other_branch_s_queu
         assert stats["pipeline"]["outcomes"]["error"] == 1
 
 
+CROP_BYTES = 4 * 16 * 16  # a crop as the classifier reads it: float32 [1, 16, 16]
+
+
+def _held_before_crops(png: bytes) -> int:
+    """What a pipeline request on this PNG holds of the byte budget before its crops: its body, its
+    decoded picture (3 bytes a pixel) and the detector's input (float32 [3, SIDE, SIDE])."""
+    width, height = Image.open(io.BytesIO(png)).size
+    return len(png) + 3 * width * height + 4 * 3 * SIDE * SIDE
+
+
+def test_crops_count_against_the_byte_budget_413_when_they_never_fit_429_while_others_hold_the_room(repository):
+    """The budget is just over what a large upload holds before its crops (at least 1 MiB, the
+    least --max-queue-bytes takes): its crops never fit, so 413, not 429's "retry later"; a small
+    upload's crops fit, except while another request holds the room."""
+    small = scene(np.random.default_rng(4), 3, range(TRAIN_DIGITS, 1797)).image
+    large, small = _png(small.resize((10 * SIDE, 10 * SIDE), Image.NEAREST)), _png(small)
+    budget = _held_before_crops(large) + CROP_BYTES // 2
+    assert budget >= 1 << 20
+    app = create_app(ServeConfig(str(repository), max_queue_bytes=budget))
+    with in_process_server(app, lambda: app.state.server.reports_ready) as port, \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+        def predict(png: bytes) -> httpx.Response:
+            return client.post("/predict?model=reader", content=png, headers={"content-type": "image/png"})
+
+        r = predict(large)
+        assert r.status_code == 413, r.text
+        assert "crops" in r.json()["error"] and "--max-queue-bytes" in r.json()["error"]
+        assert predict(small).status_code == 200
+        other = app.state.server.memory.hold()  # another request, holding all but what the small one's crops need
+        other.grow(budget - _held_before_crops(small) - CROP_BYTES // 2)
+        try:
+            r = predict(small)
+            assert r.status_code == 429 and "retry later" in r.json()["error"] and r.headers["retry-after"] == "1"
+        finally:
+            other.release()
+        r = predict(small)
+        assert r.status_code == 200 and r.json()["latency_ms"]["steps"][1]["crops"] == 3, r.text
+        assert app.state.server.memory.used == 0  # every request gave back what it held, its crops too
+
+
 @pytest.mark.parametrize("data, message", [
     ([], 'must hold {"steps": [...]}'),
     ({"steps": [{"model": "a"}]}, "steps must list a detector, then 1 to 4 models"),
