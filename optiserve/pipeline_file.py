@@ -10,10 +10,11 @@ it (serve/pipelines.py, serve/pipeline_requests.py) and the tuner that tunes its
        {"model": "faces", "crops": {"classes": ["face"]}}]}
 
 A step names a model of the repository and, optionally, its variant (else the model's traffic
-split). Each later step's `crops` says which boxes it reads: scoring at least `min_score`, of the
-detector's `classes` (all where absent), at most `max_crops` per image, best first, each cut from
-the uploaded image with `margin` of its width and height added on every side, then resized as
-that model's input says. Several later steps branch: each reads the boxes its own `crops` choose,
+split); never another pipeline (nested_pipelines refuses those, a cycle named by its path). Each
+later step's `crops` says which boxes it reads: scoring at least `min_score`, of the detector's
+`classes` (all where absent), at most `max_crops` per image, best first, each cut from the
+uploaded image with `margin` of its width and height added on every side, then resized as that
+model's input says. Several later steps branch: each reads the boxes its own `crops` choose,
 all at once.
 """
 
@@ -119,6 +120,44 @@ def parse_pipeline(data: object, name: str) -> Pipeline:
         raise UserError(f"{PIPELINE_FILE}: with several models reading the boxes each box holds their answers "
                         f"under their names, and {taken!r} is a box's own key ({', '.join(BOX_KEYS)})")
     return Pipeline(name, parsed)
+
+
+def nested_pipelines(pipelines: dict[str, Pipeline], unreadable: set[str] = frozenset()) -> dict[str, str]:
+    """Why each of `pipelines` (a repository's, by name) whose step names a pipeline, of them or of
+    the `unreadable` ones, is refused: a step names a model, and pipelines that name each other
+    (a -> b -> a, of any length) would have a load wait on itself. Read with the folders, so the
+    index says it and no load ever starts on one."""
+    named = {name: [step.model for step in p.steps if step.model in pipelines or step.model in unreadable]
+             for name, p in pipelines.items()}
+    problems = {}
+    for name, pipeline in pipelines.items():
+        cycle = _cycle_through(name, named)
+        if cycle is not None:
+            problems[name] = (f"{PIPELINE_FILE}: pipelines that name each other in a cycle are not served "
+                              f"({' -> '.join(cycle)}); a step names a model of the repository")
+            continue
+        i, other = next(((i, step.model) for i, step in enumerate(pipeline.steps) if step.model in named[name]),
+                        (None, None))
+        if other is not None:
+            problems[name] = (f"{PIPELINE_FILE}: step {i + 1} names pipeline {other!r}, not a model; a step names a "
+                              f"model of the repository (pipelines do not nest)")
+    return problems
+
+
+def _cycle_through(start: str, named: dict[str, list[str]]) -> list[str] | None:
+    """The shortest path of pipelines from `start` back to it through the pipelines each names, or None."""
+    paths, seen = [[start]], {start}
+    while paths:
+        following = []
+        for path in paths:
+            for nxt in named.get(path[-1], []):
+                if nxt == start:
+                    return [*path, start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    following.append([*path, nxt])
+        paths = following
+    return None
 
 
 def _step(step: object, i: int) -> Step:

@@ -24,7 +24,7 @@ from PIL import Image
 from conftest import ROOT, free_port, in_process_server, pipeline_repository, run_cli, serving
 from optiserve.errors import UserError
 from optiserve.serve.app import ServeConfig, create_app
-from optiserve.pipeline_file import Crops, parse_pipeline
+from optiserve.pipeline_file import Crops, nested_pipelines, parse_pipeline
 from optiserve.serve.pipelines import cut
 from optiserve.tasks.detection import iou
 
@@ -39,6 +39,17 @@ BRANCHES = {"steps": [{"model": "finder"},  # every digit read, and the best one
 CATS = {"steps": [{"model": "finder"}, {"model": "digits", "crops": {"classes": ["cat"]}}]}  # a class it never finds
 
 
+def _steps(*models: str) -> dict:
+    """A pipeline.json whose steps are these models, with the default crops."""
+    return {"steps": [{"model": model} for model in models]}
+
+
+# pipelines that name each other: ping -> pong -> ping through a later step, one -> two -> three -> one
+# through the detector's step, and one naming itself
+CYCLES = {"ping": _steps("finder", "pong"), "pong": _steps("finder", "ping"), "one": _steps("two", "digits"),
+          "two": _steps("three", "digits"), "three": _steps("one", "digits"), "itself": _steps("finder", "itself")}
+
+
 @pytest.fixture(scope="module")
 def repository(finder_artifact, small_artifact, tmp_path_factory) -> Path:
     root = pipeline_repository(
@@ -46,7 +57,8 @@ def repository(finder_artifact, small_artifact, tmp_path_factory) -> Path:
         {"finder": finder_artifact, "digits": small_artifact,
          "best": small_artifact},  # the same classifier, another name: a second reader
         {"reader": READER, "branches": BRANCHES, "cats": CATS,
-         "waits": {"steps": [{"model": "finder"}, {"model": "absent"}]}, "broken": "{not json"})
+         "waits": {"steps": [{"model": "finder"}, {"model": "absent"}]}, "broken": "{not json",
+         **CYCLES})
     (root / "digits" / "pipeline.json").write_text(json.dumps(READER))  # a model's folder stays a model
     return root
 
@@ -351,6 +363,48 @@ def test_a_pipeline_is_unloaded_and_loaded_again_through_the_repository_api_its_
     assert refused.status_code == 400 and "not valid JSON" in refused.json()["error"]
 
 
+CYCLE_REASONS = {"ping": "ping -> pong -> ping", "pong": "pong -> ping -> pong", "one": "one -> two -> three -> one",
+                 "two": "two -> three -> one -> two", "three": "three -> one -> two -> three",
+                 "itself": "a step names the pipeline itself"}
+
+
+def test_pipelines_that_name_each_other_are_refused_with_the_cycle_and_no_call_waits_on_them(server):
+    """Each pipeline of a cycle is refused as its folder is read: loading it is a 400 naming the
+    cycle, unloading it and requests to it are answered, and the index and its readiness say why —
+    none of these calls waits (each has seconds, not the minutes of a load)."""
+    quick = {"timeout": 10}
+    png = _png(scene(np.random.default_rng(0), 1, range(TRAIN_DIGITS, 1797)).image)
+    for name, why in CYCLE_REASONS.items():
+        load = httpx.post(f"{server}/v2/repository/models/{name}/load", json={}, headers=ADMIN, **quick)
+        assert load.status_code == 400 and why in load.json()["error"], load.text
+        unload = httpx.post(f"{server}/v2/repository/models/{name}/unload", json={}, headers=ADMIN, **quick)
+        assert unload.status_code == 200, unload.text
+        ready = httpx.get(f"{server}/v2/models/{name}/ready", **quick)
+        assert ready.status_code == 503 and why in ready.json()["error"], ready.text
+        r = httpx.post(f"{server}/predict?model={name}", content=png, headers={"content-type": "image/png"}, **quick)
+        assert r.status_code == 503 and why in r.json()["error"], r.text
+    index = {e["name"]: e for e in httpx.post(f"{server}/v2/repository/index", json={}, headers=ADMIN, **quick).json()}
+    for name, why in CYCLE_REASONS.items():
+        entry = index[name]
+        assert (entry["state"], entry["kind"]) == ("UNAVAILABLE", "pipeline") and why in entry["reason"], entry
+    assert index["reader"]["state"] == "READY"  # the others serve on, and the admin API still loads them
+    load = httpx.post(f"{server}/v2/repository/models/reader/load", json={}, headers=ADMIN, timeout=120)
+    assert load.status_code == 200, load.text
+
+
+def test_a_pipeline_whose_step_names_another_pipeline_is_refused_and_a_cycle_names_its_path():
+    pipelines = {name: parse_pipeline(data, name) for name, data in {
+        **{name: data for name, data in CYCLES.items() if name != "itself"},
+        "onto": _steps("finder", "ping"), "after": _steps("finder", "digits", "broken"), "reader": READER}.items()}
+    problems = nested_pipelines(pipelines, unreadable={"broken"})
+    assert problems.keys() == {"ping", "pong", "one", "two", "three", "onto", "after"}  # reader reads models only
+    for name in ("ping", "pong", "one", "two", "three"):
+        assert CYCLE_REASONS[name] in problems[name] and "\n" not in problems[name]
+    assert problems["onto"] == ("pipeline.json: step 2 names pipeline 'ping', not a model; a step names a model "
+                                "of the repository (pipelines do not nest)")
+    assert "step 3 names pipeline 'broken'" in problems["after"]
+
+
 def test_a_pipeline_named_at_start_up_loads_its_steps_models_and_no_other(repository):
     app = create_app(ServeConfig(str(repository), model_control="explicit", load_models=["reader"]))
     with in_process_server(app, lambda: app.state.server.reports_ready):
@@ -420,6 +474,46 @@ def test_a_branch_that_fails_fails_the_request_and_drops_the_other_branch_s_queu
         assert len(ran) <= 1, f"{len(ran)} of 3 crops were run after the other branch failed"
         stats = httpx.get(f"http://127.0.0.1:{port}/stats?model=branches").json()["steps"]
         assert stats["pipeline"]["outcomes"]["error"] == 1
+
+
+CROP_BYTES = 4 * 16 * 16  # a crop as the classifier reads it: float32 [1, 16, 16]
+
+
+def _held_before_crops(png: bytes) -> int:
+    """What a pipeline request on this PNG holds of the byte budget before its crops: its body, its
+    decoded picture (3 bytes a pixel) and the detector's input (float32 [3, SIDE, SIDE])."""
+    width, height = Image.open(io.BytesIO(png)).size
+    return len(png) + 3 * width * height + 4 * 3 * SIDE * SIDE
+
+
+def test_crops_count_against_the_byte_budget_413_when_they_never_fit_429_while_others_hold_the_room(repository):
+    """The budget is just over what a large upload holds before its crops (at least 1 MiB, the
+    least --max-queue-bytes takes): its crops never fit, so 413, not 429's "retry later"; a small
+    upload's crops fit, except while another request holds the room."""
+    small = scene(np.random.default_rng(4), 3, range(TRAIN_DIGITS, 1797)).image
+    large, small = _png(small.resize((10 * SIDE, 10 * SIDE), Image.NEAREST)), _png(small)
+    budget = _held_before_crops(large) + CROP_BYTES // 2
+    assert budget >= 1 << 20
+    app = create_app(ServeConfig(str(repository), max_queue_bytes=budget))
+    with in_process_server(app, lambda: app.state.server.reports_ready) as port, \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+        def predict(png: bytes) -> httpx.Response:
+            return client.post("/predict?model=reader", content=png, headers={"content-type": "image/png"})
+
+        r = predict(large)
+        assert r.status_code == 413, r.text
+        assert "crops" in r.json()["error"] and "--max-queue-bytes" in r.json()["error"]
+        assert predict(small).status_code == 200
+        other = app.state.server.memory.hold()  # another request, holding all but what the small one's crops need
+        other.grow(budget - _held_before_crops(small) - CROP_BYTES // 2)
+        try:
+            r = predict(small)
+            assert r.status_code == 429 and "retry later" in r.json()["error"] and r.headers["retry-after"] == "1"
+        finally:
+            other.release()
+        r = predict(small)
+        assert r.status_code == 200 and r.json()["latency_ms"]["steps"][1]["crops"] == 3, r.text
+        assert app.state.server.memory.used == 0  # every request gave back what it held, its crops too
 
 
 @pytest.mark.parametrize("data, message", [

@@ -21,7 +21,7 @@ from optiserve.pipeline_file import Pipeline
 from optiserve.serve import VARIANT_HEADER, tracing
 from optiserve.serve.model import ServedModel
 from optiserve.serve.multipart import boundary_of, parse_form, upload_and_variant
-from optiserve.serve.pipelines import chosen_rows, cut
+from optiserve.serve.pipelines import chosen_rows, cut, input_bytes
 from optiserve.serve.preprocess import BadInput, decode_picture
 from optiserve.serve.responses import FastJSONResponse
 from optiserve.serve.server import Admission, ApiError, ClientGone, Server
@@ -98,6 +98,10 @@ async def run_pipeline(server: Server, pipeline: Pipeline, read_picture: ReadPic
         parts = [StepRun(server.model(step.model), chosen_rows(found, step.crops)) for step in pipeline.per_box]
         reading = [(k, part) for k, part in enumerate(parts) if part.rows]
         if reading:
+            # the crops are held by the request with its body and image before one is cut: past the
+            # budget they are refused as any input is (413 never fits, 429 others hold the room)
+            admission.held.grow(sum(len(part.rows) * input_bytes(part.model.spec) for _, part in reading),
+                                f"cutting its {sum(len(part.rows) for _, part in reading)} crops")
             reads = [asyncio.ensure_future(_per_box(server, pipeline, k, picture, [found[i] for i in part.rows],
                                                     admission.reservation.priority, own - (first_done - started)))
                      for k, part in reading]
@@ -176,7 +180,8 @@ def _step_done(server: Server, pipeline: Pipeline, step: str, seconds: float, im
 async def _per_box(server: Server, pipeline: Pipeline, k: int, picture: Image.Image, boxes: list[dict], level: int,
                    own_timeout_s: float) -> tuple[ServedModel, tuple[np.ndarray, ...], dict]:
     """Later step `k`'s outputs for each box's crop, through its model's batcher; and the step's
-    timing (`step_ms`: from the boxes to its answer, cutting the crops included)."""
+    timing (`step_ms`: from the boxes to its answer, cutting the crops included). The crops' bytes
+    are held already, by the request (run_pipeline)."""
     t0 = time.perf_counter()
     step = pipeline.per_box[k]
     margin = step.crops.margin
@@ -185,11 +190,14 @@ async def _per_box(server: Server, pipeline: Pipeline, k: int, picture: Image.Im
         model = admission.model
 
         def crop_inputs() -> np.ndarray:
-            return np.stack([image_to_input(cut(picture, box["box"], margin), model.spec) for box in boxes])
+            inputs = np.empty((len(boxes), *model.spec.shape), np.float32)  # the bytes run_pipeline holds
+            for row, box in zip(inputs, boxes):
+                image_to_input(cut(picture, box["box"], margin), model.spec, row)
+            return inputs
 
         inputs = await server.decode(crop_inputs)
         if own_timeout_s <= 0:
             raise ApiError(504, f"pipeline {pipeline.name!r}: not answered within the detector's timeout")
-        outputs, timing = await server.infer(admission, inputs, deadline_s=own_timeout_s)
+        outputs, timing = await server.infer(admission, inputs, deadline_s=own_timeout_s, held=True)
     return model, outputs, {"variant": admission.variant.name, "crops": len(boxes), **timing,
                             "step_ms": 1000 * (time.perf_counter() - t0)}

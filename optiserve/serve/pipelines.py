@@ -5,8 +5,11 @@ pipeline_requests.py runs a pipeline request through each step's own batcher.
 
 from __future__ import annotations
 
+import math
+
 from PIL import Image
 
+from optiserve.input_spec import InputSpec
 from optiserve.pipeline_file import Crops
 
 # what the Open Inference Protocol answers for the boxes (serve/pipeline_protocol.py), beside each
@@ -31,6 +34,12 @@ def chosen_rows(detections: list[dict], crops: Crops) -> list[int]:
     wanted = [i for i, d in enumerate(detections) if d["score"] >= crops.min_score
               and (crops.classes is None or str(d["class"]) in crops.classes)]
     return wanted[:crops.max_crops]
+
+
+def input_bytes(spec: InputSpec) -> int:
+    """The bytes one crop takes as `spec`'s model reads it (float32 [C, H, W]): what a request holds
+    of the byte budget for each crop before it is cut."""
+    return 4 * math.prod(spec.shape)
 
 
 def cut(picture: Image.Image, box: list[float], margin: float) -> Image.Image:

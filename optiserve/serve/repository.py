@@ -20,7 +20,7 @@ from optiserve.serve.config import ServeConfig
 from optiserve.serve.metrics import ServerMetrics
 from optiserve.serve.model import BatchingConfig, ServedModel
 from optiserve.serve.model_settings import model_settings, settings_version
-from optiserve.pipeline_file import Pipeline, is_pipeline_folder, read_pipeline
+from optiserve.pipeline_file import Pipeline, is_pipeline_folder, nested_pipelines, read_pipeline
 from optiserve.serve.pipelines import output_clash
 from optiserve.serve.traffic import Shadow, TrafficError, parse_traffic
 
@@ -139,7 +139,8 @@ class ModelRepository:
 
     def find_pipelines(self) -> None:
         """Read the repository's pipeline folders (optiserve/pipeline_file.py) afresh; a folder whose
-        pipeline.json is wrong is listed as unavailable with the reason, once logged."""
+        pipeline.json is wrong, or whose steps name a pipeline (pipelines in a cycle named by their
+        path), is listed as unavailable with the reason, once logged."""
         if not self.is_repository:
             return
         found, errors = {}, {}
@@ -154,8 +155,12 @@ class ModelRepository:
                 found[folder.name] = read_pipeline(folder)
             except UserError as e:
                 errors[folder.name] = str(e)
-                if self.pipeline_errors.get(folder.name) != str(e):
-                    log.error("pipeline %s: %s", folder.name, e)
+        for name, why in nested_pipelines(found, set(errors)).items():
+            del found[name]  # refused here, so no load of one ever waits on a load of itself
+            errors[name] = why
+        for name, why in errors.items():
+            if self.pipeline_errors.get(name) != why:
+                log.error("pipeline %s: %s", name, why)
         self.pipelines, self.pipeline_errors = found, errors
 
     def pipeline_problem(self, pipeline: Pipeline) -> str | None:
@@ -163,6 +168,8 @@ class ModelRepository:
         without the variant it names), or None."""
         for i, step in enumerate(pipeline.steps):
             model = self.models.get(step.model)
+            if model is None and self.is_pipeline(step.model):  # a folder that became a pipeline since the scan
+                return f"step {i + 1}: {step.model!r} is a pipeline; a step names a model of the repository"
             if model is None:
                 status = self.status.get(step.model)
                 why = (f"{status.state.lower()}{': ' + status.reason if status.reason else ''}" if status
@@ -365,7 +372,9 @@ class ModelRepository:
             raise ApiError(400, f"pipeline {name!r}: {self.pipeline_errors[name]}")
         pipeline = self.pipelines[name]
         for step in pipeline.steps:
-            if step.model not in self.models:
+            # a step's model is loaded, never a pipeline: a load that reached a pipeline naming this
+            # one would wait on this load's own lock (pipeline_problem says why it cannot answer)
+            if step.model not in self.models and not self.is_pipeline(step.model):
                 try:
                     await self.load_model(step.model)
                 except ApiError as e:

@@ -326,18 +326,21 @@ class Server:
         return ApiError(429, f"overloaded: {e}; retry later", {"Retry-After": "1", VARIANT_HEADER: variant.name})
 
     async def infer(self, admission: Admission, images: np.ndarray, deadline_s: float | None = None,
-                    request: Request | None = None) -> tuple[tuple[np.ndarray, ...], dict]:
+                    request: Request | None = None, held: bool = False) -> tuple[tuple[np.ndarray, ...], dict]:
         """Run `images` through the admitted variant's batcher: every output of the model, the one the
         task reads first, and the request's timing. Within --timeout-ms or the caller's
         own `deadline_s` if sooner; maps every failure to the right status. With an HTTP `request`,
-        a client that hangs up meanwhile takes its rows out of the queue (ClientGone)."""
+        a client that hangs up meanwhile takes its rows out of the queue (ClientGone). The images'
+        bytes are held against the byte budget here, unless `held` (a pipeline's crops, held by
+        its request before they were cut)."""
         t0 = time.perf_counter()
         model, variant = admission.model, admission.variant
         served = {VARIANT_HEADER: variant.name}  # failures say which variant the A/B split chose
         own = model.settings.timeout_ms / 1000
         timeout = own if deadline_s is None else min(own, deadline_s)
         try:
-            admission.held.grow(images.nbytes, "its decoded images")
+            if not held:
+                admission.held.grow(images.nbytes, "its decoded images")
             queued = time.perf_counter()
             submitted = variant.batcher.submit(images, timeout, admission.reservation)
             result = await (submitted if request is None else self.unless_client_leaves(submitted, request, admission))
