@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from optiserve.artifacts import read_manifest
+from optiserve.optimize import judge
 from optiserve.optimize.passes import int8 as int8_pass, onnx_export as onnx_export_pass
 from optiserve.optimize.attempts import LOG_FILE
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
@@ -87,3 +88,66 @@ def test_the_command_succeeds_and_prints_the_failed_row(small_cnn_checkpoint, tm
     assert {v["name"] for v in manifest["variants"]} >= {"fp32", "torchscript", "torch-int8"}
     assert not (tmp_path / "a" / "model.onnx").exists()  # the failed pass's half-written file is not published
     assert manifest["recommended"]["latency"] in {v["name"] for v in manifest["variants"]}
+
+
+class BatchOutsideProfile(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def folder_where_timing_and_int8_calibration_fail(small_cnn_checkpoint, tmp_path_factory):
+    """small_cnn with --int8 where (1) the INT8 calibration raises, and (2) the TorchScript variant's
+    session raises at the latency batch while every other batch runs, as an engine whose shape
+    profile ends below it does (TensorRT's). Neither happens on this CPU with a real model, so both
+    are injected: (1) where the calibration batches are drawn, (2) at the runtime session boundary
+    (the session `optimize` loads through the runtime, unchanged but for its `run` at that size)."""
+    def no_calibration(*args, **kwargs):
+        raise QuantizerCrash("the calibration images could not be read")
+
+    class OutsideProfile:
+        def __init__(self, session):
+            self.session = session
+
+        def __getattr__(self, name):
+            return getattr(self.session, name)
+
+        def run(self, batch):
+            if len(batch) == 3:
+                raise BatchOutsideProfile("batch 3 is outside the engine's profile (1..2)")
+            return self.session.run(batch)
+
+    real_load = judge.load_session
+
+    def load(path, entry, manifest, options):
+        session = real_load(path, entry, manifest, options)
+        return OutsideProfile(session) if entry["name"] == "torchscript" else session
+
+    out = tmp_path_factory.mktemp("timing") / "small"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(int8_pass, "calibration_batches", no_calibration)
+        monkeypatch.setattr(judge, "load_session", load)
+        manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
+                                               openvino=False, out=str(out), progress=False, latency_batch=3))
+    return out, manifest
+
+
+def test_a_variant_that_raises_while_timed_is_its_row_and_the_others_are_timed(
+        folder_where_timing_and_int8_calibration_fail):
+    out, manifest = folder_where_timing_and_int8_calibration_fail
+    assert manifest["failed"] == [{"name": "torchscript", "pass": "time torchscript at batch 3",
+                                   "reason": "BatchOutsideProfile: batch 3 is outside the engine's profile (1..2)"}]
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert {"fp32", "onnx-fp32"} <= set(by_name) and "torchscript" not in by_name
+    assert all(set(v["latency_ms"]) == {"1", "3"} for v in by_name.values())
+    assert manifest["recommended"]["latency"] in by_name
+    assert not (out / "torchscript.pt").exists()
+    assert "BatchOutsideProfile" in (out / LOG_FILE).read_text()
+
+
+def test_int8_calibration_that_raises_leaves_the_int8_variants_unbuilt_with_its_reason(
+        folder_where_timing_and_int8_calibration_fail):
+    _, manifest = folder_where_timing_and_int8_calibration_fail
+    skipped = {s["name"]: s["reason"] for s in manifest["skipped"]}
+    why = "needs INT8 calibration, which failed: QuantizerCrash: the calibration images could not be read"
+    assert skipped["onnx-int8"] == why and skipped["torch-int8"] == why
+    assert not any(v["precision"] == "int8" for v in manifest["variants"])
