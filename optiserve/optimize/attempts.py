@@ -1,5 +1,5 @@
 """Every step after the baseline runs so that one which raises costs what depends on it and nothing
-else: a pass's variants become `failed` rows with the exception's one line, a shared
+else: a pass's variants become `failed` rows that say the root cause in one plain line, a shared
 preparation (INT8 calibration) that raises leaves the variants that need it `not built` with that
 line, the traceback goes to `optimize.log` in the artifact folder, and the passes that need what
 failed are reported as not built."""
@@ -11,7 +11,7 @@ import time
 import traceback
 from pathlib import Path
 
-from optiserve.errors import first_line
+from optiserve.errors import failure_reason
 from optiserve.optimize.progress import PassLog
 
 LOG_FILE = "optimize.log"
@@ -55,7 +55,7 @@ class Attempts:
     def noted(self, title: str, e: Exception, *names: str) -> str:
         """`e`, raised in `title`, kept in the log file and said on the progress display; returns the
         one plain line a row quotes of it."""
-        reason = first_line(e, True, 300)
+        reason = failure_reason(e)
         self._keep_traceback(title, e)
         self.log.note(f"{', '.join(names) or title} failed: {reason} (traceback in {LOG_FILE})")
         return reason

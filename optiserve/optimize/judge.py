@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from optiserve import artifacts
-from optiserve.errors import first_line
+from optiserve.errors import failure_reason
 from optiserve.machine import usable_cores
 from optiserve.models import LoadedModel
 from optiserve.optimize.attempts import Attempts
@@ -105,7 +105,7 @@ def validate(variants: list[Variant], stage: Path, loaded, evalset: EvalSet, cfg
         except Exception as e:  # built, but its engine cannot run it: said in the report, not fatal
             if v.name == baseline_name:
                 raise
-            attempts.cannot(f"built, but {v.backend} cannot run it ({first_line(e, True, 200)})", row_name)
+            attempts.cannot(f"built, but {v.backend} cannot run it ({failure_reason(e, 200)})", row_name)
             continue
         entry["device"] = session.device  # torch-int8 runs on the CPU even where the others use CUDA
         if reference is None:

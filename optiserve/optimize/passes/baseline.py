@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from optiserve.errors import UserError, first_line
+from optiserve.errors import UserError, failure_reason, first_line
 from optiserve.models import LoadedModel
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.manifest import BASELINE
@@ -88,7 +88,7 @@ def _fuse(loaded: LoadedModel) -> tuple[torch.nn.Module, str]:
         fused = fuse_conv_bn(loaded.model)
     except Exception as e:
         return (copy.deepcopy(loaded.model).eval(),
-                f"conv+BN fusion skipped: the model does not trace symbolically ({first_line(e, True, 200)})")
+                f"conv+BN fusion skipped: the model does not trace symbolically ({failure_reason(e, 200)})")
     probe = torch.randn(8, *loaded.input.shape)
     difference = parity(loaded, 0.0).get("difference", max_abs_diff)
     with torch.no_grad():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from optiserve.errors import first_line
+from optiserve.errors import failure_reason, first_line
 from optiserve.models.onnx_opset import INT8_OPSET, at_least_opset
 from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
 from optiserve.optimize.architecture import QuantRecipe, recipe_for_module, recipe_for_onnx
@@ -157,7 +157,7 @@ def _build_torch_int8(run: Run) -> None:
         except NothingQuantized as e:
             attempts.cannot(str(e), "torch-int8")
         except Exception as e:  # FX cannot trace every model (data-dependent control flow)
-            attempts.cannot(f"FX graph mode cannot take this model ({first_line(e, True, 200)})", "torch-int8")
+            attempts.cannot(f"FX graph mode cannot take this model ({failure_reason(e, 200)})", "torch-int8")
         else:
             save_torchscript(scripted, run.stage / "torch-int8.pt")
             run.variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8",
