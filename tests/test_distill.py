@@ -14,7 +14,9 @@ from optiserve.data import load_dataset
 from optiserve.models import load_model
 from optiserve.optimize.prune_channels import prune_channels
 from optiserve.optimize.validate import materialize
-from optiserve.train.distill import distill, recover
+from optiserve.errors import UserError
+from optiserve.tasks.output_kinds import get_output_kind, list_output_kinds
+from optiserve.train.distill import distill, distillation_loss, recover
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +56,55 @@ def test_the_labels_are_learned_too_where_the_data_has_the_models_classes(digits
         assert float((student(test).argmax(1) == labels).float().mean()) >= 0.9
 
 
-def test_a_classifier_that_ends_in_softmax_is_matched_as_probabilities(digits):
+@pytest.mark.parametrize("ending, kind", [(nn.Softmax(dim=1), "probabilities"),
+                                          (nn.LogSoftmax(dim=1), "log_probabilities")])
+def test_a_classifier_that_ends_in_softmax_or_log_softmax_is_matched_as_what_it_gives(digits, ending, kind):
     teacher, data, test = digits
-    teacher = nn.Sequential(teacher, nn.Softmax(dim=1)).eval()
+    teacher = nn.Sequential(teacher, ending).eval()
     student = _pruned(teacher, test)
     report = distill(student, teacher, data, "class-scores", epochs=3, progress=False)
-    assert report["output_kind"] == "probabilities"
-    assert np.isfinite(report["val_distillation_loss_after"])
+    assert report["output_kind"] == kind
+    assert report["val_distillation_loss_after"] < 0.2 * report["val_distillation_loss_before"]
     assert _agreement(student, teacher, test) >= 0.95
+
+
+# How a model ends so that its class scores hold each output kind, for K classes or one channel.
+ENDINGS = {"logits": lambda scores: scores,
+           "probabilities": lambda scores: scores.softmax(1) if scores.shape[1] > 1 else scores.sigmoid(),
+           "log_probabilities": lambda scores: (scores.log_softmax(1) if scores.shape[1] > 1
+                                                else nn.functional.logsigmoid(scores))}
+
+
+@pytest.mark.parametrize("kind", list_output_kinds())
+@pytest.mark.parametrize("channels", [10, 1])
+def test_every_output_kind_is_distilled_with_a_loss_and_gradient_that_vanish_only_at_the_teacher(kind, channels):
+    """Each kind the output-kind registry holds (a new one too) has a distillation loss: positive,
+    with a gradient that reaches the student, where the student answers otherwise than its teacher,
+    and next to zero where it answers the same."""
+    assert kind in ENDINGS, f"say in ENDINGS how a model ends in {kind!r}, and give it a distillation distribution"
+    torch.manual_seed(0)
+    images = torch.randn(8, 16)
+    teacher, student = nn.Linear(16, channels), nn.Linear(16, channels)
+    with torch.no_grad():
+        teacher.weight *= 4  # scores clear of [0, 1], so a one-channel teacher's logits do not read as probabilities
+    loss = distillation_loss("class-scores", kind)
+    target = ENDINGS[kind](teacher(images)).detach()
+    assert get_output_kind(kind).matches(target.numpy().astype(np.float64))
+
+    value = loss(ENDINGS[kind](student(images)), target)
+    value.backward()
+    assert float(value.detach()) > 1e-3 and float(student.weight.grad.abs().sum()) > 1e-3
+
+    copy = nn.Linear(16, channels)
+    copy.load_state_dict(teacher.state_dict())
+    same = loss(ENDINGS[kind](copy(images)), target)
+    same.backward()
+    assert abs(float(same.detach())) < 1e-5 and float(copy.weight.grad.abs().max()) < 1e-4
+
+
+def test_an_output_kind_distillation_does_not_know_is_refused_by_name():
+    with pytest.raises(UserError, match="'odds'"):
+        distillation_loss("class-scores", "odds")
 
 
 def test_an_embedding_is_matched_by_its_direction(digits):

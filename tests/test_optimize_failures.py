@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 from optiserve.artifacts import read_manifest
+from optiserve.errors import UserError, failure_reason, first_line
+from optiserve.models import InputOverrides
+from optiserve.optimize import judge
 from optiserve.optimize.passes import int8 as int8_pass, onnx_export as onnx_export_pass
 from optiserve.optimize.attempts import LOG_FILE
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
@@ -87,3 +90,162 @@ def test_the_command_succeeds_and_prints_the_failed_row(small_cnn_checkpoint, tm
     assert {v["name"] for v in manifest["variants"]} >= {"fp32", "torchscript", "torch-int8"}
     assert not (tmp_path / "a" / "model.onnx").exists()  # the failed pass's half-written file is not published
     assert manifest["recommended"]["latency"] in {v["name"] for v in manifest["variants"]}
+
+
+def test_a_failure_reason_is_the_root_cause_in_plain_text():
+    """What a row says of an exception: the innermost one with a message, colour codes taken out; a
+    UserError is already written for the reader and is kept as it is."""
+    try:
+        try:
+            raise ValueError("Could not guard on data-dependent expression\nmore detail")
+        except ValueError as inner:
+            raise RuntimeError("Failed to export. \x1b[96mThis is step 1/3\x1b[0m of exporting. Next steps:") from inner
+    except RuntimeError as e:
+        exported = e
+    assert failure_reason(exported) == "ValueError: Could not guard on data-dependent expression"
+    assert first_line(exported) == "Failed to export. This is step 1/3 of exporting. Next steps:"
+    try:
+        try:
+            raise KeyError("x")
+        except KeyError:
+            raise UserError("--boxes names no such image")
+    except UserError as e:
+        assert failure_reason(e) == "UserError: --boxes names no such image"
+    try:
+        try:
+            raise OSError("disk full")
+        except OSError as inner:
+            raise RuntimeError() from inner  # nothing to say: the cause says it
+    except RuntimeError as e:
+        assert failure_reason(e) == "OSError: disk full"
+
+
+CHECKED = """import torch
+from optiserve.models import load_model
+
+
+def in_range(x):
+    '''Images as the model was trained on them (normalized, within 2.5 of 0); anything else is refused.'''
+    if x.abs().max() > 2.5:
+        raise ValueError('expects normalized images within -2.5..2.5')
+    return x
+
+
+torch.fx.wrap('in_range')  # a leaf to FX, so conv+BN fusion traces the network around it
+
+
+class Checked(torch.nn.Module):
+    '''small_cnn that checks its input first, deciding on the data, as user code does.'''
+
+    def __init__(self):
+        super().__init__()
+        self.net = load_model('small_cnn', {checkpoint!r}).model
+
+    def forward(self, x):
+        return self.net(in_range(x))
+
+
+def build():
+    return Checked()
+"""
+
+
+@pytest.fixture(scope="module")
+def checked_folder(small_cnn_checkpoint, tmp_path_factory):
+    """A model that refuses inputs unlike its training images, optimized: the fusion check's random inputs make it
+    raise, and its ONNX export (torch.export) fails on the data-dependent branch."""
+    root = tmp_path_factory.mktemp("checked")
+    (root / "checked.py").write_text(CHECKED.format(checkpoint=str(small_cnn_checkpoint)))
+    out = root / "out"
+    manifest = run_optimize(OptimizeConfig(f"{root}/checked.py:build", input=InputOverrides((1, 16, 16), (0.0,), (1.0,)),
+                                           openvino=False, latency_batch=2, out=str(out), progress=False))
+    return out, manifest
+
+
+def test_an_onnx_export_that_fails_on_a_data_dependent_branch_is_a_row_that_says_why(checked_folder):
+    out, manifest = checked_folder
+    (row,) = manifest["failed"]
+    assert row["name"] == "onnx-fp32" and row["pass"].startswith("ONNX export")
+    reason = row["reason"]
+    assert "\x1b" not in reason and "step 1/3" not in reason and "Next steps" not in reason
+    assert reason.startswith("GuardOnDataDependentSymNode: Could not guard on data-dependent expression"), reason
+    report = (out / "report.md").read_text()
+    assert "\x1b" not in report and f"failed: {reason}" in report
+    assert "TorchExportError" in (out / LOG_FILE).read_text()  # the whole chain stays in the log
+
+
+def test_a_fusion_check_that_raises_leaves_the_model_unfused_with_the_reason(checked_folder):
+    out, manifest = checked_folder
+    assert "conv+BN fusion skipped: its check raised ValueError: expects normalized images within -2.5..2.5" in manifest["notes"]
+    assert "== " in (out / LOG_FILE).read_text() and "fuse conv+BN" in (out / LOG_FILE).read_text()
+
+
+def test_the_variants_that_do_not_need_the_export_are_still_built_judged_and_recommended(checked_folder):
+    _, manifest = checked_folder
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert {"fp32", "torchscript"} <= set(by_name) and "onnx-fp32" not in by_name
+    assert all(v["status"] == "accepted" for v in by_name.values())
+    assert manifest["recommended"]["latency"] in by_name
+
+
+class BatchOutsideProfile(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def folder_where_timing_and_int8_calibration_fail(small_cnn_checkpoint, tmp_path_factory):
+    """small_cnn with --int8 where (1) the INT8 calibration raises, and (2) the TorchScript variant's
+    session raises at the latency batch while every other batch runs, as an engine whose shape
+    profile ends below it does (TensorRT's). Neither happens on this CPU with a real model, so both
+    are injected: (1) where the calibration batches are drawn, (2) at the runtime session boundary
+    (the session `optimize` loads through the runtime, unchanged but for its `run` at that size)."""
+    def no_calibration(*args, **kwargs):
+        raise QuantizerCrash("the calibration images could not be read")
+
+    class OutsideProfile:
+        def __init__(self, session):
+            self.session = session
+
+        def __getattr__(self, name):
+            return getattr(self.session, name)
+
+        def run(self, batch):
+            if len(batch) == 3:
+                raise BatchOutsideProfile("batch 3 is outside the engine's profile (1..2)")
+            return self.session.run(batch)
+
+    real_load = judge.load_session
+
+    def load(path, entry, manifest, options):
+        session = real_load(path, entry, manifest, options)
+        return OutsideProfile(session) if entry["name"] == "torchscript" else session
+
+    out = tmp_path_factory.mktemp("timing") / "small"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(int8_pass, "calibration_batches", no_calibration)
+        monkeypatch.setattr(judge, "load_session", load)
+        manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
+                                               openvino=False, out=str(out), progress=False, latency_batch=3))
+    return out, manifest
+
+
+def test_a_variant_that_raises_while_timed_is_its_row_and_the_others_are_timed(
+        folder_where_timing_and_int8_calibration_fail):
+    out, manifest = folder_where_timing_and_int8_calibration_fail
+    assert manifest["failed"] == [{"name": "torchscript", "pass": "time torchscript at batch 3",
+                                   "reason": "BatchOutsideProfile: batch 3 is outside the engine's profile (1..2)"}]
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert {"fp32", "onnx-fp32"} <= set(by_name) and "torchscript" not in by_name
+    assert all(set(v["latency_ms"]) == {"1", "3"} for v in by_name.values())
+    assert manifest["recommended"]["latency"] in by_name
+    assert not (out / "torchscript.pt").exists()
+    assert "BatchOutsideProfile" in (out / LOG_FILE).read_text()
+
+
+def test_int8_calibration_that_raises_leaves_the_int8_variants_unbuilt_with_its_reason(
+        folder_where_timing_and_int8_calibration_fail):
+    _, manifest = folder_where_timing_and_int8_calibration_fail
+    skipped = {s["name"]: s["reason"] for s in manifest["skipped"]}
+    why = "needs INT8 calibration, which failed: QuantizerCrash: the calibration images could not be read"
+    assert skipped["onnx-int8"] == why and skipped["torch-int8"] == why
+    assert not any(v["precision"] == "int8" for v in manifest["variants"])

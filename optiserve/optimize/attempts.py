@@ -1,6 +1,8 @@
-"""Optional passes run so that one which raises costs its own variants and nothing else: they become
-`failed` rows with the exception's one line, the traceback goes to `optimize.log` in the artifact
-folder, and the passes that need what it would have made are reported as not built."""
+"""Every step after the baseline runs so that one which raises costs what depends on it and nothing
+else: a pass's variants become `failed` rows that say the root cause in one plain line, a shared
+preparation (INT8 calibration) that raises leaves the variants that need it `not built` with that
+line, the traceback goes to `optimize.log` in the artifact folder, and the passes that need what
+failed are reported as not built."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ import time
 import traceback
 from pathlib import Path
 
-from optiserve.errors import first_line
+from optiserve.errors import failure_reason
 from optiserve.optimize.progress import PassLog
 
 LOG_FILE = "optimize.log"
+INT8_PREPARATION = "INT8 calibration"  # the recipe and calibration batches every INT8 pass shares
 
 
 class Attempts:
@@ -22,6 +25,7 @@ class Attempts:
     def __init__(self, log: PassLog, stage: Path, skipped: list[dict]):
         self.log, self.stage, self.skipped = log, stage, skipped
         self.failed: list[dict] = []
+        self.unmet: dict[str, str] = {}  # a preparation that raised -> its reason
 
     @contextlib.contextmanager
     def attempt(self, title: str, *names: str):
@@ -33,17 +37,35 @@ class Attempts:
         except Exception as e:  # noqa: BLE001  one pass's failure, whatever it is, is that pass's row
             self.record(title, e, *names)
 
+    @contextlib.contextmanager
+    def preparation(self, title: str):
+        """Run the body as `title`, which builds no variant but what later passes share (the INT8
+        recipe and calibration batches); an exception in it is noted, and each pass that needs it
+        (`missing(title)`) is not built, with the reason, while the run goes on."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001  whatever it is, it costs only the variants that need it
+            self.unmet[title] = self.noted(title, e)
+
     def record(self, title: str, e: Exception, *names: str) -> None:
         """The variants `names` failed in the pass `title` with `e`."""
-        reason = first_line(e, True, 300)
-        self._keep_traceback(title, e)
+        reason = self.noted(title, e, *names)
         self.failed += [{"name": name, "pass": title, "reason": reason} for name in names]
-        self.log.note(f"{', '.join(names)} failed: {reason} (traceback in {LOG_FILE})")
+
+    def noted(self, title: str, e: Exception, *names: str) -> str:
+        """`e`, raised in `title`, kept in the log file and said on the progress display; returns the
+        one plain line a row quotes of it."""
+        reason = failure_reason(e)
+        self._keep_traceback(title, e)
+        self.log.note(f"{', '.join(names) or title} failed: {reason} (traceback in {LOG_FILE})")
+        return reason
 
     def missing(self, *names: str) -> str | None:
-        """Why a pass that needs the variants `names` cannot run (one of them failed or was not
-        built), or None."""
+        """Why a pass that needs the variants (or preparations) `names` cannot run (one of them
+        failed or was not built), or None."""
         for name in names:
+            if name in self.unmet:
+                return f"needs {name}, which failed: {self.unmet[name]}"
             if name in self.failed_names:
                 return f"needs {name}, which failed"
             if self.reason(name) is not None:

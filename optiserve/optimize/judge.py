@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from optiserve import artifacts
-from optiserve.errors import first_line
+from optiserve.errors import failure_reason
 from optiserve.machine import usable_cores
 from optiserve.models import LoadedModel
 from optiserve.optimize.attempts import Attempts
@@ -75,8 +75,8 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
               baseline_name: str, attempts: Attempts) -> tuple[list[dict], Timed, dict]:
     """Each variant loaded through the runtime, judged by its task's gate against the baseline on the
     validation images (`validation` in its entry: what every choice reads) and timed; one its engine
-    cannot run is not built (with the reason), one whose judging raises has failed; either way its
-    files are deleted and the others go on. The baseline failing ends the run."""
+    cannot run is not built (with the reason), one whose judging or timing raises has failed; either
+    way its files are deleted and the others go on. The baseline failing ends the run."""
     base_manifest = session_manifest(loaded)
     # an idle session must not slow the next; threads as stated, so a server can tell it runs with the same
     options = RuntimeOptions(device=cfg.device, threads=usable_cores(), extra={"spin": False})
@@ -85,7 +85,7 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
     if baseline_name not in [v.name for v in variants]:
         raise RuntimeError(f"no {baseline_name} variant to validate the others against")
     # The baseline by name, validated first: every other variant is scored against it, whatever the order.
-    entries, sessions, reference, baseline, reading = {}, {}, None, {}, {}
+    entries, sessions, reference, baseline, reading, row_names = {}, {}, None, {}, {}, {}
     task, limits = get_task(loaded.task), cfg.gate_limits
     for v in sorted(variants, key=lambda v: v.name != baseline_name):
         companions = get_backend(v.backend).companions(v.file)
@@ -106,7 +106,7 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
         except Exception as e:  # built, but its engine cannot run it: said in the report, not fatal
             if v.name == baseline_name:
                 raise
-            attempts.cannot(f"built, but {v.backend} cannot run it ({first_line(e, True, 200)})", row_name)
+            attempts.cannot(f"built, but {v.backend} cannot run it ({failure_reason(e, 200)})", row_name)
             continue
         entry["device"] = session.device  # torch-int8 runs on the CPU even where the others use CUDA
         if reference is None:
@@ -124,10 +124,20 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
             continue
         entries[v.name] = entry
         sessions[v.name] = session
+        row_names[v.name] = row_name
     # Timed together, in interleaved rounds: a variant's figure must not depend on its neighbours.
     batches = {"1": batch1, str(cfg.latency_batch): batch_n}
-    times = {b: interleaved_times(sessions, x, rounds=15, warmup=3, max_seconds=10.0 * len(sessions))
-             for b, x in batches.items()}
+    times: dict[str, dict[str, list[float]]] = {}
+    for b, x in batches.items():
+        failures: dict[str, Exception] = {}
+        times[b] = interleaved_times(sessions, x, rounds=15, warmup=3, max_seconds=10.0 * len(sessions),
+                                     failures=failures)
+        for name, e in failures.items():  # a variant that raises while timed has failed; the others go on
+            if name == baseline_name:
+                raise e
+            attempts.record(f"time {name} at batch {b}", e, row_names[name])
+            del entries[name], sessions[name]
+    times = {b: {name: t for name, t in by_name.items() if name in sessions} for b, by_name in times.items()}
     for name, entry in entries.items():
         entry["latency_ms"] = {b: statistics.median(times[b][name]) for b in times}
     return [entries[v.name] for v in variants if v.name in entries], Timed(sessions, batches, times), reading

@@ -40,27 +40,42 @@ def timed_calls(session: Session, batch: np.ndarray, calls: int | None = None, s
 
 def interleaved_times(sessions: dict[str, Session], batch: np.ndarray, rounds: int, calls_per_round: int | None = 1,
                       seconds_per_round: float | None = None, warmup: int = 2,
-                      max_seconds: float | None = None, turn_warmup_s: float = 0.02) -> dict[str, list[float]]:
+                      max_seconds: float | None = None, turn_warmup_s: float = 0.02,
+                      failures: dict[str, Exception] | None = None) -> dict[str, list[float]]:
     """Every session's call times (ms) over `rounds` rounds in which each gets its turn (`calls_per_round`
     calls or `seconds_per_round` seconds); stops early, after 3 rounds at least, past `max_seconds`.
+    Given a `failures` dict, a session whose call raises is put there (name -> exception), left out
+    of the times and timed no further while the others go on; without one, the exception ends it.
 
     Each turn begins with untimed calls for `turn_warmup_s` (at least one): the session before it
     leaves the caches full of its own weights and its threads still awake for a few milliseconds,
     and a small model's calls just after are measurably slower, whichever variant ran before
     (docs/performance.md, "Timings that do not depend on their neighbours"). Timed after them, a variant's figure is its
     steady state, whichever variants ran before it."""
-    for session in sessions.values():
-        for _ in range(warmup):
-            session.run(batch)
-    times: dict[str, list[float]] = {name: [] for name in sessions}
+    live = dict(sessions)
+
+    def turn(name: str, call) -> list[float]:
+        if failures is None:
+            return call()
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001  this session's failure, whatever it is, is its own
+            failures[name] = e
+            del live[name]
+            return []
+
+    for name, session in list(live.items()):
+        turn(name, lambda: [session.run(batch) for _ in range(warmup)])
+    times: dict[str, list[float]] = {name: [] for name in live}
     start = time.perf_counter()
     per_turn = {"seconds": seconds_per_round} if seconds_per_round is not None else {"calls": calls_per_round}
     for i in range(rounds):
-        for name, session in sessions.items():
-            times[name] += timed_calls(session, batch, warmup=1, warmup_s=turn_warmup_s, **per_turn)
+        for name, session in list(live.items()):
+            times[name] += turn(name, lambda: timed_calls(session, batch, warmup=1, warmup_s=turn_warmup_s,
+                                                          **per_turn))
         if max_seconds is not None and i >= 2 and time.perf_counter() - start > max_seconds:
             break
-    return times
+    return {name: t for name, t in times.items() if name in live}
 
 
 def interleaved_median_ms(sessions: dict[str, Session], batch: np.ndarray, rounds: int = 7, warmup: int = 2,

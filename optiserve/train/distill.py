@@ -1,7 +1,8 @@
 """Recovery after pruning without labels: the pruned model (the student) learns to answer as the
 model it was pruned from (the teacher) on the training images — knowledge distillation — plus the
 labels where the data has them. What is matched is the task's declaration (`Task.distills`):
-class scores along axis 1 (a classifier's, or a segmenter's per pixel), or vectors (an embedding).
+class scores along axis 1 (a classifier's, or a segmenter's per pixel), matched as the distribution
+their output kind (tasks/output_kinds.py) stands for, or vectors (an embedding).
 `recover` repeats it in rounds, each twice as long, while the student is not yet good enough.
 """
 
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 from optiserve.data import DatasetSplits, default_workers, make_loader
 from optiserve.registry import Registry
-from optiserve.tasks.output_kinds import recognise_output_kind
+from optiserve.tasks.output_kinds import get_output_kind, recognise_output_kind
 from optiserve.train.distributed import resolve_device
 from optiserve.train.schedule import scaled_lr, warmup_cosine
 
@@ -31,25 +32,56 @@ Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (student output, 
 _MATCHES: Registry[Callable[[str], Loss]] = Registry("distillation target")
 
 
-def _log_probabilities(out: torch.Tensor, kind: str, temperature: float) -> torch.Tensor:
-    """Log-probabilities along axis 1 of class scores that hold `kind`."""
-    if kind == "logits":
-        return F.log_softmax(out / temperature, dim=1)
-    if kind == "log-probabilities":
-        return out
+def _two_classes(log_p: torch.Tensor, log_not_p: torch.Tensor) -> torch.Tensor:
+    """A one-channel score's two-class distribution along axis 1: [not it, it], so class 1 is the
+    foreground a label of 1 names."""
+    return torch.cat([log_not_p, log_p], dim=1)
+
+
+def _from_logits(out: torch.Tensor, temperature: float) -> torch.Tensor:
+    if out.shape[1] == 1:
+        return _two_classes(F.logsigmoid(out / temperature), F.logsigmoid(-out / temperature))
+    return F.log_softmax(out / temperature, dim=1)
+
+
+def _from_probabilities(out: torch.Tensor, temperature: float) -> torch.Tensor:
+    if out.shape[1] == 1:
+        p = out.clamp(EPS, 1 - EPS)
+        return _two_classes(p.log(), (1 - p).log())
     return out.clamp_min(EPS).log()
+
+
+def _from_log_probabilities(out: torch.Tensor, temperature: float) -> torch.Tensor:
+    if out.shape[1] == 1:
+        log_p = out.clamp(max=-EPS)  # log(1 - p) from log p without losing p near 0 or 1
+        return _two_classes(log_p, torch.where(log_p > -0.693, torch.log(-torch.expm1(log_p)),
+                                               torch.log1p(-torch.exp(log_p))))
+    return out
+
+
+# Log-probabilities along axis 1 of the distribution class scores of each output kind stand for
+# (output_kinds.py's names), what distillation matches; a kind missing here is refused by name.
+_DISTRIBUTIONS: Registry[Callable[[torch.Tensor, float], torch.Tensor]] = Registry(
+    "output kind for distillation (train/distill.py's _DISTRIBUTIONS)")
+_DISTRIBUTIONS.register("logits", _from_logits)
+_DISTRIBUTIONS.register("probabilities", _from_probabilities)
+_DISTRIBUTIONS.register("log_probabilities", _from_log_probabilities)
+TEMPERATURES = {"logits": TEMPERATURE}  # only logits are softened; other kinds are matched as they are
+
+
+def _log_probabilities(out: torch.Tensor, kind: str, temperature: float) -> torch.Tensor:
+    """Log-probabilities along axis 1 of class scores that hold `kind` (a name in output_kinds.py's
+    registry; one channel becomes its two-class form)."""
+    return _DISTRIBUTIONS.get(get_output_kind(kind).name)(out, temperature)
 
 
 def _class_scores(kind: str) -> Loss:
     """KL divergence of the student's class distribution from the teacher's, per image (or pixel);
     a one-channel map (a foreground score) is matched as the two-class distribution it is."""
-    temperature = TEMPERATURE if kind == "logits" else 1.0
+    _DISTRIBUTIONS.get(get_output_kind(kind).name)  # an unknown kind is refused before training starts
+    temperature = TEMPERATURES.get(kind, 1.0)
 
     def loss(student, teacher):
-        if student.shape[1] == 1:
-            if kind == "logits":
-                return F.binary_cross_entropy_with_logits(student, torch.sigmoid(teacher))
-            return F.binary_cross_entropy(student.clamp(EPS, 1 - EPS), teacher.clamp(0, 1))
         s, t = _log_probabilities(student, kind, temperature), _log_probabilities(teacher, kind, temperature)
         per_position = F.kl_div(s, t, log_target=True, reduction="none").sum(1)
         return per_position.mean() * temperature ** 2
@@ -65,6 +97,12 @@ def _vectors(kind: str) -> Loss:
 
 _MATCHES.register("class-scores", _class_scores)
 _MATCHES.register("vectors", _vectors)
+
+
+def distillation_loss(match: str, kind: str = "") -> Loss:
+    """The loss that brings a student's outputs to its teacher's: `match` is the task's
+    declaration ("class-scores" or "vectors"), `kind` the output kind class scores hold."""
+    return _MATCHES.get(match)(kind)
 
 
 def _label_loss(kind: str) -> Loss:
@@ -135,7 +173,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     probe = next(iter(make_loader(data.val, batch_size, dev, workers=0)))[0].to(dev)
     with torch.no_grad():
         kind = recognise_output_kind(_first(teacher(probe)).float().cpu().numpy()) if match == "class-scores" else ""
-    loss_of = _MATCHES.get(match)(kind)
+    loss_of = distillation_loss(match, kind)
     label_loss = _label_loss(kind) if label_mapping is not None else None
     to_model_class = torch.as_tensor(label_mapping, device=dev) if label_mapping is not None else None
     before = _val_loss(student, teacher, data.val, loss_of, dev, 2 * batch_size)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from optiserve.errors import UserError, first_line
+from optiserve.errors import UserError, failure_reason, first_line
 from optiserve.models import LoadedModel
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.manifest import BASELINE
@@ -70,8 +70,15 @@ def _file_as_served(source: dict) -> str:
 
 
 def _build_fused(run: Run) -> None:
+    """The conv+BN-fused module, or where fusing or its check raises, the model as it is: the passes
+    build from it either way, and the note says why it is not fused."""
     with run.log.step("fuse conv+BN"):
-        run.fused, note = _fuse(run.loaded)
+        try:
+            run.fused, note = _fuse(run.loaded)
+        except Exception as e:  # noqa: BLE001  an unfused model serves the passes as well, only slower
+            reason = run.attempts.noted("fuse conv+BN", e)
+            run.fused, note = (copy.deepcopy(run.loaded.model).eval(),
+                               f"conv+BN fusion skipped: its check raised {reason}")
         run.notes.append(note)
 
 
@@ -81,7 +88,7 @@ def _fuse(loaded: LoadedModel) -> tuple[torch.nn.Module, str]:
         fused = fuse_conv_bn(loaded.model)
     except Exception as e:
         return (copy.deepcopy(loaded.model).eval(),
-                f"conv+BN fusion skipped: the model does not trace symbolically ({first_line(e, True, 200)})")
+                f"conv+BN fusion skipped: the model does not trace symbolically ({failure_reason(e, 200)})")
     probe = torch.randn(8, *loaded.input.shape)
     difference = parity(loaded, 0.0).get("difference", max_abs_diff)
     with torch.no_grad():

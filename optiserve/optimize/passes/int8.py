@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from optiserve.errors import first_line
+from optiserve.errors import failure_reason, first_line
 from optiserve.models.onnx_opset import INT8_OPSET, at_least_opset
 from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
 from optiserve.optimize.architecture import QuantRecipe, recipe_for_module, recipe_for_onnx
-from optiserve.optimize.attempts import Attempts
+from optiserve.optimize.attempts import INT8_PREPARATION, Attempts
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.config import OptimizeConfig
 from optiserve.optimize.judge import KIND_IMAGES, output_kind, session_manifest
@@ -28,7 +28,13 @@ from optiserve.tasks import get_task
 
 def _prepare_int8(run: Run) -> None:
     """The INT8 recipe, the calibration batches and the accuracy-aware fallback the INT8 passes share;
-    an ONNX file below the opset INT8 needs is quantized from a converted copy."""
+    an ONNX file below the opset INT8 needs is quantized from a converted copy. Where it raises, the
+    INT8 variants are not built, with its reason, and the run goes on."""
+    with run.attempts.preparation(INT8_PREPARATION):
+        _prepare_int8_inputs(run)
+
+
+def _prepare_int8_inputs(run: Run) -> None:
     cfg, stage = run.cfg, run.stage
     if run.form == "onnx":
         run.int8_source, run.conversion = _int8_source(stage, run.notes, run.attempts)
@@ -125,7 +131,7 @@ def _onnx_int8(stage: Path, batches: list, accuracy_aware, cfg: OptimizeConfig, 
     if why := attempts.reason("onnx-int8"):  # said already: its input cannot be made
         attempts.log.passed_over(title, why)
         return
-    if why := attempts.missing("onnx-fp32"):
+    if why := attempts.missing("onnx-fp32", INT8_PREPARATION):
         attempts.skip(title, why, "onnx-int8")
         return
     with attempts.attempt(title, "onnx-int8"):
@@ -139,6 +145,9 @@ def _onnx_int8(stage: Path, batches: list, accuracy_aware, cfg: OptimizeConfig, 
 
 def _build_torch_int8(run: Run) -> None:
     cfg, recipe, attempts = run.cfg, run.recipe, run.attempts
+    if why := attempts.missing(INT8_PREPARATION):
+        attempts.skip("INT8 PyTorch x86", why, "torch-int8")
+        return
     how = "dynamic, nn.Linear" if recipe.torch_mode == "dynamic" else f"FX graph mode, {cfg.calib_size} images"
     with attempts.attempt(f"INT8 PyTorch x86 ({how})", "torch-int8"):
         try:
@@ -149,7 +158,7 @@ def _build_torch_int8(run: Run) -> None:
         except NothingQuantized as e:
             attempts.cannot(str(e), "torch-int8")
         except Exception as e:  # FX cannot trace every model (data-dependent control flow)
-            attempts.cannot(f"FX graph mode cannot take this model ({first_line(e, True, 200)})", "torch-int8")
+            attempts.cannot(f"FX graph mode cannot take this model ({failure_reason(e, 200)})", "torch-int8")
         else:
             save_torchscript(scripted, run.stage / "torch-int8.pt")
             run.variants.append(Variant("torch-int8", "torch-int8.pt", "torchscript", "int8",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from optiserve.optimize.attempts import Attempts
+from optiserve.optimize.attempts import INT8_PREPARATION, Attempts
 from optiserve.optimize.architecture import QuantRecipe
 from optiserve.optimize.config import OptimizeConfig
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
@@ -57,7 +57,7 @@ def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts,
                                      "flow": "qdq", "flow_description": "the ONNX Runtime QDQ file (same "
                                                                         "calibration) read by OpenVINO"}))
     title = "OpenVINO INT8 with NNCF post-training quantization (same calibration images)"
-    if why := attempts.missing("onnx-fp32"):
+    if why := attempts.missing("onnx-fp32", INT8_PREPARATION):
         attempts.skip(title, why, "openvino-int8 (nncf flow)")
         return
     with attempts.attempt(title, "openvino-int8 (nncf flow)"):

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from optiserve.optimize.attempts import INT8_PREPARATION
 from optiserve.optimize.config import OptimizeConfig
 from optiserve.optimize.export_onnx import export_onnx
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
@@ -137,7 +138,7 @@ def _pruned_channel_variants(run: Run, ratio: float, deadline: float | None,
     if not cfg.int8:
         return gate
     title = f"INT8 ONNX Runtime of {name} -> {name}-int8"
-    if why := attempts.missing(name):
+    if why := attempts.missing(name, INT8_PREPARATION):
         attempts.skip(title, why, f"{name}-int8")
     else:
         with attempts.attempt(title, f"{name}-int8"):
@@ -161,7 +162,7 @@ def _pruned_channel_variants(run: Run, ratio: float, deadline: float | None,
             variants.append(Variant(openvino, ir, "openvino", "int8",
                                     {**q, **ov, "inference_precision": "f32", "flow": "qdq", "pruning": settings}))
     title = f"OpenVINO INT8 of {name} with NNCF (same calibration images)"
-    if why := attempts.missing(name):
+    if why := attempts.missing(name, INT8_PREPARATION):
         attempts.skip(title, why, openvino + NNCF_SUFFIX)
         return gate
     with attempts.attempt(title, openvino + NNCF_SUFFIX):
