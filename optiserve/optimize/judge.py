@@ -182,7 +182,7 @@ def report_on_test(entries: list[dict], timed: Timed, testset: EvalSet, loaded, 
             entry["accuracy"] = task.metrics(outputs, reference, testset.labels)
         except Exception as e:  # it ran on the validation images; said in its row, not the end of the run
             entry["accuracy"] = None
-            entry["on_test"] = {"status": "not measured", "reason": first_line(e, True, 200)}
+            entry["on_test"] = {"status": "not measured", "reason": failure_reason(e, 200)}
             continue
         status, reason = task.gate(entry["accuracy"], baseline, cfg.gate_limits, why_not)
         entry["on_test"] = {"status": status, "reason": reason, "images": len(testset.images)}
