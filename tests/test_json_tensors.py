@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optiserve.input_spec import InputSpec
-from optiserve.serve.envelope import infer_request, parse_json, predict_request
+from optiserve.serve.envelope import MAX_NUMBER_CHARS, infer_request, parse_json, predict_request
 from optiserve.serve.json_tensors import read_with_tensor
 from optiserve.serve.preprocess import BadInput, ImageLimits
 
@@ -27,7 +27,7 @@ def test_a_regular_nested_list_comes_back_as_the_array_json_gives(shape, seed, a
     rng = np.random.default_rng(seed)
     x = rng.integers(-1000, 1000, shape) if as_ints else rng.standard_normal(shape) * 10.0 ** rng.integers(-30, 30)
     body = json.dumps({"top_k": 2, "inputs": x.tolist(), "variant": "a", "more": {"b": [1, "c", None]}}).encode()
-    fast = read_with_tensor(body, ("inputs",))
+    fast = read_with_tensor(body, ("inputs",), MAX_NUMBER_CHARS)
     assert isinstance(fast["inputs"], np.ndarray) and fast["inputs"].shape == tuple(shape)
     standard = json.loads(body)
     np.testing.assert_array_equal(fast["inputs"], np.asarray(standard["inputs"], dtype=np.float64))
@@ -35,7 +35,8 @@ def test_a_regular_nested_list_comes_back_as_the_array_json_gives(shape, seed, a
 
 
 @pytest.mark.parametrize("inputs", [[[1, 2], [3]], [[1, "x"]], [[True, 0.5]], [[1, None]], ["aGk=", "aGk="], [[]],
-                                    {"a": 1}, 7])
+                                    {"a": 1}, 7, [1, [2]], [[1, 2], [[3], 4]], [[1, 2], [[3, 4], []]],
+                                    [[1, 2], [3, [4]]]])
 def test_what_is_not_a_regular_list_of_numbers_is_exactly_what_json_gives(inputs):
     body = json.dumps({"inputs": inputs}).encode()
     assert parse_json(body, tensor_at=("inputs",)) == json.loads(body)
@@ -48,14 +49,44 @@ def test_what_is_not_a_regular_list_of_numbers_is_exactly_what_json_gives(inputs
     (b'{"inputs": [1, 2,]}', "malformed JSON"),
     (b'[1, 2]', "must be an object"),
     (b'{"inputs": [1]} trailing', "malformed JSON"),
+    pytest.param(b'{"inputs": [0.' + b"1" * 4998 + b"]}", "5,000 characters long", id="long-fraction"),
+    pytest.param(b'{"inputs": [1], "top_k": 1.' + b"0" * 98 + b"}", "100 characters long", id="long-top-k"),
+    pytest.param(b'{"inputs": [1e' + b"0" * 97 + b"1]}", "100 characters long", id="long-exponent"),
+    pytest.param(b'{"inputs": [1], "x": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nested too deeply",
+                 id="deep-beside-the-tensor"),  # simdjson reads 1,024 deep
 ])
 def test_a_body_the_fast_path_cannot_read_gets_the_standard_parsers_answer(body, message):
-    assert read_with_tensor(body, ("inputs",)) is None
+    assert read_with_tensor(body, ("inputs",), MAX_NUMBER_CHARS) is None
     if message is None:
         assert np.isnan(parse_json(body, tensor_at=("inputs",))["inputs"][0])
     else:
         with pytest.raises(BadInput, match=message):
             parse_json(body, tensor_at=("inputs",))
+
+
+DEEP = b"[" * 65 + b"1" + b"]" * 65  # one dimension past what numpy holds, in a 150-byte body
+
+
+def test_a_tensor_nested_past_what_an_array_holds_gets_the_standard_parsers_400():
+    body = b'{"inputs": ' + DEEP + b"}"
+    assert parse_json(body, tensor_at=("inputs",)) == json.loads(body)
+    with pytest.raises(BadInput, match="inputs must be numbers in nested lists of equal length"):
+        predict_request(body, SPEC, 10, 16, ImageLimits())
+    infer = b'{"inputs": [{"name": "input", "shape": [1, 1, 4, 4], "datatype": "FP32", "data": ' + DEEP + b"}]}"
+    with pytest.raises(BadInput, match="input data must be a \\(possibly nested\\) list of numbers"):
+        infer_request(infer, None, SPEC, 16)
+
+
+@pytest.mark.parametrize("body, path", [
+    (b'{"inputs": [1, 2], "inputs": [3]}', ("inputs",)),
+    (b'{"inputs": [3], "inputs": [1, [2]]}', ("inputs",)),
+    (b'{"inputs": [1], "top_k": 1, "top_k": 2, "variant": "a", "variant": "b"}', ("inputs",)),
+    (b'{"inputs": [1], "more": {"b": 1, "b": [2]}}', ("inputs",)),
+    (b'{"inputs": [{"data": [1], "name": "x", "data": [2, 3], "name": "y"}]}', ("inputs", 0, "data")),
+])
+def test_a_repeated_key_keeps_its_last_value_as_the_standard_parser_does(body, path):
+    fast = parse_json(body, tensor_at=path)
+    assert json.loads(json.dumps(fast, default=lambda a: a.tolist())) == json.loads(body)
 
 
 def test_predict_and_the_protocol_take_the_array_as_they_took_nested_lists():
