@@ -4,10 +4,12 @@ gives, for every body a client may send, without a Python float per value."""
 from __future__ import annotations
 
 import json
+import math
+from unittest import mock
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optiserve.input_spec import InputSpec
@@ -113,3 +115,187 @@ def test_a_json_request_carries_at_most_a_batch_of_images():
     many = np.zeros((200, 1, 4, 4)).tolist()  # past the commas any 16 images and the other fields could hold
     with pytest.raises(BadInput, match="a JSON request may carry at most 16 images of 1x4x4"):
         predict_request(json.dumps({"inputs": many}).encode(), SPEC, 10, 16, ImageLimits())
+
+
+# The differential property: for any body, generated or mutated, the fast path gives exactly what the
+# standard parser gives (parse_json without a tensor path is json.loads with the server's limits): the
+# same values, the tensor as the float64 array of the same numbers, or the same 4xx with the same message.
+# Bodies are written as text, so that they can hold what json.dumps never writes: repeated keys, any
+# number token, ragged and deep lists.
+
+WHITESPACE = st.sampled_from(["", " ", "\n", "\t", "\r\n  "])
+NUMBERS = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    st.floats(-1e3, 1e3, width=32).map(lambda f: f"{f:.9g}"),
+    st.integers(-2 ** 70, 2 ** 70).map(str),
+    st.from_regex(r"-?(0|[1-9][0-9]{0,70})(\.[0-9]{1,70})?([eE][+-]?[0-9]{1,40})?", fullmatch=True),
+    st.sampled_from(["-0", "-0.0", "0e0", "1E400", "-1e-400", "NaN", "Infinity", "-Infinity", "01", "1.", ".5", "+1",
+                     "18446744073709551615", "9223372036854775808", "-9223372036854775809", "1e-05", "0.0001"]))
+STRINGS = st.one_of(st.text(max_size=8).map(json.dumps), st.text(max_size=8).map(lambda s: json.dumps(s, ensure_ascii=False)),
+                    st.sampled_from(['"["', '"a[1]"', '"\\u005b"', '"\\ud800"', '"inputs"', '"FP32"', '"logits"']))
+SCALARS = st.one_of(NUMBERS, STRINGS, st.sampled_from(["true", "false", "null"]))
+KEYS = st.one_of(st.sampled_from(["inputs", "top_k", "variant", "data", "name", "shape", "datatype", "outputs",
+                                  "parameters", "id", "a", ""]).map(json.dumps), STRINGS)
+
+
+def _array(items: list[str], ws: str) -> str:
+    return "[" + ws + f",{ws}".join(items) + ws + "]"
+
+
+def _object(pairs: list[tuple[str, str]], ws: str) -> str:
+    return "{" + ws + f",{ws}".join(f"{k}{ws}:{ws}{v}" for k, v in pairs) + ws + "}"
+
+
+VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
+    st.builds(_array, st.lists(inner, max_size=4), WHITESPACE),
+    st.builds(_object, st.lists(st.tuples(KEYS, inner), max_size=4), WHITESPACE)), max_leaves=12)
+
+
+@st.composite
+def number_lists(draw, size: int) -> list[str]:
+    """`size` numbers as a client's encoder writes them (floats, float32s, integers, from 1e-8 to 1e8),
+    a few of them replaced by any number token: drawn from a seed, which keeps the examples quick."""
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    values = rng.standard_normal(size) * 10.0 ** rng.integers(-8, 9, size)
+    write = draw(st.sampled_from([lambda v: repr(float(v)), lambda v: f"{v:.9g}", lambda v: str(int(v))]))
+    flat = [write(v) for v in values]
+    for _ in range(draw(st.integers(0, 2))):
+        flat[draw(st.integers(0, size - 1))] = draw(NUMBERS)
+    return flat
+
+
+@st.composite
+def tensors(draw) -> str:
+    """Nested lists of numbers: regular (sometimes the model's [N, 1, 4, 4]), then maybe made ragged,
+    given a non-number, or nested past what an array holds."""
+    shape = draw(st.one_of(st.lists(st.integers(1, 4), min_size=1, max_size=4),
+                           st.builds(lambda n: [n, 1, 4, 4], st.integers(1, 2)), st.just([16])))
+    ws = draw(WHITESPACE)
+    flat = draw(number_lists(math.prod(shape)))
+
+    def build(dims: list[int], at: int) -> str:
+        if len(dims) == 1:
+            return _array(flat[at:at + dims[0]], ws)
+        step = math.prod(dims[1:])
+        return _array([build(dims[1:], at + i * step) for i in range(dims[0])], ws)
+
+    text = build(shape, 0)
+    how = draw(st.sampled_from(["regular"] * 4 + ["ragged", "leaf list", "empty list", "other value", "deep"]))
+    if how == "deep":
+        depth = draw(st.integers(1, 100))
+        return "[" * depth + draw(NUMBERS) + "]" * depth
+    if how != "regular":
+        numbers = [i for i, c in enumerate(text) if c not in "[], \r\n\t" and text[i - 1] in "[, \r\n\t"]
+        i = numbers[draw(st.integers(0, len(numbers) - 1))]
+        end = i + len(text[i:].split(",")[0].split("]")[0].rstrip())
+        replacement = {"ragged": "", "leaf list": f"[{text[i:end]}]", "empty list": "[]",
+                       "other value": draw(st.one_of(SCALARS, VALUES))}[how]
+        text = text[:i] + replacement + text[end:]
+    return text
+
+
+def _body(pairs: list[tuple[str, str]], ws: str) -> bytes:
+    return _object(pairs, ws).encode("utf-8", "surrogatepass")  # as json.loads decodes bytes
+
+
+predict_bodies = st.builds(
+    lambda first, rest, ws: _body(first + rest, ws),
+    st.lists(st.tuples(st.just('"inputs"'), st.one_of(tensors(), VALUES)), min_size=0, max_size=2),
+    st.lists(st.tuples(st.sampled_from(['"top_k"', '"variant"', '"inputs"']).map(str) | KEYS, VALUES), max_size=3),
+    WHITESPACE)
+
+
+@st.composite
+def infer_bodies(draw) -> bytes:
+    n = draw(st.integers(1, 2))
+    data = draw(st.one_of(tensors(), st.just(_array(draw(number_lists(16 * n)), ""))))
+    tensor = [('"name"', draw(st.sampled_from(['"input"', "7"]))), ('"shape"', f"[{n}, 1, 4, 4]"),
+              ('"datatype"', draw(st.sampled_from(['"FP32"', '"FP16"', '"FP64"', '"INT8"']))), ('"data"', data)]
+    tensor += draw(st.lists(st.tuples(KEYS, VALUES), max_size=2))
+    ws = draw(WHITESPACE)
+    pairs = [('"inputs"', _array([_object(draw(st.permutations(tensor)), ws)], ws))]
+    pairs += draw(st.lists(st.tuples(st.sampled_from(['"outputs"', '"id"', '"parameters"', '"inputs"']), VALUES),
+                           max_size=2))
+    return _body(draw(st.permutations(pairs)), ws)
+
+
+@st.composite
+def mutated(draw, bodies) -> bytes:
+    """A body with a few bytes deleted, inserted, replaced or repeated, or cut short."""
+    body = bytearray(draw(bodies))
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(body)))
+        how = draw(st.sampled_from(["delete", "insert", "replace", "repeat", "cut"]))
+        byte = draw(st.one_of(st.sampled_from(list(b'[]{},:"0123456789.eE+-\\ ntfu')), st.integers(0, 255)))
+        if how == "delete":
+            del body[at:at + draw(st.integers(1, 3))]
+        elif how == "insert":
+            body[at:at] = bytes([byte])
+        elif how == "replace" and at < len(body):
+            body[at] = byte
+        elif how == "repeat":
+            body[at:at] = body[at:at + draw(st.integers(1, 40))] * draw(st.integers(1, 3))
+        elif how == "cut":
+            del body[at:]
+    return bytes(body)
+
+
+def _same(fast, standard) -> bool:
+    """Whether the fast path's value is the standard parser's: the same types and values (a float's
+    sign and NaN included), and at the tensor's path a float64 array of the standard's numbers."""
+    if isinstance(fast, np.ndarray):
+        leaves, stack = [], [standard]
+        while stack:
+            v = stack.pop()
+            stack.extend(v) if isinstance(v, list) else leaves.append(v)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in leaves):
+            return False
+        want = np.asarray(standard, dtype=np.float64)
+        return want.shape == fast.shape and np.array_equal(want.view(np.uint64), fast.view(np.uint64))
+    if type(fast) is not type(standard):
+        return False
+    if isinstance(fast, dict):
+        return list(fast) == list(standard) and all(_same(fast[k], standard[k]) for k in fast)
+    if isinstance(fast, list):
+        return len(fast) == len(standard) and all(map(_same, fast, standard))
+    if isinstance(fast, float):
+        return np.float64(fast).tobytes() == np.float64(standard).tobytes() or (math.isnan(fast) and math.isnan(standard))
+    return fast == standard
+
+
+def _answer(read, *args):
+    """What a request gets: the value read, or the 4xx's status and message."""
+    try:
+        return read(*args)
+    except BadInput as e:
+        return BadInput, e.status, str(e)
+
+
+def _request_fields(request) -> dict:
+    fields = dict(vars(request))
+    fields["images"] = (fields["images"].dtype, fields["images"].shape, fields["images"].tobytes())
+    return fields
+
+
+def _assert_both_paths_answer_the_same(body: bytes) -> None:
+    for path in (("inputs",), ("inputs", 0, "data")):
+        fast, standard = _answer(parse_json, body, path), _answer(parse_json, body)
+        assert _same(fast, standard), (fast, standard)
+    with mock.patch("optiserve.serve.envelope.read_with_tensor", return_value=None):  # the standard parser alone
+        standard = [_answer(predict_request, body, SPEC, 10, 16, ImageLimits()), _answer(infer_request, body, None, SPEC, 16)]
+    fast = [_answer(predict_request, body, SPEC, 10, 16, ImageLimits()), _answer(infer_request, body, None, SPEC, 16)]
+    for f, s in zip(fast, standard):
+        f, s = (_request_fields(x) if not isinstance(x, tuple) else x for x in (f, s))
+        assert _same(f, s), (f, s)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.one_of(predict_bodies, infer_bodies()))
+def test_every_generated_body_gets_the_same_answer_from_the_fast_path_as_from_the_standard_parser(body):
+    _assert_both_paths_answer_the_same(body)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.one_of(mutated(predict_bodies), mutated(infer_bodies())))
+def test_every_mutated_body_gets_the_same_answer_from_the_fast_path_as_from_the_standard_parser(body):
+    _assert_both_paths_answer_the_same(body)

@@ -7,7 +7,8 @@ The fast path answers only where its answer is provably the standard parser's; e
 gives None, and the caller's standard parser reads it and says what is wrong, in its own words:
 one that simdjson cannot parse (malformed, NaN, an integer past 64 bits), that is not a JSON object,
 that may hold a number longer than the standard parser takes, that repeats a key in an object on the
-path to the tensor (simdjson looks up a key's first value, json keeps its last), that is nested
+path to the tensor (simdjson looks up a key's first value, json keeps its last) or has a key there
+holding a NUL (simdjson looks a key up only up to it), that is nested
 deeper than MAX_DEPTH (the standard parser's own limit depends on the stack it runs on), or whose
 '[' count is not the arrays read (a list inside a tensor's innermost row, such as `[1, [2]]`,
 which simdjson's flattening would hide; a repeated key's dropped array; a '[' inside a string).
@@ -100,7 +101,8 @@ def _with_tensor(node, path: Path, sj):
     key, rest = path[0], path[1:]
     if isinstance(key, str) and isinstance(node, sj.Object):
         keys = list(node.keys())
-        if len(set(keys)) < len(keys):  # node[k] is a repeated key's first value; json keeps the last
+        # node[k] is a repeated key's first value (json keeps the last), and looks a key up only up to a NUL
+        if len(set(keys)) < len(keys) or any("\x00" in k for k in keys):
             raise _Unread
         return {k: (_with_tensor(node[k], rest, sj) if k == key else _python(node[k], sj)) for k in keys}
     if isinstance(key, int) and isinstance(node, sj.Array):
