@@ -23,6 +23,7 @@ import numpy as np
 Path = tuple  # keys and list indices from the top object to the tensor, e.g. ("inputs", 0, "data")
 
 MAX_DEPTH = 32  # objects and lists inside each other; far past any request's, far below json's recursion limit
+SCAN_BYTES = 1 << 16  # the piece of a body each vector operation of _scan reads
 
 
 def read_with_tensor(data: bytes, path: Path, max_number_chars: int) -> dict | None:
@@ -34,7 +35,8 @@ def read_with_tensor(data: bytes, path: Path, max_number_chars: int) -> dict | N
         import simdjson
     except ImportError:  # a build without the wheel: the standard parser does it all
         return None
-    if _may_hold_a_number_longer_than(data, max_number_chars):
+    long_number, opens = _scan(data, max_number_chars)
+    if long_number:
         return None
     parser = simdjson.Parser()  # one per body: a parser is not shared while its results are alive
     try:
@@ -50,19 +52,32 @@ def read_with_tensor(data: bytes, path: Path, max_number_chars: int) -> dict | N
     finally:
         del doc  # the proxies go before their parser
     arrays, depth = _arrays_and_depth(value)
-    if depth > MAX_DEPTH or arrays != np.count_nonzero(np.frombuffer(data, np.uint8) == ord("[")):
+    if depth > MAX_DEPTH or arrays != opens:
         return None
     return value
 
 
-def _may_hold_a_number_longer_than(data: bytes, most: int) -> bool:
-    """Whether `data` may hold a number token longer than `most` characters, in two vector passes over
-    its bytes. Such a token's characters are all among - . / 0-9 except one e or E and one +, so it
-    holds a run of at least most // 2 of those; such a run covers (most // 2 - 3) // 4 aligned
-    4-byte words in a row, which no float as any encoder writes it (at most 25 characters) does."""
-    b = np.frombuffer(data, np.uint8, count=len(data) // 4 * 4)
-    words = ((b - np.uint8(ord("-"))) < 13).view(np.uint32) == 0x01010101  # four of - . / 0-9
-    return _has_run(words, (most // 2 - 3) // 4)
+def _scan(data: bytes, max_number_chars: int) -> tuple[bool, int]:
+    """Whether `data` may hold a number token longer than `max_number_chars` characters, and its '['
+    count, in one pass of vector operations over 64 KiB pieces (buffers that stay in cache and are
+    not mapped afresh for each body, which made whole-body temporaries cost more than the parse).
+
+    Such a token's characters are all among - . / 0-9 except one e or E and one +, so it holds a run
+    of at least max_number_chars // 2 of those, which covers (max_number_chars // 2 - 3) // 4 aligned
+    4-byte words in a row; no float as any encoder writes it (at most 25 characters) does."""
+    words = (max_number_chars // 2 - 3) // 4
+    whole = len(data) // 4 * 4
+    b = np.frombuffer(data, np.uint8)
+    shifted, mask = np.empty(SCAN_BYTES + 4 * words, np.uint8), np.empty(SCAN_BYTES + 4 * words, bool)
+    opens, long = int(np.count_nonzero(b[whole:] == ord("["))), False
+    for start in range(0, whole, SCAN_BYTES):
+        piece = b[start:min(start + SCAN_BYTES + 4 * words, whole)]  # overlapping: a run across pieces is seen whole
+        n, own = len(piece), min(SCAN_BYTES, whole - start)
+        d = np.subtract(piece, np.uint8(ord("-")), out=shifted[:n])
+        opens += int(np.count_nonzero(np.equal(d[:own], ord("[") - ord("-"), out=mask[:own])))
+        if not long:  # four of - . / 0-9 in one aligned word, `words` such words in a row
+            long = _has_run(np.less(d, 13, out=mask[:n]).view(np.uint32) == 0x01010101, words)
+    return long, opens
 
 
 def _has_run(mask: np.ndarray, n: int) -> bool:
