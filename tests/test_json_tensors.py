@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from optiserve.input_spec import InputSpec
 from optiserve.serve.envelope import MAX_NUMBER_CHARS, infer_request, parse_json, predict_request
-from optiserve.serve.json_tensors import read_with_tensor
+from optiserve.serve.json_tensors import SCAN_BYTES, read_with_tensor
 from optiserve.serve.preprocess import BadInput, ImageLimits
 
 pytest.importorskip("simdjson", reason="pysimdjson is a dependency of the server")
@@ -64,6 +64,22 @@ def test_a_body_the_fast_path_cannot_read_gets_the_standard_parsers_answer(body,
     else:
         with pytest.raises(BadInput, match=message):
             parse_json(body, tensor_at=("inputs",))
+
+
+LONG = b"0." + b"1" * 65
+SPLIT = b"1." + b"1" * 38 + b"e+" + b"0" * 22 + b"1"  # 65 characters, its longest run of - . / 0-9 only 40
+
+
+@pytest.mark.parametrize("at, token", [(SCAN_BYTES - 40, LONG), (SCAN_BYTES - 2, LONG), (SCAN_BYTES + 1, LONG),
+                                       (3 * SCAN_BYTES + 7, LONG), (SCAN_BYTES - 20, SPLIT)])
+def test_a_long_number_or_a_list_in_a_row_past_the_first_piece_of_a_large_body_is_seen(at, token):
+    head = b'{"inputs": [' + b"0.5, " * ((at - 12) // 5)
+    head += b" " * (at - len(head))  # the token starts at byte `at`, across a piece's edge for some
+    tail = b", 0.5" * 70_000 + b"]}"
+    with pytest.raises(BadInput, match=f"{len(token)} characters long"):
+        parse_json(head + token + tail, tensor_at=("inputs",))
+    body = head + b"[0.5]" + tail
+    assert parse_json(body, tensor_at=("inputs",)) == json.loads(body)
 
 
 DEEP = b"[" * 65 + b"1" + b"]" * 65  # one dimension past what numpy holds, in a 150-byte body

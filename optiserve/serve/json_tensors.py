@@ -23,7 +23,7 @@ import numpy as np
 Path = tuple  # keys and list indices from the top object to the tensor, e.g. ("inputs", 0, "data")
 
 MAX_DEPTH = 32  # objects and lists inside each other; far past any request's, far below json's recursion limit
-SCAN_BYTES = 1 << 16  # the piece of a body each vector operation of _scan reads
+SCAN_BYTES = 1 << 18  # the piece of a body each vector operation of _scan reads
 
 
 def read_with_tensor(data: bytes, path: Path, max_number_chars: int) -> dict | None:
@@ -59,7 +59,7 @@ def read_with_tensor(data: bytes, path: Path, max_number_chars: int) -> dict | N
 
 def _scan(data: bytes, max_number_chars: int) -> tuple[bool, int]:
     """Whether `data` may hold a number token longer than `max_number_chars` characters, and its '['
-    count, in one pass of vector operations over 64 KiB pieces (buffers that stay in cache and are
+    count, in one pass of vector operations over 256 KiB pieces (buffers that stay in cache and are
     not mapped afresh for each body, which made whole-body temporaries cost more than the parse).
 
     Such a token's characters are all among - . / 0-9 except one e or E and one +, so it holds a run
