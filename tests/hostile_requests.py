@@ -47,7 +47,7 @@ tensors = st.one_of(
     json_values,
     st.builds(lambda n, v: np.full((n, 1, 16, 16), v).tolist(), st.integers(0, 3), st.floats(-1e3, 1e3)),
     st.builds(lambda shape: np.zeros(shape).tolist(), st.lists(st.integers(0, 17), min_size=1, max_size=5)),
-    st.builds(_nested, st.integers(1, 40), scalars),
+    st.builds(_nested, st.integers(1, 200), scalars),  # past numpy's 64 dimensions, within json.dumps' reach
 )
 
 
@@ -91,6 +91,10 @@ raw_bodies = st.builds(
     st.one_of(paths, infer_paths),
     st.one_of(st.binary(max_size=200),
               st.builds(lambda n: b'{"inputs": ' + b"[" * n + b"]" * n + b"}", st.integers(1, 200_000)),
+              st.builds(lambda n, x: b'{"inputs": ' + b"[" * n + x.encode() + b"]" * n + b"}", st.integers(1, 2000),
+                        st.sampled_from(["1", "-0.5", '"a"', "null", "[]", "{}"])),
+              st.builds(lambda n: (b'{"inputs": [{"name": "input", "shape": [1, 1, 16, 16], "datatype": "FP32", '
+                                   b'"data": ' + b"[" * n + b"1" + b"]" * n + b"}]}"), st.integers(1, 2000)),
               st.builds(lambda n: b'{"inputs": [[[[' + b"9" * n + b"]]]]}", st.integers(1, 10_000)),
               st.builds(lambda n: b'{"inputs": [[[[1e' + str(n).encode() + b"]]]]}", st.integers(-500, 500))),
     st.sampled_from(["application/json", "", "text/plain", "multipart/form-data", "application/octet-stream"]))

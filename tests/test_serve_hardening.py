@@ -62,10 +62,14 @@ HOSTILE = [
     ("/predict", {"inputs": ZEROS, "top_k": True}, "top_k must be a positive integer"),
     ("/predict", {"inputs": {"a": 1}}, '"inputs" must be a non-empty list'),
     ("/predict", {"inputs": [[[[{"a": 1}] * 16] * 16]]}, "numbers in nested lists"),
+    ("/predict", b'{"inputs": ' + b"[" * 65 + b"1" + b"]" * 65 + b"}", "numbers in nested lists"),  # past numpy's dims
+    ("/predict", b'{"inputs": [[[[0.0, [0.0]]]]]}', "numbers in nested lists"),
     ("/v2/models/small_cnn/infer", {"inputs": [{"name": "input", "shape": [1, 1, 16, 16], "datatype": "FP32",
                                                 "data": [0.0] * 256}], "outputs": 5}, '"outputs" must be'),
     ("/v2/models/small_cnn/infer", b'{"inputs": [{"name": "input", "shape": [1, 1, 16, 16], "datatype": "FP32", '
                                    b'"data": [' + str(10 ** 400).encode() + b"]}]}", "401 characters long"),
+    ("/v2/models/small_cnn/infer", b'{"inputs": [{"name": "input", "shape": [1, 1, 16, 16], "datatype": "FP32", '
+                                   b'"data": ' + b"[" * 65 + b"1" + b"]" * 65 + b"}]}", "list of numbers"),
     ("/v2/models/small_cnn/infer", {"inputs": [{"name": "input", "shape": [10 ** 18, 10 ** 18], "datatype": "FP32",
                                                 "data": [0.0]}]}, "at most 256 images"),
     ("/v2/models/small_cnn/infer", {"inputs": [{"name": "input", "shape": [1, 1, 16, 16], "datatype": "FP32",

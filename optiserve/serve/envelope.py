@@ -63,8 +63,10 @@ _parse_int, _parse_float = _number(int), _number(float)
 def parse_json(data: bytes, tensor_at: tuple = ()) -> dict:
     """A JSON object from `data`, or BadInput: malformed, not an object, too deep, a number too long.
     With `tensor_at` (keys and indices), the nested list of numbers there comes back as a float64
-    array, read without a Python float per value (serve/json_tensors.py)."""
-    if tensor_at and (value := read_with_tensor(data, tensor_at)) is not None:
+    array, read without a Python float per value (serve/json_tensors.py); everything else, errors
+    included, is what the standard parser gives, which reads every body the fast path cannot read
+    exactly as it would."""
+    if tensor_at and (value := read_with_tensor(data, tensor_at, MAX_NUMBER_CHARS)) is not None:
         return value
     try:
         value = json.loads(data, parse_int=_parse_int, parse_float=_parse_float)
