@@ -92,3 +92,23 @@ def test_a_folder_with_only_train_and_val_splits_val_into_a_choosing_and_a_repor
     held = np.asarray(data.val.dataset.targets)
     assert np.bincount(held[sorted(chosen)]).min() >= np.bincount(held).min() // 2 - 1  # by class
     assert "split by class" in data.split_note and "val/" in data.split_note
+
+
+def test_a_separate_test_folder_reports_and_the_dataset_s_validation_split_still_chooses(small_cnn_checkpoint,
+                                                                                         tmp_path):
+    from optiserve.errors import UserError
+
+    digits = load_digits()
+    _, _, test = stratified_split(digits.target, seed=0)
+    _write(tmp_path / "test", digits.images, digits.target, test[:100])
+    common = dict(weights=str(small_cnn_checkpoint), onnx=False, openvino=False, search="off", latency_batch=2,
+                  progress=False)
+    manifest = run_optimize(OptimizeConfig("small_cnn", test=str(tmp_path / "test"), out=str(tmp_path / "out"),
+                                           **common))
+    assert manifest["dataset"]["eval_images"] == 100 and manifest["dataset"]["choose_images"] == 180
+    assert _by_name(manifest)["fp32"]["accuracy"]["top1"] > 0.8
+    assert any("--test" in note for note in manifest["notes"])
+    (tmp_path / "test" / "zebra").mkdir()
+    Image.new("L", (16, 16)).save(tmp_path / "test" / "zebra" / "z.png")
+    with pytest.raises(UserError, match="must be the dataset's classes"):
+        run_optimize(OptimizeConfig("small_cnn", test=str(tmp_path / "test"), out=str(tmp_path / "out2"), **common))

@@ -187,3 +187,16 @@ def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0, masks: st
     return DatasetSplits(f"imagefolder:{root}", train, val, test, list(classes), spec, calib=calib,
                          in_memory=False, split_note=split_note)
 
+
+
+def load_test_folder(path: str, spec: InputSpec, classes: list[str]) -> Dataset:
+    """`--test DIR`: a separate folder of labelled test images, prepared as the held-out ones are; its
+    class subfolders must be the dataset's classes, so a label means the same class in both."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise UserError(f"--test {root} does not exist or is not a folder (give a folder of CLASS/IMAGE files)")
+    folder = _folder(root, EvalPreprocess(spec))
+    if folder.classes != list(classes):
+        raise UserError(f"--test {root}: its class subfolders ({', '.join(folder.classes[:12])}) must be the dataset's "
+                        f"classes ({', '.join(list(classes)[:12])})")
+    return folder

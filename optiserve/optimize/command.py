@@ -79,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--masks", default=None, metavar="DIR",
                    help="segmentation: the true masks of --dataset imagefolder:PATH's images (DIR/IMAGE.png, "
                         "class ids); variants are then judged by mIoU against them")
+    p.add_argument("--test", default=None, metavar="DIR",
+                   help="a separate folder of test images in class subfolders (the dataset's classes): the "
+                        "table's accuracy is read on them, once, after every choice; the dataset's validation "
+                        "split still chooses")
     p.add_argument("--boxes", default=None, metavar="FILE",
                    help="detection: the true boxes of --dataset imagefolder:PATH's images, a COCO-format JSON file "
                         "(category ids are the model's class ids); variants are then judged by mAP@0.5 against them")
@@ -158,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, output_kind=args.output_kind,
         detection_head=args.detection_head,
         **{minimum.name: getattr(args, minimum.name) for _, minimum in gate_minimums()}, masks=args.masks, ignore_index=args.ignore_index, boxes=args.boxes,
+        test=args.test,
         input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),
     )
     manifest = run_optimize(cfg)

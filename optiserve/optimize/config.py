@@ -62,6 +62,7 @@ class OptimizeConfig:
     masks: str | None = None          # segmentation: a folder of the images' true masks (class-id PNGs)
     ignore_index: int = 255           # a mask's value for pixels not to score
     boxes: str | None = None          # detection: a COCO-format file of the images' true boxes
+    test: str | None = None           # a separate image folder (class subfolders) whose images only report
 
     @property
     def gate_limits(self) -> GateLimits:

@@ -104,6 +104,17 @@ def _check_box_classes(boxes: np.ndarray, classes: list[str], cfg: OptimizeConfi
                         f"COCO detectors number them)")
 
 
+def _use_test_folder(data: DatasetSplits, cfg: OptimizeConfig) -> None:
+    """--test DIR: its images report in place of the dataset's test split (which then goes unread)."""
+    from optiserve.data.imagefolder import load_test_folder
+
+    if data.truth != "classes" or not data.labelled:
+        raise UserError("--test takes a folder of labelled class subfolders: it reports a classifier's accuracy; "
+                        "for masks or boxes, put the test images in the dataset's own test/ folder")
+    data.test = load_test_folder(cfg.test, data.input, data.classes)
+    data.split_note = f"the test images are --test {cfg.test}'s {len(data.test)}"
+
+
 def _held_out(split, data: DatasetSplits, loaded: LoadedModel, cfg: OptimizeConfig, mapping) -> EvalSet:
     """A held-out split's images with their labels in the model's classes (or its checked masks or boxes)."""
     held = materialize(split, data.labelled, data.truth)
@@ -150,6 +161,8 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                                 f"(--task {task}, if it is one)")
         data = load_dataset(cfg.dataset, loaded.input, len(loaded.classes), masks=cfg.masks,
                             ignore_index=cfg.ignore_index, boxes=cfg.boxes)
+        if cfg.test is not None:
+            _use_test_folder(data, cfg)
         why_not, mapping = _check_compatible(loaded, data)
         valset = _held_out(data.val, data, loaded, cfg, mapping)
         testset = _held_out(data.test, data, loaded, cfg, mapping)
