@@ -112,3 +112,14 @@ def test_a_separate_test_folder_reports_and_the_dataset_s_validation_split_still
     Image.new("L", (16, 16)).save(tmp_path / "test" / "zebra" / "z.png")
     with pytest.raises(UserError, match="must be the dataset's classes"):
         run_optimize(OptimizeConfig("small_cnn", test=str(tmp_path / "test"), out=str(tmp_path / "out2"), **common))
+
+
+def test_tune_s_accuracy_budget_reads_the_validation_figures_not_the_test_ones():
+    from optiserve.bench.tune import accuracy_drop
+
+    def entry(name, val_top1, test_top1):
+        return {"name": name, "validation": {"accuracy": {"top1": val_top1}}, "accuracy": {"top1": test_top1}}
+
+    manifest = {"task": "classification", "baseline": "fp32",
+                "variants": [entry("fp32", 0.98, 0.97), entry("onnx-int8", 0.97, 0.90)]}
+    assert accuracy_drop(manifest, manifest["variants"][1]) == pytest.approx(1.0)  # points, on validation
