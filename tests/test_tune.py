@@ -47,7 +47,8 @@ def test_tune_writes_the_winner_every_point_and_a_report(tuned):
     held = winner["confirmation"]["tries"][-1]  # the claim is the load a fresh server held for CONFIRM_S
     assert winner["confirmation"]["seconds"] == CONFIRM_S and held["meets"] and held["failed"] == 0
     assert held["offered"] <= best["level"] and winner["p99_ms"] == held["p99_ms"] <= SLO_MS
-    assert winner["rate"] == round(0.9 * held["offered"], 1)  # a tenth of the load that held is kept spare
+    sent = min(held["offered"], held["requests"] / held["window_s"])  # the load the try got
+    assert winner["rate"] == round(0.9 * sent, 1)  # a tenth of the load that held is kept spare
     assert all(not t["meets"] for t in winner["confirmation"]["tries"][:-1])  # lowered only while it missed
     for p in points:  # a point's claimed rate is one of its own open-loop steps that met the objective
         if p["meets"]:
@@ -230,6 +231,18 @@ def test_a_heavy_sample_is_judged_on_what_was_sent_not_the_lighter_nominal_rate(
     from optiserve.bench.tune import keeps_up
 
     assert 47 >= 0.95 * 48.6 and not keeps_up(sent=112, answered=112, window_s=2.0, drain_s=112 / 47 - 2.0)
+
+
+def test_the_claim_is_a_tenth_below_the_load_a_try_held_counted_where_its_sample_was_light():
+    """A 5 s try at a nominal 16/s that sent 68 requests held 13.6/s, not 16: the claim is 12.2/s,
+    not 14.4. A heavier sample claims no more than the nominal rate; closed loop claims its
+    callers' throughput; a try kept before the window was recorded claims from the nominal rate."""
+    from optiserve.bench.tune import claimed_rate
+
+    assert claimed_rate(_open_step(16, 68, 5.0, 0.02, 27.3), "open") == 12.2
+    assert claimed_rate(_open_step(16, 95, 5.0, 0.02, 27.3), "open") == 14.4
+    assert claimed_rate({"level": 4, "rps": 25.3}, "closed") == 25.3
+    assert claimed_rate({"level": 16, "offered": 16, "requests": 68, "rps": 13.5}, "open") == 14.4
 
 
 def test_a_missed_step_names_each_criterion_it_missed_with_its_figures():

@@ -20,7 +20,8 @@ slowly near capacity), so the winner is confirmed before anything is claimed: a 
 started with the settings about to be written takes the winner's load for `confirm_s` (20 s by
 default, as long as the replay that holds tune to its claim); where its p99 misses the objective
 the load is lowered by CONFIRM_BACKOFF and tried again. An open loop claims CLAIM_SHARE of the
-load that held (its p99 the one measured at that higher load); a closed loop, the callers that held.
+load that held (its p99 the one measured at that higher load; the load counted as sent where the
+Poisson sample was lighter than the nominal rate); a closed loop, the callers that held.
 """
 
 from __future__ import annotations
@@ -323,6 +324,19 @@ def _is_measured(point, variants: set[str]) -> bool:
     return is_result(point) and is_point(point, variants)
 
 
+def claimed_rate(held: dict, mode: str) -> float:
+    """What the confirming try that held lets tune claim: closed loop, the throughput its callers got;
+    open loop, CLAIM_SHARE of the load it held — its nominal rate, or the rate its requests were
+    counted as sent at where the Poisson sample was lighter: a step is judged on the load it got
+    (keeps_up), so the claim is built on no more than that."""
+    if mode != "open":
+        return float(held["rps"])
+    load = float(held["level"])
+    if held.get("window_s"):
+        load = min(load, held["requests"] / held["window_s"])
+    return round(CLAIM_SHARE * load, 1)
+
+
 def confirm_failure(key: str, last: dict, cfg: TuneConfig) -> str:
     """The one line when the winner held at no confirming load: what its last, lowest, try missed."""
     unit = "req/s" if cfg.mode == "open" else "callers"
@@ -479,7 +493,7 @@ class Tuner:
             if before["settings"] != self.point_of(winner).settings() or confirmation["seconds"] != self.cfg.confirm_s \
                     or held["meets"] is not True:
                 return None
-            rate = round(CLAIM_SHARE * float(held["level"]), 1) if self.cfg.mode == "open" else float(held["rps"])
+            rate = claimed_rate(held, self.cfg.mode)
             return {**confirmation, "rate": rate, "p99_ms": float(held["p99_ms"]), "level": held["level"]}
         except (KeyError, IndexError, TypeError, ValueError):
             return None  # none recorded, or not in the shape tune writes: confirm again
@@ -510,7 +524,7 @@ class Tuner:
             self.line.done(f"tune: {len(self.points)} points measured, the winner not confirmed")
             raise UserError(confirm_failure(point.key, tries[-1], cfg))
         return {"seconds": cfg.confirm_s, "tries": tries, "p99_ms": held["p99_ms"], "level": held["level"],
-                "rate": round(CLAIM_SHARE * held["level"], 1) if cfg.mode == "open" else held["rps"]}
+                "rate": claimed_rate(held, cfg.mode)}
 
     def _load(self, base: str, mode: str, level: float, point: Point, seconds: float | None = None,
               warmup_s: float | None = None) -> dict:
