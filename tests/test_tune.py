@@ -237,8 +237,9 @@ def test_the_claim_is_a_tenth_below_the_load_a_try_held_counted_where_its_sample
     """A 5 s try at a nominal 16/s that sent 68 requests held 13.6/s, not 16: the claim is 12.2/s,
     not 14.4. A heavier sample claims no more than the nominal rate; closed loop claims its
     callers' throughput; a try kept before the window was recorded claims from the nominal rate."""
-    from optiserve.bench.tune import claimed_rate
+    from optiserve.bench.tune import claimed_rate, held_load
 
+    assert held_load(_open_step(16, 68, 5.0, 0.02, 27.3)) == 13.6  # what a confirmation starts from, too
     assert claimed_rate(_open_step(16, 68, 5.0, 0.02, 27.3), "open") == 12.2
     assert claimed_rate(_open_step(16, 95, 5.0, 0.02, 27.3), "open") == 14.4
     assert claimed_rate({"level": 4, "rps": 25.3}, "closed") == 25.3

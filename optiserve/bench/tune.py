@@ -324,17 +324,22 @@ def _is_measured(point, variants: set[str]) -> bool:
     return is_result(point) and is_point(point, variants)
 
 
+def held_load(step: dict) -> float:
+    """The load a step put on its server: an open loop's nominal rate, or the rate its requests were
+    counted as sent at where the Poisson sample was lighter — a step is judged on the load it got
+    (keeps_up), so what is confirmed and claimed is built on no more than that; a closed loop's
+    callers."""
+    if "offered" in step and step.get("window_s"):
+        return min(float(step["level"]), step["requests"] / step["window_s"])
+    return step["level"]
+
+
 def claimed_rate(held: dict, mode: str) -> float:
     """What the confirming try that held lets tune claim: closed loop, the throughput its callers got;
-    open loop, CLAIM_SHARE of the load it held — its nominal rate, or the rate its requests were
-    counted as sent at where the Poisson sample was lighter: a step is judged on the load it got
-    (keeps_up), so the claim is built on no more than that."""
+    open loop, CLAIM_SHARE of the load it held (held_load)."""
     if mode != "open":
         return float(held["rps"])
-    load = float(held["level"])
-    if held.get("window_s"):
-        load = min(load, held["requests"] / held["window_s"])
-    return round(CLAIM_SHARE * load, 1)
+    return round(CLAIM_SHARE * held_load(held), 1)
 
 
 def confirm_failure(key: str, last: dict, cfg: TuneConfig) -> str:
@@ -455,8 +460,9 @@ class Tuner:
         capacity = max(s["rps"] for s in steps)
         good = [s for s in steps if s["meets"]]
         best = max(good, key=lambda s: s["rps"]) if good else None
+        level = None if best is None else round(held_load(best), 1) if "offered" in best else best["level"]
         result = {**self._fields(point), "rate": best["rps"] if best else 0.0, "p99_ms": best["p99_ms"] if best else None,
-                  "level": best["level"] if best else None, "meets": best is not None,
+                  "level": level, "meets": best is not None,
                   "capacity": capacity, "steps": steps, **observed}
         self.points[point.key] = result
         self._save()
