@@ -22,6 +22,12 @@ pytest.importorskip("aiohttp", reason="the load generator is in the [bench] extr
 from digit_scenes import TRAIN_DIGITS, scene  # noqa: E402
 from tune_replay import TOLERANCE, check_claim  # noqa: E402
 
+# The module's first test builds the digit finder and the classifier (session fixtures) and tunes:
+# 355 s measured on a 2-core machine with other work on it (finder 198 s, classifier 113 s, tune
+# 44 s), CPU-bound throughout, so about twice that with another process on one core — past the
+# suite's 600 s a test, though not near the tune's own 900 s. The cap covers that doubling.
+pytestmark = pytest.mark.timeout(1200)
+
 SLO_MS = 150.0
 READER = {"steps": [{"model": "finder"}, {"model": "digits", "crops": {"min_score": 0.5, "max_crops": 8}}]}
 SEARCH = ("--variants", "digits:onnx-int8,digits:onnx-fp32", "--batch-sizes", "2", "--delays-ms", "2",
@@ -73,7 +79,7 @@ def test_a_pipeline_s_models_are_tuned_together_and_each_gets_its_serving_json(t
                                          "instances": 1} for name, m in best["models"].items()}
     held = winner["confirmation"]["tries"][-1]
     assert held["meets"] and held["failed"] == 0 and winner["p99_ms"] == held["p99_ms"] <= SLO_MS
-    assert winner["rate"] == round(0.9 * held["offered"], 1)
+    assert winner["rate"] == round(0.9 * min(held["offered"], held["requests"] / held["window_s"]), 1)
     for name in ("finder", "digits"):
         written = json.loads((tuned / name / "serving.json").read_text())
         own = {"timeout_ms": 20000} if name == "digits" else {}

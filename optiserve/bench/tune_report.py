@@ -7,7 +7,7 @@ from pathlib import Path
 
 from optiserve.bench.plots import _pyplot, _save
 from optiserve.bench.report import render_html, render_markdown
-from optiserve.bench.tune import accuracy_text
+from optiserve.bench.tune import accuracy_text, missed, point_missed
 from optiserve.files import atomic_write
 
 PLOT = "tune.png"
@@ -73,10 +73,10 @@ def settings_text(s: dict) -> str:
 
 
 def _confirmation(doc: dict, unit: str) -> tuple:
-    winner, mode = doc["winner"], doc["objective"]["mode"]
+    winner, mode, slo = doc["winner"], doc["objective"]["mode"], doc["objective"]["slo_p99_ms"]
     tries = winner["confirmation"]["tries"]
     held = "; ".join(f"{t['level']:g}{' req/s' if mode == 'open' else ' callers'}: p99 {t['p99_ms']:.1f} ms"
-                     f"{'' if t['meets'] else ' (missed)'}" for t in tries)
+                     f"{'' if t['meets'] else ' (missed: ' + ', '.join(missed(t, slo)) + ')'}" for t in tries)
     spare = "the claim keeps a tenth of it spare" if mode == "open" else "its callers are the claim"
     return ("p", f"The search measured {winner['searched']['rate']:.1f} {unit}/s at p99 "
                  f"{winner['searched']['p99_ms']:.1f} ms; a fresh server then had to hold the load for "
@@ -90,13 +90,14 @@ def tune_blocks(doc: dict, manifest: dict, plotted: bool) -> list[tuple]:
         blocks.append(("p", f"Winner: {settings_text(winner['settings'])}: {winner['rate']:.1f} requests/s at p99 "
                             f"{winner['p99_ms']:.1f} ms (written to serving.json)."))
         blocks.append(_confirmation(doc, "requests"))
+    slo = doc["objective"]["slo_p99_ms"]
     rows = [[p["variant"], str(p["max_batch_size"]), f"{p['max_delay_ms']:g}", str(p["instances"]),
              f"{p['rate']:.1f}" if p["meets"] else "—", f"{p['p99_ms']:.1f}" if p["meets"] else "—",
-             f"failed: {p['failed']}" if p.get("failed") else str(len(p["steps"]))]
+             f"failed: {p['failed']}" if p.get("failed") else str(len(p["steps"])), point_missed(p, slo)]
             for p in sorted(doc["points"], key=lambda p: -p["rate"])]
     blocks += [("h2", "Points measured"),
                ("table", ["variant", "max batch", "delay ms", "instances", "requests/s meeting the objective",
-                          "its p99 ms", "load steps"], rows)]
+                          "its p99 ms", "load steps", "missed at its lowest load"], rows)]
     entries = {e["name"]: e for e in manifest.get("variants", [])}
     measured = {p["variant"] for p in doc["points"]}
     variant_rows = []
@@ -130,10 +131,12 @@ def pipeline_tune_blocks(doc: dict, manifests: dict[str, dict], plotted: bool) -
     rows = [[*(f"{p['models'][m]['variant']} b{p['models'][m]['max_batch_size']} d{p['models'][m]['max_delay_ms']:g} "
                f"i{p['models'][m]['instances']}" for m in models), p.get("varied") or "— (start)",
              f"{p['rate']:.1f}" if p["meets"] else "—", f"{p['p99_ms']:.1f}" if p["meets"] else "—",
-             f"failed: {p['failed']}" if p.get("failed") else str(len(p["steps"]))]
+             f"failed: {p['failed']}" if p.get("failed") else str(len(p["steps"])),
+             point_missed(p, doc["objective"]["slo_p99_ms"])]
             for p in sorted(doc["points"], key=lambda p: -p["rate"])]
     blocks += [("h2", "Points measured"),
-               ("table", [*models, "varied", "pictures/s meeting the objective", "its p99 ms", "load steps"], rows)]
+               ("table", [*models, "varied", "pictures/s meeting the objective", "its p99 ms", "load steps",
+                          "missed at its lowest load"], rows)]
     why_not = {**(doc.get("left_out") or {}), **(doc.get("pruned") or {})}
     variant_rows = [[f"{m}:{e['name']}", accuracy_text(manifest, e),
                      "measured" if any(p["models"][m]["variant"] == e["name"] for p in doc["points"])
