@@ -59,9 +59,9 @@ def bf16_missing() -> str | None:
 
 def native(precision: str, flags: list[str] | None = None) -> bool:
     """Whether a CPU with `flags` (by default this one's, detected or stated) has instructions that
-    compute `precision`: bf16 needs avx512_bf16 or amx_bf16, where an engine otherwise converts to
-    and from f32 around f32 arithmetic; fp32 and int8 run on every CPU optiserve supports (VNNI and
-    AMX make int8 faster, not different); fp16 has no CPU flag here, so it counts as emulated."""
+    compute `precision`: bf16 needs avx512_bf16 or amx_bf16 (elsewhere an engine emulates it or
+    computes f32); fp32 and int8 run on every CPU optiserve supports (VNNI and AMX make int8
+    faster, not different); fp16 has no CPU flag here, so it counts as emulated."""
     flags = cpu_facts()["flags"] if flags is None else flags
     if precision == "bf16":
         return bool(set(BF16_FLAGS) & set(flags))

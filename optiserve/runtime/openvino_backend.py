@@ -34,8 +34,8 @@ def core():
 def bf16_unavailable() -> str | None:
     """Why bf16 inference would not run fast here, or None: it needs avx512_bf16 or AMX, as
     optiserve.machine says (detected, or stated by OPTISERVE_CPU_FLAGS). Where bf16 is stated on a
-    CPU without it, OpenVINO still picks by the real CPU (emulated bf16, or f32 where it cannot
-    emulate it); the session's `computes_in` says which."""
+    CPU without it, OpenVINO still picks by the real CPU, not by the statement; the session's
+    `computes_in` says what it picked."""
     return _unavailable() or bf16_missing()
 
 
