@@ -3,9 +3,10 @@ table and recorded in every manifest: figures from different machines must never
 
 Every decision that depends on those flags (is there bf16?) asks this module, and
 `OPTISERVE_CPU_FLAGS` (e.g. `+avx512_bf16,-amx_int8`) states flags instead of detecting them, so
-each hardware path can be run on any machine: PyTorch and OpenVINO compute bf16 where the CPU
-lacks it too (slower, same answers to bf16's precision). A stated set is recorded beside the
-detected one.
+each hardware path can be run on any machine. A stated set is recorded beside the detected one.
+What an engine does with bf16 on a CPU without bf16 instructions differs by engine and by CPU
+(docs/optimizer.md, "Precision as it ran"): each variant records the precision its engine reports
+and whether these flags compute it natively (`native`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,27 @@ def bf16_missing() -> str | None:
         return None
     how = f", as {CPU_FLAGS_ENV} states" if os.environ.get(CPU_FLAGS_ENV) else ""
     return f"this CPU has no bf16 instructions ({' or '.join(BF16_FLAGS)}; it has {' '.join(flags) or 'none'}{how})"
+
+
+def native(precision: str, flags: list[str] | None = None) -> bool:
+    """Whether a CPU with `flags` (by default this one's, detected or stated) has instructions that
+    compute `precision`: bf16 needs avx512_bf16 or amx_bf16 (elsewhere an engine emulates it or
+    computes f32); fp32 and int8 run on every CPU optiserve supports (VNNI and AMX make int8
+    faster, not different); fp16 has no CPU flag here, so it counts as emulated."""
+    flags = cpu_facts()["flags"] if flags is None else flags
+    if precision == "bf16":
+        return bool(set(BF16_FLAGS) & set(flags))
+    return precision != "fp16"
+
+
+def native_facts(precision: str) -> dict:
+    """{"native": ...} by the flags in force; where OPTISERVE_CPU_FLAGS states them, also what the
+    detected CPU would say (`native_detected`), so a stated run never hides what the CPU itself does."""
+    facts = cpu_facts()
+    if "flags_detected" not in facts:
+        return {"native": native(precision, facts["flags"])}
+    return {"native": native(precision, facts["flags"]), "native_detected": native(precision, facts["flags_detected"]),
+            "flags_stated": facts["flags_stated"]}
 
 
 def _detected() -> dict:

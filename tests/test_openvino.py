@@ -74,6 +74,18 @@ def test_the_inference_precision_is_the_variants_never_the_cpus_default(small_ar
         assert any(x["name"] == "openvino-bf16" for x in manifest["skipped"])
 
 
+def test_each_variant_records_the_precision_its_engine_computes_in(small_artifact):
+    """Read back from each engine, not copied from the variant's name: the int8 files run their
+    convolutions on 8-bit integers in every engine, the float ones in f32 as set."""
+    by_name = {v["name"]: v for v in read_manifest(small_artifact)["variants"]}
+    for name in ("openvino-int8", "onnx-int8", "torch-int8"):
+        assert by_name[name]["computes_in"]["precision"] == "int8", (name, by_name[name]["computes_in"])
+    assert by_name["openvino-int8"]["computes_in"]["float_ops"] == "fp32"  # the rest at the f32 it sets
+    assert by_name["torch-int8"]["computes_in"]["read_from"] == "the quantized:: kernels the TorchScript graph calls"
+    for name in ("fp32", "torchscript", "onnx-fp32", "openvino-fp32"):
+        assert by_name[name]["computes_in"]["precision"] == "fp32", (name, by_name[name]["computes_in"])
+
+
 def test_an_altered_ir_weights_file_is_refused_before_loading(small_artifact, tmp_path):
     folder = tmp_path / "copy"
     shutil.copytree(small_artifact, folder)

@@ -109,6 +109,7 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
             attempts.cannot(f"built, but {v.backend} cannot run it ({failure_reason(e, 200)})", row_name)
             continue
         entry["device"] = session.device  # torch-int8 runs on the CPU even where the others use CUDA
+        entry["computes_in"] = session.computes_in()  # read back from the engine: what ran, not what was asked
         if reference is None:
             reference = logits
         try:

@@ -25,15 +25,27 @@ def summary_rows(manifest: dict) -> list[list[str]]:
     task = get_task(manifest.get("task"))
     for v in manifest["variants"]:
         lat1, latn = v["latency_ms"]["1"], v["latency_ms"][n]
-        rows.append([v["name"], v["backend"], v["precision"], *task.cells(v["accuracy"], base["accuracy"]),
+        rows.append([v["name"], v["backend"], v["precision"], computes_in_cell(v), *task.cells(v["accuracy"], base["accuracy"]),
                      _size(v["size_bytes"]), _size(v["size_compressed_bytes"]), f"{lat1:.2f}", f"{latn:.2f}",
                      f"{base['latency_ms']['1'] / lat1:.2f}× / {base['latency_ms'][n] / latn:.2f}×",
                      _status(v) + _marks(manifest, v["name"])])
+    blank = ["—"] * (len(summary_header(manifest)) - 2)
     for failure in manifest.get("failed") or []:  # said in the table, not only in a note
-        rows.append([failure["name"], *["—"] * 10, f"failed: {failure['reason']}"])
+        rows.append([failure["name"], *blank, f"failed: {failure['reason']}"])
     for skip in manifest.get("skipped") or []:
-        rows.append([skip["name"], *["—"] * 10, f"not built: {skip['reason']}"])
+        rows.append([skip["name"], *blank, f"not built: {skip['reason']}"])
     return rows
+
+
+def computes_in_cell(entry: dict) -> str:
+    """What the engine computed the variant in, read back from it, and for bf16 whether the CPU has
+    bf16 instructions ("emulated" where it has not): e.g. `bf16 (emulated)`, `fp32`, `int8`."""
+    ran = entry.get("computes_in")
+    if not ran:
+        return "—"  # a manifest from before it was recorded
+    if ran["precision"] in ("bf16", "fp16"):
+        return f"{ran['precision']} ({'native' if ran['native'] else 'emulated'})"
+    return ran["precision"]
 
 
 def _status(entry: dict) -> str:
@@ -47,7 +59,7 @@ def _status(entry: dict) -> str:
 
 def summary_header(manifest: dict) -> list[str]:
     n = manifest["latency_batch"]
-    return ["variant", "backend", "precision", *get_task(manifest.get("task")).columns(), "size", "zlib size", "p50 ms b1",
+    return ["variant", "backend", "precision", "computes in", *get_task(manifest.get("task")).columns(), "size", "zlib size", "p50 ms b1",
             f"p50 ms b{n}", f"speedup b1 / b{n}", "status"]
 
 

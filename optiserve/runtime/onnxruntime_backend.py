@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from optiserve.errors import UserError
-from optiserve.runtime.registry import Backend, RuntimeOptions, output_dtypes, output_names, register_backend
+from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
+                                        register_backend)
 
 
 def session_options(threads: int | None, spin: bool = True):
@@ -55,6 +56,16 @@ class OrtSession:
                             f"{', '.join(wanted)}")
         self.output_names = wanted or graph_outputs
         self.dtypes = [np.dtype(d) for d in output_dtypes(manifest)] or None
+        self.path, self._precision = path, None
+
+    def computes_in(self) -> dict:
+        """int8 where the graph ONNX Runtime runs holds quantized operators (QDQ pairs, QLinear*,
+        *Integer), else fp32: the CPU provider computes a float graph in f32. Read from the file's
+        graph on first call, off the serving start-up."""
+        if self._precision is None:
+            self._precision = "int8" if quantized_ops(self.path) else "fp32"
+        return computes_in(self._precision, "the operators of the ONNX graph ONNX Runtime runs",
+                           "cuda" if self.device == "cuda" else "cpu")
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         return np.asarray(self._run(batch)[0], dtype=np.float32)
@@ -66,6 +77,56 @@ class OrtSession:
     def _run(self, batch: np.ndarray) -> list[np.ndarray]:
         x = np.ascontiguousarray(batch, dtype=np.float32)
         return self.session.run(self.output_names, {self.input_name: x})
+
+
+INT8_OPS = {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger",
+            "DynamicQuantizeLinear"}
+
+
+def quantized_ops(path: Path) -> set[str]:
+    """The quantized operators the ONNX graph (and its functions) holds, read from the protobuf wire
+    format directly: the `onnx` package is the optimizer's, not the server's."""
+    data = Path(path).read_bytes()
+    found = set()
+    for model_field, node_field in ((GRAPH, GRAPH_NODE), (FUNCTIONS, FUNCTION_NODE)):
+        for graph in _fields(data, model_field):
+            for node in _fields(graph, node_field):
+                found.update(op.decode("utf-8", "replace") for op in _fields(node, NODE_OP_TYPE))
+    return found & INT8_OPS
+
+
+GRAPH, FUNCTIONS, GRAPH_NODE, FUNCTION_NODE, NODE_OP_TYPE = 7, 25, 1, 7, 4  # onnx.proto's field numbers
+
+
+def _fields(data: bytes, number: int):
+    """The length-delimited values of field `number` in one protobuf message."""
+    pos, end = 0, len(data)
+    while pos < end:
+        key, pos = _varint(data, pos)
+        wire = key & 7
+        if wire == 0:
+            _, pos = _varint(data, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        elif wire == 2:
+            length, pos = _varint(data, pos)
+            if key >> 3 == number:
+                yield data[pos:pos + length]
+            pos += length
+        else:
+            raise ValueError(f"not an ONNX protobuf message (wire type {wire})")
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if byte < 0x80:
+            return value, pos
 
 
 def _unavailable() -> str | None:

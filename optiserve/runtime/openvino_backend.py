@@ -2,7 +2,9 @@
 
 The inference precision is always set explicitly from the variant's settings (`f32` or `bf16`):
 left alone, OpenVINO silently computes in bf16 on CPUs that support it, which changes both the
-speed and the answers of a variant that says it is fp32.
+speed and the answers of a variant that says it is fp32. Asked for bf16, OpenVINO decides by the
+CPU's instructions, not by OPTISERVE_CPU_FLAGS, so what it compiled is read back after compile
+(`computes_in`) rather than assumed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import numpy as np
 
 from optiserve.errors import UserError
 from optiserve.machine import bf16_missing
-from optiserve.runtime.registry import Backend, RuntimeOptions, output_dtypes, output_names, register_backend
+from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
+                                        register_backend)
 
 PRECISIONS = {"f32": "f32", "bf16": "bf16"}
 
@@ -30,9 +33,9 @@ def core():
 
 def bf16_unavailable() -> str | None:
     """Why bf16 inference would not run fast here, or None: it needs avx512_bf16 or AMX, as
-    optiserve.machine says (detected, or stated by OPTISERVE_CPU_FLAGS). Where the flags are stated
-    on a CPU without bf16, OpenVINO computes the variant in f32 and the session says so
-    (`OpenVinoSession.precision`)."""
+    optiserve.machine says (detected, or stated by OPTISERVE_CPU_FLAGS). Where bf16 is stated on a
+    CPU without it, OpenVINO still picks by the real CPU, not by the statement; the session's
+    `computes_in` says what it picked."""
     return _unavailable() or bf16_missing()
 
 
@@ -63,8 +66,9 @@ class OpenVinoSession:
         model = core().read_model(str(path))
         self.compiled = core().compile_model(model, "CPU", config)
         self.request = self.compiled.create_infer_request()
-        # What OpenVINO really computes in: f32 where bf16 was asked of a CPU without it.
+        # What OpenVINO compiled, which need not be what was asked (see `computes_in`).
         self.precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
+        self._computes_in = None
         self.outputs = self._outputs_in_manifest_order(path, manifest)
         self.dtypes = [np.dtype(d) for d in output_dtypes(manifest)] or [np.float32] * len(self.outputs)
 
@@ -80,6 +84,19 @@ class OpenVinoSession:
                             f"{', '.join(names)}")
         return order
 
+    def computes_in(self) -> dict:
+        """The precision OpenVINO compiled the model to: int8 where its runtime model runs the
+        convolutions or matmuls on u8/i8, else the float precision INFERENCE_PRECISION_HINT reads
+        after compile (the int8 graph's other operations run in that one, `float_ops`)."""
+        if self._computes_in is None:  # read once; whether it is native is asked each time
+            floats = FLOAT_NAMES.get(self.precision, self.precision)
+            self._computes_in = (("int8", "OpenVINO runtime model (u8/i8 convolutions or matmuls) and "
+                                          "INFERENCE_PRECISION_HINT after compile", {"float_ops": floats})
+                                 if _runs_int8(self.compiled) else
+                                 (floats, "OpenVINO INFERENCE_PRECISION_HINT after compile", {}))
+        precision, read_from, more = self._computes_in
+        return computes_in(precision, read_from, **more)
+
     def run(self, batch: np.ndarray) -> np.ndarray:
         return self._run(batch)[0].astype(np.float32, copy=False)
 
@@ -91,6 +108,20 @@ class OpenVinoSession:
         result = self.request.infer({0: x}, share_inputs=True)
         # copies: the request reuses its output buffers
         return [np.array(result[i], dtype=d, copy=True) for i, d in zip(self.outputs, self.dtypes)]
+
+
+FLOAT_NAMES = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}  # OpenVINO's element types, in the manifest's words
+INT8_LAYERS = {"Convolution", "FullyConnected", "MatMul", "Deconvolution"}
+
+
+def _runs_int8(compiled) -> bool:
+    """Whether the compiled model runs a convolution or matmul on 8-bit integers (its runtime model's
+    `runtimePrecision`), as OpenVINO does with the FakeQuantize pairs of a quantized IR."""
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        if info["layerType"].astype(str) in INT8_LAYERS and info["runtimePrecision"].astype(str) in ("u8", "i8"):
+            return True
+    return False
 
 
 def _unavailable() -> str | None:

@@ -13,6 +13,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from optiserve.errors import UserError
+from optiserve.machine import native_facts
 from optiserve.registry import Registry
 
 
@@ -28,7 +29,8 @@ class RuntimeOptions:
 class Session(Protocol):
     """A loaded variant. `run` maps a float32 [N, C, H, W] normalized batch to the float32 output the
     task reads ([N, classes] logits, ...); `run_outputs` to every output of the model, in the
-    manifest's order (that one first), each in its own dtype. Both cost one run of the model."""
+    manifest's order (that one first), each in its own dtype. Both cost one run of the model.
+    `computes_in` says what the engine computes in, read back from it (see `computes_in` below)."""
 
     backend: str
     device: str
@@ -36,6 +38,17 @@ class Session(Protocol):
     def run(self, batch: np.ndarray) -> np.ndarray: ...
 
     def run_outputs(self, batch: np.ndarray) -> list[np.ndarray]: ...
+
+    def computes_in(self) -> dict: ...
+
+
+def computes_in(precision: str, read_from: str, device: str = "cpu", **more) -> dict:
+    """The precision an engine computes a variant in (fp32, bf16, fp16 or int8), as read back from
+    the engine (`read_from` says how), and whether it is native here: on the CPU by its flags
+    (optiserve.machine, detected or stated); on a GPU the loader already refused what it cannot run.
+    The variant's `precision` is what was asked for; this is what ran, and the two can differ."""
+    native = native_facts(precision) if device == "cpu" else {"native": True}
+    return {"precision": precision, **native, "read_from": read_from, **more}
 
 
 def output_names(manifest: dict) -> list[str]:

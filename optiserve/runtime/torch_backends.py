@@ -15,7 +15,7 @@ from torch import nn
 from optiserve.errors import UserError
 from optiserve.machine import bf16_missing
 from optiserve.models import InputSpec, create_model
-from optiserve.runtime.registry import RuntimeOptions
+from optiserve.runtime.registry import RuntimeOptions, computes_in
 
 
 @contextlib.contextmanager
@@ -45,6 +45,26 @@ class TorchSession:
             torch.set_num_threads(threads)  # process-wide: torch has one intra-op pool
         self.module, self.backend, self.device = module, backend, str(device)
         self._device, self.dtype = device, dtype
+        self._computes_in = None
+
+    def computes_in(self) -> dict:
+        """int8 where the TorchScript graph calls quantized kernels; else the dtype of the module's
+        floating-point weights (its parameters, or the constants a frozen module holds them as), or,
+        where it has neither, the dtype the session casts its input to."""
+        if self._computes_in is None:  # read once; whether it is native is asked each time
+            self._computes_in = self._read_precision()
+        return computes_in(*self._computes_in, "cuda" if self._device.type == "cuda" else "cpu")
+
+    def _read_precision(self) -> tuple[str, str]:
+        graph = getattr(self.module, "inlined_graph", None)
+        if graph is not None and "quantized::" in str(graph):
+            return "int8", "the quantized:: kernels the TorchScript graph calls"
+        floats = {p.dtype for p in self.module.parameters() if p.is_floating_point()}
+        if len(floats) == 1:
+            return dtype_name(floats.pop()), "the module's parameter dtype"
+        if graph is not None and len(floats := _constant_dtypes(graph)) == 1:
+            return dtype_name(floats.pop()), "the dtype of the frozen TorchScript graph's weights"
+        return dtype_name(self.dtype), "the input dtype the session casts to"
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         return self.run_outputs(batch)[0].astype(np.float32, copy=False)
@@ -56,6 +76,21 @@ class TorchSession:
         out = self.module(x)
         tensors = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else (out,)
         return [(t.float() if t.is_floating_point() else t).cpu().numpy() for t in tensors]
+
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _constant_dtypes(graph) -> set[torch.dtype]:
+    """The floating-point dtypes of the tensors a frozen TorchScript graph holds as constants."""
+    values = (n.output().toIValue() for n in graph.nodes()
+              if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType")
+    return {v.dtype for v in values if v.is_floating_point()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype in the manifest's words (fp32, bf16, fp16)."""
+    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def _load_eager(path: Path, variant: dict, manifest: dict, options: RuntimeOptions) -> TorchSession:

@@ -13,7 +13,9 @@ from optiserve.serve.server import Server
 
 def model_stats(model: ServedModel, samples: bool) -> dict:
     variants = {name: {**v.stats.snapshot(samples), "queue_depth": v.batcher.depth, **_levels(v.batcher),
-                       "instances": v.batcher.instances, **reported_facts(v.loaded.entry)}
+                       "instances": v.batcher.instances, **reported_facts(v.loaded.entry),
+                       # what this server's engine computes in on this CPU, which may not be the builder's
+                       "computes_in": v.loaded.session.computes_in()}
                 for name, v in list(model.variants.items())}
     shadow = {name: s.snapshot() for name, s in model.shadow_stats.items()}
     return {"model": model.name, "version": model.version[:12], "input": model.manifest["input"],
