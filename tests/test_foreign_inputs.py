@@ -15,9 +15,8 @@ from PIL import Image
 from sklearn.datasets import load_digits
 from torch import nn
 
-from conftest import assert_gated, serving
+from conftest import assert_gated, free_port, serving
 from foreign_models import Core, Float16, Uint8ChannelsLast, export
-from optiserve.data.image_input import image_to_input
 from optiserve.errors import UserError
 from optiserve.input_spec import InputSpec
 from optiserve.models import InputOverrides, load_model
@@ -47,9 +46,13 @@ def nhwc_uint8(core, tmp_path_factory) -> Path:
                   tmp_path_factory.mktemp("nhwc") / "keras-like.onnx", "pixels", ["logits"])
 
 
-def test_a_channels_last_uint8_classifier_is_optimized_and_answers_its_own_output_for_a_png(nhwc_uint8, digit_images,
-                                                                                             tmp_path):
+def test_a_channels_last_uint8_classifier_is_optimized_and_served_as_its_file_declares(nhwc_uint8, digit_images,
+                                                                                       tmp_path):
+    """`/predict` takes a PNG through the adapted input; the Open Inference Protocol takes the file's own
+    UINT8 [N, 16, 16, 3], declares it in the metadata as Triton would, and answers what ONNX Runtime
+    answers on the original file — over HTTP (binary and JSON) and gRPC."""
     httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is in the [dev] extra")
     out = tmp_path / "nhwc"
     manifest = run_optimize(OptimizeConfig(str(nhwc_uint8), dataset=f"imagefolder:{digit_images}", int8=True,
                                            calib_size=32, latency_batch=2, out=str(out), progress=False))
@@ -63,18 +66,52 @@ def test_a_channels_last_uint8_classifier_is_optimized_and_answers_its_own_outpu
     assert_gated(manifest, "onnx-int8")
     assert_gated(manifest, "openvino-fp32")
 
-    png = next(digit_images.glob("7/*.png"))
-    pixels = np.asarray(Image.open(png).convert("RGB"))                   # [16, 16, 3] uint8, as the file takes
-    own = ort.InferenceSession(str(nhwc_uint8)).run(None, {"pixels": pixels[None]})[0][0]
-    with serving(out, "--variants", "onnx-fp32,openvino-fp32") as (base, _):
-        answers = [httpx.post(f"{base}/predict", content=png.read_bytes(), params={"variant": v, "top_k": "10"},
+    pngs = [next(digit_images.glob(f"{digit}/*.png")) for digit in (7, 3, 0)]
+    pixels = np.stack([np.asarray(Image.open(png).convert("RGB")) for png in pngs])  # [3, 16, 16, 3] uint8
+    own = ort.InferenceSession(str(nhwc_uint8)).run(None, {"pixels": pixels})[0]      # the file, as it is
+    model, grpc_port = manifest["model"], free_port()
+    served, refused = {}, {}
+    with serving(out, "--variants", "onnx-fp32,openvino-fp32", "--grpc-port", str(grpc_port)) as (base, _):
+        answers = [httpx.post(f"{base}/predict", content=pngs[0].read_bytes(), params={"variant": v, "top_k": "10"},
                               headers={"content-type": "image/png"}).json() for v in ("onnx-fp32", "openvino-fp32")]
         client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
-        infer_input = httpclient.InferInput("input", [1, 3, 16, 16], "FP32")
-        infer_input.set_data_from_numpy(image_to_input(Image.open(png), spec)[None])
-        served = client.infer(manifest["model"], [infer_input], model_version="onnx-fp32").as_numpy("logits")
-    np.testing.assert_allclose(served[0], own, atol=1e-5)  # the protocol's input: float32 NCHW pixel values
-    probabilities = np.exp(own - own.max()) / np.exp(own - own.max()).sum()
+        assert client.get_model_metadata(model)["inputs"] == [{"name": "pixels", "datatype": "UINT8",
+                                                               "shape": [-1, 16, 16, 3]}]
+        for variant in ("onnx-fp32", "openvino-fp32"):
+            for binary in (True, False):
+                infer_input = httpclient.InferInput("pixels", list(pixels.shape), "UINT8")
+                infer_input.set_data_from_numpy(pixels, binary_data=binary)
+                served[variant, binary] = client.infer(model, [infer_input], model_version=variant).as_numpy("logits")
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as grpc_client:
+            declared = grpc_client.get_model_metadata(model).inputs[0]
+            assert (declared.name, declared.datatype, list(declared.shape)) == ("pixels", "UINT8", [-1, 16, 16, 3])
+            infer_input = grpcclient.InferInput("pixels", list(pixels.shape), "UINT8")
+            infer_input.set_data_from_numpy(pixels)
+            served["grpc"] = grpc_client.infer(model, [infer_input], model_version="onnx-fp32").as_numpy("logits")
+            as_floats = grpcclient.InferInput("pixels", [1, 3, 16, 16], "FP32")
+            as_floats.set_data_from_numpy(np.zeros((1, 3, 16, 16), np.float32))
+            with pytest.raises(Exception, match="INVALID_ARGUMENT") as grpc_refusal:
+                grpc_client.infer(model, [as_floats])
+            refused["grpc FP32 NCHW"] = str(grpc_refusal.value)
+
+        def infer_json(shape, datatype, data):
+            return httpx.post(f"{base}/v2/models/{model}/infer", json={
+                "inputs": [{"name": "pixels", "shape": shape, "datatype": datatype, "data": data}]})
+
+        for what, answer in {"FP32 NCHW": infer_json([1, 3, 16, 16], "FP32", [0.0] * 768),
+                             "UINT8 NCHW": infer_json([1, 3, 16, 16], "UINT8", [0] * 768),
+                             "256": infer_json([1, 16, 16, 3], "UINT8", [256] + [0] * 767),
+                             "0.5": infer_json([1, 16, 16, 3], "UINT8", [0.5] + [0] * 767)}.items():
+            assert answer.status_code == 400, (what, answer.text)
+            refused[what] = answer.json()["error"]
+    for key, logits in served.items():  # the variants take float32 NCHW; the protocol, the file's own tensor
+        np.testing.assert_allclose(logits, own, atol=1e-5 if "openvino-fp32" not in key else 1e-4, err_msg=str(key))
+    takes = "send UINT8 [N, 16, 16, 3], the input its model file declares"
+    assert refused["FP32 NCHW"] == f"input datatype 'FP32' is not what this model takes; {takes}"
+    assert takes in refused["grpc FP32 NCHW"]
+    assert refused["UINT8 NCHW"] == f"input shape [1, 3, 16, 16] is not what this model takes; {takes}"
+    assert refused["256"] == refused["0.5"] == "input data of a UINT8 input must be whole numbers from 0 to 255"
+    probabilities = np.exp(own[0] - own[0].max()) / np.exp(own[0] - own[0].max()).sum()
     for answer in answers:
         got = {p["index"]: p["probability"] for p in answer["predictions"][0]}
         np.testing.assert_allclose([got[k] for k in range(10)], probabilities, atol=1e-4)
