@@ -1,6 +1,7 @@
 """Image inputs as other tools export them: channels last (tf2onnx, Keras), uint8 pixels, float16.
 The file is fed as it expects — a Transpose and a Cast put in front of its graph — so every engine,
-the calibration and the server feed float32 [N, C, H, W]; inputs it cannot feed are refused in one line."""
+the calibration and the server feed float32 [N, C, H, W]; the Open Inference Protocol still takes the
+tensor the file declares; inputs it cannot feed are refused in one line."""
 
 from __future__ import annotations
 
@@ -159,3 +160,54 @@ def test_an_input_optiserve_cannot_feed_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match=r"input 'ids' holds int32; optiserve feeds an image input as float32, "
                                         r"float16, uint8"):
         load_model(str(tmp_path / "ints.onnx"))
+
+
+def test_the_protocol_takes_what_the_file_declares_and_turns_it_into_the_variants_input():
+    """One conversion for both transports: the file's own tensor (raw bytes, JSON numbers or typed gRPC
+    contents) becomes float32 [N, C, H, W] by the inverse of the in-graph adapter; anything else,
+    and uint8 values that would wrap, are refused with what to send."""
+    import json
+
+    from optiserve.grpc_protocol import pb
+    from optiserve.grpc_protocol.infer_wire import read_infer_request
+    from optiserve.serve.envelope import infer_request
+    from optiserve.serve.grpc_service import parse_infer
+    from optiserve.serve.preprocess import BadInput
+    from optiserve.serve.protocol_input import ProtocolInput
+
+    spec = InputSpec((3, 4, 5), (0.0,) * 3, (1 / 255,) * 3, "stretch")
+    adapted = {"dtype": "uint8", "layout": "NHWC", "shape": [None, 4, 5, 3], "added": "NCHW -> NHWC, ..."}
+    taken = ProtocolInput.of({"input_name": "pixels", "source": {"input_adapted": adapted}}, spec)
+    assert taken.metadata() == {"name": "pixels", "datatype": "UINT8", "shape": [-1, 4, 5, 3]}
+    assert ProtocolInput.of({"input_name": "x", "source": {}}, spec).metadata() == {
+        "name": "x", "datatype": "FP32", "shape": [-1, 3, 4, 5]}
+    pixels = np.random.default_rng(2).integers(0, 256, (2, 4, 5, 3), dtype=np.uint8)
+    variants_input = pixels.transpose(0, 3, 1, 2).astype(np.float32)
+
+    def grpc(values=None, raw=None, datatype="UINT8", shape=(2, 4, 5, 3)):
+        request = pb.ModelInferRequest(model_name="m")
+        tensor = request.inputs.add(name="pixels", datatype=datatype, shape=list(shape))
+        if values is not None:
+            tensor.contents.uint_contents.extend(values)
+        if raw is not None:
+            request.raw_input_contents.append(raw)
+        return parse_infer(read_infer_request(request.SerializeToString()), taken, 16).images
+
+    np.testing.assert_array_equal(grpc(raw=pixels.tobytes()), variants_input)
+    np.testing.assert_array_equal(grpc(values=pixels.ravel().tolist()), variants_input)
+    with pytest.raises(BadInput, match=r"contents.uint_contents of a UINT8 input must be whole numbers from 0 to 255"):
+        grpc(values=[256] + pixels.ravel().tolist()[1:])
+    with pytest.raises(BadInput, match=r"datatype 'FP32' is not what this model takes; send UINT8 \[N, 4, 5, 3\]"):
+        grpc(raw=variants_input.tobytes(), datatype="FP32", shape=(2, 3, 4, 5))
+    body = {"inputs": [{"name": "pixels", "shape": [2, 4, 5, 3], "datatype": "UINT8", "data": pixels.tolist()}]}
+    np.testing.assert_array_equal(infer_request(json.dumps(body).encode(), None, taken, 16).images, variants_input)
+
+    half = ProtocolInput.of({"source": {"input_adapted": {"dtype": "float16", "layout": "NCHW"}}}, spec)
+    x = np.random.default_rng(3).standard_normal((2, 3, 4, 5)).astype(np.float16)
+    head = json.dumps({"inputs": [{"name": "input", "shape": [2, 3, 4, 5], "datatype": "FP16",
+                                   "parameters": {"binary_data_size": x.nbytes}}]}).encode()
+    np.testing.assert_array_equal(infer_request(head + x.tobytes(), str(len(head)), half, 16).images,
+                                  x.astype(np.float32))  # exact: the adapter's cast back to float16 gives x
+    with pytest.raises(BadInput, match=r"datatype 'FP32' is not what this model takes; send FP16 \[N, 3, 4, 5\]"):
+        infer_request(json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 4, 5], "datatype": "FP32",
+                                              "data": [0.0] * 60}]}).encode(), None, half, 16)
