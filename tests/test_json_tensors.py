@@ -16,6 +16,7 @@ from optiserve.input_spec import InputSpec
 from optiserve.serve.envelope import MAX_NUMBER_CHARS, infer_request, parse_json, predict_request
 from optiserve.serve.json_tensors import SCAN_BYTES, read_with_tensor
 from optiserve.serve.preprocess import BadInput, ImageLimits
+from optiserve.serve.protocol_input import ProtocolInput
 
 pytest.importorskip("simdjson", reason="pysimdjson is a dependency of the server")
 
@@ -114,7 +115,7 @@ def test_predict_and_the_protocol_take_the_array_as_they_took_nested_lists():
     assert request.top_k == 2
     body = {"inputs": [{"name": "input", "shape": [3, 1, 4, 4], "datatype": "FP32", "data": x.ravel().tolist()}],
             "outputs": [{"name": "logits"}]}
-    infer = infer_request(json.dumps(body).encode(), None, SPEC, 16)
+    infer = infer_request(json.dumps(body).encode(), None, ProtocolInput(SPEC), 16)
     np.testing.assert_array_equal(infer.images, x)
     assert infer.outputs == [("logits", False)]
     with pytest.raises(BadInput, match="inputs contain NaN or Inf"):

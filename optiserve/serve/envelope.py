@@ -17,9 +17,10 @@ from typing import Callable
 import numpy as np
 
 from optiserve.input_spec import InputSpec
-from optiserve.serve.binary import DTYPES, HEADER, BinaryFormatError, split_body
+from optiserve.serve.binary import HEADER, BinaryFormatError, split_body
 from optiserve.serve.json_tensors import read_with_tensor
 from optiserve.serve.preprocess import BadInput, ImageLimits, decode_base64_image, tensor_batch
+from optiserve.serve.protocol_input import ProtocolInput
 
 MAX_NUMBER_CHARS = 64      # longer than any float32 written out; Python would parse 4,300-digit integers
 MAX_NAME_CHARS = 256       # variant names, output names, ids
@@ -176,46 +177,49 @@ class InferRequest:
     priority: object = None           # the request's `parameters.priority` as sent (the server checks it)
 
 
-def check_tensor(shape, datatype, spec: InputSpec, max_images: int) -> tuple[int, np.dtype]:
-    """An input tensor's declared shape and datatype, checked against the model before any data
-    is read: (its number of values, its little-endian dtype), or BadInput / TooManyImages."""
+def check_tensor(shape, datatype, taken: ProtocolInput, max_images: int) -> tuple[int, np.dtype]:
+    """An input tensor's declared shape and datatype, checked against the input the model takes
+    (`taken`) before any data is read: (its number of values, its little-endian dtype), or BadInput /
+    TooManyImages."""
     if not (isinstance(shape, list) and 1 <= len(shape) <= 8
             and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
         raise BadInput("input shape must be a list of 1 to 8 positive integers")
     count = math.prod(shape)  # Python integers: a huge shape cannot overflow into a small one
-    per_image = math.prod(spec.shape)
+    per_image = math.prod(taken.image_shape)
     if count > max_images * per_image:
-        if len(shape) == 4 and shape[1:] == list(spec.shape):  # well-formed, just more than a queue holds
+        if len(shape) == 4 and shape[1:] == list(taken.image_shape):  # well-formed, just more than a queue holds
             raise TooManyImages(shape[0], max_images)
         raise BadInput(f"input shape {shape} holds {count:,} values; at most {max_images} images "
                        f"({max_images * per_image:,} values) per request")
-    if not isinstance(datatype, str) or datatype not in DTYPES:
-        raise BadInput(f"input datatype {_show(datatype)} is not supported; send FP32 (or FP16/FP64)")
-    return count, np.dtype(DTYPES[datatype]).newbyteorder("<")
+    return count, taken.dtype(datatype)
 
 
-def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_images: int,
+def infer_request(data: bytes, header_length: str | None, taken: ProtocolInput, max_images: int,
                   hold: Callable[[int], None] | None = None, output_names: tuple[str, ...] = OUTPUTS,
                   json_images: int | None = None) -> InferRequest:
-    """The protocol's infer request: one FP32/FP16/FP64 input of shape [N, C, H, W] as JSON `data`
-    (at most `json_images` images, default `max_images`) or as binary tensor data (at most
-    `max_images`); outputs among the model's `output_names` (all when none are named). `hold` is
-    told the bytes the JSON parse may build before it starts."""
+    """The protocol's infer request: one input as the model takes it (`taken`: FP32/FP16/FP64
+    [N, C, H, W], or the model file's own), as JSON `data` (at most `json_images` images, default
+    `max_images`) or as binary tensor data (at most `max_images`); outputs among the model's
+    `output_names` (all when none are named). `hold` is told the bytes the JSON parse may build
+    before it starts."""
     try:
         head, tail = split_body(data, header_length)
     except BinaryFormatError as e:
         raise BadInput(str(e)) from None
-    before_parsing(head, spec, json_images or max_images, hold)
+    before_parsing(head, taken.spec, json_images or max_images, hold)
     body = parse_json(head, tensor_at=("inputs", 0, "data"))
     params = object_field(body.get("parameters"), "parameters")
     inputs = body.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
-        raise BadInput('expected "inputs": [{"name": "input", "shape": [N, C, H, W], "datatype": "FP32", "data": [...]}]')
+        declared = taken.metadata()
+        raise BadInput(f'expected "inputs": [{{"name": "{declared["name"]}", "shape": [N, '
+                       f'{", ".join(map(str, declared["shape"][1:]))}], "datatype": "{declared["datatype"]}", '
+                       f'"data": [...]}}]')
     tensor = inputs[0]
     name_field(tensor.get("name"), "inputs[0].name", optional=False)
     shape = tensor.get("shape")
     datatype = tensor.get("datatype")
-    count, dtype = check_tensor(shape, datatype, spec, max_images)
+    count, dtype = check_tensor(shape, datatype, taken, max_images)
     size = object_field(tensor.get("parameters"), "inputs[0].parameters").get("binary_data_size")
     if size is None:
         if tail:
@@ -223,7 +227,9 @@ def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_i
         if "data" not in tensor:
             raise BadInput('the input needs "data" (or binary_data_size with binary tensor data)')
         try:
-            flat = np.asarray(tensor["data"], dtype=dtype).reshape(-1)
+            flat = taken.values(tensor["data"], datatype, "input data")
+        except BadInput:
+            raise
         except (ValueError, TypeError, OverflowError, RecursionError):
             raise BadInput("input data must be a (possibly nested) list of numbers") from None
     else:
@@ -237,7 +243,7 @@ def infer_request(data: bytes, header_length: str | None, spec: InputSpec, max_i
         flat = np.frombuffer(tail, dtype=dtype)
     if flat.size != count:
         raise BadInput(f"input data has {flat.size} values but shape {shape} needs {count}")
-    images = tensor_batch(flat.reshape(shape), spec)
+    images = taken.batch(flat.reshape(shape))
     return InferRequest(images, requested_outputs(body.get("outputs"), params, output_names), id_field(body.get("id")),
                         params.get("priority"))
 

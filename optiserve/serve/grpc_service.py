@@ -32,7 +32,8 @@ from optiserve.serve.logs import REQUEST_ID_KEY, accepted_request_id, request_id
 from optiserve.serve.envelope import MAX_NAME_CHARS, OUTPUTS, InferRequest, check_tensor
 from optiserve.serve.pipeline_requests import counted, run_pipeline
 from optiserve.serve.pipeline_protocol import PipelineInput
-from optiserve.serve.preprocess import BadInput, ImageLimits, tensor_batch
+from optiserve.serve.preprocess import BadInput, ImageLimits
+from optiserve.serve.protocol_input import ProtocolInput
 from optiserve.serve.server import ApiError, Server
 
 log = logging.getLogger("optiserve.serve")
@@ -44,7 +45,7 @@ STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAU
                 415: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
                 500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE,
                 504: grpc.StatusCode.DEADLINE_EXCEEDED}
-TYPED_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}  # FP16 travels only as raw bytes
+TYPED_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "UINT8": "uint_contents"}  # FP16: raw bytes only
 # where an output of each datatype goes in InferTensorContents, when the request sent typed contents
 OUTPUT_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT8": "int_contents",
                    "INT16": "int_contents", "INT32": "int_contents", "INT64": "int64_contents",
@@ -52,13 +53,15 @@ OUTPUT_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT8": "in
                    "UINT64": "uint64_contents", "BOOL": "bool_contents"}
 
 
-def parse_infer(message: InferMessage, spec, max_images: int, output_names: tuple[str, ...] = OUTPUTS) -> InferRequest:
-    """A ModelInferRequest's one input, [N, C, H, W] as raw bytes (`raw_input_contents`, FP32/FP16/FP64)
-    or typed contents (`fp32_contents` / `fp64_contents`), checked as the HTTP protocol checks it."""
+def parse_infer(message: InferMessage, taken: ProtocolInput, max_images: int,
+                output_names: tuple[str, ...] = OUTPUTS) -> InferRequest:
+    """A ModelInferRequest's one input, as the model takes it (`taken`: [N, C, H, W] FP32/FP16/FP64,
+    or the model file's own), as raw bytes (`raw_input_contents`) or typed contents (`fp32_contents`,
+    `fp64_contents`, `uint_contents`), checked and converted as the HTTP protocol does."""
     request, raw = message.request, message.raw
-    tensor = _one_input(request, '("input", [N, C, H, W])')
+    tensor = _one_input(request, f'("{taken.name}", {taken.described()})')
     shape = list(tensor.shape)
-    count, dtype = check_tensor(shape, tensor.datatype, spec, max_images)
+    count, dtype = check_tensor(shape, tensor.datatype, taken, max_images)
     if raw:
         if len(raw) != 1:
             raise BadInput(f"raw_input_contents must hold one entry per input (1), got {len(raw)}")
@@ -76,8 +79,8 @@ def parse_infer(message: InferMessage, spec, max_images: int, output_names: tupl
         values = getattr(tensor.contents, field)
         if len(values) != count:
             raise BadInput(f"input contents.{field} has {len(values):,} values but shape {shape} needs {count:,}")
-        flat = np.asarray(values, dtype=dtype)
-    return InferRequest(tensor_batch(flat.reshape(shape), spec), _requested(request, output_names, bool(raw)),
+        flat = taken.values(values, tensor.datatype, f"input contents.{field}")
+    return InferRequest(taken.batch(flat.reshape(shape)), _requested(request, output_names, bool(raw)),
                         request.id or None)
 
 
@@ -195,7 +198,8 @@ class InferenceService:
                 as admission:
             context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
             admission.held.grow(message.size, "its message")  # held by the request until it ends, as a body
-            args = (message, admission.model.spec, admission.model.settings.max_images, admission.model.protocol_outputs)
+            args = (message, admission.model.protocol_input, admission.model.settings.max_images,
+                    admission.model.protocol_outputs)
             # raw bytes are a view and a check, cheaper here than a hop to the decode threads
             # (docs/performance.md, the request path); typed contents are a Python list to convert,
             # which must not hold up the loop

@@ -25,6 +25,7 @@ from optiserve.serve.batcher import BatchRecord, DynamicBatcher
 from optiserve.serve.memory_budget import ByteBudget
 from optiserve.serve.metrics import ServerMetrics
 from optiserve.serve.model_settings import SETTINGS_FILE, ModelSettings
+from optiserve.serve.protocol_input import ProtocolInput
 from optiserve.serve.stats import VariantStats
 from optiserve.serve.traffic import Router, Shadow, ShadowStats, parse_ab
 
@@ -81,6 +82,7 @@ class ServedModel:
         self.memory = ByteBudget(settings.max_queue_bytes, f"{SETTINGS_FILE} max_queue_bytes") \
             if settings.sources["max_queue_bytes"] == "file" else None
         self.spec = InputSpec.from_dict(self.manifest["input"])
+        self.protocol_input = ProtocolInput.of(self.manifest, self.spec)  # the file's own, where optimize adapted it
         self.classes: list[str] = self.manifest["classes"]
         self.task = get_task(self.manifest.get("task"))  # what the output means: answers, outputs, agreement
         self.output_width = self.task.width(self.manifest)

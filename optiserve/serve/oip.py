@@ -47,10 +47,11 @@ def model_config(model: ServedModel) -> dict:
 
 
 def model_metadata(model: ServedModel, version: str | None) -> dict:
-    c, h, w = model.spec.shape
+    """The model's input as the protocol takes it (the model file's own, where optimize adapted it:
+    serve/protocol_input.py) and its outputs."""
     return {"name": model.name, "versions": model.entry_names, "platform": "optiserve",
             **({"version": version} if version else {}),
-            "inputs": [{"name": model.manifest.get("input_name", "input"), "datatype": "FP32", "shape": [-1, c, h, w]}],
+            "inputs": [model.protocol_input.metadata()],
             "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, *model.task.output_shape(model.manifest)]}
                         for name in model.task.outputs]
             + [{"name": o["name"], "datatype": DATATYPES[o["dtype"]], "shape": [-1, *(-1 if d is None else d

@@ -85,7 +85,7 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
             model = admission.model
             binary_header = request.headers.get(BINARY_HEADER)  # binary tensor bytes may hold any byte, commas too
             body = await server.read_body(request, admission, json_values=binary_header is None)
-            parsed = await server.decode(infer_request, body, binary_header, model.spec,
+            parsed = await server.decode(infer_request, body, binary_header, model.protocol_input,
                                          model.settings.max_images, admission.hold_json, model.protocol_outputs,
                                          model.settings.max_json_images)
             server.reprioritize(admission, parsed.priority, request)
