@@ -95,11 +95,17 @@ def test_a_recorded_tie_is_timed_again_between_the_tied_variants_on_this_machine
     machine it was recorded on, the server times those two itself, and only those (fp32 was clearly
     slower than both), and says so in its log, /stats and the model's config. A republished folder
     keeps that timing."""
-    source = tmp_path / "tied"
-    manifest = _recorded_by_the_optimizer(small_artifact, source, {"onnx-int8": "onnx-int8",
-                                                                   "onnx-int8-twin": "onnx-int8", "fp32": "fp32"})
+    # The rule's interval is a 95% one: on a busy machine it now and then separates the same file
+    # from itself by chance. That record is a clear win, not the case here, so the optimizer's
+    # timing is run again, as a user would run optimize again.
+    for attempt in range(3):
+        source = tmp_path / f"tied-{attempt}"
+        manifest = _recorded_by_the_optimizer(small_artifact, source, {"onnx-int8": "onnx-int8",
+                                                                       "onnx-int8-twin": "onnx-int8", "fp32": "fp32"})
+        evidence = manifest["recommended"]["evidence"]["throughput"]
+        if evidence["tie_within_noise"]:
+            break
     n = manifest["latency_batch"]
-    evidence = manifest["recommended"]["evidence"]["throughput"]
     tied = [evidence["fastest_by_median"], evidence["runner_up"]]
     assert evidence["tie_within_noise"] and sorted(tied) == ["onnx-int8", "onnx-int8-twin"], evidence
     backends = {v["backend"] for v in manifest["variants"]}
