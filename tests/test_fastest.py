@@ -18,6 +18,7 @@ def test_a_variant_clearly_faster_wins_even_when_its_file_is_larger():
     assert (choice.chosen, choice.tie) == ("onnx-fp32", False)
     assert choice.ratio == pytest.approx(1.3, abs=0.05) and choice.ci95[0] > 1.2
     assert choice.to_dict()["runner_up"] == "onnx-int8" and choice.to_dict()["rule"] == RULE
+    assert choice.to_dict()["tied"] == []  # a clear win: nothing for a server to time again
 
 
 def test_two_that_noise_cannot_separate_tie_and_the_smaller_file_wins_whichever_median_is_lower():
@@ -29,6 +30,8 @@ def test_two_that_noise_cannot_separate_tie_and_the_smaller_file_wins_whichever_
     choice = decide(times, sizes)
     assert choice.fastest == "onnx-int8" and choice.ci95[0] <= 1.0
     assert (choice.chosen, choice.tie) == ("openvino-int8", True)
+    # recorded with the two it could not separate, which a server times again where it runs
+    assert choice.to_dict()["tied"] == ["onnx-int8", "openvino-int8"]
     assert describe(choice.to_dict()).startswith("openvino-int8: a tie within noise with onnx-int8 (onnx-int8 ")
 
 

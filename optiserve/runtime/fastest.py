@@ -6,7 +6,8 @@ over the rounds, paired: both variants ran in each round, so drift between round
 the interval does not separate them, they are timed again, alternating, for more rounds; if they
 still cannot be separated, it is a tie within noise and the smaller file wins (less memory, a
 faster load). The optimizer's recommendation and the server's choice of a default variant both
-decide here.
+decide here. A tie is recorded with the two it could not separate (`tied`): what is inseparable on
+one machine, or under one load, may not be on another, so the server times them again where it runs.
 """
 
 from __future__ import annotations
@@ -43,11 +44,17 @@ class Choice:
     def medians_ms(self) -> dict[str, float]:
         return {name: statistics.median(t) for name, t in self.times.items()}
 
+    @property
+    def tied(self) -> list[str]:
+        """The two the rule could not separate, fastest by median first; empty when one won."""
+        return [self.fastest, self.runner_up] if self.tie else []
+
     def to_dict(self) -> dict:
         return {"variant": self.chosen, "fastest_by_median": self.fastest, "runner_up": self.runner_up,
                 "ratio": None if self.ratio is None else round(self.ratio, 4),
                 "ci95": None if self.ci95 is None else [round(v, 4) for v in self.ci95],
-                "rounds": self.rounds, "retimed": self.retimed, "tie_within_noise": self.tie, "rule": RULE}
+                "rounds": self.rounds, "retimed": self.retimed, "tie_within_noise": self.tie, "tied": self.tied,
+                "rule": RULE}
 
     def describe(self) -> str:
         return describe(self.to_dict())

@@ -5,12 +5,15 @@ evidence) together with the CPU and the library versions it ran on. A server sta
 kind of machine, with the same engines, at the batch size the optimizer timed, would measure the
 same order again; re-timing costs seconds of every start (and of every replica a scaler adds). So
 the record is reused when the fingerprint matches, and the server times afresh only where it does
-not.
+not, or where the record is a tie within noise: the optimizer's rounds could not separate the two
+fastest, and what its tie-break (the smaller file) chose says nothing of which is faster; on the
+same machine under another load they may separate. The server times those two itself before
+choosing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from optiserve.artifacts import versions as installed_versions
 from optiserve.machine import cpu_facts
@@ -23,10 +26,21 @@ MACHINE_KEYS = ("model", "cores", "flags")
 @dataclass
 class Recorded:
     """The recorded choice for this server (`choice`, shaped as a fresh measurement is), or None
-    with the reason it does not apply here."""
+    with the reason it does not apply here. `tied`: the variants served here that the record could
+    not separate (a tie within noise), for the server to time before it takes the record's word;
+    `reason` then says so."""
 
     choice: dict | None
     reason: str = ""
+    tied: list[str] = field(default_factory=list)
+
+
+def tied_in(evidence: dict) -> list[str]:
+    """The variants a recorded choice could not separate: its `tied`, or for a record written before
+    it was kept, the fastest by median and the runner-up of a tie within noise. Empty for a clear win."""
+    if not evidence.get("tie_within_noise"):
+        return []
+    return list(evidence.get("tied") or [evidence["fastest_by_median"], evidence["runner_up"]])
 
 
 def fingerprint_differences(manifest: dict, backends: set[str], devices: set[str]) -> list[str]:
@@ -53,7 +67,8 @@ def recorded_choice(manifest: dict, candidates: dict[str, dict], devices: set[st
     if the optimizer timed that batch size, on this kind of machine with these engines, with the
     threads it timed with (one per core it could use, recorded as `threads`; a server's `threads`
     None is the engines' default, which is the same on the same fingerprint). `any_machine`: take it
-    whatever the fingerprint (a server told not to time at all)."""
+    whatever the fingerprint (a server told not to time at all). A record that is a tie within noise
+    between two variants served here applies too, with `tied` naming them."""
     rec = manifest.get("recommended")
     if not rec:
         return Recorded(None, "the manifest records no recommendation")
@@ -76,7 +91,14 @@ def recorded_choice(manifest: dict, candidates: dict[str, dict], devices: set[st
     per_s = {name: round(batch_size / (entry["latency_ms"][str(batch_size)] / 1000), 1)
              for name, entry in candidates.items() if str(batch_size) in (entry.get("latency_ms") or {})}
     where = "on this machine" if not any_machine else "possibly on another machine (not re-timed: --choose-seconds 0)"
+    tied = [name for name in tied_in(evidence) if name in candidates]
+    reason = ""
+    if len(tied) > 1:
+        low, high = evidence["ci95"]
+        reason = (f"the optimizer's record was a tie within noise between {' and '.join(tied)}: "
+                  f"{evidence['ratio']:.2f}×, 95% CI {low:.2f}–{high:.2f}")
     return Recorded({"variant": chosen, "batch_size": batch_size, "source": "manifest",
                      "why": f"highest throughput at batch {batch_size}, as optimize timed it {where}: "
                             f"{describe(evidence)}",
-                     "images_per_s": per_s, **{k: v for k, v in evidence.items() if k != "variant"}})
+                     "images_per_s": per_s, **{k: v for k, v in evidence.items() if k != "variant"}},
+                    reason, tied if len(tied) > 1 else [])

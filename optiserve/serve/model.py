@@ -147,7 +147,9 @@ class ServedModel:
         `max_batch_size`, by the rule the optimizer recommends with (a tie within noise goes to the
         smaller file: see runtime.fastest): the optimizer's own record where this machine matches
         the one it timed on (runtime.recorded), else timed here and now for at most `seconds`
-        (0: not timed; the record whatever machine it came from, else the first candidate) — unless
+        (0: not timed; the record whatever machine it came from, else the first candidate). A record
+        that is a tie within noise is not taken on this machine either: the tied variants are timed
+        here, with this server's threads, since the optimizer's rounds could not order them — unless
         the version this one `replaced` was timed here on the same variant files, devices, threads
         and batch size: a republished folder is not timed again while it serves.
         Blocking: run it off the event loop. None when there is nothing to choose between."""
@@ -158,7 +160,7 @@ class ServedModel:
         entries = {n: self.variants[n].loaded.entry for n in candidates}
         devices = {self.variants[n].loaded.session.device for n in candidates}
         recorded = recorded_choice(self.manifest, entries, devices, max_batch_size, threads, any_machine=seconds <= 0)
-        if recorded.choice is not None:
+        if recorded.choice is not None and (not recorded.tied or seconds <= 0):
             self.choice = recorded.choice
             return self.choice
         if seconds <= 0:
@@ -173,6 +175,8 @@ class ServedModel:
             self.choice = {**timed, "timed_for_version": version,
                            "why": f"{timed['why']} [timed for version {version[:12]}, whose variant files these are]"}
             return self.choice
+        if recorded.tied:  # the others were slower than both on the optimizer's machine, which is this one
+            candidates = recorded.tied
         batch = np.random.default_rng(0).standard_normal((max_batch_size, *self.spec.shape), dtype=np.float32)
         sizes = {n: entries[n].get("size_bytes") or 0 for n in candidates}
         choice = choose_fastest({n: self.variants[n].loaded.session for n in candidates}, batch, sizes,

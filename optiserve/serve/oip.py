@@ -40,10 +40,13 @@ def served(server: Server, name: str, version: str | None = None) -> ServedModel
 
 
 def model_config(model: ServedModel) -> dict:
-    """What GET /v2/models/{model}/config answers: the effective serving settings and their sources."""
+    """What GET /v2/models/{model}/config answers: the effective serving settings and their sources,
+    and how the default variant was chosen (`default_choice`, as /stats gives it; None where nothing
+    was chosen: one candidate, or a split set by --ab, serving.json or the API)."""
     return {"name": model.name, "manifest_sha256": model.version[:12],
             "serving_json_sha256": model.settings_version[:12] if model.settings_version else None,
-            "settings": model.settings.described(), "variants": list(model.variants), "traffic": model.traffic()}
+            "settings": model.settings.described(), "variants": list(model.variants), "traffic": model.traffic(),
+            "default_choice": model.choice}
 
 
 def model_metadata(model: ServedModel, version: str | None) -> dict:
