@@ -210,8 +210,8 @@ def test_independent_sigmoids_over_several_classes_are_not_read_as_logits(tmp_pa
     loaded, _, model = _model(tmp_path, "ten sigmoids", form)
     with pytest.raises(UserError, match=f"^{GRAPH[form]} [Ss]igmoid over 10 classes, each on its own "
                                         r"\(multi-label\): optiserve serves .* not as independent sigmoids$"):
-        run_optimize(OptimizeConfig(model, input=InputOverrides((1, SIDE, SIDE), (0.0,), (1.0,)), out=str(tmp_path / "a"),
-                                    progress=False))
+        run_optimize(OptimizeConfig(model, input=InputOverrides((1, SIDE, SIDE), (0.0,), (1.0,)),
+                                    out=str(tmp_path / "a"), progress=False))
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -219,8 +219,8 @@ def test_independent_sigmoids_over_several_classes_are_not_read_as_logits(tmp_pa
 def test_output_kind_contradicting_the_graph_stops_the_run_in_one_line(tmp_path, form):
     loaded, _, model = _model(tmp_path, "softmax with a temperature", form)
     with pytest.raises(UserError) as error:
-        run_optimize(OptimizeConfig(model, input=InputOverrides((1, SIDE, SIDE), (0.0,), (1.0,)), output_kind="logits",
-                                    out=str(tmp_path / "a"), progress=False))
+        run_optimize(OptimizeConfig(model, input=InputOverrides((1, SIDE, SIDE), (0.0,), (1.0,)),
+                                    output_kind="logits", out=str(tmp_path / "a"), progress=False))
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith(f"--output-kind logits, but {GRAPH[form]} "), message

@@ -130,7 +130,8 @@ def _torch_ending(model, example_shape: tuple[int, ...], channels: int | None, r
         if isinstance(model, torch.jit.ScriptModule):
             graph = model.inlined_graph
         else:
-            graph = torch.jit.trace(model.eval(), torch.zeros(example_shape), check_trace=False, strict=False).inlined_graph
+            traced = torch.jit.trace(model.eval(), torch.zeros(example_shape), check_trace=False, strict=False)
+            graph = traced.inlined_graph
     value = next(iter(graph.outputs()))
     while value.node().kind() in ("prim::TupleConstruct", "prim::ListConstruct", "prim::DictConstruct"):
         node = value.node()
