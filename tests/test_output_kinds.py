@@ -118,16 +118,21 @@ class Ended(torch.nn.Module):
     """A linear layer (a 1x1 convolution for a map) whose weights put every score near `bias`,
     then `end`: what a model's scores hold is decided by how it ends, not by where they lie."""
 
-    def __init__(self, classes: int, bias: float, end=None, segmenter: bool = False):
+    def __init__(self, classes: int, bias: float, end=None, segmenter: bool = False, heads: int = 1):
         super().__init__()
         self.segmenter = segmenter
-        self.layer = (torch.nn.Conv2d(1, classes, 1) if segmenter else torch.nn.Linear(SIDE * SIDE, classes))
-        torch.nn.init.uniform_(self.layer.weight, -0.01, 0.01)
-        torch.nn.init.uniform_(self.layer.bias, bias - 0.2, bias + 0.2)
+        self.heads = torch.nn.ModuleList(torch.nn.Conv2d(1, classes, 1) if segmenter else
+                                         torch.nn.Linear(SIDE * SIDE, classes) for _ in range(heads))
+        for layer in self.heads:
+            torch.nn.init.uniform_(layer.weight, -0.01, 0.01)
+            torch.nn.init.uniform_(layer.bias, (bias - 0.2) / heads, (bias + 0.2) / heads)
         self.end = end
 
     def forward(self, x):
-        scores = self.layer(x if self.segmenter else x.flatten(1))
+        x = x if self.segmenter else x.flatten(1)
+        scores = self.heads[0](x)
+        for head in self.heads[1:]:  # heads summed, as LR-ASPP sums its two: still logits
+            scores = scores + head(x)
         return scores if self.end is None else self.end(scores)
 
 
@@ -140,7 +145,11 @@ def _hand_softmax(scores):  # a softmax written out: the graph ends in a divisio
     return e / e.sum(1, keepdim=True)
 
 
-CASES = {  # name: (classes, bias, end, segmenter)
+def _softmax_plus_epsilon(scores):  # ends in an addition that is no bias
+    return torch.softmax(scores, dim=1) + 1e-6
+
+
+CASES = {  # name: (classes, bias, end, segmenter[, heads])
     "one-channel logits within [0, 1]": (1, 0.5, None, True),
     "all-negative one-channel logits": (1, -5.0, None, True),
     "all-negative logits": (10, -30.0, None, False),
@@ -149,14 +158,16 @@ CASES = {  # name: (classes, bias, end, segmenter)
     "one-channel sigmoid": (1, 0.0, torch.nn.Sigmoid(), True),
     "ten sigmoids": (10, 0.0, torch.nn.Sigmoid(), False),
     "a softmax written out": (10, 0.0, _hand_softmax, False),
+    "a softmax plus an epsilon": (10, 0.0, _softmax_plus_epsilon, False),
+    "two one-channel heads summed within [0, 1]": (1, 0.5, None, True, 2),
 }
 
 
 def _model(tmp_path, name: str, form: str):
     """(LoadedModel, its outputs for 64 images, the MODEL string) for CASES[name] as `form`."""
-    classes, bias, end, segmenter = CASES[name]
     torch.manual_seed(0)
-    module = Ended(classes, bias, end, segmenter).eval()
+    module = Ended(*CASES[name]).eval()
+    segmenter = module.segmenter
     images = torch.rand(64, 1, SIDE, SIDE, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         outputs = module(images).numpy()
@@ -196,6 +207,8 @@ GRAPH = {"torch": "the torch model ends in", "onnx": "the ONNX graph ends in"}
     ("log-softmax", "log_probabilities", {"torch": "log_softmax over axis 1", "onnx": "LogSoftmax over axis 1"}),
     ("softmax with a temperature", "probabilities", {"torch": "softmax over axis 1", "onnx": "Softmax over axis 1"}),
     ("one-channel sigmoid", "probabilities", {"torch": "sigmoid over one channel", "onnx": "Sigmoid over one channel"}),
+    ("two one-channel heads summed within [0, 1]", "logits", {"torch": "add (a linear operation)",
+                                                              "onnx": "Add (a linear operation)"}),
 ])
 def test_what_an_output_holds_is_read_from_the_operation_the_model_ends_in(tmp_path, form, name, kind, op):
     reading = _read(tmp_path, name, form)
@@ -242,13 +255,14 @@ def test_values_that_contradict_the_graph_stop_the_run_in_one_line(tmp_path, for
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("form", FORMS)
-def test_a_graph_that_does_not_say_and_values_that_could_be_either_ask_for_output_kind(tmp_path, form):
-    with pytest.raises(UserError, match=f"^{GRAPH[form]} [Dd]iv, which does not say what its scores hold, and fp32's "
+@pytest.mark.parametrize("name, op", [("a softmax written out", "[Dd]iv"), ("a softmax plus an epsilon", "[Aa]dd")])
+def test_a_graph_that_does_not_say_and_values_that_could_be_either_ask_for_output_kind(tmp_path, form, name, op):
+    with pytest.raises(UserError, match=f"^{GRAPH[form]} {op}, which does not say what its scores hold, and fp32's "
                                         "outputs for 64 held-out images could be logits or probabilities; say which "
                                         "with --output-kind$"):
-        _read(tmp_path, "a softmax written out", form)
-    stated = _read(tmp_path, "a softmax written out", form, "probabilities")
+        _read(tmp_path, name, form)
+    stated = _read(tmp_path, name, form, "probabilities")
     assert stated == {"output_kind": "probabilities", "output_kind_from": "--output-kind"}
     with pytest.raises(UserError, match="^--output-kind log_probabilities, but fp32's outputs for 64 held-out images "
                                         "are not exp sums to 1 .*; say what they hold with --output-kind$"):
-        _read(tmp_path, "a softmax written out", form, "log_probabilities")
+        _read(tmp_path, name, form, "log_probabilities")

@@ -106,9 +106,26 @@ def _onnx_ending(path, output: str | None, channels: int | None) -> OutputEnding
             return OutputEnding(None, f"the ONNX graph ends in {op} over the axes from {axis} on, flattened{then}")
     normal = {"Softmax": "softmax", "LogSoftmax": "log_softmax", "Log(Softmax)": "log_softmax", "Sigmoid": "sigmoid",
               "Log(Sigmoid)": "log_sigmoid"}
-    if op in ONNX_LINEAR and not (op == "Add" and not any(i in constants for i in node.input)):
-        normal[op] = "linear"  # a bias added to a product; an Add of two computed tensors says nothing
+    if op in ONNX_LINEAR and (op != "Add" or _onnx_sum_is_linear(node, producers, constants)):
+        normal[op] = "linear"
     return _from_op(normal.get(op, op), axis, rank, channels, f"the ONNX graph ends in {op}", then)
+
+
+def _onnx_sum_is_linear(node, producers: dict, constants: set, depth: int = 4) -> bool:
+    """Whether every operand of an Add that is not a constant ends in a linear operation (a bias
+    added to a product; the two heads of LR-ASPP summed): a sum of logits is logits; a constant
+    added to anything else (a softmax plus an epsilon) says nothing."""
+    for name in node.input:
+        if name in constants:
+            continue
+        while name in producers and producers[name].op_type in ONNX_PASS_THROUGH:
+            name = producers[name].input[0]
+        operand = producers.get(name)
+        if operand is None or operand.op_type not in ONNX_LINEAR or (
+                operand.op_type == "Add" and not (depth and _onnx_sum_is_linear(operand, producers, constants,
+                                                                                 depth - 1))):
+            return False
+    return True
 
 
 def _onnx_ranks(proto) -> dict[str, int]:
@@ -152,10 +169,23 @@ def _torch_ending(model, example_shape: tuple[int, ...], channels: int | None, r
         rank = dims if dims is not None else (rank if not passed else None)
         where = f"the torch model ends in {op}"
     elif op in TORCH_LINEAR:
-        if op == "add" and not any(i.node().kind() in ("prim::Constant", "prim::GetAttr")
-                                   for i in list(node.inputs())[:2]):
-            return OutputEnding(None, where + then)  # the sum of two computed tensors says nothing
+        if op == "add" and not _torch_sum_is_linear(node):
+            return OutputEnding(None, where + then)
         op = "linear"
     elif op == "log_sigmoid_forward":
         op = "log_sigmoid"
     return _from_op(op, axis, rank, channels, where, then)
+
+
+def _torch_sum_is_linear(node, depth: int = 4) -> bool:
+    """Whether every operand of an add that is not a constant or a parameter ends in a linear
+    operation: a sum of logits is logits; a constant added to anything else says nothing."""
+    for value in list(node.inputs())[:2]:
+        if value.node().kind() in ("prim::Constant", "prim::GetAttr"):
+            continue
+        while value.node().kind().startswith("aten::") and value.node().kind()[6:].rstrip("_") in TORCH_PASS_THROUGH:
+            value = value.node().inputsAt(0)
+        op = value.node().kind().split("::", 1)[-1]
+        if op not in TORCH_LINEAR or (op == "add" and not (depth and _torch_sum_is_linear(value.node(), depth - 1))):
+            return False
+    return True
