@@ -266,3 +266,38 @@ def test_a_graph_that_does_not_say_and_values_that_could_be_either_ask_for_outpu
     with pytest.raises(UserError, match="^--output-kind log_probabilities, but fp32's outputs for 64 held-out images "
                                         "are not exp sums to 1 .*; say what they hold with --output-kind$"):
         _read(tmp_path, name, form, "log_probabilities")
+
+
+class ScoresAndFeatures(torch.nn.Module):
+    """A classifier that returns its features beside its log-softmax scores, as a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(SIDE * SIDE, 10)
+
+    def forward(self, x):
+        features = x.flatten(1)
+        return {"features": features, "scores": torch.log_softmax(self.head(features), dim=1)}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("form", FORMS)
+def test_of_several_outputs_the_one_the_task_reads_is_read(tmp_path, form):
+    torch.manual_seed(0)
+    module = ScoresAndFeatures().eval()
+    if form == "torch":
+        import pickle
+
+        torch.save(module, tmp_path / "net.pt", pickle_module=pickle)
+        (tmp_path / "net.py").write_text(f"import torch\n\n\ndef build():\n"
+                                         f"    return torch.load({str(tmp_path / 'net.pt')!r}, weights_only=False)\n")
+        model = f"{tmp_path}/net.py:build"
+    else:
+        model = str(tmp_path / "net.onnx")
+        torch.onnx.export(module, (torch.zeros(2, 1, SIDE, SIDE),), model, input_names=["image"],
+                          output_names=["features", "scores"], opset_version=13, dynamo=False,
+                          dynamic_axes={"image": {0: "batch"}, "features": {0: "batch"}, "scores": {0: "batch"}})
+    loaded = load_model(model, overrides=InputOverrides((1, SIDE, SIDE), (0.0,), (1.0,)), task_output="scores")
+    ending = loaded.output_ending()
+    op = "LogSoftmax" if form == "onnx" else "log_softmax"
+    assert (ending.kind, ending.said) == ("log_probabilities", f"{GRAPH[form]} {op} over axis 1")

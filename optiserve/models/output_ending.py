@@ -149,10 +149,7 @@ def _torch_ending(model, example_shape: tuple[int, ...], channels: int | None, r
         else:
             traced = torch.jit.trace(model.eval(), torch.zeros(example_shape), check_trace=False, strict=False)
             graph = traced.inlined_graph
-    value = next(iter(graph.outputs()))
-    while value.node().kind() in ("prim::TupleConstruct", "prim::ListConstruct", "prim::DictConstruct"):
-        node = value.node()
-        value = node.inputsAt(1 if node.kind() == "prim::DictConstruct" else 0)
+    value = _element(next(iter(graph.outputs())), 0)  # the task's output: the first of several
     passed = []
     while value.node().kind().startswith("aten::") and value.node().kind()[6:].rstrip("_") in TORCH_PASS_THROUGH:
         passed.append(value.node().kind()[6:])
@@ -175,6 +172,23 @@ def _torch_ending(model, example_shape: tuple[int, ...], channels: int | None, r
     elif op == "log_sigmoid_forward":
         op = "log_sigmoid"
     return _from_op(op, axis, rank, channels, where, then)
+
+
+def _element(value, index: int):
+    """The value a traced graph's `value` is made of: element `index` of a tuple, list or dict it
+    constructs, followed through the unpacking of tuples (what a module returning a dict of
+    outputs, put in order, traces to); any other value is itself."""
+    while True:
+        node = value.node()
+        if node.kind() in ("prim::TupleConstruct", "prim::ListConstruct"):
+            value, index = node.inputsAt(index), 0
+        elif node.kind() == "prim::DictConstruct":
+            value, index = node.inputsAt(2 * index + 1), 0
+        elif node.kind() == "prim::TupleUnpack":
+            index = [o.unique() for o in node.outputs()].index(value.unique())
+            value = node.inputsAt(0)
+        else:
+            return value
 
 
 def _torch_sum_is_linear(node, depth: int = 4) -> bool:
