@@ -11,6 +11,7 @@ catch a misreading that every variant shares.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 # What an ending's `kind` may be besides the output kinds (tasks/output_kinds.py): K > 1 independent
@@ -143,12 +144,15 @@ def _onnx_ranks(proto) -> dict[str, int]:
 def _torch_ending(model, example_shape: tuple[int, ...], channels: int | None, rank: int) -> OutputEnding:
     import torch
 
-    with torch.no_grad():
-        if isinstance(model, torch.jit.ScriptModule):
-            graph = model.inlined_graph
-        else:
-            traced = torch.jit.trace(model.eval(), torch.zeros(example_shape), check_trace=False, strict=False)
-            graph = traced.inlined_graph
+    if isinstance(model, torch.jit.ScriptModule):
+        graph = model.inlined_graph
+    else:
+        device = next(model.parameters(), torch.zeros(0)).device
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the tracer's warnings are about what this reading does not use
+            traced = torch.jit.trace(model.eval(), torch.zeros(example_shape, device=device), check_trace=False,
+                                     strict=False)
+        graph = traced.inlined_graph
     value = _element(next(iter(graph.outputs())), 0)  # the task's output: the first of several
     passed = []
     while value.node().kind().startswith("aten::") and value.node().kind()[6:].rstrip("_") in TORCH_PASS_THROUGH:

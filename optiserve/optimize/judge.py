@@ -16,6 +16,7 @@ from optiserve import artifacts
 from optiserve.errors import UserError, failure_reason
 from optiserve.machine import usable_cores
 from optiserve.models import LoadedModel
+from optiserve.models.output_ending import MULTI_LABEL, OutputEnding
 from optiserve.optimize.attempts import Attempts
 from optiserve.optimize.config import OptimizeConfig
 from optiserve.optimize.prune import compressed_size
@@ -24,7 +25,6 @@ from optiserve.runtime import RuntimeOptions, Session, get_backend, load_session
 from optiserve.runtime.fastest import choose_fastest
 from optiserve.runtime.timing import interleaved_times
 from optiserve.tasks import get_task
-from optiserve.models.output_ending import MULTI_LABEL
 from optiserve.tasks.output_kinds import get_output_kind, kinds_matching
 
 if TYPE_CHECKING:  # the passes use this module; it reads only their Variant's fields
@@ -69,7 +69,7 @@ def output_kind(loaded: LoadedModel, cfg: OptimizeConfig, outputs: np.ndarray) -
                     f"{' or '.join(matching)}; say which with --output-kind")
 
 
-def stated_against_graph(loaded: LoadedModel, cfg: OptimizeConfig):
+def stated_against_graph(loaded: LoadedModel, cfg: OptimizeConfig) -> OutputEnding:
     """The model's ending (models/output_ending.py), checked before anything is built: a kind no
     output kind stands for, or --output-kind contradicting the graph, stops the run in one line."""
     ending = loaded.output_ending()
