@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -85,6 +85,7 @@ class LoadedModel:
     output_shape: tuple[int, ...] | None = None  # one image's output shape ([K], [D], [K, H, W])
     outputs: list[dict] | None = None  # a model file's outputs ({name, dtype, shape}), the one the task reads first
     keep: object = None  # what must live as long as `file` (the temporary folder of an adapted graph)
+    _ending: object = field(default=None, init=False, repr=False, compare=False)  # output_ending(), once read
 
     def __post_init__(self):
         if self.output_width is None:
@@ -101,6 +102,15 @@ class LoadedModel:
     def from_file(self) -> bool:
         """Whether the optimizer starts from a model file (ONNX) rather than a torch module."""
         return self.file is not None
+
+    def output_ending(self):
+        """What the operation producing the task's output says it holds (models.output_ending), read
+        from the graph once."""
+        if self._ending is None:
+            from optiserve.models.output_ending import read_output_ending
+
+            self._ending = read_output_ending(self)
+        return self._ending
 
     @property
     def rebuildable(self) -> bool:

@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-kind", default="auto", choices=["auto", *list_output_kinds()],
                    help="classification, segmentation: what the scores hold — " + "; ".join(
                        f"{k}: {get_output_kind(k).description}" for k in list_output_kinds()) +
-                   " (default auto: recognised on fp32's outputs for the held-out images)")
+                   " (default auto: read from the operation the model ends in, confirmed on fp32's outputs for the "
+                   "held-out images)")
     for task, minimum in gate_minimums():
         p.add_argument(minimum.flag, type=float, default=getattr(DEFAULTS, minimum.name), metavar="M",
                        help=f"{task}: reject variants whose {minimum.measure} is below M "

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from optiserve import artifacts
-from optiserve.errors import failure_reason
+from optiserve.errors import UserError, failure_reason
 from optiserve.machine import usable_cores
 from optiserve.models import LoadedModel
+from optiserve.models.output_ending import MULTI_LABEL, OutputEnding
 from optiserve.optimize.attempts import Attempts
 from optiserve.optimize.config import OptimizeConfig
 from optiserve.optimize.prune import compressed_size
@@ -24,7 +25,7 @@ from optiserve.runtime import RuntimeOptions, Session, get_backend, load_session
 from optiserve.runtime.fastest import choose_fastest
 from optiserve.runtime.timing import interleaved_times
 from optiserve.tasks import get_task
-from optiserve.tasks.output_kinds import recognise_output_kind
+from optiserve.tasks.output_kinds import get_output_kind, kinds_matching
 
 if TYPE_CHECKING:  # the passes use this module; it reads only their Variant's fields
     from optiserve.optimize.passes.registry import Variant
@@ -40,15 +41,45 @@ KIND_IMAGES = 256  # held-out images whose fp32 outputs say what the model's sco
 
 
 def output_kind(loaded: LoadedModel, cfg: OptimizeConfig, outputs: np.ndarray) -> dict:
-    """`output_kind` for the manifest of a task whose scores may be logits or probabilities, and how it
-    was known: --output-kind, or recognised on the baseline's `outputs` for held-out images. Nothing
-    for the other tasks."""
+    """`output_kind` for the manifest of a task whose scores may be logits or probabilities, and
+    `output_kind_from`, how it was known: the operation the model ends in, confirmed by the
+    baseline's `outputs` for held-out images, or --output-kind. Where graph, values and
+    --output-kind disagree, or the graph says nothing and the values could be more than one kind,
+    the run stops asking for --output-kind. Nothing for the other tasks."""
     if not get_task(loaded.task).reads_output_kind:
         return {}
+    ending = stated_against_graph(loaded, cfg)
+    matching = kinds_matching(outputs)
+    seen = f"fp32's outputs for {len(outputs)} held-out images"
     if cfg.output_kind != "auto":
-        return {"output_kind": cfg.output_kind, "output_kind_from": "--output-kind"}
-    return {"output_kind": recognise_output_kind(outputs),
-            "output_kind_from": f"recognised on fp32's outputs for {len(outputs)} held-out images"}
+        if cfg.output_kind not in matching:
+            raise UserError(f"--output-kind {cfg.output_kind}, but {seen} are not "
+                            f"{get_output_kind(cfg.output_kind).description}; say what they hold with --output-kind")
+        agrees = f", as {ending.said}" if ending.kind == cfg.output_kind else ""
+        return {"output_kind": cfg.output_kind, "output_kind_from": f"--output-kind{agrees}"}
+    if ending.kind is not None:
+        if ending.kind not in matching:
+            raise UserError(f"{ending.said}, which gives {ending.kind}, but {seen} are not "
+                            f"{get_output_kind(ending.kind).description}; say what they hold with --output-kind")
+        return {"output_kind": ending.kind, "output_kind_from": f"{ending.said}; {seen} agree"}
+    if matching == ["logits"]:
+        return {"output_kind": "logits", "output_kind_from": f"{ending.said}, which does not say; {seen} can only "
+                                                             f"be logits"}
+    raise UserError(f"{ending.said}, which does not say what its scores hold, and {seen} could be "
+                    f"{' or '.join(matching)}; say which with --output-kind")
+
+
+def stated_against_graph(loaded: LoadedModel, cfg: OptimizeConfig) -> OutputEnding:
+    """The model's ending (models/output_ending.py), checked before anything is built: a kind no
+    output kind stands for, or --output-kind contradicting the graph, stops the run in one line."""
+    ending = loaded.output_ending()
+    if ending.kind == MULTI_LABEL:
+        raise UserError(f"{ending.said}: optiserve serves a classifier's scores as one distribution over the "
+                        f"classes (logits, probabilities or log-probabilities), not as independent sigmoids")
+    if cfg.output_kind != "auto" and ending.kind not in (None, cfg.output_kind):
+        raise UserError(f"--output-kind {cfg.output_kind}, but {ending.said}, which gives {ending.kind}; drop "
+                        f"--output-kind or give {ending.kind}")
+    return ending
 
 
 @dataclass

@@ -21,7 +21,7 @@ from optiserve.optimize.attempts import LOG_FILE, Attempts
 from optiserve.optimize.config import OptimizeConfig  # noqa: F401  importers take it from here too
 from optiserve.optimize.frontier import drop_off_frontier, mark_frontier
 from optiserve.optimize.frontier_plot import FILE as FRONTIER_PLOT, render_frontier
-from optiserve.optimize.judge import recommend, report_on_test, validate
+from optiserve.optimize.judge import recommend, report_on_test, stated_against_graph, validate
 from optiserve.optimize.manifest import BASELINE, build_manifest, device_note, int8_comparison
 from optiserve.optimize.passes import Run, Variant, passes_for, step_count
 from optiserve.optimize.passes.pruning import pruning_ratios
@@ -147,6 +147,8 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         if cfg.output_kind != "auto" and not get_task(loaded.task).reads_output_kind:
             raise UserError(f"--output-kind says what a classifier's or segmenter's scores hold; {cfg.model} is "
                             f"run for {loaded.task}")
+        if get_task(loaded.task).reads_output_kind:  # read from the graph now: a contradiction stops the run early
+            stated_against_graph(loaded, cfg)
         if cfg.prune_channels is not None and get_task(loaded.task).distills is None:
             raise UserError(f"--prune-channels recovers the pruned model by matching the original's answers, which "
                             f"a {loaded.task} model's cannot be one to one; use --prune (unstructured) instead")

@@ -1,7 +1,8 @@
 """What a model's class scores hold, along axis 1 of a classifier's [N, K] or a segmenter's
 [N, K, H, W] output: logits, probabilities (a model that ends in softmax, or in a sigmoid for one
-channel) or log-probabilities. `optimize` recognises it on the model's own outputs for held-out
-images (or takes `--output-kind`) and records it in the manifest as `output_kind`; the server's
+channel) or log-probabilities. `optimize` reads it from the operation the model ends in, confirms it
+on the model's own outputs for held-out images (or takes `--output-kind`) and records it in the
+manifest as `output_kind`, with `output_kind_from` saying how it was known; the server's
 answers, the protocol's `probabilities` output and a one-channel map's threshold turn it into
 probabilities the way it says, so a model that already gives probabilities is never put through a
 second softmax or sigmoid.
@@ -78,10 +79,10 @@ register_output_kind(OutputKind("log_probabilities", "exp sums to 1 over the cla
                                 "log-softmax; one channel: log-sigmoid)",
                                 np.exp, _are_log_probabilities))
 
-DETECTION_ORDER = ("probabilities", "log_probabilities", "logits")  # the most specific first; logits match anything
-
-
-def recognise_output_kind(outputs: np.ndarray) -> str:
-    """The kind a model's raw class scores on real images are: the first of DETECTION_ORDER they match."""
+def kinds_matching(outputs: np.ndarray) -> list[str]:
+    """Every kind a model's raw class scores on real images could be. Values alone can only rule
+    kinds out: logits match anything, so one-channel logits within [0, 1] or all-negative logits
+    look like probabilities or log-probabilities too. What the scores hold is read from the model
+    (models/output_ending.py); these confirm it."""
     outputs = np.asarray(outputs, dtype=np.float64)
-    return next(name for name in DETECTION_ORDER if get_output_kind(name).matches(outputs))
+    return [name for name in list_output_kinds() if get_output_kind(name).matches(outputs)]

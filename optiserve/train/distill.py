@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from optiserve.data import DatasetSplits, default_workers, make_loader
 from optiserve.registry import Registry
-from optiserve.tasks.output_kinds import get_output_kind, recognise_output_kind
+from optiserve.tasks.output_kinds import get_output_kind, kinds_matching
 from optiserve.train.distributed import resolve_device
 from optiserve.train.schedule import scaled_lr, warmup_cosine
 
@@ -110,6 +110,12 @@ def _label_loss(kind: str) -> Loss:
     return lambda student, labels: F.nll_loss(_log_probabilities(student, kind, 1.0), labels)
 
 
+def _most_specific(out: torch.Tensor) -> str:
+    """The first kind `out` matches of probabilities, log-probabilities and logits (which match anything)."""
+    matching = kinds_matching(out.float().cpu().numpy())
+    return next(k for k in ("probabilities", "log_probabilities", "logits") if k in matching)
+
+
 def _first(out) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -161,10 +167,12 @@ def recovery_optimizer(model: nn.Module, batch_size: int = 64) -> torch.optim.Op
 
 def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: str, epochs: int,
             label_mapping: np.ndarray | None = None, batch_size: int = 64, device: str = "auto", seed: int = 0,
-            progress: bool = True, deadline: float | None = None) -> dict:
+            progress: bool = True, deadline: float | None = None, output_kind: str | None = None) -> dict:
     """Train `student` in place for `epochs` on `data.train` to match `teacher`'s outputs (`match`:
     "class-scores" or "vectors"); where `label_mapping` is given (the model's class of each of the
-    data's labels), its cross-entropy with the true class is added. Stops early, after a step, once
+    data's labels), its cross-entropy with the true class is added. Class scores are read as
+    `output_kind`, what the optimizer read from the model; without it, as the most specific kind the
+    teacher's outputs on a validation batch match. Stops early, after a step, once
     time.monotonic() passes `deadline`. Returns the validation distillation loss before and after."""
     torch.manual_seed(seed)
     dev = resolve_device(device, 0)
@@ -172,7 +180,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     teacher = teacher.to(dev).eval()
     probe = next(iter(make_loader(data.val, batch_size, dev, workers=0)))[0].to(dev)
     with torch.no_grad():
-        kind = recognise_output_kind(_first(teacher(probe)).float().cpu().numpy()) if match == "class-scores" else ""
+        kind = "" if match != "class-scores" else output_kind or _most_specific(_first(teacher(probe)))
     loss_of = distillation_loss(match, kind)
     label_loss = _label_loss(kind) if label_mapping is not None else None
     to_model_class = torch.as_tensor(label_mapping, device=dev) if label_mapping is not None else None

@@ -219,9 +219,10 @@ def _prune_channels(run: Run, ratio: float, deadline: float | None) -> tuple[tor
         check = None
         if len(run.valset.images) >= MIN_CHECK_IMAGES:
             check = lambda model: task.gate(*measured(model), cfg.gate_limits)[0] == "accepted"  # noqa: E731
+        kind = output_kind(loaded, cfg, run.unpruned_outputs[:KIND_IMAGES]).get("output_kind")
         settings["recovery"] = recover(pruned, loaded.model, run.data, task.distills, cfg.finetune_epochs,
                                        good_enough=check, label_mapping=run.label_mapping, device=cfg.device,
-                                       progress=cfg.progress, deadline=deadline)
+                                       progress=cfg.progress, deadline=deadline, output_kind=kind)
         run.log.note(_recovery_line(settings["recovery"]))
     after, baseline = measured(pruned)
     settings["validation_after_recovery"] = task.headline(after)
