@@ -19,16 +19,15 @@ from torch import nn
 
 from optiserve.files import atomic_write
 from optiserve.optimize.outputs import max_abs_diff
+from optiserve.optimize.validate import JUDGE_BATCH
 from optiserve.runtime.torch_backends import jit_quietly
-
-CHECK_BATCH = 64  # the batches the judge runs the validation images in (optimize.validate.predict)
 
 
 class TraceMismatch(RuntimeError):
     pass
 
 
-def validation_batches(images: np.ndarray, size: int = CHECK_BATCH) -> list[torch.Tensor]:
+def validation_batches(images: np.ndarray, size: int = JUDGE_BATCH) -> list[torch.Tensor]:
     """The validation images as the judge batches them (views, no copy): what a copy of the model is
     checked against eager on, so a branch the first images never take is still run."""
     return [torch.from_numpy(images[i:i + size]) for i in range(0, len(images), size)]
