@@ -306,9 +306,9 @@ def branching_folder(small_cnn_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("branching")
     (root / "exposure.py").write_text(EXPOSURE.format(checkpoint=str(small_cnn_checkpoint), threshold=threshold))
     out = root / "out"
-    manifest = run_optimize(OptimizeConfig(f"{root}/exposure.py:build", input=InputOverrides((1, 16, 16), (0.0,), (1.0,)),
-                                           openvino=False, int8=False, search="off", latency_batch=2, out=str(out),
-                                           progress=False))
+    manifest = run_optimize(OptimizeConfig(f"{root}/exposure.py:build",
+                                           input=InputOverrides((1, 16, 16), (0.0,), (1.0,)), openvino=False,
+                                           int8=False, search="off", latency_batch=2, out=str(out), progress=False))
     spec = importlib.util.spec_from_file_location("exposure_by_hand", root / "exposure.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
