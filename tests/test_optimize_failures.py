@@ -4,17 +4,22 @@ needed what failed say so."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from optiserve.artifacts import read_manifest
 from optiserve.errors import UserError, failure_reason, first_line
+from optiserve.input_spec import InputSpec
 from optiserve.models import InputOverrides
 from optiserve.optimize import judge
 from optiserve.optimize.passes import int8 as int8_pass, onnx_export as onnx_export_pass
 from optiserve.optimize.attempts import LOG_FILE
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+from optiserve.optimize.trace import validation_batches
 
 
 class QuantizerCrash(RuntimeError):
@@ -249,3 +254,103 @@ def test_int8_calibration_that_raises_leaves_the_int8_variants_unbuilt_with_its_
     why = "needs INT8 calibration, which failed: QuantizerCrash: the calibration images could not be read"
     assert skipped["onnx-int8"] == why and skipped["torch-int8"] == why
     assert not any(v["precision"] == "int8" for v in manifest["variants"])
+
+
+EXPOSURE = """import torch
+from optiserve.models import load_model
+
+
+class Exposure(torch.nn.Module):
+    '''small_cnn that inverts a batch brighter than `threshold` first (dark ink on light paper): its forward
+    branches on the data, as user code does.'''
+
+    def __init__(self, threshold: float):
+        super().__init__()
+        self.net = load_model('small_cnn', {checkpoint!r}).model
+        self.threshold = threshold
+
+    def forward(self, x):
+        if x.mean() > self.threshold:
+            x = -x
+        return self.net(x)
+
+
+def build():
+    return Exposure({threshold!r})
+"""
+
+
+def _validation_images() -> np.ndarray:
+    """The validation images `optimize` judges small_cnn's digits on, in its order."""
+    from optiserve.data import load_dataset
+    from optiserve.optimize.validate import materialize
+
+    data = load_dataset("digits", InputSpec((1, 16, 16), (0.0,), (1.0,)), 10)
+    return materialize(data.val, data.labelled).images
+
+
+def _threshold_the_first_images_are_above(images: np.ndarray) -> float:
+    """A brightness between the first images' (the first 8, and the 4 first and 4 last a trace used to be checked on)
+    and the darkest validation batch's: those images take the inverting branch, that batch the other."""
+    first = min(float(images[:8].mean()), float(images[:4].mean()), float(images[-4:].mean()))
+    darker = [float(batch.mean()) for batch in validation_batches(images) if float(batch.mean()) < first]
+    assert darker, "the data no longer has a validation batch darker than its first images"
+    return (first + max(darker)) / 2
+
+
+@pytest.fixture(scope="module")
+def branching_folder(small_cnn_checkpoint, tmp_path_factory):
+    """A user module whose branch on the data is taken by the first validation images and not by the rest, optimized."""
+    images = _validation_images()
+    threshold = _threshold_the_first_images_are_above(images)
+    root = tmp_path_factory.mktemp("branching")
+    (root / "exposure.py").write_text(EXPOSURE.format(checkpoint=str(small_cnn_checkpoint), threshold=threshold))
+    out = root / "out"
+    manifest = run_optimize(OptimizeConfig(f"{root}/exposure.py:build",
+                                           input=InputOverrides((1, 16, 16), (0.0,), (1.0,)), openvino=False,
+                                           int8=False, search="off", latency_batch=2, out=str(out), progress=False))
+    spec = importlib.util.spec_from_file_location("exposure_by_hand", root / "exposure.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return out, manifest, module.build().eval(), images
+
+
+def _outputs(folder: Path, manifest: dict, name: str, batches) -> list[np.ndarray]:
+    from optiserve.runtime import load_session
+
+    entry = next(v for v in manifest["variants"] if v["name"] == name)
+    session = load_session(folder / entry["file"], entry, manifest)
+    return [session.run(batch) for batch in batches]
+
+
+def test_a_model_that_branches_on_the_data_is_judged_against_a_baseline_that_runs_the_branches(branching_folder):
+    out, manifest, eager, images = branching_folder
+    batches = [b.numpy() for b in validation_batches(images)] + [images[i:i + 1] for i in range(0, len(images), 9)]
+    with torch.no_grad():
+        expected = [eager(torch.from_numpy(b)).numpy() for b in batches]
+    assert len({bool(e) for e in (torch.from_numpy(b).mean() > eager.threshold for b in batches)}) == 2  # both branches
+    for got, want in zip(_outputs(out, manifest, "fp32", batches), expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    fp32 = by_name["fp32"]
+    assert fp32["backend"] == "torchscript" and "scripted_from" in fp32["settings"]  # serving never runs user code
+    assert "differs from eager on validation batch" in fp32["settings"]["not_traced"]
+    assert f"fp32 is the module scripted (torch.jit.script keeps its branches) and held to eager on every validation " \
+           f"batch, not traced: {fp32['settings']['not_traced']}" in manifest["notes"]
+    accepted = [v for v in manifest["variants"] if v["status"] == "accepted"]
+    assert {"fp32", "onnx-fp32"} <= {v["name"] for v in accepted}
+    for variant in accepted:  # every variant accepted computes what the module does, on both branches
+        for got, want in zip(_outputs(out, manifest, variant["name"], batches), expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    assert "scripted" in by_name["onnx-fp32"]["settings"]["exported_from"]
+
+
+def test_the_torchscript_row_says_the_trace_differs_from_eager_and_why(branching_folder):
+    out, manifest, _, _ = branching_folder
+    failed = {row["name"]: row["reason"] for row in manifest["failed"]}
+    reason = failed["torchscript"]
+    assert reason.startswith("TraceMismatch: the trace differs from eager on validation batch 2 of 3 (images 65-128)")
+    assert reason.endswith("the forward branches on the data, and a trace keeps only the branch its example took")
+    if "torch-bf16" not in {s["name"] for s in manifest["skipped"]}:  # a CPU that computes in bf16 traces it too
+        assert failed["torch-bf16"] == reason
+    assert f"failed: {reason}" in (out / "report.md").read_text()

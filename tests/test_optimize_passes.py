@@ -97,8 +97,48 @@ class SignSwitch(nn.Module):
 
 def test_tracing_refuses_a_model_whose_control_flow_the_trace_would_bake_in():
     positive = torch.ones(1, 1, 4, 4)
-    with pytest.raises(TraceMismatch, match="differs from eager"):
-        trace_torchscript(SignSwitch(), positive, check_inputs=(-positive,))
+    with pytest.raises(TraceMismatch, match="differs from eager on validation batch 2 of 2 .images 2-2.*the forward "
+                                            "branches on the data"):
+        trace_torchscript(SignSwitch(), positive, check_inputs=(positive, -positive))
+
+
+class NumpySwitch(nn.Module):
+    """Branches on the data through numpy, which neither a trace nor torch.jit.script can keep."""
+
+    def forward(self, x):
+        return x * 2 if float(np.mean(x.numpy())) > 0 else -x
+
+
+def test_a_baseline_that_cannot_be_made_faithful_stops_the_run_in_one_line(tmp_path):
+    from types import SimpleNamespace
+
+    from optiserve.errors import UserError
+    from optiserve.optimize.passes.baseline import _baseline_variant
+
+    positive = torch.ones(2, 1, 4, 4)
+    loaded = SimpleNamespace(name="numpy_switch", model=NumpySwitch(), rebuildable=False, task="classification")
+    with pytest.raises(UserError) as refused:
+        _baseline_variant(loaded, tmp_path, positive, [positive, -positive])
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("numpy_switch has no faithful fp32 baseline to judge variants "
+                                                       "against: the trace differs from eager on validation batch 2")
+    assert "torch.jit.script, which keeps the branches, gave" in message
+    assert not list(tmp_path.iterdir())  # nothing to judge against is written
+
+
+def test_a_baseline_whose_trace_keeps_one_branch_is_the_module_scripted(tmp_path):
+    from types import SimpleNamespace
+
+    from optiserve.optimize.passes.baseline import _baseline_variant
+
+    positive = torch.ones(2, 1, 4, 4)
+    loaded = SimpleNamespace(name="sign_switch", model=SignSwitch(), rebuildable=False, task="classification")
+    variant, note = _baseline_variant(loaded, tmp_path, positive, [positive, -positive])
+    assert variant.backend == "torchscript" and "scripted_from" in variant.settings
+    assert note.startswith("fp32 is the module scripted") and "validation batch 2 of 2" in note
+    module = torch.jit.load(str(tmp_path / variant.file))
+    for x in (positive, -positive):
+        torch.testing.assert_close(module(x), SignSwitch()(x))
 
 
 def test_onnx_export_has_a_dynamic_batch_and_matches_eager(small_cnn_checkpoint, tmp_path):

@@ -1,4 +1,5 @@
-"""ONNX export: opset 18, dynamic batch axis, checked with onnx.checker, parity with eager verified in ORT."""
+"""ONNX export: opset 18, dynamic batch axis, checked with onnx.checker, parity with eager verified in ORT
+(on the example at two batch sizes, and on every validation batch it is given)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import io
 import os
 import tempfile
 from pathlib import Path
+from typing import Iterable
 
 import onnx
 import torch
@@ -14,6 +16,7 @@ from torch import nn
 
 from optiserve.files import atomic_write
 from optiserve.optimize.outputs import max_abs_diff
+from optiserve.optimize.trace import check_against_eager
 
 OPSET = 18
 INPUT_NAME, OUTPUT_NAME = "input", "logits"
@@ -24,10 +27,13 @@ class ExportMismatch(RuntimeError):
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor, path: str | os.PathLike, opset: int = OPSET,
-                atol: float = 1e-3, output_names: list[str] | None = None, difference=max_abs_diff) -> float:
+                atol: float = 1e-3, output_names: list[str] | None = None, difference=max_abs_diff,
+                check_inputs: Iterable[torch.Tensor] = ()) -> float:
     """Export eval-mode `model` to `path` with its outputs named `output_names` (default: one,
     `logits`); returns the `difference` (default max |Δ| over every output) between ONNX Runtime
-    and eager on `example`."""
+    and eager on `example`. Raises ExportMismatch where they differ by more than `atol` there or on
+    any of `check_inputs` (the validation batches: a graph that kept one branch of the forward
+    differs only where the data takes another)."""
     import onnxruntime as ort
 
     model = model.eval()
@@ -56,6 +62,9 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: str | os.PathLike
         diff = difference(model(x), got)
     if diff > atol:
         raise ExportMismatch(f"ONNX export differs from eager by {diff:.2e} (> {atol:g})")
+    check_against_eager(model, lambda batch: session.run(names, {INPUT_NAME: batch.numpy()}), check_inputs,
+                        "the ONNX export", "the graph does not compute what the forward does on these images (a "
+                        "branch on the data that the export kept one side of)", atol, difference, ExportMismatch)
     return diff
 
 

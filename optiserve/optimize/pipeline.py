@@ -27,6 +27,7 @@ from optiserve.optimize.passes import Run, Variant, passes_for, step_count
 from optiserve.optimize.passes.pruning import pruning_ratios
 from optiserve.optimize.progress import PassLog
 from optiserve.optimize.search_cache import clear_cache
+from optiserve.optimize.trace import validation_batches
 from optiserve.optimize.report import render_report
 from optiserve.optimize.validate import EvalSet, materialize
 from optiserve.tasks import get_task
@@ -174,7 +175,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                         f"every choice", *([data.split_note] if data.split_note else []), *left_out]))
 
     torch.manual_seed(0)
-    example, check = torch.from_numpy(valset.images[:4]), torch.from_numpy(valset.images[-4:])
+    example, checks = torch.from_numpy(valset.images[:4]), validation_batches(valset.images)
     out = cfg.out_path
     with artifacts.staging_folder(out) as stage:
         variants: list[Variant] = []
@@ -184,7 +185,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             notes.append(f"dataset {data.name}: {data.split_note}")
         skipped: list[dict] = []  # variants this machine cannot run fast, with the reason: rows of their own
         attempts = Attempts(log, stage, skipped)
-        run = Run(stage, loaded, data, valset, cfg, why_not, log, attempts, variants, notes, example, check,
+        run = Run(stage, loaded, data, valset, cfg, why_not, log, attempts, variants, notes, example, checks,
                   label_mapping=None if mapping is None else np.asarray(mapping))
         passes = passes_for(run.form, cfg)
         for each in passes:  # every pass after the baseline is an attempt: one that raises

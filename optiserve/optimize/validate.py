@@ -35,7 +35,10 @@ def materialize(dataset: Dataset, labelled: bool, truth: str = "classes") -> Eva
     return EvalSet(x, y)
 
 
-def predict(session: Session, images: np.ndarray, batch_size: int = 64, keep=None) -> np.ndarray:
+JUDGE_BATCH = 64  # the batches every variant is judged in; traces and exports are checked on the same ones
+
+
+def predict(session: Session, images: np.ndarray, batch_size: int = JUDGE_BATCH, keep=None) -> np.ndarray:
     """The session's outputs for `images`, in batches; `keep` reduces each batch's output to what is
     judged (a task's `reduce`: a segmentation model's masks, not its [N, K, H, W] scores)."""
     keep = keep or (lambda out: out)

@@ -16,30 +16,53 @@ from optiserve.optimize.manifest import BASELINE
 from optiserve.optimize.outputs import max_abs_diff
 from optiserve.optimize.parity import parity, parity_measure
 from optiserve.optimize.passes.registry import FILE, TORCH, Pass, Run, Variant, register_pass
-from optiserve.optimize.trace import save_torchscript, trace_torchscript
+from optiserve.optimize.trace import TraceMismatch, save_torchscript, script_torchscript, trace_torchscript
 
 
 def _build_baseline(run: Run) -> None:
     """The fp32 reference every variant is checked against (see `_baseline_variant`)."""
-    with run.log.step("fp32 baseline (" + ("eager state dict)" if run.loaded.rebuildable else "traced TorchScript)")):
-        run.variants.append(_baseline_variant(run.loaded, run.stage, run.example, run.check))
+    kind = "eager state dict" if run.loaded.rebuildable else "TorchScript, traced or scripted"
+    with run.log.step(f"fp32 baseline ({kind})"):
+        variant, note = _baseline_variant(run.loaded, run.stage, run.example, run.checks)
+        run.variants.append(variant)
+        if note:
+            run.notes.append(note)
 
 
-def _baseline_variant(loaded: LoadedModel, stage: Path, example: torch.Tensor, check: torch.Tensor) -> Variant:
-    """The fp32 reference every variant is checked against: the eager state dict for a registered
-    model (the registry rebuilds it), else the eager model traced to TorchScript, so serving it never
-    runs the user's code."""
+def _baseline_variant(loaded: LoadedModel, stage: Path, example: torch.Tensor,
+                      checks: list[torch.Tensor]) -> tuple[Variant, str]:
+    """The fp32 reference every variant is checked against, and a note where it is not what it
+    usually is: the eager state dict for a registered model (the registry rebuilds it), else the
+    eager model as TorchScript, so serving it never runs the user's code. The trace is held to eager
+    on every validation batch; where it differs (a forward that branches on the data keeps only the
+    branch its example took), the module is scripted instead, which keeps the branches, and held to
+    eager the same way. Where neither computes what the module does, the run stops in one line:
+    every variant would be judged against a reference that is not the model."""
     if loaded.rebuildable:
         torch.save(loaded.model.state_dict(), stage / "fp32.pt")
-        return Variant(BASELINE, "fp32.pt", "torch", "fp32")
+        return Variant(BASELINE, "fp32.pt", "torch", "fp32"), ""
+    held = parity(loaded, 1e-4)
     try:
-        traced = trace_torchscript(loaded.model, example, (check,), **parity(loaded, 1e-4))
-    except Exception as e:
-        raise UserError(f"{loaded.name} cannot be traced to TorchScript, which its fp32 variant needs "
-                        f"({first_line(e, True, 200)})") from None
-    save_torchscript(traced, stage / "fp32.torchscript.pt")
-    return Variant(BASELINE, "fp32.torchscript.pt", "torchscript", "fp32",
-                   {"traced_from": "the eager model, no passes", "frozen": True})
+        traced = trace_torchscript(loaded.model, example, checks, **held)
+    except Exception as e:  # noqa: BLE001  a trace that fails or differs: scripting keeps what it cannot
+        untraced = str(e) if isinstance(e, TraceMismatch) else f"tracing it raised {first_line(e, True, 200)}"
+    else:
+        save_torchscript(traced, stage / "fp32.torchscript.pt")
+        return Variant(BASELINE, "fp32.torchscript.pt", "torchscript", "fp32",
+                       {"traced_from": "the eager model, no passes", "frozen": True}), ""
+    try:
+        scripted = script_torchscript(loaded.model, checks, **held)
+    except Exception as e:  # noqa: BLE001  nothing faithful is left to judge against
+        raise UserError(f"{loaded.name} has no faithful fp32 baseline to judge variants against: {untraced}; "
+                        f"and torch.jit.script, which keeps the branches, gave {first_line(e, True, 200)}. Serving "
+                        f"never runs your code, so its fp32 variant must be TorchScript that computes what your "
+                        f"module does: make its forward scriptable, or compute both branches and pick with "
+                        f"torch.where") from None
+    save_torchscript(scripted, stage / "fp32.torchscript.pt")
+    return (Variant(BASELINE, "fp32.torchscript.pt", "torchscript", "fp32",
+                    {"scripted_from": "the eager model, no passes", "frozen": True, "not_traced": untraced}),
+            f"fp32 is the module scripted (torch.jit.script keeps its branches) and held to eager on every "
+            f"validation batch, not traced: {untraced}")
 
 
 def _build_file_baseline(run: Run) -> None:

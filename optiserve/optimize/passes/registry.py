@@ -44,9 +44,11 @@ class Run:
     attempts: Attempts
     variants: list[Variant]
     notes: list[str]
-    example: object = None             # torch tensors: a batch to trace and export with, one to check parity on
-    check: object = None
+    example: object = None             # a torch batch to trace and export with
+    checks: list = field(default_factory=list)  # the validation images in the judge's batches: what every
+                                                # traced or exported copy is held to eager on
     fused: object = None               # the conv+BN-fused module the torch passes build from
+    fp32_trace: object = None          # the fused module traced and checked (passes.torchscript), or what that raised
     recipe: object = None              # the INT8 recipe (optimize.architecture), once chosen
     batches: list = field(default_factory=list)   # the calibration batches
     accuracy_aware: Callable | None = None        # fp32 file, int8 file, settings -> settings

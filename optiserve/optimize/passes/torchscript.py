@@ -1,5 +1,6 @@
-"""TorchScript variants of the fused model: traced, checked against eager, frozen; and its bf16
-copy where the device computes in bf16."""
+"""TorchScript variants of the fused model: traced, checked against eager on every validation batch,
+frozen; and its bf16 copy where the device computes in bf16. A forward that branches on the data
+fails the check (a trace keeps one branch): its row says so."""
 
 from __future__ import annotations
 
@@ -15,10 +16,23 @@ from optiserve.runtime.torch_backends import bf16_unavailable as torch_bf16_unav
 
 def _build_torchscript(run: Run) -> None:
     with run.attempts.attempt("TorchScript (trace, check, freeze)", "torchscript"):
-        save_torchscript(trace_torchscript(run.fused, run.example, (run.check,), **parity(run.loaded, 1e-4)),
-                         run.stage / "torchscript.pt")
+        save_torchscript(checked_trace(run), run.stage / "torchscript.pt")
         run.variants.append(Variant("torchscript", "torchscript.pt", "torchscript", "fp32",
                                     {"fused_conv_bn": True, "frozen": True, "optimize_for_inference": True}))
+
+
+def checked_trace(run: Run) -> torch.jit.ScriptModule:
+    """The fused model traced, frozen and held to eager on every validation batch, once per run
+    (what it raised, raised again): the TorchScript variant, and the proof a bf16 trace needs that a
+    trace keeps what the forward does, which bf16's own rounding would hide from a check of its own."""
+    if run.fp32_trace is None:
+        try:
+            run.fp32_trace = trace_torchscript(run.fused, run.example, run.checks, **parity(run.loaded, 1e-4))
+        except Exception as e:  # noqa: BLE001  kept, so each pass that needs the trace says the same
+            run.fp32_trace = e
+    if isinstance(run.fp32_trace, Exception):
+        raise run.fp32_trace
+    return run.fp32_trace
 
 
 def _build_torch_bf16(run: Run) -> None:
@@ -27,6 +41,7 @@ def _build_torch_bf16(run: Run) -> None:
         if why:
             run.attempts.cannot(why, "torch-bf16")
             return
+        checked_trace(run)  # a forward that branches on the data cannot be traced, in any precision
         bf16 = copy.deepcopy(run.fused).to(torch.bfloat16)
         save_torchscript(trace_torchscript(bf16, run.example.to(torch.bfloat16), atol=float("inf")),
                          run.stage / "torch-bf16.pt")
