@@ -93,7 +93,7 @@ def test_a_tensor_nested_past_what_an_array_holds_gets_the_standard_parsers_400(
         predict_request(body, SPEC, 10, 16, ImageLimits())
     infer = b'{"inputs": [{"name": "input", "shape": [1, 1, 4, 4], "datatype": "FP32", "data": ' + DEEP + b"}]}"
     with pytest.raises(BadInput, match="input data must be a \\(possibly nested\\) list of numbers"):
-        infer_request(infer, None, SPEC, 16)
+        infer_request(infer, None, ProtocolInput(SPEC), 16)
 
 
 @pytest.mark.parametrize("body, path", [
@@ -299,8 +299,10 @@ def _assert_both_paths_answer_the_same(body: bytes) -> None:
         fast, standard = _answer(parse_json, body, path), _answer(parse_json, body)
         assert _same(fast, standard), (fast, standard)
     with mock.patch("optiserve.serve.envelope.read_with_tensor", return_value=None):  # the standard parser alone
-        standard = [_answer(predict_request, body, SPEC, 10, 16, ImageLimits()), _answer(infer_request, body, None, SPEC, 16)]
-    fast = [_answer(predict_request, body, SPEC, 10, 16, ImageLimits()), _answer(infer_request, body, None, SPEC, 16)]
+        standard = [_answer(predict_request, body, SPEC, 10, 16, ImageLimits()),
+                    _answer(infer_request, body, None, ProtocolInput(SPEC), 16)]
+    fast = [_answer(predict_request, body, SPEC, 10, 16, ImageLimits()),
+            _answer(infer_request, body, None, ProtocolInput(SPEC), 16)]
     for f, s in zip(fast, standard):
         f, s = (_request_fields(x) if not isinstance(x, tuple) else x for x in (f, s))
         assert _same(f, s), (f, s)
