@@ -65,12 +65,13 @@ def test_only_the_frontier_of_the_search_is_published_and_every_candidate_says_w
         assert "search" in row["settings"] and row["dropped"]
         assert row["dropped"].startswith(("dominated by ", "rejected: "))
         assert row["name"] not in published
-    assert {"pruned98"} <= {row["name"] for row in manifest["search"]["dropped"]}
+    assert manifest["search"]["dropped"]  # candidates as accurate on validation as a faster one leave
     files = {p.name for p in out.iterdir()}
     assert files - {v["file"] for v in manifest["variants"]} - {c for v in manifest["variants"]
                                                                for c in v.get("companions", {})} == {
         "manifest.json", "report.md", "frontier.svg"}
-    assert not any("pruned98" in name for name in files)  # the dropped candidates' files are not published
+    for row in manifest["search"]["dropped"]:  # the dropped candidates' files are not published
+        assert f"model.{row['name']}.onnx" not in files
     for v in manifest["variants"]:
         assert v["file"] in files
         if "search" in v["settings"]:
