@@ -25,7 +25,7 @@ def summary_rows(manifest: dict) -> list[list[str]]:
     task = get_task(manifest.get("task"))
     for v in manifest["variants"]:
         lat1, latn = v["latency_ms"]["1"], v["latency_ms"][n]
-        rows.append([v["name"], v["backend"], v["precision"], computes_in_cell(v), *task.cells(v["accuracy"], base["accuracy"]),
+        rows.append([v["name"], v["backend"], v["precision"], computes_in_cell(v), *_test_cells(task, v, base),
                      _size(v["size_bytes"]), _size(v["size_compressed_bytes"]), f"{lat1:.2f}", f"{latn:.2f}",
                      f"{base['latency_ms']['1'] / lat1:.2f}× / {base['latency_ms'][n] / latn:.2f}×",
                      _status(v) + _marks(manifest, v["name"])])
@@ -48,12 +48,21 @@ def computes_in_cell(entry: dict) -> str:
     return ran["precision"]
 
 
+def _test_cells(task, entry: dict, base: dict) -> list[str]:
+    """The task's cells for the variant's test figures; dashes where it could not be read on test."""
+    if entry.get("accuracy") is None:
+        return ["—"] * len(task.columns())
+    return task.cells(entry["accuracy"], base["accuracy"])
+
+
 def _status(entry: dict) -> str:
     """The gate's word on the validation images, and where the test images, which only report,
     put an accepted variant outside the budget (never hidden, never acted on)."""
     on_test = entry.get("on_test") or {}
     if entry["status"] == "accepted" and on_test.get("status") == "rejected":
         return f"accepted on validation; outside the budget on test: {on_test['reason']}"
+    if on_test.get("status") == "not measured":
+        return f"{entry['status']}; not measured on test: {on_test['reason']}"
     return entry["status"]
 
 
