@@ -68,6 +68,14 @@ class Classification(Task):
             return 100 * (1 - metrics["agreement"])
         return 100 * (baseline["top1"] - metrics["top1"])
 
+    def judged_note(self, dataset, labelled, scored) -> str | None:
+        if scored:
+            return None
+        why = ("has no labels" if not labelled else
+               "has class folders that are not the model's classes (matched by name)")
+        return (f"dataset {dataset} {why}: each variant is judged by how often its top-1 agrees with fp32's; it may "
+                f"disagree on at most --max-accuracy-drop percent of the images, the most its top-1 could fall")
+
     def columns(self) -> list[str]:
         return ["top-1", "agree fp32", "Δ top-1 [95% CI]"]
 

@@ -2,7 +2,10 @@
 server answers `/predict` and names its protocol outputs, and when a shadow agrees.
 
 Adding a task is one `register_task` call with a `Task`; the optimizer and the server look the
-manifest's `task` up here (numpy only: the serving path imports no torch).
+manifest's `task` up here (numpy only: the serving path imports no torch). A task whose scores may
+hold an output kind that is no distribution over the classes (a classifier's multi-label
+probabilities) reads it with a task of its own, `register_reading`; `get_task` with the kind, or
+`task_of` a manifest, finds it.
 """
 
 from __future__ import annotations
@@ -59,6 +62,11 @@ class Parameter:
         schema = {"count": {"type": "integer", "minimum": 1}, "flag": {"type": "boolean"},
                   "fraction": {"type": "number", "minimum": 0, "maximum": 1}}[self.kind]
         return {**schema, "default": self.default} if self.default is not None else schema
+
+
+# The least probability that counts: a one-channel map's foreground pixel, a multi-label class answered.
+THRESHOLD = Parameter("threshold", "fraction", "the least probability of a foreground pixel (segmentation with a "
+                      "one-channel map) or of a class answered (multi-label classification)", 0.5)
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,11 @@ class Task:
         fp32's own metrics): what `tune --max-accuracy-drop` compares; None where nothing was measured."""
         raise NotImplementedError
 
+    def judged_note(self, dataset: str, labelled: bool, scored: bool) -> str | None:
+        """The manifest's note on how a variant is judged where `dataset`'s labels (`labelled`: it has
+        some; `scored`: they name the model's classes) do not judge it (None: nothing to say)."""
+        return None
+
     def columns(self) -> list[str]:
         """The report's columns for this task's measures."""
         raise NotImplementedError
@@ -180,15 +193,31 @@ class Task:
 
 
 _TASKS: Registry[Task] = Registry("task")
+_READINGS: dict[tuple[str, str], Task] = {}
 
 
 def register_task(task: Task) -> Task:
     return _TASKS.register(task.name, task)
 
 
-def get_task(name: str | None) -> Task:
-    """The task `name`; manifests written before tasks existed are classification."""
-    return _TASKS.get(name or "classification")
+def register_reading(kind: str, task: Task) -> Task:
+    """`task` (its `name` a registered task's) is how that task reads scores holding output kind `kind`."""
+    if (task.name, kind) in _READINGS:
+        raise ValueError(f"task {task.name!r} already has a reading of {kind!r}")
+    _READINGS[task.name, kind] = task
+    return task
+
+
+def get_task(name: str | None, output_kind: str | None = None) -> Task:
+    """The task `name` (manifests written before tasks existed are classification), as it reads scores
+    holding `output_kind` where it registered a reading of its own."""
+    task = _TASKS.get(name or "classification")
+    return _READINGS.get((task.name, output_kind), task) if output_kind else task
+
+
+def task_of(manifest: dict) -> Task:
+    """The task that reads a manifest's outputs: its `task`, as its `output_kind` says."""
+    return get_task(manifest.get("task"), manifest.get("output_kind"))
 
 
 def list_tasks() -> list[str]:
@@ -209,9 +238,12 @@ def gate_minimums() -> list[tuple[str, GateMinimum]]:
 def task_parameters() -> list[tuple[Parameter, list[str]]]:
     """Every `/predict` parameter a task declares, with the tasks that take it (one name, one meaning)."""
     found: dict[str, tuple[Parameter, list[str]]] = {}
-    for name in list_tasks():
-        for parameter in get_task(name).parameters:
+    readings = [(name, get_task(name)) for name in list_tasks()]
+    readings += [(f"{name} ({kind.replace('_', '-')})", task) for (name, kind), task in sorted(_READINGS.items())]
+    for name, task in readings:
+        for parameter in task.parameters:
             if parameter.name in found and found[parameter.name][0] != parameter:
                 raise ValueError(f"tasks declare /predict parameter {parameter.name!r} two ways")
-            found.setdefault(parameter.name, (parameter, []))[1].append(name)
+            if name not in found.get(parameter.name, (None, []))[1]:
+                found.setdefault(parameter.name, (parameter, []))[1].append(name)
     return list(found.values())

@@ -15,10 +15,10 @@ import numpy as np
 
 from optiserve.intervals import bootstrap_interval, format_difference, mean_interval, paired_bootstrap_difference
 from optiserve.tasks.output_kinds import get_output_kind
-from optiserve.tasks.registry import GateLimits, GateMinimum, Parameter, Task, register_task
+from optiserve.tasks.registry import THRESHOLD, GateLimits, GateMinimum, Task, register_task
 
 AGREE_PIXELS = 0.99  # a shadow's mask agrees with the answer's when at least this share of pixels match
-MAP_THRESHOLD = 0.5  # a one-channel map's pixel is foreground at this probability or above (?threshold=)
+MAP_THRESHOLD = THRESHOLD.default  # a one-channel map's pixel is foreground at this probability or above
 
 
 def masks(raw: np.ndarray, manifest: dict | None = None, threshold: float | None = None) -> np.ndarray:
@@ -88,8 +88,7 @@ class Segmentation(Task):
     reads_output_kind = True
     distills = "class-scores"  # per pixel
     gate_minimum = GateMinimum("min_miou", "mIoU against fp32's masks")
-    parameters = (Parameter("threshold", "fraction", "the least probability of a foreground pixel (segmentation "
-                            "with a one-channel map)", MAP_THRESHOLD),)
+    parameters = (THRESHOLD,)
 
     def class_count(self, width: int) -> int:
         return 2 if width == 1 else width

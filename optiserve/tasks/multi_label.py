@@ -1,0 +1,105 @@
+"""Multi-label classification: [N, K] independent class probabilities (output kind `multi_label`: a
+classifier ending in a sigmoid over K > 1 classes), each class on its own. A class is present at
+`threshold` or above. Judged by how often each image's classes are present in a variant exactly
+where fp32 has them (per image and class); answered with every class at the threshold or above,
+best first."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from optiserve.intervals import mean_interval
+from optiserve.tasks.classification import Classification
+from optiserve.tasks.registry import THRESHOLD, GateLimits, register_reading
+
+KIND = "multi_label"
+GATE_THRESHOLD = THRESHOLD.default  # what the gate and a shadow's agreement take as present
+
+
+def present(probabilities: np.ndarray, threshold: float = GATE_THRESHOLD) -> np.ndarray:
+    """[N, K] booleans: each image's classes at `threshold` or above."""
+    return probabilities >= threshold
+
+
+class MultiLabelClassification(Classification):
+    description = "one [N, K] tensor of K independent class probabilities (multi-label)"
+    parameters = (THRESHOLD,)
+    distills = None  # a pruned copy's recovery matches one distribution over the classes, which these are not
+
+    def measures(self, out, reference, labels) -> dict:
+        """class_agreement: the share of (image, class) pairs on which the class is present in both or
+        in neither at the gate's threshold. Labels name one class per image and score nothing here (the
+        manifest's note says so: `judged_note`)."""
+        agree = present(out) == present(reference)
+        return {"top1": None, "class_agreement": float(agree.mean()), "threshold": GATE_THRESHOLD,
+                "max_abs_diff": float(np.abs(out - reference).max())}
+
+    def metrics(self, out, reference, labels) -> dict:
+        """`measures`, with the 95% interval of the agreement, resampled by image (one image's classes are
+        not independent of each other)."""
+        metrics = self.measures(out, reference, labels)
+        per_image = (present(out) == present(reference)).mean(1)
+        metrics["class_agreement_ci95"] = mean_interval(per_image)
+        return metrics
+
+    def headline(self, metrics) -> dict:
+        return {"class_agreement": metrics["class_agreement"]}
+
+    def gate(self, metrics, baseline, limits: GateLimits, why_not: str = "") -> tuple[str, str | None]:
+        """A class may be present in the variant and not in fp32, or the other way round, on at most
+        `max_accuracy_drop` percent of the (image, class) pairs."""
+        if why_not:
+            return "unvalidated", why_not
+        differ = 100 * (1 - metrics["class_agreement"])
+        if differ > limits.max_accuracy_drop:
+            return "rejected", (f"classes at {metrics['threshold']:g} or above differ from fp32's on {differ:.2f}% "
+                                f"of the (image, class) pairs (limit {limits.max_accuracy_drop:g})")
+        return "accepted", None
+
+    def accuracy_drop(self, metrics, baseline) -> float | None:
+        """The percent of (image, class) pairs whose presence differs from fp32's."""
+        return 100 * (1 - metrics["class_agreement"])
+
+    def judged_note(self, dataset, labelled, scored) -> str | None:
+        labels = (f"dataset {dataset}'s labels name one class per image, which does not score a multi-label model: "
+                  if labelled else f"dataset {dataset} has no labels: ")
+        return (f"{labels}each variant is judged by its agreement with fp32 per image and class (a class present at "
+                f"probability {GATE_THRESHOLD:g} or above in both, or in neither); they may differ on at most "
+                f"--max-accuracy-drop percent of the (image, class) pairs")
+
+    def columns(self) -> list[str]:
+        return ["classes agree fp32 [95% CI]"]
+
+    def cells(self, metrics, baseline) -> list[str]:
+        cell = f"{100 * metrics['class_agreement']:.2f}%"
+        if metrics.get("class_agreement_ci95"):
+            low, high = metrics["class_agreement_ci95"]
+            cell += f" [{100 * low:.2f}, {100 * high:.2f}]"
+        return [cell]
+
+    def legend(self, manifest) -> str:
+        return (f"Multi-label: each class is present at probability {GATE_THRESHOLD:g} or above, on its own. Classes "
+                f"agree fp32 is the share of (image, class) pairs on which a class is present in both the variant "
+                f"and fp32 or in neither, with a 95% bootstrap interval resampled by image; a variant is accepted "
+                f"where they differ on at most --max-accuracy-drop percent of the pairs. A dataset's labels name one "
+                f"class per image, which does not score a multi-label model.")
+
+    def answer(self, raw, manifest, params) -> dict:
+        """Per image every class at `threshold` (default 0.5) or above, best first."""
+        classes = manifest["classes"]
+        threshold = params.get("threshold")
+        threshold = THRESHOLD.default if threshold is None else threshold
+        probs = np.asarray(raw, dtype=np.float32)  # the model's own probabilities: no softmax, no second sigmoid
+        answers = []
+        for p in probs:
+            found = np.flatnonzero(present(p, threshold))
+            answers.append([{"class": classes[i], "index": int(i), "probability": float(p[i])}
+                            for i in found[np.argsort(-p[found], kind="stable")]])
+        return {"predictions": answers}
+
+    def agreed(self, answered, shadow, manifest=None) -> int:
+        """Images on which the shadow has exactly the answer's classes present (at the gate's threshold)."""
+        return int((present(answered) == present(shadow)).all(1).sum())
+
+
+register_reading(KIND, MultiLabelClassification())
