@@ -43,7 +43,7 @@ from optiserve.bench.results import environment
 from optiserve.bench.senders import RawImageSender
 from optiserve.errors import UserError
 from optiserve.files import atomic_write
-from optiserve.tasks import get_task
+from optiserve.tasks import task_of
 
 TUNE_FILE = "tune.json"
 SETTINGS_FILE = "serving.json"
@@ -141,7 +141,7 @@ def accuracy_drop(manifest: dict, entry: dict) -> float | None:
     accuracy, base = chosen_accuracy(entry), chosen_accuracy(baseline) if baseline else None
     if not accuracy or not base:
         return None
-    return get_task(manifest.get("task")).accuracy_drop(accuracy, base)
+    return task_of(manifest).accuracy_drop(accuracy, base)
 
 
 ACCURACY_MEASURES = {"top1": "top-1", "miou": "mIoU", "miou_fp32": "mIoU vs fp32", "map50": "mAP@0.5",

@@ -14,8 +14,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-# What an ending's `kind` may be besides the output kinds (tasks/output_kinds.py): K > 1 independent
-# sigmoids, which no output kind stands for yet.
+# The output kind (tasks/output_kinds.py) of K > 1 independent sigmoids, which only classification reads.
 MULTI_LABEL = "multi_label"
 
 # operations that move or resize values without changing what they hold: looked through
@@ -33,7 +32,7 @@ CLASS_AXIS = 1
 
 @dataclass(frozen=True)
 class OutputEnding:
-    """`kind`: an output kind's name (or MULTI_LABEL) the last operation gives, None where it says
+    """`kind`: the output kind's name (tasks/output_kinds.py) the last operation gives, None where it says
     nothing; `said`: what was read, for the manifest's `output_kind_from` and for errors."""
 
     kind: str | None

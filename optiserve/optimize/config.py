@@ -55,7 +55,7 @@ class OptimizeConfig:
     task: str | None = None           # None: classification for one [N, K] output
     task_output: str | None = None    # a model with several outputs: the one the task reads (None: the first)
     detection_head: str = "auto"      # detection from an ONNX file: rows | yolov5 | yolov8 | detr (auto: by shapes)
-    output_kind: str = "auto"         # classification: logits | probabilities | log_probabilities (auto: read from the model)
+    output_kind: str = "auto"         # logits | probabilities | log_probabilities | multi_label (auto: read from the model)
     min_cosine: float = GateLimits.min_cosine  # each task's gate minimum (tasks declare them: GateMinimum)
     min_miou: float = GateLimits.min_miou
     min_map: float = GateLimits.min_map

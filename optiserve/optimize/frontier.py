@@ -15,11 +15,12 @@ def _value(task, entry: dict) -> float:
     return float("-inf") if value is None else float(value)
 
 
-def mark_frontier(entries: list[dict], batch: int, task_name: str) -> None:
+def mark_frontier(entries: list[dict], batch: int, task_name: str, output_kind: str | None = None) -> None:
     """Sets each entry's `frontier`: {"on": bool, "why": None, or what keeps it off}. A variant is
     off when another servable one is at least as fast at `batch` and at least as accurate, and
-    better on one of the two; a rejected one is off for its gate."""
-    task, n = get_task(task_name), str(batch)
+    better on one of the two; a rejected one is off for its gate. `output_kind`: what the scores
+    hold, where the task reads it."""
+    task, n = get_task(task_name, output_kind), str(batch)
     pool = [e for e in entries if e["status"] in SERVABLE]
     for e in entries:
         if e["status"] not in SERVABLE:

@@ -9,7 +9,7 @@ import math
 from xml.sax.saxutils import escape
 
 from optiserve.artifacts import chosen_accuracy
-from optiserve.tasks import get_task
+from optiserve.tasks import task_of
 
 WIDTH, HEIGHT, MARGIN = 720, 440, 64
 FILE = "frontier.svg"
@@ -18,7 +18,7 @@ FILE = "frontier.svg"
 def _points(manifest: dict) -> list[dict]:
     """Name, images/s, measure (x100) and its interval, and where it stands, for every variant and
     every candidate the search dropped."""
-    task, n = get_task(manifest.get("task")), str(manifest["latency_batch"])
+    task, n = task_of(manifest), str(manifest["latency_batch"])
     rows = [(v, "frontier" if v["frontier"]["on"] else "kept") for v in manifest["variants"]]
     rows += [(d, "dropped") for d in manifest["search"]["dropped"]]
     points = []
@@ -38,7 +38,7 @@ def _points(manifest: dict) -> list[dict]:
 def render_frontier(manifest: dict) -> str:
     """The SVG text of the frontier plot of a manifest whose run searched."""
     points = _points(manifest)
-    task = get_task(manifest.get("task"))
+    task = task_of(manifest)
     measure = next(iter(task.headline(chosen_accuracy(manifest["variants"][0]))))
     xs = [math.log10(p["x"]) for p in points]
     ys = [v for p in points for v in (p["low"], p["high"])]

@@ -16,7 +16,7 @@ from optiserve import artifacts
 from optiserve.errors import UserError, failure_reason
 from optiserve.machine import usable_cores
 from optiserve.models import LoadedModel
-from optiserve.models.output_ending import MULTI_LABEL, OutputEnding
+from optiserve.models.output_ending import OutputEnding
 from optiserve.optimize.attempts import Attempts
 from optiserve.optimize.config import OptimizeConfig
 from optiserve.optimize.prune import compressed_size
@@ -25,7 +25,7 @@ from optiserve.runtime import RuntimeOptions, Session, get_backend, load_session
 from optiserve.runtime.fastest import choose_fastest
 from optiserve.runtime.timing import interleaved_times
 from optiserve.tasks import get_task
-from optiserve.tasks.output_kinds import get_output_kind, kinds_matching
+from optiserve.tasks.output_kinds import get_output_kind, holds, kinds_matching, list_output_kinds
 
 if TYPE_CHECKING:  # the passes use this module; it reads only their Variant's fields
     from optiserve.optimize.passes.registry import Variant
@@ -52,13 +52,13 @@ def output_kind(loaded: LoadedModel, cfg: OptimizeConfig, outputs: np.ndarray) -
     matching = kinds_matching(outputs)
     seen = f"fp32's outputs for {len(outputs)} held-out images"
     if cfg.output_kind != "auto":
-        if cfg.output_kind not in matching:
+        if not holds(cfg.output_kind, outputs):
             raise UserError(f"--output-kind {cfg.output_kind}, but {seen} are not "
                             f"{get_output_kind(cfg.output_kind).description}; say what they hold with --output-kind")
         agrees = f", as {ending.said}" if ending.kind == cfg.output_kind else ""
         return {"output_kind": cfg.output_kind, "output_kind_from": f"--output-kind{agrees}"}
     if ending.kind is not None:
-        if ending.kind not in matching:
+        if not holds(ending.kind, outputs):
             raise UserError(f"{ending.said}, which gives {ending.kind}, but {seen} are not "
                             f"{get_output_kind(ending.kind).description}; say what they hold with --output-kind")
         return {"output_kind": ending.kind, "output_kind_from": f"{ending.said}; {seen} agree"}
@@ -70,12 +70,15 @@ def output_kind(loaded: LoadedModel, cfg: OptimizeConfig, outputs: np.ndarray) -
 
 
 def stated_against_graph(loaded: LoadedModel, cfg: OptimizeConfig) -> OutputEnding:
-    """The model's ending (models/output_ending.py), checked before anything is built: a kind no
-    output kind stands for, or --output-kind contradicting the graph, stops the run in one line."""
+    """The model's ending (models/output_ending.py), checked before anything is built: a kind the
+    model's task does not read (a segmenter's multi-label scores), or --output-kind contradicting the
+    graph, stops the run in one line."""
     ending = loaded.output_ending()
-    if ending.kind == MULTI_LABEL:
-        raise UserError(f"{ending.said}: optiserve serves a classifier's scores as one distribution over the "
-                        f"classes (logits, probabilities or log-probabilities), not as independent sigmoids")
+    for kind, said in ((ending.kind, ending.said), (cfg.output_kind, f"--output-kind {cfg.output_kind}")):
+        if kind not in (None, "auto") and not get_output_kind(kind).read_by(loaded.task):
+            read = [k for k in list_output_kinds() if get_output_kind(k).read_by(loaded.task)]
+            raise UserError(f"{said}: optiserve reads a {loaded.task} model's scores as {', '.join(read)}, not as "
+                            f"{get_output_kind(kind).description}")
     if cfg.output_kind != "auto" and ending.kind not in (None, cfg.output_kind):
         raise UserError(f"--output-kind {cfg.output_kind}, but {ending.said}, which gives {ending.kind}; drop "
                         f"--output-kind or give {ending.kind}")
@@ -133,6 +136,7 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
             session = load_session(stage / v.file, entry, base_manifest, options)
             if v.name == baseline_name:  # what its scores hold decides how every variant's are read
                 reading = output_kind(loaded, cfg, session.run(valset.images[:KIND_IMAGES]))
+                task = get_task(loaded.task, reading.get("output_kind"))
             logits = predict(session, valset.images, keep=lambda raw: task.reduce(raw, reading))
         except Exception as e:  # built, but its engine cannot run it: said in the report, not fatal
             if v.name == baseline_name:
@@ -203,7 +207,7 @@ def report_on_test(entries: list[dict], timed: Timed, testset: EvalSet, loaded, 
     on the validation images: the table's figure and its interval. The task's gate is applied to it
     only to say (`on_test`) where a variant accepted on validation falls outside the budget on test;
     nothing is decided by it."""
-    task = get_task(loaded.task)
+    task = get_task(loaded.task, reading.get("output_kind"))
     keep = lambda raw: task.reduce(raw, reading)  # noqa: E731
     reference = predict(timed.sessions[baseline_name], testset.images, keep=keep)
     baseline = task.metrics(reference, reference, testset.labels)

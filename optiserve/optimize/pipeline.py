@@ -128,14 +128,14 @@ def _held_out(split, data: DatasetSplits, loaded: LoadedModel, cfg: OptimizeConf
     return held
 
 
-def _judged_by_agreement(loaded: LoadedModel, data: DatasetSplits, why_not: str, mapping) -> list[str]:
-    """The note that says a classifier is judged without labels, and why."""
-    if why_not or loaded.task != "classification" or mapping is not None:
+def _judged_by_agreement(loaded: LoadedModel, data: DatasetSplits, why_not: str, mapping,
+                         read: str | None) -> list[str]:
+    """The note that says a classifier is judged without labels, and why (its task's words, as its
+    scores are read)."""
+    if why_not or loaded.task != "classification":
         return []
-    why = ("has no labels" if not data.labelled else
-           "has class folders that are not the model's classes (matched by name)")
-    return [f"dataset {data.name} {why}: each variant is judged by how often its top-1 agrees with fp32's; "
-            f"it may disagree on at most --max-accuracy-drop percent of the images, the most its top-1 could fall"]
+    note = get_task(loaded.task, read).judged_note(data.name, data.labelled, mapping is not None)
+    return [note] if note else []
 
 
 def run_optimize(cfg: OptimizeConfig) -> dict:
@@ -148,11 +148,15 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         if cfg.output_kind != "auto" and not get_task(loaded.task).reads_output_kind:
             raise UserError(f"--output-kind says what a classifier's or segmenter's scores hold; {cfg.model} is "
                             f"run for {loaded.task}")
+        read = None  # what its scores hold, as far as the graph or --output-kind tell before anything runs
         if get_task(loaded.task).reads_output_kind:  # read from the graph now: a contradiction stops the run early
-            stated_against_graph(loaded, cfg)
-        if cfg.prune_channels is not None and get_task(loaded.task).distills is None:
+            ending = stated_against_graph(loaded, cfg)
+            read = cfg.output_kind if cfg.output_kind != "auto" else ending.kind
+        if cfg.prune_channels is not None and get_task(loaded.task, read).distills is None:
+            whose = (f"a {loaded.task} model's" if get_task(loaded.task).distills is None
+                     else f"a {loaded.task} model's {read} scores")
             raise UserError(f"--prune-channels recovers the pruned model by matching the original's answers, which "
-                            f"a {loaded.task} model's cannot be one to one; use --prune (unstructured) instead")
+                            f"{whose} cannot be one to one; use --prune (unstructured) instead")
         if cfg.prune_channels is not None and loaded.outputs:
             raise UserError(f"--prune-channels recovers the pruned model by matching the original's one output; "
                             f"{cfg.model} returns several ({', '.join(o['name'] for o in loaded.outputs)}): use "
@@ -180,13 +184,13 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     with artifacts.staging_folder(out) as stage:
         variants: list[Variant] = []
         notes: list[str] = [f"dataset {data.name}: {n}" for n in left_out] + _judged_by_agreement(loaded, data, why_not,
-                                                                                                    mapping)
+                                                                                                    mapping, read)
         if data.split_note:
             notes.append(f"dataset {data.name}: {data.split_note}")
         skipped: list[dict] = []  # variants this machine cannot run fast, with the reason: rows of their own
         attempts = Attempts(log, stage, skipped)
         run = Run(stage, loaded, data, valset, cfg, why_not, log, attempts, variants, notes, example, checks,
-                  label_mapping=None if mapping is None else np.asarray(mapping))
+                  label_mapping=None if mapping is None else np.asarray(mapping), read_as=read)
         passes = passes_for(run.form, cfg)
         for each in passes:  # every pass after the baseline is an attempt: one that raises
             each.build(run)  # is its variants' failed rows, and the run goes on
@@ -198,7 +202,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                 if each.settle is not None:
                     entries, settled = each.settle(entries, cfg.latency_batch, timed)
                     notes += settled
-            mark_frontier(entries, cfg.latency_batch, loaded.task)
+            mark_frontier(entries, cfg.latency_batch, loaded.task, kind.get("output_kind"))
             if run.searched:
                 entries, dropped = drop_off_frontier(entries)
                 for row in dropped:

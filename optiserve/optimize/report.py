@@ -7,7 +7,7 @@ from optiserve.artifacts import chosen_accuracy
 from optiserve.machine import cpu_line
 from optiserve.optimize.attempts import LOG_FILE
 from optiserve.runtime.fastest import describe as describe_choice
-from optiserve.tasks import get_task
+from optiserve.tasks import task_of
 
 
 def _marks(manifest: dict, name: str) -> str:
@@ -22,7 +22,7 @@ def summary_rows(manifest: dict) -> list[list[str]]:
     n = str(manifest["latency_batch"])
     base = next(v for v in manifest["variants"] if v["name"] == manifest["baseline"])
     rows = []
-    task = get_task(manifest.get("task"))
+    task = task_of(manifest)
     for v in manifest["variants"]:
         lat1, latn = v["latency_ms"]["1"], v["latency_ms"][n]
         rows.append([v["name"], v["backend"], v["precision"], computes_in_cell(v), *_test_cells(task, v, base),
@@ -68,7 +68,7 @@ def _status(entry: dict) -> str:
 
 def summary_header(manifest: dict) -> list[str]:
     n = manifest["latency_batch"]
-    return ["variant", "backend", "precision", "computes in", *get_task(manifest.get("task")).columns(), "size", "zlib size", "p50 ms b1",
+    return ["variant", "backend", "precision", "computes in", *task_of(manifest).columns(), "size", "zlib size", "p50 ms b1",
             f"p50 ms b{n}", f"speedup b1 / b{n}", "status"]
 
 
@@ -94,7 +94,7 @@ def search_lines(manifest: dict) -> list[str]:
     if not search:
         return []
     n = str(manifest["latency_batch"])
-    task = get_task(manifest.get("task"))
+    task = task_of(manifest)
     base = chosen_accuracy(next(v for v in manifest["variants"] if v["name"] == manifest["baseline"]))
     rows = [(v, "**on the frontier**" if v["frontier"]["on"] else f"kept, off the frontier: {v['frontier']['why']}")
             for v in manifest["variants"]]
@@ -148,7 +148,7 @@ def render_report(manifest: dict) -> str:
         lines += ["", f"Passes that failed ({', '.join(f['name'] for f in manifest['failed'])}): each one's "
                       f"traceback is in `{LOG_FILE}` beside this report; the other variants were built as usual."]
     lines += search_lines(manifest)
-    lines += ["", get_task(manifest.get("task")).legend(manifest)]
+    lines += ["", task_of(manifest).legend(manifest)]
     lines += ["", recommendation_line(manifest)]
     lines += ["", "Notes:"] + [f"- {n}" for n in manifest["notes"]]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in manifest["versions"].items()), ""]

@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from optiserve.tasks import get_task
+from optiserve.tasks import task_of
 from optiserve.artifacts import read_manifest_versioned
 from optiserve.input_spec import InputSpec
 from optiserve.machine import usable_cores
@@ -84,7 +84,7 @@ class ServedModel:
         self.spec = InputSpec.from_dict(self.manifest["input"])
         self.protocol_input = ProtocolInput.of(self.manifest, self.spec)  # the file's own, where optimize adapted it
         self.classes: list[str] = self.manifest["classes"]
-        self.task = get_task(self.manifest.get("task"))  # what the output means: answers, outputs, agreement
+        self.task = task_of(self.manifest)  # what the output means: answers, outputs, agreement
         self.output_width = self.task.width(self.manifest)
         # the model's outputs beside the one the task reads, served under their own names
         self.extra_outputs: list[dict] = list(self.manifest.get("outputs") or [])[1:]

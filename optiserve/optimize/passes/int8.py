@@ -87,7 +87,6 @@ def _accuracy_aware(stage: Path, loaded, valset: EvalSet, batches, cfg: Optimize
         return lambda fp32, int8, settings: settings
     base_manifest = session_manifest(loaded)
     options = RuntimeOptions(device="cpu", extra={"spin": False})
-    task = get_task(loaded.task)
 
     def logits(path: Path, images: np.ndarray, keep=None) -> np.ndarray:
         session = load_session(path, {"name": path.name, "backend": "onnxruntime"}, base_manifest, options)
@@ -95,6 +94,7 @@ def _accuracy_aware(stage: Path, loaded, valset: EvalSet, batches, cfg: Optimize
 
     def run(fp32: str, int8: str, settings: dict) -> dict:
         reading = output_kind(loaded, cfg, logits(stage / fp32, valset.images[:KIND_IMAGES]))
+        task = get_task(loaded.task, reading.get("output_kind"))
         reduce = lambda raw: task.reduce(raw, reading)  # noqa: E731
         reference = logits(stage / fp32, valset.images, reduce)
         baseline = task.metrics(reference, reference, valset.labels)

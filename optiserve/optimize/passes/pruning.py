@@ -68,8 +68,9 @@ def _build_pruned_channels(run: Run) -> None:
     why_not = ""
     if searching and run.why_not:
         why_not = f"the search needs accuracy it can measure ({run.why_not})"
-    elif searching and get_task(run.loaded.task).distills is None:
-        why_not = f"a {run.loaded.task} model's answers cannot be matched one to one while it recovers"
+    elif searching and get_task(run.loaded.task, run.read_as).distills is None:
+        whose = run.loaded.task if get_task(run.loaded.task).distills is None else f"{run.read_as} {run.loaded.task}"
+        why_not = f"a {whose} model's answers cannot be matched one to one while it recovers"
     elif searching and run.loaded.outputs:
         why_not = "the model returns several outputs; recovery matches one"
     elif searching and not cfg.onnx:

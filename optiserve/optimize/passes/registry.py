@@ -57,6 +57,7 @@ class Run:
     label_mapping: object = None       # the model's class of each of the data's labels; None: no labels to learn from
     searched: bool = False             # whether the pruning search ran (its candidates off the frontier are dropped)
     unpruned_outputs: object = None    # the unpruned model's outputs on the validation images, once for every ratio
+    read_as: str | None = None         # what its scores hold as the graph or --output-kind say before anything runs
 
     @property
     def form(self) -> str:
