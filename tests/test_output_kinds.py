@@ -100,7 +100,7 @@ def test_output_kind_can_be_stated_and_is_refused_for_other_tasks(small_cnn_chec
     assert manifest["output_kind"] == "logits"
     assert manifest["output_kind_from"] == "--output-kind, as the torch model ends in linear (a linear operation)"
     with pytest.raises(UserError, match="unknown --output-kind 'odds'; use auto, log_probabilities, logits, "
-                                        "probabilities"):
+                                        "multi_label, probabilities"):
         OptimizeConfig("small_cnn", output_kind="odds").validate()
     (tmp_path / "vectors.py").write_text("import torch\n\n\ndef build():\n"
                                          "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 8))\n")
@@ -219,12 +219,13 @@ def test_what_an_output_holds_is_read_from_the_operation_the_model_ends_in(tmp_p
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("form", FORMS)
-def test_independent_sigmoids_over_several_classes_are_not_read_as_logits(tmp_path, form):
-    loaded, _, model = _model(tmp_path, "ten sigmoids", form)
-    with pytest.raises(UserError, match=f"^{GRAPH[form]} [Ss]igmoid over 10 classes, each on its own "
-                                        r"\(multi-label\): optiserve serves .* not as independent sigmoids$"):
-        run_optimize(OptimizeConfig(model, input=InputOverrides((1, SIDE, SIDE), (0.0,), (1.0,)),
-                                    out=str(tmp_path / "a"), progress=False))
+def test_independent_sigmoids_over_several_classes_are_read_as_multi_label_not_logits(tmp_path, form):
+    reading = _read(tmp_path, "ten sigmoids", form)
+    assert reading["output_kind"] == "multi_label", reading
+    assert reading["output_kind_from"].startswith(f"{GRAPH[form]} {'sigmoid' if form == 'torch' else 'Sigmoid'} "
+                                                  f"over 10 classes, each on its own (multi-label)"), reading
+    _, outputs, _ = _model(tmp_path, "ten sigmoids", form)
+    assert "multi_label" not in kinds_matching(outputs)  # values alone never suggest it: only the graph does
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
