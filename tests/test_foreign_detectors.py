@@ -1,12 +1,15 @@
 """Detectors as other tools export them: YOLOv5/v7 ([N, A, 5 + C]), YOLOv8/v11 ([N, 4 + C, A]) and
 DETR (class logits and normalised boxes) heads get their decoding and NMS appended to the graph,
-checked here against a plain numpy decoding of the file's own outputs; one YOLOv8 exported by
-Ultralytics' own exporter (tests/data) goes from `optimize` to `/predict`."""
+checked here against the exporters' own post-processing of the file's own outputs (Ultralytics'
+`non_max_suppression`, `transformers`' DETR post-processor); one YOLOv8 exported by Ultralytics' own
+exporter (tests/data) goes from `optimize` to `/predict`."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import re
 from pathlib import Path
 
 import httpx
@@ -14,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from PIL import Image
+import torch
 from torch import nn
 
 from conftest import assert_detection_gated, serving
@@ -22,8 +26,11 @@ from optiserve.data.image_input import image_to_input
 from optiserve.errors import UserError
 from optiserve.input_spec import InputSpec, placement
 from optiserve.models import InputOverrides, load_model
-from optiserve.models.detector_heads.registry import DETECTIONS, PER_CLASS, SCORE_FLOOR
+from optiserve.models.detector_heads import HeadDecoding
+from optiserve.models.detector_heads.registry import DETECTIONS, SCORE_FLOOR
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+os.environ.setdefault("YOLO_OFFLINE", "1")  # Ultralytics, the reference below: no network probe on import
 
 ULTRALYTICS_YOLOV8 = Path(__file__).parent / "data" / "yolov8-ultralytics.onnx"
 
@@ -36,52 +43,48 @@ def heads(tmp_path_factory) -> dict[str, Path]:
             "detr": export_head(DetrLayout(), folder / "detr.onnx", ["logits", "pred_boxes"], 11)}
 
 
-# --- the same decoding in plain numpy -------------------------------------------------------------
+# --- the exporters' own post-processing --------------------------------------------------------------
 
-def greedy_nms(boxes: np.ndarray, scores: np.ndarray, iou: float) -> list[int]:
-    """Indices kept, best first: each box suppresses the lower-scoring ones overlapping it above `iou`."""
-    order, kept = list(np.argsort(-scores, kind="stable")), []
-    while order:
-        best, order = order[0], order[1:]
-        kept.append(best)
-        lt = np.maximum(boxes[best, :2], boxes[order, :2])
-        rb = np.minimum(boxes[best, 2:], boxes[order, 2:])
-        inter = np.clip(rb - lt, 0, None).prod(-1)
-        area = lambda b: (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])  # noqa: E731
-        overlap = inter / (area(boxes[best]) + area(boxes[order]) - inter)
-        order = [o for o, v in zip(order, overlap) if v <= iou]
-    return kept
+def ultralytics_nms(raw: np.ndarray, iou: float, size: tuple[int, int], agnostic: bool = False) -> list[np.ndarray]:
+    """Ultralytics' own `non_max_suppression` on a [N, 4 + C, A] head at its defaults (each box
+    under its best class, class-aware unless `agnostic`), its boxes clipped to the image by its own
+    `clip_boxes`, as its predictor does before answering."""
+    import torch
+    from ultralytics.utils.nms import non_max_suppression
+    from ultralytics.utils.ops import clip_boxes
+
+    kept = non_max_suppression(torch.from_numpy(raw.copy()), conf_thres=SCORE_FLOOR, iou_thres=iou,
+                               agnostic=agnostic, max_det=DETECTIONS)
+    return [np.concatenate([clip_boxes(k[:, :4], size).numpy(), k[:, 4:6].numpy()], 1) for k in kept]
 
 
-def corners(cxcywh: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+def detr_post_processing(logits: np.ndarray, boxes: np.ndarray, size: tuple[int, int]) -> list[np.ndarray]:
+    """`transformers`' own `DetrImageProcessor.post_process_object_detection`, the best first; its
+    boxes clipped to the image, which optiserve's answers are and DETR's own are not."""
+    import torch
+    from transformers import DetrImageProcessor
+    from transformers.models.detr.modeling_detr import DetrObjectDetectionOutput
+
+    found = DetrImageProcessor().post_process_object_detection(
+        DetrObjectDetectionOutput(logits=torch.from_numpy(logits), pred_boxes=torch.from_numpy(boxes)),
+        threshold=SCORE_FLOOR, target_sizes=[size] * len(logits))
     h, w = size
-    half = cxcywh[..., 2:] / 2
-    return np.clip(np.concatenate([cxcywh[..., :2] - half, cxcywh[..., :2] + half], -1), 0, [w, h, w, h])
+    rows = [np.concatenate([np.clip(f["boxes"].numpy(), 0, [w, h, w, h]), f["scores"].numpy()[:, None],
+                            f["labels"].numpy()[:, None]], 1) for f in found]
+    return [r[np.argsort(-r[:, 4], kind="stable")] for r in rows]
 
 
-def decoded(head: str, outputs: list[np.ndarray], size: tuple[int, int]) -> list[np.ndarray]:
-    """Each image's rows (x1, y1, x2, y2, score, class), the best first, as the head's own tools decode it."""
-    found = []
-    for i in range(len(outputs[0])):
-        if head == "detr":
-            logits, boxes = outputs[0][i], outputs[1][i]
-            p = np.exp(logits - logits.max(-1, keepdims=True))
-            p = (p / p.sum(-1, keepdims=True))[:, :-1]
-            score, label = p.max(-1), p.argmax(-1)
-            xyxy = corners(boxes * np.array([size[1], size[0]] * 2), size)
-            rows = [[*xyxy[q], score[q], label[q]] for q in range(len(score)) if score[q] > SCORE_FLOOR]
-        else:
-            raw = outputs[0][i] if head == "yolov5" else outputs[0][i].T           # [A, 5 + C] or [A, 4 + C]
-            scores = raw[:, 5:] * raw[:, 4:5] if head == "yolov5" else raw[:, 4:]
-            xyxy, iou = corners(raw[:, :4], size), 0.45 if head == "yolov5" else 0.7
-            rows = []
-            for c in range(scores.shape[1]):
-                candidates = np.where(scores[:, c] > SCORE_FLOOR)[0]
-                for k in greedy_nms(xyxy[candidates], scores[candidates, c], iou)[:PER_CLASS]:
-                    rows.append([*xyxy[candidates[k]], scores[candidates[k], c], c])
-        rows = np.array(rows, dtype=np.float32).reshape(-1, 6)
-        found.append(rows[np.argsort(-rows[:, 4], kind="stable")][:DETECTIONS])
-    return found
+def decoded(head: str, outputs: list[np.ndarray], size: tuple[int, int], agnostic: bool = False) -> list[np.ndarray]:
+    """Each image's rows (x1, y1, x2, y2, score, class), the best first, as the head's own tools
+    decode it: DETR by `transformers`, YOLOv8 by Ultralytics at its predictor's IoU (0.7), YOLOv5 by
+    the same NMS at YOLOv5's (0.45) on its scores as YOLOv5's own NMS forms them (objectness x class)."""
+    if head == "detr":
+        return detr_post_processing(outputs[0], outputs[1], size)
+    if head == "yolov5":
+        raw = outputs[0]                                                  # [N, A, 5 + C]
+        v8 = np.concatenate([raw[..., :4], raw[..., 5:] * raw[..., 4:5]], -1).transpose(0, 2, 1)
+        return ultralytics_nms(v8, 0.45, size, agnostic)
+    return ultralytics_nms(outputs[0], 0.7, size, agnostic)
 
 
 def assert_same_rows(rows: np.ndarray, want: np.ndarray, box_atol: float = 1e-3) -> None:
@@ -118,6 +121,83 @@ def test_each_head_is_recognised_and_decoded_in_the_graph_as_its_own_tools_decod
         assert not found[len(expected):].any()  # rows past the detections found are all zero
 
 
+@pytest.mark.parametrize("head", ["yolov8", "yolov5"])
+def test_a_yolo_head_keeps_each_box_under_its_best_class_or_suppresses_across_classes_when_agnostic(heads, head):
+    pictures = digit_pictures(5, 300).astype(np.float32)
+    raw = ort.InferenceSession(str(heads[head])).run(None, {"images": pictures})
+    for agnostic in (False, True):
+        loaded = load_model(str(heads[head]), task="detection", decoding=HeadDecoding(agnostic_nms=agnostic))
+        assert loaded.source["detection_head"]["nms"] == ("agnostic" if agnostic else "per class")
+        rows = ort.InferenceSession(str(loaded.file)).run(None, {"images": pictures})[0]
+        want = decoded(head, raw, (SIDE, SIDE), agnostic=agnostic)
+        for found, expected in zip(rows, want):
+            assert_same_rows(found, expected)
+            found = found[found[:, 4] > 0]
+            assert len(np.unique(found[:, :4], axis=0)) == len(found)  # no box answered under two classes
+
+
+class Crowd(nn.Module):
+    """A YOLOv8 head of twelve boxes overlapping one another, whose best class cycles through the
+    three and whose scores fall along the anchors (a little lower on darker pictures)."""
+
+    def __init__(self):
+        super().__init__()
+        a = torch.arange(12.0)
+        boxes = torch.stack([30 + a * 0.25, 32 + a * 0, 20 + a * 0, 20 + a * 0])                  # [4, A]
+        best = torch.nn.functional.one_hot(torch.arange(12) % 3, 3).T.float()                   # [3, A]
+        self.register_buffer("base", torch.cat([boxes, 0.05 + best * (0.9 - a * 0.05)]))      # [7, A]
+
+    def forward(self, x):
+        level = x.mean((1, 2, 3)).view(-1, 1, 1)
+        return self.base[None] * torch.cat([level.expand(-1, 4, 1) * 0 + 1, 0.9 + 0.1 * level.expand(-1, 3, 1)], 1)
+
+
+def test_overlapping_boxes_of_other_classes_are_kept_per_class_and_suppressed_when_agnostic(tmp_path):
+    file = export_head(Crowd(), tmp_path / "crowd.onnx", ["output0"], 17)
+    pictures = digit_pictures(3, 300).astype(np.float32)
+    raw = ort.InferenceSession(str(file)).run(None, {"images": pictures})
+    for agnostic, kept in ((False, [0, 1, 2]), (True, [0])):
+        loaded = load_model(str(file), task="detection", decoding=HeadDecoding(agnostic_nms=agnostic))
+        rows = ort.InferenceSession(str(loaded.file)).run(None, {"images": pictures})[0]
+        for found, expected in zip(rows, decoded("yolov8", raw, (SIDE, SIDE), agnostic=agnostic)):
+            assert_same_rows(found, expected)
+            assert list(found[found[:, 4] > 0, 5]) == kept  # the best box of each class, or of all
+
+
+class Normalised(nn.Module):
+    """A YOLOv8 head whose boxes are normalised to the input, as some exporters give them."""
+
+    def __init__(self):
+        super().__init__()
+        self.grid = YoloV8Layout()
+
+    def forward(self, x):
+        out = self.grid(x)
+        return torch.cat([out[:, :4] / SIDE, out[:, 4:]], 1)
+
+
+def test_boxes_normalised_to_the_input_are_recognised_and_decoded_once_said(tmp_path, pictures):
+    file = export_head(Normalised(), tmp_path / "normalised.onnx", ["output0"], 17)
+    with pytest.raises(UserError, match=r"the boxes yolov8 finds on \d+ held-out images reach at most 1\.\d\d px "
+                                        r"of its 64x64 input: they read as normalised to 0\.\.1; say so with "
+                                        r"--box-units normalized"):
+        run_optimize(OptimizeConfig(str(file), task="detection", int8=False, openvino=False, latency_batch=1,
+                                    dataset=f"imagefolder:{pictures}", out=str(tmp_path / "out"), progress=False))
+    loaded = load_model(str(file), task="detection", decoding=HeadDecoding(box_units="normalized"))
+    assert loaded.source["detection_head"]["box_units"] == "normalized"
+    pictures_ = digit_pictures(5, 300).astype(np.float32)
+    raw = ort.InferenceSession(str(file)).run(None, {"images": pictures_})[0]
+    rows = ort.InferenceSession(str(loaded.file)).run(None, {"images": pictures_})[0]
+    # as Ultralytics' AutoBackend reads normalised boxes: scaled to the input, then its own NMS
+    want = decoded("yolov8", [np.concatenate([raw[:, :4] * SIDE, raw[:, 4:]], 1)], (SIDE, SIDE))
+    assert any(len(w) for w in want)
+    for found, expected in zip(rows, want):
+        assert_same_rows(found, expected)
+    with pytest.raises(UserError, match=r"a DETR head has no NMS .*: drop --agnostic-nms"):
+        load_model(str(export_head(DetrLayout(), tmp_path / "detr.onnx", ["logits", "pred_boxes"], 13)),
+                   task="detection", decoding=HeadDecoding(agnostic_nms=True))
+
+
 def test_a_head_is_named_where_the_shapes_do_not_say_it_and_refused_where_it_does_not_fit(tmp_path):
     one_class = export_head(nn.Sequential(Grid(6), Transpose()), tmp_path / "one-class-v5.onnx", ["output0"], 13)
     rows = load_model(str(one_class), task="detection")  # [N, A, 6]: read as rows unless told
@@ -126,8 +206,8 @@ def test_a_head_is_named_where_the_shapes_do_not_say_it_and_refused_where_it_doe
     assert told.source["detection_head"]["classes"] == 1
     with pytest.raises(UserError, match=r"--detection-head detr reads class logits .*; .* gives output0 \[\?, 64, 6\]"):
         load_model(str(one_class), task="detection", detection_head="detr")
-    with pytest.raises(UserError, match=r"--detection-head says how a detector's outputs are laid out; .* "
-                                        r"\(--task detection\)"):
+    with pytest.raises(UserError, match=r"--detection-head, --agnostic-nms and --box-units say how a detector's "
+                                        r"outputs are laid out; .* \(--task detection\)"):
         load_model(str(one_class), task="embedding", detection_head="yolov5")
     odd = export_head(nn.Sequential(nn.Conv2d(3, 2, 8, stride=8), nn.Flatten(2)), tmp_path / "odd.onnx", ["out"], 13)
     with pytest.raises(UserError, match=r"--task detection: .* gives out \[\?, 2, 64\], which is no detector head "
@@ -191,10 +271,14 @@ def ultralytics_artifact(pictures, tmp_path_factory) -> tuple[Path, dict]:
 
 def test_a_yolov8_from_its_own_exporter_is_optimized_with_its_decoding_in_float(ultralytics_artifact):
     out, manifest = ultralytics_artifact
-    assert manifest["task"] == "detection" and manifest["output_shape"] == [DETECTIONS, 6]
+    assert manifest["task"] == "detection" and manifest["output_shape"] == [84, 6]  # every anchor of 8x8, 4x4, 2x2
     assert manifest["source"]["detection_head"]["head"] == "yolov8" and manifest["source"]["opset"] == 12
     by_name = {v["name"]: v for v in manifest["variants"]}
     assert "yolov8 head decoded, NMS" in by_name["onnx-fp32"]["settings"]["from"]
+    head = manifest["source"]["detection_head"]
+    assert (head["box_units"], head["nms"]) == ("pixels", "per class")
+    assert re.fullmatch(r"the default; the boxes yolov8 finds on \d+ held-out images reach \d+\.\d px",
+                        head["box_units_from"])
     assert by_name["onnx-fp32"]["accuracy"]["map50_fp32"] == pytest.approx(1.0)
     assert by_name["onnx-int8"]["settings"]["architecture"] == "detector"  # NMS found: decoding left in float
     assert by_name["onnx-int8"]["settings"]["converted_from_opset"] == 12

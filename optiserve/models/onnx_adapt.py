@@ -105,14 +105,16 @@ def feed_as_float_nchw(graph: AdaptedGraph, facts: OnnxGraphFacts) -> None:
     graph.settings["input_adapted"] = {**facts.input_facts(), "added": ", ".join(steps)}
 
 
-def append_head(graph: AdaptedGraph, head, outputs: tuple[ModelOutput, ...], image_size: tuple[int, int]) -> None:
-    """Append `head`'s decoding after the graph; its [N, D, 6] rows become the graph's one output."""
+def append_head(graph: AdaptedGraph, head, outputs: tuple[ModelOutput, ...], image_size: tuple[int, int],
+                decoding) -> None:
+    """Append `head`'s decoding after the graph as `decoding` (a HeadDecoding) says; its [N, D, 6]
+    rows become the graph's one output."""
     import onnx
     from onnx import helper
 
     model = graph.model
     edit = GraphEdit(model, f"{DECODING_PREFIX}{head.name}")
-    found, settings = head.append(edit, outputs, image_size)
+    found, settings = head.append(edit, outputs, image_size, decoding)
     edit.nodes[-1].output[0] = "detections"
     model.graph.node.extend(edit.nodes)
     if any(o.name == "detections" for o in model.graph.output) or any("detections" in n.output for n in

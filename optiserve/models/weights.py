@@ -17,7 +17,7 @@ from torch import nn
 from optiserve.checkpoint import NotACheckpoint, read_checkpoint
 from optiserve.errors import UserError, first_line
 from optiserve.files import sha256_file
-from optiserve.models.detector_heads import head_for
+from optiserve.models.detector_heads import HeadDecoding, head_for
 from optiserve.models.onnx_adapt import append_head, feed_as_float_nchw, load_for_edit
 from optiserve.models.onnx_file import CHANNELS, OUTPUT_DTYPES, ModelOutput, at_input_size, show_shape
 from optiserve.input_spec import CROP_FRACTION, InputSpec
@@ -121,20 +121,23 @@ class LoadedModel:
 def load_model(name: str, weights: str | None = None, num_classes: int | None = None,
                input_spec: InputSpec | None = None, overrides: InputOverrides = InputOverrides(),
                labels: list[str] | None = None, task: str | None = None,
-               task_output: str | None = None, detection_head: str = "auto") -> LoadedModel:
+               task_output: str | None = None, detection_head: str = "auto",
+               decoding: HeadDecoding = HeadDecoding()) -> LoadedModel:
     """Build MODEL `name` from its source and load `weights` (default: the model's default weights);
     `overrides` and `labels` say what the user knows of its input and classes, `task` what its
     output means (default: classification for one [N, K] output) and, for a model file with several
-    outputs, `task_output` which one it reads (default: the first)."""
+    outputs, `task_output` which one it reads (default: the first); for a detector file,
+    `detection_head` and `decoding` how its outputs are laid out and decoded."""
     if task is not None and task not in list_tasks():
         raise UserError(f"unknown task {task!r}; use {' | '.join(list_tasks())}")
     if not is_registered(name):
         return _ready(_load_from_source(name, weights, num_classes, overrides, labels, task, task_output,
-                                        detection_head))
+                                        detection_head, decoding))
     if task_output is not None:
         raise UserError(f"--task-output is for a model with several outputs; {name} has one")
-    if detection_head != "auto":
-        raise UserError(f"--detection-head reads a detector's outputs from an ONNX file; {name} is a classifier")
+    if detection_head != "auto" or decoding != HeadDecoding():
+        raise UserError(f"--detection-head, --agnostic-nms and --box-units read a detector's outputs from an ONNX "
+                        f"file; {name} is a classifier")
     if task not in (None, "classification"):
         raise UserError(f"the registered model {name} is a classifier; --task {task} is for other sources")
     entry = get_model_entry(name)
@@ -163,7 +166,7 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
 
 def _load_from_source(name: str, weights: str | None, num_classes: int | None, overrides: InputOverrides,
                       labels: list[str] | None, task: str | None, task_output: str | None = None,
-                      detection_head: str = "auto") -> LoadedModel:
+                      detection_head: str = "auto", decoding: HeadDecoding = HeadDecoding()) -> LoadedModel:
     """A torchvision, timm, user-code or file model: built by its source, weights from a state dict
     file unless the model file holds its own."""
     source = find_source(name)
@@ -177,9 +180,10 @@ def _load_from_source(name: str, weights: str | None, num_classes: int | None, o
     if built.weights == "in the file" and weights not in (None, "random"):
         raise UserError(f"{name} holds its weights; drop --weights")
     if built.module is None:
-        return _file_model(name, built, spec, labels, task, task_output, overrides, detection_head)
-    if detection_head != "auto":
-        raise UserError(f"--detection-head reads a detector's outputs from an ONNX file; {name} is a torch model")
+        return _file_model(name, built, spec, labels, task, task_output, overrides, detection_head, decoding)
+    if detection_head != "auto" or decoding != HeadDecoding():
+        raise UserError(f"--detection-head, --agnostic-nms and --box-units read a detector's outputs from an ONNX "
+                        f"file; {name} is a torch model")
     model = built.module.eval()
     if weights == "imagenet":
         raise UserError(f"--weights imagenet is for the registered models; for {name} pass a weights file "
@@ -244,7 +248,8 @@ def _forms() -> str:
 
 
 def _file_model(name: str, built, spec: InputSpec, labels: list[str] | None, task: str | None,
-                task_output: str | None, overrides: InputOverrides, detection_head: str) -> LoadedModel:
+                task_output: str | None, overrides: InputOverrides, detection_head: str,
+                decoding: HeadDecoding) -> LoadedModel:
     """A model file that holds its own weights (ONNX): checked against the input, run here only where
     its output sizes depend on the input's. An input other than float32 [N, C, H, W] and a detector
     head other than [N, D, 6] rows are adapted inside the graph (models.onnx_adapt). The task reads
@@ -265,15 +270,18 @@ def _file_model(name: str, built, spec: InputSpec, labels: list[str] | None, tas
     outputs = list(at_input_size(graph.serialized() if graph else built.file, facts, spec.shape))
     if task == "detection":
         head = head_for(tuple(outputs), detection_head, name)
+        if head.native and decoding != HeadDecoding():
+            raise UserError(f"{name} gives {head.layout}, decoded and suppressed already: drop --agnostic-nms and "
+                            f"--box-units")
         if not head.native:
             graph = graph or load_for_edit(built.file, facts)
-            append_head(graph, head, tuple(outputs), spec.size)
+            append_head(graph, head, tuple(outputs), spec.size, decoding)
             rows = graph.settings["detection_head"]["detections"]
             outputs, task_output = [ModelOutput("detections", (None, rows, 6), "float32")], None
             spec = _head_input(spec, head, overrides)
-    elif detection_head != "auto":
-        raise UserError(f"--detection-head says how a detector's outputs are laid out; {name} is not run as one "
-                        f"(--task detection)")
+    elif detection_head != "auto" or decoding != HeadDecoding():
+        raise UserError(f"--detection-head, --agnostic-nms and --box-units say how a detector's outputs are laid "
+                        f"out; {name} is not run as one (--task detection)")
     file, keep = (built.file, None) if graph is None else graph.write()
     task, outputs = _task_reads(outputs, task, task_output, name)
     shape = tuple(outputs[0].shape[1:])

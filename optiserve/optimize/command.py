@@ -9,6 +9,7 @@ from optiserve.models import RESIZE_MODES, InputOverrides, list_models
 from optiserve.tasks import gate_minimums, list_tasks
 from optiserve.tasks.output_kinds import get_output_kind, list_output_kinds
 from optiserve.models.detector_heads import get_head, list_heads
+from optiserve.models.detector_heads.registry import BOX_UNITS
 from optiserve.models.weights import WEIGHT_CHOICES
 from optiserve.optimize.config import OptimizeConfig
 from optiserve.optimize.pipeline import run_optimize
@@ -67,7 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--detection-head", default="auto", choices=["auto", *list_heads()],
                    help="detection, an ONNX file: how its outputs are laid out — " + "; ".join(
                        f"{h}: {get_head(h).layout}" for h in list_heads()) +
-                   " (default auto: read from the output shapes). Decoding and NMS are appended to the graph")
+                   " (default auto: read from the output shapes). Decoding and NMS are appended to the graph, "
+                        "as the exporter's own post-processing does it: each box under its best class, NMS per class")
+    p.add_argument("--agnostic-nms", action="store_true",
+                   help="detection, a YOLO head: NMS over all classes at once (Ultralytics' agnostic_nms)")
+    p.add_argument("--box-units", default="auto", choices=list(BOX_UNITS),
+                   help="detection, a YOLO head: its boxes in input pixels or normalised to 0..1 (default auto: "
+                        "pixels, and a run whose boxes all lie within 0..1 on the validation images stops to ask)")
     p.add_argument("--output-kind", default="auto", choices=["auto", *list_output_kinds()],
                    help="classification, segmentation: what the scores hold — " + "; ".join(
                        f"{k}: {get_output_kind(k).description}" for k in list_output_kinds()) +
@@ -161,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         max_accuracy_drop=args.max_accuracy_drop,
         latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
         num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, output_kind=args.output_kind,
-        detection_head=args.detection_head,
+        detection_head=args.detection_head, agnostic_nms=args.agnostic_nms, box_units=args.box_units,
         **{minimum.name: getattr(args, minimum.name) for _, minimum in gate_minimums()}, masks=args.masks, ignore_index=args.ignore_index, boxes=args.boxes,
         test=args.test,
         input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),

@@ -55,6 +55,8 @@ class OptimizeConfig:
     task: str | None = None           # None: classification for one [N, K] output
     task_output: str | None = None    # a model with several outputs: the one the task reads (None: the first)
     detection_head: str = "auto"      # detection from an ONNX file: rows | yolov5 | yolov8 | detr (auto: by shapes)
+    agnostic_nms: bool = False        # ... NMS over all classes at once instead of per class
+    box_units: str = "auto"           # ... a YOLO head's boxes: auto (pixels, checked) | pixels | normalized
     output_kind: str = "auto"         # logits | probabilities | log_probabilities | multi_label (auto: read from the model)
     min_cosine: float = GateLimits.min_cosine  # each task's gate minimum (tasks declare them: GateMinimum)
     min_miou: float = GateLimits.min_miou

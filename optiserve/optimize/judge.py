@@ -37,6 +37,7 @@ def session_manifest(loaded) -> dict:
             **({"outputs": loaded.outputs} if loaded.outputs else {})}
 
 
+NORMALISED_REACH = 1.5  # px: how far a YOLO head's boxes normalised to 0..1 can reach
 KIND_IMAGES = 256  # held-out images whose fp32 outputs say what the model's scores hold
 
 
@@ -67,6 +68,26 @@ def output_kind(loaded: LoadedModel, cfg: OptimizeConfig, outputs: np.ndarray) -
                                                              f"be logits"}
     raise UserError(f"{ending.said}, which does not say what its scores hold, and {seen} could be "
                     f"{' or '.join(matching)}; say which with --output-kind")
+
+
+def confirm_box_units(loaded: LoadedModel, rows: np.ndarray) -> None:
+    """A YOLO head's boxes are read as input pixels unless --box-units says otherwise; where every
+    box found on the held-out images ends within NORMALISED_REACH pixels of the origin (a box
+    normalised to 0..1 reaches at most 1.5: centre 1, width 1) of an input many pixels wide, they
+    read as normalised to the input, and the run stops asking for --box-units. The manifest says how
+    the units were known."""
+    head = loaded.source.get("detection_head") or {}
+    if head.get("box_units") != "pixels" or head.get("box_units_from") != "the default":
+        return
+    rows = np.asarray(rows)
+    found = rows[rows[..., 4] > 0]
+    seen = f"the boxes {head['head']} finds on {len(rows)} held-out images"
+    if len(found) and float(found[:, :4].max()) <= NORMALISED_REACH < min(loaded.input.size) / 4:
+        h, w = loaded.input.size
+        raise UserError(f"{seen} reach at most {float(found[:, :4].max()):.2f} px of its {w}x{h} input: they read "
+                        f"as normalised to 0..1; say so with --box-units normalized (or --box-units pixels)")
+    head["box_units_from"] = (f"the default; {seen} reach {float(found[:, :4].max()):.1f} px" if len(found) else
+                              f"the default; {seen}: none to confirm it")
 
 
 def stated_against_graph(loaded: LoadedModel, cfg: OptimizeConfig) -> OutputEnding:
@@ -135,7 +156,9 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
         try:
             session = load_session(stage / v.file, entry, base_manifest, options)
             if v.name == baseline_name:  # what its scores hold decides how every variant's are read
-                reading = output_kind(loaded, cfg, session.run(valset.images[:KIND_IMAGES]))
+                seen = session.run(valset.images[:KIND_IMAGES])
+                reading = output_kind(loaded, cfg, seen)
+                confirm_box_units(loaded, seen)
                 task = get_task(loaded.task, reading.get("output_kind"))
             logits = predict(session, valset.images, keep=lambda raw: task.reduce(raw, reading))
         except Exception as e:  # built, but its engine cannot run it: said in the report, not fatal

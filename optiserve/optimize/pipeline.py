@@ -15,6 +15,7 @@ from optiserve import artifacts
 from optiserve.data import DatasetSplits, load_dataset
 from optiserve.errors import UserError
 from optiserve.models import LoadedModel, load_model, read_labels
+from optiserve.models.detector_heads import HeadDecoding
 from optiserve.models.onnx_file import is_onnx_file
 from optiserve.models.sources import is_registered
 from optiserve.optimize.attempts import LOG_FILE, Attempts
@@ -43,7 +44,8 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
     labels = read_labels(cfg.labels) if cfg.labels else None
     if not is_registered(cfg.model):
         return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task,
-                          task_output=cfg.task_output, detection_head=cfg.detection_head)
+                          task_output=cfg.task_output, detection_head=cfg.detection_head,
+                          decoding=HeadDecoding(cfg.agnostic_nms, cfg.box_units))
     if weights is None and cfg.dataset == "digits":
         ckpt = default_checkpoint(cfg.model, "digits")
         if not ckpt.is_file():
@@ -54,7 +56,8 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
             train(TrainConfig(model=cfg.model, dataset="digits", out=str(ckpt), progress=cfg.progress))
         weights = str(ckpt)
     return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task,
-                          task_output=cfg.task_output, detection_head=cfg.detection_head)
+                          task_output=cfg.task_output, detection_head=cfg.detection_head,
+                          decoding=HeadDecoding(cfg.agnostic_nms, cfg.box_units))
 
 
 def class_mapping(model_classes: list[str], data_classes: list[str]) -> list[int] | None:

@@ -6,6 +6,6 @@ engine runs any batch and INT8 leaves the post-processing in float (see optimize
 Adding a head is a module with a `DetectorHead` and its `register_head` call, imported below.
 """
 
-from optiserve.models.detector_heads.registry import (DetectorHead, get_head, head_for, list_heads,  # noqa: F401
-                                                      register_head)
+from optiserve.models.detector_heads.registry import (DetectorHead, HeadDecoding, get_head,  # noqa: F401
+                                                      head_for, list_heads, register_head)
 from optiserve.models.detector_heads import rows, yolo, detr  # noqa: F401,E402  registration

@@ -1,12 +1,14 @@
 """DETR-style set prediction: class logits [N, Q, C + 1] (the last class is "no object") and boxes
 [N, Q, 4] as centre x, y, width, height normalised to the input. Each query answers its best class
 by softmax; queries are a set, so there is nothing for NMS to suppress (DETR's own post-processing
-has none): the rows are the queries scoring at least the floor, the best first."""
+has none): the rows are the queries scoring above the floor, the best first, as `transformers`'
+`DetrImageProcessor.post_process_object_detection` gives them."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from optiserve.errors import UserError
 from optiserve.models.detector_heads.decode import corners, rows
 from optiserve.models.detector_heads.registry import SCORE_FLOOR, DetectorHead, fixed, register_head
 
@@ -38,7 +40,10 @@ class Detr(DetectorHead):
         split = self._split(outputs)
         return split is not None and (split[0].shape[2] != 4 or "box" in split[1].name.lower())
 
-    def append(self, edit, outputs, image_size):
+    def append(self, edit, outputs, image_size, decoding):
+        if decoding.agnostic_nms or decoding.box_units == "pixels":
+            raise UserError("a DETR head has no NMS and gives boxes normalised to the input: drop --agnostic-nms "
+                            "and --box-units pixels")
         logits, boxes = self._split(outputs)
         if logits.shape[2] == 4 and "box" in logits.name.lower():
             logits, boxes = boxes, logits
@@ -51,9 +56,10 @@ class Detr(DetectorHead):
                                              to=FLOAT)])
         score, query = edit.op("TopK", [best, edit.const([queries], np.int64)], 2, axis=1)
         label = edit.op("GatherElements", [label, query], axis=1)
-        corner = corners(edit, edit.op("Mul", [boxes.name, edit.const([w, h, w, h])]), image_size)
-        return rows(edit, corner, score, label, query), {"classes": classes, "queries": queries,
-                                                          "score_floor": SCORE_FLOOR, "detections": queries}
+        corner = corners(edit, edit.op("Mul", [boxes.name, edit.const([w, h, w, h])]))
+        return rows(edit, corner, score, label, query, image_size), {
+            "classes": classes, "queries": queries, "box_units": "normalized", "box_units_from": "DETR's layout",
+            "score_floor": SCORE_FLOOR, "detections": queries}
 
 
 register_head(Detr())

@@ -10,8 +10,22 @@ from optiserve.models.onnx_file import ModelOutput, show_shape
 from optiserve.registry import Registry
 
 DETECTIONS = 100        # rows per image after decoding: the D of [N, D, 6]
-SCORE_FLOOR = 0.01      # candidates scoring below this are dropped before NMS
-PER_CLASS = 100         # NMS keeps at most this many boxes per image and class
+SCORE_FLOOR = 0.01      # candidates scoring at most this are dropped before NMS
+BOX_UNITS = ("auto", "pixels", "normalized")
+
+
+@dataclass(frozen=True)
+class HeadDecoding:
+    """How the user says a head's raw boxes are decoded: NMS over all classes at once
+    (`agnostic_nms`, as Ultralytics' `agnostic_nms=True`) rather than per class, and the units of
+    a YOLO head's boxes (auto: input pixels, confirmed on the validation images)."""
+
+    agnostic_nms: bool = False
+    box_units: str = "auto"
+
+    def __post_init__(self):
+        if self.box_units not in BOX_UNITS:
+            raise UserError(f"--box-units {self.box_units}: use {' | '.join(BOX_UNITS)}")
 
 
 @dataclass(frozen=True)
@@ -41,9 +55,10 @@ class DetectorHead:
         """Whether the layout is unambiguously this head's, so it is chosen without --detection-head."""
         return self.fits(outputs)
 
-    def append(self, edit, outputs: tuple[ModelOutput, ...], image_size: tuple[int, int]) -> tuple[str, dict]:
-        """Append the decoding to `edit`'s graph; returns the name of the [N, D, 6] tensor and the
-        settings the manifest records."""
+    def append(self, edit, outputs: tuple[ModelOutput, ...], image_size: tuple[int, int],
+               decoding: HeadDecoding) -> tuple[str, dict]:
+        """Append the decoding to `edit`'s graph as `decoding` says; returns the name of the
+        [N, D, 6] tensor and the settings the manifest records."""
         raise NotImplementedError
 
 

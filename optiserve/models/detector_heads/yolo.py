@@ -1,5 +1,5 @@
 """YOLO heads as their own tools export them, before NMS: boxes as centre x, y, width, height in
-input pixels, then scores. v5/v7 give [N, A, 5 + C] with an objectness score that each class
+input pixels (or, from some exporters, normalised to 0..1: `--box-units normalized`), then scores. v5/v7 give [N, A, 5 + C] with an objectness score that each class
 score is multiplied by; v8/v11 give [N, 4 + C, A], class scores only. Fed as YOLO's tools feed
 them: letterboxed with gray 114, pixels / 255, no mean or std."""
 
@@ -31,15 +31,22 @@ class Yolo(DetectorHead):
         """[N, C, A] class scores."""
         raise NotImplementedError
 
-    def append(self, edit, outputs, image_size):
+    def append(self, edit, outputs, image_size, decoding):
         raw, shape = outputs[0].name, outputs[0].shape
         classes, anchors = shape[self.columns_axis] - (self.least - 1), shape[3 - self.columns_axis]
         boxes = edit.slice(raw, 0, 4, self.columns_axis)
         if self.columns_axis == 1:
             boxes = edit.op("Transpose", [boxes], perm=[0, 2, 1])
-        found, settings = rows_after_nms(edit, corners(edit, boxes, image_size), self.scores(edit, raw, classes),
-                                         anchors, classes, self.iou)
-        return found, {"classes": classes, "anchors": anchors, **settings}
+        normalized = decoding.box_units == "normalized"
+        if normalized:
+            h, w = image_size
+            boxes = edit.op("Mul", [boxes, edit.const([w, h, w, h])])
+        found, settings = rows_after_nms(edit, corners(edit, boxes), self.scores(edit, raw, classes), anchors,
+                                         classes, self.iou, decoding.agnostic_nms, image_size)
+        units = "normalized" if normalized else "pixels"
+        said = "the default" if decoding.box_units == "auto" else "--box-units"
+        return found, {"classes": classes, "anchors": anchors, "box_units": units, "box_units_from": said,
+                       **settings}
 
 
 class YoloV5(Yolo):
