@@ -23,6 +23,7 @@ from optiserve.runtime.recorded import fingerprint_differences, recorded_choice
 from optiserve.runtime.timing import interleaved_times
 from optiserve.serve.app import ServeConfig, create_app
 import optiserve.serve.model as served_model
+from optiserve.serve.model import TIE_ROUNDS
 from optiserve.runtime.fastest import choose_fastest
 
 TOKEN = "s3cret-admin-token-0123456789"
@@ -93,8 +94,8 @@ def test_a_recorded_tie_is_timed_again_between_the_tied_variants_on_this_machine
     """The optimizer's rounds could not order two variants that run the same file; its record took
     the smaller (or first-named) by the tie-break, which says nothing of which is faster. On the
     machine it was recorded on, the server times those two itself, and only those (fp32 was clearly
-    slower than both), and says so in its log, /stats and the model's config. A republished folder
-    keeps that timing."""
+    slower than both), for one pass of a few rounds, and says so in its log, /stats and the model's
+    config. A republished folder keeps that timing."""
     # The rule's interval is a 95% one: on a busy machine it now and then separates the same file
     # from itself by chance. That record is a clear win, not the case here, so the optimizer's
     # timing is run again, as a user would run optimize again.
@@ -135,7 +136,9 @@ def test_a_recorded_tie_is_timed_again_between_the_tied_variants_on_this_machine
             assert load.status_code == 200
             again = server.models["tied"].choice
     assert timed == [["onnx-int8", "onnx-int8-twin"]]  # once, the two tied, not fp32
-    assert choice["source"] == "timed" and choice["variant"] in tied and choice["rounds"] >= 3
+    # one pass of a few rounds, never the second, longer one: a check, not the optimizer's timing again
+    assert choice["source"] == "timed" and choice["variant"] in tied and 3 <= choice["rounds"] <= TIE_ROUNDS
+    assert not choice["retimed"]
     assert set(choice["images_per_s"]) == set(tied)
     reason = f"the optimizer's record was a tie within noise between {' and '.join(tied)}: "
     assert choice["why"].startswith(f"highest throughput at batch {n}, timed at start-up ({reason}")

@@ -86,3 +86,13 @@ def test_a_winner_separated_on_the_first_pass_is_not_timed_again():
     choice = choose_fastest(sessions, np.zeros((1, 4), np.float32), sizes={},
                             times={"a": _noisy(10.0, 0.1, 15, 13), "b": _noisy(20.0, 0.1, 15, 14)})
     assert calls == [] and not choice.retimed and choice.chosen == "a"
+
+
+def test_without_a_second_pass_a_tie_stands_as_the_first_pass_found_it():
+    """retime_rounds 0 (the server's check of a recorded tie): no more rounds, the smaller file wins."""
+    calls: list[str] = []
+    sessions = {n: RecordingSession(n, calls) for n in ("a", "b")}
+    first = {"a": [10.0, 11.0, 9.0, 10.5, 9.5], "b": [10.2, 9.8, 10.4, 9.6, 10.1]}
+    choice = choose_fastest(sessions, np.zeros((1, 4), np.float32), sizes={"a": 2, "b": 1}, times=first,
+                            retime_rounds=0)
+    assert calls == [] and choice.tie and not choice.retimed and choice.rounds == 5 and choice.chosen == "b"

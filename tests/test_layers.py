@@ -73,3 +73,22 @@ def test_the_server_and_the_load_generator_start_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_torchscript_variant_loads_without_the_model_registry_or_torchvision(tmp_path):
+    """A TorchScript (or TensorRT) file is loaded by torch alone: the model registry, and the
+    torchvision it imports (with torch._dynamo, sympy and triton: seconds of a start), are imported
+    for an eager variant only, which rebuilds its module from the registry."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np, torch\n"
+            "from optiserve.runtime import load_session\n"
+            f"path = {str(tmp_path / 'm.pt')!r}\n"
+            "torch.jit.save(torch.jit.script(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))), path)\n"
+            "session = load_session(path, {'name': 'torchscript', 'backend': 'torchscript'}, {})\n"
+            "assert session.run(np.zeros((2, 1, 4, 4), np.float32)).shape == (2, 3)\n"
+            "print(sorted(m for m in ('torchvision', 'optiserve.models', 'torch._dynamo', 'sympy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent)
+    assert out.stdout.strip() == "[]", out.stdout

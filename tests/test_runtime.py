@@ -104,3 +104,28 @@ def test_the_optimizer_and_bench_engine_load_sessions_that_do_not_spin_when_idle
                                                   openvino=False, out=str(small_artifact.parent / "spin"),
                                                   progress=False, latency_batch=2))
     assert seen and not any(seen)
+
+
+def test_warm_up_runs_the_batch_sizes_each_engine_needs_on_its_device():
+    """ONNX Runtime on the CPU runs its first batch only (after it, a batch size it has not run costs
+    what a warm one does), on a GPU the smallest and the largest; the others every size the batcher
+    forms, as many times as the engine needs (TorchScript's profiling executor: twice)."""
+    from optiserve.runtime.variants import LoadedVariant, warm_up
+
+    class Sizes:
+        def __init__(self, device):
+            self.device, self.runs = device, []
+
+        def run(self, batch):
+            self.runs.append(len(batch))
+            return np.zeros((len(batch), 10), np.float32)
+
+    sizes = [1, 2, 4, 8, 16]
+    ran = {}
+    for backend, device in (("onnxruntime", "cpu"), ("onnxruntime", "cuda"), ("openvino", "cpu"),
+                            ("torchscript", "cpu")):
+        session = Sizes(device)
+        warm_up(LoadedVariant("v", {"backend": backend}, session), [1, 4, 4], sizes)
+        ran[backend, device] = session.runs
+    assert ran == {("onnxruntime", "cpu"): [1], ("onnxruntime", "cuda"): [1, 16], ("openvino", "cpu"): sizes,
+                   ("torchscript", "cpu"): [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]}

@@ -113,12 +113,13 @@ def choose_fastest(sessions: dict[str, Session], batch: np.ndarray, sizes: dict[
     decide; two best that the interval does not separate are timed again, alternating, for up to
     `retime_rounds` more rounds (`retime_seconds` at most), and the two are decided on all their
     rounds (the others, slower than both in the rounds all shared, are out of it: their figures
-    come from another stretch of time). Blocking: off the event loop in a server."""
+    come from another stretch of time). `retime_rounds` 0: no second pass, a tie stands as the
+    first pass found it. Blocking: off the event loop in a server."""
     if times is None:
         times = interleaved_times(sessions, batch, rounds, warmup=2, max_seconds=max_seconds)
     times = {name: list(times[name]) for name in sessions}
     choice = decide(times, sizes)
-    if not choice.tie:
+    if not choice.tie or retime_rounds <= 0:
         return choice
     pair = {name: sessions[name] for name in (choice.fastest, choice.runner_up)}
     more = interleaved_times(pair, batch, retime_rounds, warmup=1, max_seconds=retime_seconds)

@@ -72,8 +72,9 @@ class Backend:
     description: str = ""
     packages: tuple[str, ...] = ()          # the distributions whose version decides its speed
     warm_up_runs: int = 1                   # runs at each batch size before a session is warm
-    warm_each_batch_size: bool = True       # False: a new batch size costs no more than a warm one once the
-                                            # smallest and largest have run (warm those two only)
+    # which of the batch sizes the server forms a session runs before it is warm, given them and the
+    # session's device: each of them, unless a new batch size costs no more than a warm one there
+    warm_sizes: Callable[[list[int], str], list[int]] = lambda sizes, device: sorted(sizes)
     companions: Callable[[str], tuple[str, ...]] = lambda file: ()  # files a variant's file needs beside it
 
 

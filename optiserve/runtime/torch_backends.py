@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from optiserve.errors import UserError
+from optiserve.input_spec import InputSpec
 from optiserve.machine import bf16_missing
-from optiserve.models import InputSpec, create_model
 from optiserve.runtime.registry import RuntimeOptions, computes_in
 
 
@@ -94,6 +94,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _load_eager(path: Path, variant: dict, manifest: dict, options: RuntimeOptions) -> TorchSession:
+    # The model registry (torchvision, and the torch._dynamo, sympy and triton its import pulls in:
+    # seconds) is imported for an eager variant only: TorchScript and TensorRT files load without it.
+    from optiserve.models import create_model
+
     device = torch_device(options.device)
     model = create_model(manifest["model"], len(manifest["classes"]), InputSpec.from_dict(manifest["input"]))
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)

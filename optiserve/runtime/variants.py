@@ -100,11 +100,10 @@ def inside_folder(folder: Path, name, variant: str) -> Path:
 def warm_up(variant: LoadedVariant, shape: list[int], batch_sizes: list[int]) -> None:
     """Run the batch sizes the server will form, before reporting ready, as many times as the backend
     needs (ONNX Runtime and OpenVINO are warm after one run at a shape, a TorchScript graph after
-    two): each size, or only the smallest and largest where the backend runs a new batch size as
-    fast as a warm one."""
+    two): each size, or those the backend says a session on its device needs (ONNX Runtime on the
+    CPU: the smallest only, its first run; after it, a new batch size runs as fast as a warm one)."""
     backend = get_backend(variant.entry["backend"])
-    if not backend.warm_each_batch_size:
-        batch_sizes = sorted({min(batch_sizes), max(batch_sizes)})
+    batch_sizes = backend.warm_sizes(list(batch_sizes), variant.session.device)
     rng = np.random.default_rng(0)
     for b in batch_sizes:
         x = rng.standard_normal((b, *shape), dtype=np.float32)

@@ -31,6 +31,13 @@ from optiserve.serve.traffic import Router, Shadow, ShadowStats, parse_ab
 
 log = logging.getLogger("optiserve.serve")
 
+# Rounds a recorded tie is timed for at start-up, in one pass (no second, longer one). The optimizer's
+# rounds, re-timed ones included, could not separate the two on this kind of machine; what the server
+# looks for is a gap that the load here opens between them, which a few interleaved rounds show. A
+# gap so small that only a second pass could show it is not worth seconds of every start (and of every
+# replica a scaler adds): the pair stays a tie and the smaller file serves, as the record chose.
+TIE_ROUNDS = 5
+
 
 @dataclass
 class ServedVariant:
@@ -175,12 +182,15 @@ class ServedModel:
             self.choice = {**timed, "timed_for_version": version,
                            "why": f"{timed['why']} [timed for version {version[:12]}, whose variant files these are]"}
             return self.choice
-        if recorded.tied:  # the others were slower than both on the optimizer's machine, which is this one
+        # A recorded tie is timed as a check: the others were slower than both on the optimizer's
+        # machine, which is this one, so only the tied two run, for one pass of TIE_ROUNDS rounds.
+        timing = dict(max_seconds=seconds * 2 / 3, retime_seconds=seconds / 3)
+        if recorded.tied:
             candidates = recorded.tied
+            timing = dict(rounds=TIE_ROUNDS, max_seconds=seconds, retime_rounds=0)
         batch = np.random.default_rng(0).standard_normal((max_batch_size, *self.spec.shape), dtype=np.float32)
         sizes = {n: entries[n].get("size_bytes") or 0 for n in candidates}
-        choice = choose_fastest({n: self.variants[n].loaded.session for n in candidates}, batch, sizes,
-                                max_seconds=seconds * 2 / 3, retime_seconds=seconds / 3)
+        choice = choose_fastest({n: self.variants[n].loaded.session for n in candidates}, batch, sizes, **timing)
         throughput = {n: max_batch_size / (ms / 1000) for n, ms in choice.medians_ms.items()}
         self.choice = {"variant": choice.chosen, "batch_size": max_batch_size, "source": "timed",
                        "why": f"highest throughput at batch {max_batch_size}, timed at start-up ({recorded.reason}): "
