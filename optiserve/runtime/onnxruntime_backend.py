@@ -135,10 +135,9 @@ def _unavailable() -> str | None:
 
 def warm_sizes(sizes: list[int], device: str) -> list[int]:
     """The batch sizes a session runs before it is warm. On the CPU its first run only (the smallest):
-    after it, a batch size it has not run costs what a warm one does, the largest included (ResNet-18
-    224 INT8 on 2 cores, 1 then 16: 164-178 ms for the first batch of 16, 160-176 for the next ones;
-    docs/performance.md, "Cold start and resident memory"). Elsewhere (CUDA, not measured so) the
-    smallest and the largest, as before."""
+    after it, a batch size it has not run costs what a warm one does, the largest included
+    (docs/performance.md, "Cold start and resident memory"). Elsewhere (CUDA, not measured so) the
+    smallest and the largest."""
     return [min(sizes)] if device == "cpu" else sorted({min(sizes), max(sizes)})
 
 
