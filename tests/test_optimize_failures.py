@@ -36,7 +36,7 @@ def folder_with_a_failed_pass(small_cnn_checkpoint, tmp_path_factory):
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(int8_pass, "quantize_onnx_static", crash)
         manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
-                                               out=str(out), progress=False, latency_batch=2))
+                                               search="off", out=str(out), progress=False, latency_batch=2))
     return out, manifest
 
 
@@ -163,7 +163,7 @@ def checked_folder(small_cnn_checkpoint, tmp_path_factory):
     (root / "checked.py").write_text(CHECKED.format(checkpoint=str(small_cnn_checkpoint)))
     out = root / "out"
     manifest = run_optimize(OptimizeConfig(f"{root}/checked.py:build", input=InputOverrides((1, 16, 16), (0.0,), (1.0,)),
-                                           openvino=False, latency_batch=2, out=str(out), progress=False))
+                                           openvino=False, search="off", latency_batch=2, out=str(out), progress=False))
     return out, manifest
 
 
@@ -230,7 +230,8 @@ def folder_where_timing_and_int8_calibration_fail(small_cnn_checkpoint, tmp_path
         monkeypatch.setattr(int8_pass, "calibration_batches", no_calibration)
         monkeypatch.setattr(judge, "load_session", load)
         manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
-                                               openvino=False, out=str(out), progress=False, latency_batch=3))
+                                               openvino=False, search="off", out=str(out), progress=False,
+                                               latency_batch=3))
     return out, manifest
 
 
