@@ -113,7 +113,16 @@ def _load_torchscript(path: Path, variant: dict, manifest: dict, options: Runtim
         # crashes the process (docs/performance.md, "On a GPU"), so it stays on the CPU there too.
         device = torch.device("cpu")
     with jit_quietly():
-        module = torch.jit.load(str(path), map_location=device).eval()
+        try:
+            module = torch.jit.load(str(path), map_location=device).eval()
+        except RuntimeError as e:
+            if "torchvision::" not in str(e):
+                raise
+            # The graph calls torchvision's operators (a detector's NMS): they are registered when
+            # torchvision is imported, which a file without them never pays for.
+            import torchvision  # noqa: F401
+
+            module = torch.jit.load(str(path), map_location=device).eval()
         if variant.get("settings", {}).get("optimize_for_inference"):
             # Saved frozen: a module after optimize_for_inference does not reload from disk (torch 2.14),
             # so the optimization is applied here, once, at load time.
