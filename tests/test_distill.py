@@ -3,6 +3,7 @@ on the digits' training images, with or without their labels, whatever its task'
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -24,6 +25,12 @@ def digits(small_cnn_checkpoint):
     loaded = load_model("small_cnn", str(small_cnn_checkpoint))
     data = load_dataset("digits", loaded.input, len(loaded.classes))
     return loaded.model.eval(), data, torch.from_numpy(materialize(data.test, True).images)
+
+
+def _few(data, n: int = 256):
+    """The splits with only the first `n` training images (and calibrating on those): for the tests of
+    how recovery runs, its rounds and deadline, which hold whatever the images it learns from."""
+    return dataclasses.replace(data, train=torch.utils.data.Subset(data.train, range(n)), calib=None)
 
 
 def _pruned(model: nn.Module, test: torch.Tensor) -> nn.Module:
@@ -140,7 +147,7 @@ def test_a_segmenter_is_matched_pixel_by_pixel(digits):
 
 def test_recovery_stops_at_its_deadline(digits):
     teacher, data, test = digits
-    report = distill(_pruned(teacher, test), teacher, data, "class-scores", epochs=3, progress=False,
+    report = distill(_pruned(teacher, test), teacher, _few(data), "class-scores", epochs=3, progress=False,
                      deadline=time.monotonic() - 1)
     assert report["steps"] == 1 and report["stopped_at_deadline"]
 
@@ -154,7 +161,7 @@ def test_recovery_goes_on_in_rounds_twice_as_long_while_its_check_fails_and_stop
         checked.append(_agreement(model, teacher, test))
         return next(answers)
 
-    report = recover(_pruned(teacher, test), teacher, data, "class-scores", 1, good_enough=good_enough,
+    report = recover(_pruned(teacher, test), teacher, _few(data), "class-scores", 1, good_enough=good_enough,
                      progress=False)
     assert report["rounds"] == [1, 2] and report["epochs"] == 3 and report["good_enough"] is True
     assert len(checked) == 2 and not report["undone_round"]
@@ -163,11 +170,11 @@ def test_recovery_goes_on_in_rounds_twice_as_long_while_its_check_fails_and_stop
 def test_recovery_rounds_end_at_the_limit_or_the_deadline_whatever_the_check_says(digits):
     teacher, data, test = digits
     never = lambda model: False  # noqa: E731
-    report = recover(_pruned(teacher, test), teacher, data, "class-scores", 1, good_enough=never, max_rounds=2,
-                     progress=False)
+    report = recover(_pruned(teacher, test), teacher, _few(data), "class-scores", 1, good_enough=never,
+                     max_rounds=2, progress=False)
     assert len(report["rounds"]) == 2 and report["good_enough"] is False
-    late = recover(_pruned(teacher, test), teacher, data, "class-scores", 3, good_enough=never, progress=False,
-                   deadline=time.monotonic() - 1)
+    late = recover(_pruned(teacher, test), teacher, _few(data), "class-scores", 3, good_enough=never,
+                   progress=False, deadline=time.monotonic() - 1)
     assert late["rounds"] == [3] and late["steps"] == 1 and late["stopped_at_deadline"]
 
 

@@ -6,18 +6,26 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_cli
 from optiserve.artifacts import read_manifest
 from optiserve.errors import UserError
+from optiserve.machine import CPU_FLAGS_ENV
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+# The search is what these runs are about: its candidates are timed at batch 1 alone, and the bf16 copies
+# of the unpruned model (tests/test_cpu_flags.py builds and judges those) are left out where the CPU has bf16.
+NO_BF16 = "-avx512_bf16,-amx_bf16"
 
 
 @pytest.fixture(scope="module")
 def searched(small_cnn_checkpoint, tmp_path_factory):
+    """Every kind of candidate the search builds: pruned, its ONNX Runtime INT8 and OpenVINO's INT8 (whose
+    IR has a companion file that must leave with it when it is dropped)."""
     out = tmp_path_factory.mktemp("search") / "small"
-    manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True, search="on",
-                                           search_ratios=(0.5, 0.98, 0.99), finetune_epochs=1, latency_batch=8,
-                                           out=str(out), progress=False))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CPU_FLAGS_ENV, NO_BF16)
+        manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True, search="on",
+                                               search_ratios=(0.5, 0.98, 0.99), finetune_epochs=1, latency_batch=1,
+                                               calib_size=64, out=str(out), progress=False))
     return out, manifest
 
 
@@ -26,9 +34,11 @@ def unrecovered(small_cnn_checkpoint, tmp_path_factory):
     """The same search with no recovery: a pruned candidate keeps the accuracy pruning left it, which
     the gate on the validation images rejects (recovery, checked on those images, would bring it back)."""
     out = tmp_path_factory.mktemp("search") / "unrecovered"
-    manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), search="on",
-                                           search_ratios=(0.5, 0.9), finetune_epochs=0, openvino=False,
-                                           latency_batch=8, out=str(out), progress=False))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CPU_FLAGS_ENV, NO_BF16)
+        manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), search="on",
+                                               search_ratios=(0.5, 0.9), finetune_epochs=0, openvino=False,
+                                               latency_batch=1, out=str(out), progress=False))
     return out, manifest
 
 
@@ -100,11 +110,16 @@ def test_the_report_shows_the_frontier_with_every_candidate(searched, unrecovere
         assert f">{name}</text>" in plot
 
 
-def test_by_default_the_command_searches_only_where_the_data_can_judge(tmp_path):
-    synthetic = run_cli("optimize", "small_cnn", "--weights", "random", "--dataset", "synthetic", "--no-openvino",
-                        "--out", str(tmp_path / "a"))
-    assert synthetic.returncode == 0, synthetic.stderr
-    assert "search" not in read_manifest(tmp_path / "a") and "pruning search" not in synthetic.stderr
+def test_by_default_the_command_searches_only_where_the_data_can_judge(tmp_path, monkeypatch, capsys):
+    from optiserve.cli import main
+
+    monkeypatch.setenv(CPU_FLAGS_ENV, NO_BF16)
+    capsys.readouterr()  # through the CLI's entry point in this process: torch is imported already
+    code = main(["optimize", "small_cnn", "--weights", "random", "--dataset", "synthetic", "--no-openvino",
+                 "--latency-batch", "1", "--out", str(tmp_path / "a")])
+    stderr = capsys.readouterr().err
+    assert code == 0, stderr
+    assert "search" not in read_manifest(tmp_path / "a") and "pruning search" not in stderr
 
 
 @pytest.mark.parametrize("options, message", [
@@ -122,6 +137,7 @@ def test_an_interrupted_search_resumes_from_the_candidates_it_had_recovered(smal
     from optiserve.optimize.passes import pruning
     from optiserve.optimize.search_cache import cache_folder
 
+    monkeypatch.setenv(CPU_FLAGS_ENV, NO_BF16)
     recovered, real = [], pruning.recover
 
     def interrupted_in_the_second(*args, **kwargs):
@@ -133,7 +149,7 @@ def test_an_interrupted_search_resumes_from_the_candidates_it_had_recovered(smal
     monkeypatch.setattr(pruning, "recover", interrupted_in_the_second)
     out = tmp_path / "a"
     options = dict(weights=str(small_cnn_checkpoint), search="on", search_ratios=(0.5, 0.7), openvino=False,
-                   latency_batch=4, out=str(out), progress=False)
+                   latency_batch=1, out=str(out), progress=False)
     with pytest.raises(KeyboardInterrupt):
         run_optimize(OptimizeConfig("small_cnn", **options))
     assert not out.exists() and len(list(cache_folder(out).glob("*.json"))) == 1  # the first one, recovered
