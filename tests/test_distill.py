@@ -79,7 +79,8 @@ def test_a_classifier_that_ends_in_softmax_or_log_softmax_is_matched_as_what_it_
 ENDINGS = {"logits": lambda scores: scores,
            "probabilities": lambda scores: scores.softmax(1) if scores.shape[1] > 1 else scores.sigmoid(),
            "log_probabilities": lambda scores: (scores.log_softmax(1) if scores.shape[1] > 1
-                                                else nn.functional.logsigmoid(scores))}
+                                                else nn.functional.logsigmoid(scores)),
+           "multi_label": lambda scores: scores.sigmoid()}
 
 
 @pytest.mark.parametrize("kind", list_output_kinds())

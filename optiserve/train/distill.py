@@ -59,6 +59,13 @@ def _from_log_probabilities(out: torch.Tensor, temperature: float) -> torch.Tens
     return out
 
 
+def _from_independent_probabilities(out: torch.Tensor, temperature: float) -> torch.Tensor:
+    """K independent probabilities (multi-label): each class its own two-class distribution, [N, 2, K]
+    (not it, it) along axis 1, so the KL is summed per class and averaged over images and classes."""
+    p = out.clamp(EPS, 1 - EPS)
+    return torch.stack([(1 - p).log(), p.log()], dim=1)
+
+
 # Log-probabilities along axis 1 of the distribution class scores of each output kind stand for
 # (output_kinds.py's names), what distillation matches; a kind missing here is refused by name.
 _DISTRIBUTIONS: Registry[Callable[[torch.Tensor, float], torch.Tensor]] = Registry(
@@ -66,6 +73,7 @@ _DISTRIBUTIONS: Registry[Callable[[torch.Tensor, float], torch.Tensor]] = Regist
 _DISTRIBUTIONS.register("logits", _from_logits)
 _DISTRIBUTIONS.register("probabilities", _from_probabilities)
 _DISTRIBUTIONS.register("log_probabilities", _from_log_probabilities)
+_DISTRIBUTIONS.register("multi_label", _from_independent_probabilities)
 TEMPERATURES = {"logits": TEMPERATURE}  # only logits are softened; other kinds are matched as they are
 
 
