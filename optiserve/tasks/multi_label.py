@@ -24,7 +24,7 @@ def present(probabilities: np.ndarray, threshold: float = GATE_THRESHOLD) -> np.
 class MultiLabelClassification(Classification):
     description = "one [N, K] tensor of K independent class probabilities (multi-label)"
     parameters = (THRESHOLD,)
-    distills = None  # pruned copies are not built yet: distillation has its per-class loss, the search no test of it
+    distills = None  # pruning refused for now: distillation has a per-class loss, the search is untested here
 
     def measures(self, out, reference, labels) -> dict:
         """class_agreement: the share of (image, class) pairs on which the class is present in both or
