@@ -20,6 +20,12 @@ def corners(edit, cxcywh: str) -> str:
     return edit.op("Concat", [edit.op("Sub", [centre, half]), edit.op("Add", [centre, half])], axis=2)
 
 
+def in_pixels(edit, boxes: str, image_size: tuple[int, int]) -> str:
+    """[N, A, 4] boxes normalised to 0..1 of the input (H, W) -> input pixels."""
+    h, w = image_size
+    return edit.op("Mul", [boxes, edit.const([w, h, w, h])])
+
+
 def clipped(edit, boxes: str, image_size: tuple[int, int]) -> str:
     """Corners clipped to the image (H, W), as the exporters' post-processing clips what it answers."""
     h, w = image_size

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from optiserve.errors import UserError
-from optiserve.models.detector_heads.decode import corners, rows
+from optiserve.models.detector_heads.decode import corners, in_pixels, rows
 from optiserve.models.detector_heads.registry import SCORE_FLOOR, DetectorHead, fixed, register_head
 
 FLOAT = 1  # onnx.TensorProto.FLOAT
@@ -48,7 +48,6 @@ class Detr(DetectorHead):
         if logits.shape[2] == 4 and "box" in logits.name.lower():
             logits, boxes = boxes, logits
         queries, classes = logits.shape[1], logits.shape[2] - 1
-        h, w = image_size
         probabilities = edit.slice(edit.op("Softmax", [logits.name], axis=-1), 0, classes, 2)
         best, label = edit.op("TopK", [probabilities, edit.const([1], np.int64)], 2, axis=2)
         best, label = edit.reshape(best, [0, -1]), edit.reshape(label, [0, -1])            # [N, Q]
@@ -56,7 +55,7 @@ class Detr(DetectorHead):
                                              to=FLOAT)])
         score, query = edit.op("TopK", [best, edit.const([queries], np.int64)], 2, axis=1)
         label = edit.op("GatherElements", [label, query], axis=1)
-        corner = corners(edit, edit.op("Mul", [boxes.name, edit.const([w, h, w, h])]))
+        corner = corners(edit, in_pixels(edit, boxes.name, image_size))
         return rows(edit, corner, score, label, query, image_size), {
             "classes": classes, "queries": queries, "box_units": "normalized", "box_units_from": "DETR's layout",
             "score_floor": SCORE_FLOOR, "detections": queries}

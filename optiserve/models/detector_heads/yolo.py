@@ -5,7 +5,7 @@ them: letterboxed with gray 114, pixels / 255, no mean or std."""
 
 from __future__ import annotations
 
-from optiserve.models.detector_heads.decode import corners, rows_after_nms
+from optiserve.models.detector_heads.decode import corners, in_pixels, rows_after_nms
 from optiserve.models.detector_heads.registry import DetectorHead, Preprocessing, fixed, register_head
 
 YOLO_INPUT = Preprocessing((0.0, 0.0, 0.0), (1.0, 1.0, 1.0), "letterbox", pad=114)
@@ -39,8 +39,7 @@ class Yolo(DetectorHead):
             boxes = edit.op("Transpose", [boxes], perm=[0, 2, 1])
         normalized = decoding.box_units == "normalized"
         if normalized:
-            h, w = image_size
-            boxes = edit.op("Mul", [boxes, edit.const([w, h, w, h])])
+            boxes = in_pixels(edit, boxes, image_size)
         found, settings = rows_after_nms(edit, corners(edit, boxes), self.scores(edit, raw, classes), anchors,
                                          classes, self.iou, decoding.agnostic_nms, image_size)
         units = "normalized" if normalized else "pixels"
