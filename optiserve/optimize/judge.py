@@ -82,12 +82,15 @@ def confirm_box_units(loaded: LoadedModel, rows: np.ndarray) -> None:
     rows = np.asarray(rows)
     found = rows[rows[..., 4] > 0]
     seen = f"the boxes {head['head']} finds on {len(rows)} held-out images"
-    if len(found) and float(found[:, :4].max()) <= NORMALISED_REACH < min(loaded.input.size) / 4:
+    if not len(found):
+        head["box_units_from"] = f"the default; {seen}: none to confirm it"
+        return
+    reach = float(found[:, :4].max())
+    if reach <= NORMALISED_REACH < min(loaded.input.size) / 4:
         h, w = loaded.input.size
-        raise UserError(f"{seen} reach at most {float(found[:, :4].max()):.2f} px of its {w}x{h} input: they read "
-                        f"as normalised to 0..1; say so with --box-units normalized (or --box-units pixels)")
-    head["box_units_from"] = (f"the default; {seen} reach {float(found[:, :4].max()):.1f} px" if len(found) else
-                              f"the default; {seen}: none to confirm it")
+        raise UserError(f"{seen} reach at most {reach:.2f} px of its {w}x{h} input: they read as normalised to "
+                        f"0..1; say so with --box-units normalized (or --box-units pixels)")
+    head["box_units_from"] = f"the default; {seen} reach {reach:.1f} px"
 
 
 def stated_against_graph(loaded: LoadedModel, cfg: OptimizeConfig) -> OutputEnding:
