@@ -31,7 +31,7 @@ from optiserve.optimize.search_cache import clear_cache
 from optiserve.optimize.trace import validation_batches
 from optiserve.optimize.report import render_report
 from optiserve.optimize.validate import EvalSet, materialize
-from optiserve.tasks import get_task
+from optiserve.tasks import get_task, unmatched_answers
 
 
 def default_checkpoint(model: str, dataset: str) -> Path:
@@ -42,11 +42,7 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
     """Load the weights; for the bundled digits data, train a checkpoint first when there is none yet."""
     weights = cfg.weights
     labels = read_labels(cfg.labels) if cfg.labels else None
-    if not is_registered(cfg.model):
-        return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task,
-                          task_output=cfg.task_output, detection_head=cfg.detection_head,
-                          decoding=HeadDecoding(cfg.agnostic_nms, cfg.box_units))
-    if weights is None and cfg.dataset == "digits":
+    if is_registered(cfg.model) and weights is None and cfg.dataset == "digits":
         ckpt = default_checkpoint(cfg.model, "digits")
         if not ckpt.is_file():
             from optiserve.train import TrainConfig, train
@@ -56,8 +52,8 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
             train(TrainConfig(model=cfg.model, dataset="digits", out=str(ckpt), progress=cfg.progress))
         weights = str(ckpt)
     return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task,
-                          task_output=cfg.task_output, detection_head=cfg.detection_head,
-                          decoding=HeadDecoding(cfg.agnostic_nms, cfg.box_units))
+                      task_output=cfg.task_output, detection_head=cfg.detection_head,
+                      decoding=HeadDecoding(cfg.agnostic_nms, cfg.box_units))
 
 
 def class_mapping(model_classes: list[str], data_classes: list[str]) -> list[int] | None:
@@ -155,11 +151,10 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         if get_task(loaded.task).reads_output_kind:  # read from the graph now: a contradiction stops the run early
             ending = stated_against_graph(loaded, cfg)
             read = cfg.output_kind if cfg.output_kind != "auto" else ending.kind
-        if cfg.prune_channels is not None and get_task(loaded.task, read).distills is None:
-            whose = (f"a {loaded.task} model's" if get_task(loaded.task).distills is None
-                     else f"a {loaded.task} model's {read} scores")
-            raise UserError(f"--prune-channels recovers the pruned model by matching the original's answers, which "
-                            f"{whose} cannot be one to one; use --prune (unstructured) instead")
+        unmatched = unmatched_answers(loaded.task, read)
+        if cfg.prune_channels is not None and unmatched:
+            raise UserError(f"--prune-channels recovers the pruned model by matching the original's answers one to "
+                            f"one, which {unmatched} cannot be; use --prune (unstructured) instead")
         if cfg.prune_channels is not None and loaded.outputs:
             raise UserError(f"--prune-channels recovers the pruned model by matching the original's one output; "
                             f"{cfg.model} returns several ({', '.join(o['name'] for o in loaded.outputs)}): use "
