@@ -14,7 +14,7 @@ from optiserve.optimize.architecture import RECIPES
 from optiserve.optimize.quantize_ort import CALIB_METHODS
 from optiserve.runtime.openvino_backend import _unavailable as openvino_unavailable
 from optiserve.runtime.torch_backends import tensorrt_unavailable, torch_device
-from optiserve.tasks import GateLimits, gate_minimums, get_task, list_tasks
+from optiserve.tasks import GateLimits, gate_minimums, list_tasks, unmatched_answers
 from optiserve.tasks.output_kinds import list_output_kinds
 
 
@@ -101,9 +101,10 @@ class OptimizeConfig:
                 if given:
                     raise UserError(f"{flag} works on a torch model; {self.model} is an ONNX file (its variants are "
                                     f"onnx-fp32, onnx-int8 and the OpenVINO ones)")
-        if self.prune_channels is not None and self.task is not None and get_task(self.task).distills is None:
-            raise UserError(f"--prune-channels recovers the pruned model by matching the original's answers, which "
-                            f"a {self.task} model's cannot be one to one; use --prune (unstructured) instead")
+        unmatched = unmatched_answers(self.task) if self.task is not None else None
+        if self.prune_channels is not None and unmatched:
+            raise UserError(f"--prune-channels recovers the pruned model by matching the original's answers one to "
+                            f"one, which {unmatched} cannot be; use --prune (unstructured) instead")
         if (self.prune is not None or self.prune_channels is not None) and not self.onnx:
             raise UserError("pruned variants are built as ONNX Runtime models; drop --no-onnx")
         if self.openvino and self.onnx and (why := openvino_unavailable()):

@@ -215,6 +215,17 @@ def get_task(name: str | None, output_kind: str | None = None) -> Task:
     return _READINGS.get((task.name, output_kind), task) if output_kind else task
 
 
+def unmatched_answers(name: str, output_kind: str | None = None) -> str | None:
+    """Whose answers a pruned copy's recovery cannot match one to one, as errors and notes name them
+    ("a detection model's answers", or "a classification model's multi_label scores" where only that
+    reading of its scores cannot); None where they can be."""
+    if get_task(name, output_kind).distills is not None:
+        return None
+    if get_task(name).distills is None:
+        return f"a {name} model's answers"
+    return f"a {name} model's {output_kind} scores"
+
+
 def task_of(manifest: dict) -> Task:
     """The task that reads a manifest's outputs: its `task`, as its `output_kind` says."""
     return get_task(manifest.get("task"), manifest.get("output_kind"))

@@ -23,7 +23,7 @@ from optiserve.optimize.quantize_ort import quantize_onnx_static
 from optiserve.optimize.judge import KIND_IMAGES, output_kind
 from optiserve.optimize.validate import EvalSet, predict
 from optiserve.runtime.torch_backends import TorchSession
-from optiserve.tasks import get_task
+from optiserve.tasks import get_task, unmatched_answers
 from optiserve.train.distill import recover
 
 
@@ -68,9 +68,8 @@ def _build_pruned_channels(run: Run) -> None:
     why_not = ""
     if searching and run.why_not:
         why_not = f"the search needs accuracy it can measure ({run.why_not})"
-    elif searching and get_task(run.loaded.task, run.read_as).distills is None:
-        whose = run.loaded.task if get_task(run.loaded.task).distills is None else f"{run.read_as} {run.loaded.task}"
-        why_not = f"a {whose} model's answers cannot be matched one to one while it recovers"
+    elif searching and (unmatched := unmatched_answers(run.loaded.task, run.read_as)):
+        why_not = f"{unmatched} cannot be matched one to one while it recovers"
     elif searching and run.loaded.outputs:
         why_not = "the model returns several outputs; recovery matches one"
     elif searching and not cfg.onnx:
