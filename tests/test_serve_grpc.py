@@ -206,6 +206,38 @@ def test_http_and_grpc_requests_share_one_batch(small_artifact):
     assert grpc_batch == 2 and http_batch == 2  # one batch of two, well before the 3 s delay ran out
 
 
+def test_every_transport_is_answered_by_the_routed_variant_and_mirrored_to_the_shadow_alike(small_artifact, tmp_path):
+    """/predict, the protocol over HTTP and over gRPC go through one request path: each answered by
+    the variant the split routes it to, with the offline runtime's logits, and each mirrored to the
+    model's shadow variant, counted in one place."""
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-0123456789")
+    bearer = {"Authorization": "Bearer s3cret-token-0123456789"}
+    expected = offline_logits(small_artifact, "fp32", IMAGES)
+    with grpc_server(small_artifact, variants=["fp32", "onnx-int8"], ab="fp32=1", admin_token_file=str(token),
+                     max_delay_ms=1) as (http, client, _):
+        r = http.put("/v2/models/small_cnn/traffic", json={"shadow": {"variant": "onnx-int8", "fraction": 1.0}},
+                     headers=bearer)
+        assert r.status_code == 200
+        by_predict = http.post("/predict", json={"inputs": IMAGES.tolist(), "top_k": 1})
+        assert by_predict.json()["variant"] == "fp32"
+        assert [p[0]["index"] for p in by_predict.json()["predictions"]] == expected.argmax(1).tolist()
+        by_http = http.post("/v2/models/small_cnn/infer", json={"inputs": [{
+            "name": "input", "shape": list(IMAGES.shape), "datatype": "FP32", "data": IMAGES.ravel().tolist()}],
+            "outputs": [{"name": "logits"}]})
+        assert by_http.json()["model_version"] == "fp32"
+        np.testing.assert_allclose(np.reshape(by_http.json()["outputs"][0]["data"], (3, 10)), expected, atol=1e-4)
+        by_grpc = client.infer("small_cnn", [_input()], outputs=[triton.InferRequestedOutput("logits")])
+        assert by_grpc.get_response().model_version == "fp32"
+        np.testing.assert_allclose(by_grpc.as_numpy("logits"), expected, atol=1e-4)
+        shadow = lambda: http.get("/stats").json()["models"]["small_cnn"]["shadow"]["onnx-int8"]  # noqa: E731
+        deadline = time.monotonic() + 30
+        while shadow()["images"] + shadow()["dropped"] * len(IMAGES) < 3 * len(IMAGES):
+            assert time.monotonic() < deadline, shadow()
+            time.sleep(0.05)
+        assert shadow()["images"] == 3 * len(IMAGES) and shadow()["failed"] == 0
+
+
 def test_repository_rpcs_need_the_admin_token_and_load_and_unload_models(small_artifact, tmp_path):
     import shutil
 

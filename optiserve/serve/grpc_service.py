@@ -23,18 +23,21 @@ from pathlib import Path
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
+from PIL import Image
 
 from optiserve.grpc_protocol import METHODS, SERVICE, pb
 from optiserve.grpc_protocol.infer_wire import InferMessage, read_infer_request
+from optiserve.pipeline_file import Pipeline
 from optiserve.serve import VARIANT_HEADER, oip, pipeline_protocol, tracing
 from optiserve.serve.admin_auth import AdminAuth
 from optiserve.serve.logs import REQUEST_ID_KEY, accepted_request_id, request_id
 from optiserve.serve.envelope import MAX_NAME_CHARS, OUTPUTS, InferRequest, check_tensor
-from optiserve.serve.pipeline_requests import counted, run_pipeline
+from optiserve.serve.handler import Call, handle
+from optiserve.serve.pipeline_requests import PipelineRun
 from optiserve.serve.pipeline_protocol import PipelineInput
 from optiserve.serve.preprocess import BadInput, ImageLimits
 from optiserve.serve.protocol_input import ProtocolInput
-from optiserve.serve.server import ApiError, Server
+from optiserve.serve.server import Admission, ApiError, Server
 
 log = logging.getLogger("optiserve.serve")
 
@@ -152,6 +155,57 @@ def requested_priority(request) -> object:
     return getattr(value, kind) if kind else None
 
 
+class InferCodec:
+    """ModelInfer's side of a request (serve/handler.py): one input tensor as the model (or a
+    pipeline) takes it, as raw bytes or typed contents; the outputs asked for out, as raw bytes
+    where the input came so. The variant that answered goes in the trailing metadata."""
+
+    answers_over_http = False
+
+    def __init__(self, message: InferMessage, context):
+        self.message, self.context = message, context
+        self.parsed = None  # envelope.InferRequest, or PipelineInput
+        self.output_names: tuple[str, ...] = ()
+
+    def on_model(self, server: Server, call: Call) -> None:
+        if call.variant is not None and server.started:
+            oip.served(server, call.name, call.variant)  # NOT_FOUND for an unknown version, before queueing
+
+    async def read(self, server: Server, admission: Admission) -> np.ndarray:
+        message = self.message
+        self.context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
+        admission.held.grow(message.size, "its message")  # held by the request until it ends, as a body
+        args = (message, admission.model.protocol_input, admission.model.settings.max_images,
+                admission.model.protocol_outputs)
+        # raw bytes are a view and a check, cheaper here than a hop to the decode threads
+        # (docs/performance.md, the request path); typed contents are a Python list to convert,
+        # which must not hold up the loop
+        self.parsed = parse_infer(*args) if message.raw else await server.decode(parse_infer, *args)
+        return self.parsed.images
+
+    def answer(self, admission: Admission, outputs: tuple[np.ndarray, ...], timing: dict):
+        return _response(pb.ModelInferResponse(model_name=self.message.request.model_name,
+                                               model_version=admission.variant.name, id=self.parsed.id or ""),
+                         self.parsed.outputs, lambda out_name: oip.output_tensor(admission.model, out_name, outputs),
+                         oip.timing_parameters(timing))
+
+    def on_pipeline(self, server: Server, call: Call, pipeline: Pipeline) -> None:
+        pipeline_protocol.check_unversioned(pipeline, call.variant)
+        self.output_names = pipeline_protocol.output_names(pipeline_protocol.step_models(server, pipeline))
+
+    async def read_picture(self, server: Server, admission: Admission) -> Image.Image:
+        admission.held.grow(self.message.size, "its message")
+        self.parsed = parsed = await server.decode(parse_pipeline_infer, self.message, self.output_names,
+                                                   server.image_limits)
+        return await server.decode(pipeline_protocol.picture_of, parsed.image, server.image_limits)
+
+    def answer_pipeline(self, pipeline: Pipeline, run: PipelineRun):
+        self.context.set_trailing_metadata(((VARIANT_KEY, run.variant),))
+        tensors = pipeline_protocol.output_tensors(run)
+        return _response(pb.ModelInferResponse(model_name=pipeline.name, id=self.parsed.id or ""), self.parsed.outputs,
+                         tensors.__getitem__, pipeline_protocol.timing_parameters(run))
+
+
 class InferenceService:
     """The RPCs, each answering from the Server exactly as its HTTP twin does."""
 
@@ -188,54 +242,10 @@ class InferenceService:
 
     # ---- inference --------------------------------------------------------------------------------
     async def ModelInfer(self, message: InferMessage, context):
-        server, request = self.server, message.request
-        name, version = _required(request.model_name, "model_name"), request.model_version or None
-        if oip.is_pipeline(server, name):
-            return await self._pipeline_infer(message, name, context)
-        if version is not None and server.started:
-            oip.served(server, name, version)  # NOT_FOUND for an unknown version, before queueing
-        with server.admitted(name, version, priority=(requested_priority(request), "parameters.priority")) \
-                as admission:
-            context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
-            admission.held.grow(message.size, "its message")  # held by the request until it ends, as a body
-            args = (message, admission.model.protocol_input, admission.model.settings.max_images,
-                    admission.model.protocol_outputs)
-            # raw bytes are a view and a check, cheaper here than a hop to the decode threads
-            # (docs/performance.md, the request path); typed contents are a Python list to convert,
-            # which must not hold up the loop
-            parsed = parse_infer(*args) if message.raw else await server.decode(parse_infer, *args)
-            outputs, timing = await server.infer(admission, parsed.images, _deadline_s(context))
-        with tracing.span("response"):
-            response = _response(pb.ModelInferResponse(model_name=name, model_version=admission.variant.name,
-                                                        id=parsed.id or ""),
-                                 parsed.outputs, lambda out_name: oip.output_tensor(admission.model, out_name, outputs),
-                                 oip.timing_parameters(timing))
-        if server.shadow.wanted(admission):
-            await server.shadow.start(admission, parsed.images, outputs[0])
-        return response
-
-    async def _pipeline_infer(self, message: InferMessage, name: str, context):
-        """A pipeline's infer (serve/pipeline_protocol.py), answered as its HTTP twin answers it."""
-        server, request = self.server, message.request
-        pipeline = server.repository.pipeline(name)
-        pipeline_protocol.check_unversioned(pipeline, request.model_version or None)
-        names = pipeline_protocol.output_names(pipeline_protocol.step_models(server, pipeline))
-        given: list[PipelineInput] = []
-
-        async def read_picture(admission):
-            admission.held.grow(message.size, "its message")
-            parsed = await server.decode(parse_pipeline_infer, message, names, server.image_limits)
-            given.append(parsed)
-            return await server.decode(pipeline_protocol.picture_of, parsed.image, server.image_limits)
-
-        run = await counted(server, pipeline, run_pipeline(
-            server, pipeline, read_picture, priority=(requested_priority(request), "parameters.priority"),
-            deadline_s=_deadline_s(context)))
-        context.set_trailing_metadata(((VARIANT_KEY, run.variant),))
-        with tracing.span("response"):
-            tensors = pipeline_protocol.output_tensors(run)
-            return _response(pb.ModelInferResponse(model_name=name, id=given[0].id or ""), given[0].outputs,
-                             tensors.__getitem__, pipeline_protocol.timing_parameters(run))
+        request = message.request
+        call = Call(_required(request.model_name, "model_name"), request.model_version or None,
+                    priority=(requested_priority(request), "parameters.priority"), deadline_s=_deadline_s(context))
+        return await handle(self.server, call, InferCodec(message, context))
 
     # ---- the model repository ---------------------------------------------------------------------
     def _authorize(self, context) -> None:

@@ -2,8 +2,9 @@
 read and decoded once; the detector's input made from the decoded picture; the boxes it finds cut
 from that picture in the uploaded image's pixels (not from the detector's resized input); every
 crop queued in the second model's own DynamicBatcher, so crops of many requests batch together. The request
-keeps its priority, its deadline and its watch on the client through both steps. /predict answers
-in the tasks' JSON (here), the Open Inference Protocol in tensors (pipeline_protocol.py)."""
+keeps its priority, its deadline and its watch on the client through both steps. The request is
+handled as any (serve/handler.py): /predict answers in the tasks' JSON (routes_predict.py), the
+Open Inference Protocol in tensors (pipeline_protocol.py)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,10 @@ from PIL import Image
 
 from optiserve.data.image_input import image_to_input
 from optiserve.pipeline_file import Pipeline
-from optiserve.serve import VARIANT_HEADER, tracing
+from optiserve.serve import tracing
 from optiserve.serve.model import ServedModel
-from optiserve.serve.multipart import boundary_of, parse_form, upload_and_variant
 from optiserve.serve.pipelines import chosen_rows, cut, input_bytes
-from optiserve.serve.preprocess import BadInput, decode_picture
-from optiserve.serve.responses import FastJSONResponse
+from optiserve.serve.preprocess import BadInput
 from optiserve.serve.server import Admission, ApiError, ClientGone, Server
 from optiserve.serve.stats import VariantStats
 
@@ -122,41 +121,6 @@ async def run_pipeline(server: Server, pipeline: Pipeline, read_picture: ReadPic
             server.metrics.pipeline_crops.labels(pipeline.name, step.model).observe(len(part.rows))
         variant = admission.variant.name
     return PipelineRun(found, parts, steps, variant, time.perf_counter() - started)
-
-
-async def answer_pipeline(server: Server, pipeline: Pipeline, request: Request, ctype: str,
-                          params: dict[str, dict]):
-    """/predict on a pipeline: each box the detector found (as the detection task answers it) with,
-    for the boxes a later step's crops settings choose, that model's answer in its task's form
-    (under the model's name where several models read the boxes). `params`: each later step's
-    model's task parameters, by model."""
-    if ctype not in ("multipart/form-data",) and not ctype.startswith("image/"):
-        raise ApiError(415, f"pipeline {pipeline.name!r} takes an uploaded image (multipart/form-data or an image "
-                            f"body), not {ctype or 'no content type'}")
-
-    async def read_picture(admission: Admission) -> Image.Image:
-        body = await server.read_body(request, admission)
-        data = upload_and_variant(parse_form(body, boundary_of(request.headers["content-type"])))[0].data \
-            if ctype == "multipart/form-data" else body
-        del body
-        return await server.decode(decode_picture, data, "RGB", server.image_limits)
-
-    async def answer() -> FastJSONResponse:
-        run = await run_pipeline(server, pipeline, read_picture, request)
-        several = len(run.per_box) > 1
-        for part in run.per_box:
-            if part.outputs is None:
-                continue
-            model = part.model
-            answers = model.task.answer(part.outputs[0], model.manifest, {**params[model.name], "sizes": None})
-            for k, i in enumerate(part.rows):
-                answer = {key: value[k] for key, value in answers.items()}
-                run.found[i].update({model.name: answer} if several else answer)
-        return FastJSONResponse({"model": pipeline.name, "detections": [run.found],
-                                 "latency_ms": {"server_ms": 1000 * run.seconds, "steps": run.steps}},
-                                headers={VARIANT_HEADER: run.variant})
-
-    return await counted(server, pipeline, answer())
 
 
 _OUTCOMES = {429: "rejected", 503: "unavailable", 504: "timeout", 500: "error"}

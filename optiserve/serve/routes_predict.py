@@ -4,76 +4,123 @@ says: the top classes (classification), the vector (embedding), the mask (segmen
 
 from __future__ import annotations
 
+import numpy as np
 from fastapi import Request
+from PIL import Image
 
-from optiserve.serve import VARIANT_HEADER, tracing
+from optiserve.pipeline_file import Pipeline
+from optiserve.serve import VARIANT_HEADER
 from optiserve.serve.envelope import MAX_NAME_CHARS, predict_request
 from optiserve.serve.fast_routes import ServingApp
+from optiserve.serve.handler import Call, handle
 from optiserve.serve.multipart import Part, boundary_of, parse_form, upload_and_variant
-from optiserve.serve.pipeline_requests import answer_pipeline
-from optiserve.serve.preprocess import image_size
+from optiserve.serve.pipeline_requests import PipelineRun
+from optiserve.serve.preprocess import decode_picture, image_size
 from optiserve.serve.responses import FastJSONResponse
-from optiserve.serve.server import ApiError, Server
+from optiserve.serve.server import Admission, ApiError, Server
 from optiserve.tasks import Task, task_parameters
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/bmp")
 
 
 def add_predict_routes(app: ServingApp, server: Server) -> None:
-    cfg = server.cfg
-
     # a fast route (fast_routes.py), not a FastAPI endpoint: FastAPI's layers, dependency solving
     # and validation cost CPU the model needs, and /predict reads its query and body itself
     async def predict(request: Request):
         """A multipart upload (one file part, field `file` or any name), a raw image body (content-type image/png, ...), or JSON
         {"inputs": tensors or base64 images}; `?model=` picks the model, `?variant=` the variant."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        raw_image = ctype in IMAGE_TYPES
-        if not (raw_image or ctype in ("multipart/form-data", "application/json", "")):
+        if not (ctype in IMAGE_TYPES or ctype in ("multipart/form-data", "application/json", "")):
             raise ApiError(415, f"unsupported content type {ctype[:100]!r}; send multipart/form-data, "
                                 f"application/json or an image ({', '.join(IMAGE_TYPES)})")
         query = request.query_params
-        if server.repository.is_pipeline(query.get("model")):
-            pipeline = server.repository.pipeline(query["model"])
-            params = {step.model: _task_parameters(server.model(step.model).task, query) for step in pipeline.per_box}
-            return await answer_pipeline(server, pipeline, request, ctype,
-                                         {model: {**given, "top_k": given.get("top_k") or cfg.top_k}
-                                          for model, given in params.items()})
-        with server.admitted(query.get("model"), query.get("variant"), request) as admission:
-            model = admission.model
-            params = _task_parameters(model.task, query)
-            if ctype == "multipart/form-data":
-                boundary = boundary_of(request.headers["content-type"])
-                upload, named = upload_and_variant(parse_form(await server.read_body(request, admission), boundary))
-                if "variant" not in query:
-                    server.reroute(admission, _variant_field(named), request)
-                images = (await server.decode_upload(admission, upload.data))[None]
-                sizes = [image_size(upload.data)] if model.task.answers_at_upload_size else None
-            elif raw_image:
-                data = await server.read_body(request, admission)
-                images = (await server.decode_upload(admission, data))[None]
-                sizes = [image_size(data)] if model.task.answers_at_upload_size else None
-            else:
-                sizes = None  # tensors, and base64 images, are answered at the model's input size
-                body = await server.read_body(request, admission, json_values=True)
-                parsed = await server.decode(predict_request, body, model.spec, len(model.classes),
-                                             model.settings.max_json_images, server.image_limits,
-                                             admission.hold_json)
-                if "variant" not in query:
-                    server.reroute(admission, parsed.variant, request)
-                images = parsed.images
-                if params.get("top_k") is None:
-                    params["top_k"] = parsed.top_k
-            (logits, *_), timing = await server.infer(admission, images, request=request)
-        with tracing.span("response"):
-            answer = model.task.answer(logits, model.manifest, {**params, "top_k": params.get("top_k") or cfg.top_k,
-                                                                "sizes": sizes})
-            variant = admission.variant.name
-            return FastJSONResponse({"model": model.name, "variant": variant, **answer,
-                                     "latency_ms": timing}, headers={VARIANT_HEADER: variant},
-                                    background=server.shadow.task(admission, images, logits))
+        return await handle(server, Call(query.get("model"), query.get("variant"), request),
+                            PredictCodec(server.cfg, request, ctype))
 
     app.add_fast_route("/predict", predict, PREDICT_OPERATION)
+
+
+class PredictCodec:
+    """/predict's side of a request (serve/handler.py): an uploaded image (multipart or a raw image
+    body) or JSON (tensors or base64 images) in; the model's task's answer, or a pipeline's boxes with
+    each later step's answer, out as JSON. The query gives the task's parameters."""
+
+    answers_over_http = True
+
+    def __init__(self, cfg, request: Request, ctype: str):
+        self.cfg, self.request, self.ctype, self.query = cfg, request, ctype, request.query_params
+        self.params: dict = {}
+        self.sizes: list | None = None  # the uploaded image's size, where the task answers at it
+
+    # ---- a model -------------------------------------------------------------------------------
+    def on_model(self, server: Server, call: Call) -> None:
+        pass
+
+    async def read(self, server: Server, admission: Admission) -> np.ndarray:
+        model, request, query = admission.model, self.request, self.query
+        self.params = _task_parameters(model.task, query)
+        if self.ctype == "multipart/form-data":
+            boundary = boundary_of(request.headers["content-type"])
+            upload, named = upload_and_variant(parse_form(await server.read_body(request, admission), boundary))
+            if "variant" not in query:
+                server.reroute(admission, _variant_field(named), request)
+            self.sizes = [image_size(upload.data)] if model.task.answers_at_upload_size else None
+            return (await server.decode_upload(admission, upload.data))[None]
+        if self.ctype in IMAGE_TYPES:
+            data = await server.read_body(request, admission)
+            self.sizes = [image_size(data)] if model.task.answers_at_upload_size else None
+            return (await server.decode_upload(admission, data))[None]
+        # tensors, and base64 images, are answered at the model's input size
+        body = await server.read_body(request, admission, json_values=True)
+        parsed = await server.decode(predict_request, body, model.spec, len(model.classes),
+                                     model.settings.max_json_images, server.image_limits, admission.hold_json)
+        if "variant" not in query:
+            server.reroute(admission, parsed.variant, request)
+        if self.params.get("top_k") is None:
+            self.params["top_k"] = parsed.top_k
+        return parsed.images
+
+    def answer(self, admission: Admission, outputs: tuple[np.ndarray, ...], timing: dict) -> FastJSONResponse:
+        model, variant = admission.model, admission.variant.name
+        answer = model.task.answer(outputs[0], model.manifest,
+                                   {**self.params, "top_k": self.params.get("top_k") or self.cfg.top_k,
+                                    "sizes": self.sizes})
+        return FastJSONResponse({"model": model.name, "variant": variant, **answer, "latency_ms": timing},
+                                headers={VARIANT_HEADER: variant})
+
+    # ---- a pipeline ----------------------------------------------------------------------------
+    def on_pipeline(self, server: Server, call: Call, pipeline: Pipeline) -> None:
+        if self.ctype != "multipart/form-data" and self.ctype not in IMAGE_TYPES:
+            raise ApiError(415, f"pipeline {pipeline.name!r} takes an uploaded image (multipart/form-data or an "
+                                f"image body), not {self.ctype or 'no content type'}")
+        for step in pipeline.per_box:
+            given = _task_parameters(server.model(step.model).task, self.query)
+            self.params[step.model] = {**given, "top_k": given.get("top_k") or self.cfg.top_k}
+
+    async def read_picture(self, server: Server, admission: Admission) -> Image.Image:
+        request = self.request
+        body = await server.read_body(request, admission)
+        data = upload_and_variant(parse_form(body, boundary_of(request.headers["content-type"])))[0].data \
+            if self.ctype == "multipart/form-data" else body
+        del body
+        return await server.decode(decode_picture, data, "RGB", server.image_limits)
+
+    def answer_pipeline(self, pipeline: Pipeline, run: PipelineRun) -> FastJSONResponse:
+        """Each box the detector found (as the detection task answers it) with, for the boxes a later
+        step's crops settings choose, that model's answer in its task's form (under the model's
+        name where several models read the boxes)."""
+        several = len(run.per_box) > 1
+        for part in run.per_box:
+            if part.outputs is None:
+                continue
+            model = part.model
+            answers = model.task.answer(part.outputs[0], model.manifest, {**self.params[model.name], "sizes": None})
+            for k, i in enumerate(part.rows):
+                answer = {key: value[k] for key, value in answers.items()}
+                run.found[i].update({model.name: answer} if several else answer)
+        return FastJSONResponse({"model": pipeline.name, "detections": [run.found],
+                                 "latency_ms": {"server_ms": 1000 * run.seconds, "steps": run.steps}},
+                                headers={VARIANT_HEADER: run.variant})
 
 
 def _task_parameters(task: Task, query) -> dict:

@@ -10,14 +10,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
 
-from optiserve.serve import VARIANT_HEADER, oip, pipeline_protocol, tracing
+from optiserve.pipeline_file import Pipeline
+from optiserve.serve import VARIANT_HEADER, oip, pipeline_protocol
 from optiserve.serve.binary import HEADER as BINARY_HEADER
 from optiserve.serve.binary import encode_response
 from optiserve.serve.envelope import infer_request
 from optiserve.serve.fast_routes import ServingApp
-from optiserve.serve.pipeline_requests import counted, run_pipeline
+from optiserve.serve.handler import Call, handle
+from optiserve.serve.pipeline_requests import PipelineRun
 from optiserve.serve.routes_predict import error_responses
-from optiserve.serve.server import ApiError, Server
+from optiserve.serve.server import Admission, ApiError, Server
 
 
 def add_protocol_routes(app: ServingApp, server: Server) -> None:
@@ -77,48 +79,7 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
 
     async def oip_infer(request: Request, name: str, version: str | None):
         """JSON tensors, or the binary tensor data extension (tritonclient's default)."""
-        if oip.is_pipeline(server, name):
-            return await pipeline_infer(request, name, version)
-        if version is not None and server.started:
-            oip.served(server, name, version)  # 404 in the protocol's words: an unknown version
-        with server.admitted(name, version, request) as admission:
-            model = admission.model
-            binary_header = request.headers.get(BINARY_HEADER)  # binary tensor bytes may hold any byte, commas too
-            body = await server.read_body(request, admission, json_values=binary_header is None)
-            parsed = await server.decode(infer_request, body, binary_header, model.protocol_input,
-                                         model.settings.max_images, admission.hold_json, model.protocol_outputs,
-                                         model.settings.max_json_images)
-            server.reprioritize(admission, parsed.priority, request)
-            tensors, timing = await server.infer(admission, parsed.images, request=request)
-        with tracing.span("response"):
-            variant = admission.variant.name
-            return tensors_response({"model_name": name, "model_version": variant}, parsed.outputs,
-                                    lambda out_name: oip.output_tensor(model, out_name, tensors),
-                                    oip.timing_parameters(timing), parsed.id, {VARIANT_HEADER: variant},
-                                    server.shadow.task(admission, parsed.images, tensors[0]))
-
-    async def pipeline_infer(request: Request, name: str, version: str | None):
-        """A pipeline's infer: one image in (pipeline_protocol.py), its boxes and the later steps'
-        outputs for their crops out."""
-        pipeline = server.repository.pipeline(name)  # 503 with the reason where a step is not ready
-        pipeline_protocol.check_unversioned(pipeline, version)
-        names = pipeline_protocol.output_names(pipeline_protocol.step_models(server, pipeline))
-        given: list[pipeline_protocol.PipelineInput] = []
-
-        async def read_picture(admission) -> Image.Image:
-            body = await server.read_body(request, admission)
-            parsed = await server.decode(pipeline_protocol.http_request, body, request.headers.get(BINARY_HEADER),
-                                         names, server.image_limits, admission.hold_json)
-            del body
-            server.reprioritize(admission, parsed.priority, request)
-            given.append(parsed)
-            return await server.decode(pipeline_protocol.picture_of, parsed.image, server.image_limits)
-
-        run = await counted(server, pipeline, run_pipeline(server, pipeline, read_picture, request))
-        with tracing.span("response"):
-            tensors = pipeline_protocol.output_tensors(run)
-            return tensors_response({"model_name": name}, given[0].outputs, tensors.__getitem__,
-                                    pipeline_protocol.timing_parameters(run), given[0].id, {VARIANT_HEADER: run.variant})
+        return await handle(server, Call(name, version, request), InferCodec(request, name))
 
     # Fast routes (fast_routes.py), not FastAPI endpoints: FastAPI's layers, dependency solving
     # and validation cost CPU the model needs, and these take nothing but the path and the body.
@@ -133,8 +94,59 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
     app.add_fast_route("/v2/models/{name}/versions/{version}/infer", infer_version, _infer_operation(True))
 
 
+class InferCodec:
+    """The protocol's infer over HTTP (serve/handler.py): one input tensor as the model (or a
+    pipeline: pipeline_protocol.py) takes it, in JSON or as binary tensor data; the outputs asked
+    for out, in JSON or as binary tensor data as each asks."""
+
+    answers_over_http = True
+
+    def __init__(self, request: Request, name: str):
+        self.request, self.name = request, name
+        self.binary_header = request.headers.get(BINARY_HEADER)  # binary tensor bytes may hold any byte, commas too
+        self.parsed = None  # envelope.InferRequest, or pipeline_protocol.PipelineInput
+        self.output_names: tuple[str, ...] = ()
+
+    def on_model(self, server: Server, call: Call) -> None:
+        if call.variant is not None and server.started:
+            oip.served(server, call.name, call.variant)  # 404 in the protocol's words: an unknown version
+
+    async def read(self, server: Server, admission: Admission) -> np.ndarray:
+        model = admission.model
+        body = await server.read_body(self.request, admission, json_values=self.binary_header is None)
+        self.parsed = parsed = await server.decode(
+            infer_request, body, self.binary_header, model.protocol_input, model.settings.max_images,
+            admission.hold_json, model.protocol_outputs, model.settings.max_json_images)
+        server.reprioritize(admission, parsed.priority, self.request)
+        return parsed.images
+
+    def answer(self, admission: Admission, outputs: tuple[np.ndarray, ...], timing: dict) -> Response:
+        variant, parsed = admission.variant.name, self.parsed
+        return tensors_response({"model_name": self.name, "model_version": variant}, parsed.outputs,
+                                lambda out_name: oip.output_tensor(admission.model, out_name, outputs),
+                                oip.timing_parameters(timing), parsed.id, {VARIANT_HEADER: variant})
+
+    def on_pipeline(self, server: Server, call: Call, pipeline: Pipeline) -> None:
+        pipeline_protocol.check_unversioned(pipeline, call.variant)
+        self.output_names = pipeline_protocol.output_names(pipeline_protocol.step_models(server, pipeline))
+
+    async def read_picture(self, server: Server, admission: Admission) -> Image.Image:
+        body = await server.read_body(self.request, admission)
+        self.parsed = parsed = await server.decode(pipeline_protocol.http_request, body, self.binary_header,
+                                                   self.output_names, server.image_limits, admission.hold_json)
+        del body
+        server.reprioritize(admission, parsed.priority, self.request)
+        return await server.decode(pipeline_protocol.picture_of, parsed.image, server.image_limits)
+
+    def answer_pipeline(self, pipeline: Pipeline, run: PipelineRun) -> Response:
+        tensors = pipeline_protocol.output_tensors(run)
+        return tensors_response({"model_name": self.name}, self.parsed.outputs, tensors.__getitem__,
+                                pipeline_protocol.timing_parameters(run), self.parsed.id,
+                                {VARIANT_HEADER: run.variant})
+
+
 def tensors_response(identity: dict, requested: list[tuple[str, bool]], tensor: Callable[[str], np.ndarray],
-                     parameters: dict, request_id: str | None, headers: dict, background=None) -> Response:
+                     parameters: dict, request_id: str | None, headers: dict) -> Response:
     """An infer's answer: `identity` (model name, version), the `requested` outputs (name, as
     binary data), each `tensor(name)`, as JSON or JSON and binary tensor data."""
     outputs, binary = [], []
@@ -151,9 +163,8 @@ def tensors_response(identity: dict, requested: list[tuple[str, bool]], tensor: 
         response["id"] = request_id
     content, header_length = encode_response(response, binary)
     if header_length is None:
-        return Response(content, media_type="application/json", headers=headers, background=background)
-    return Response(content, media_type="application/octet-stream",
-                    headers={**headers, BINARY_HEADER: str(header_length)}, background=background)
+        return Response(content, media_type="application/json", headers=headers)
+    return Response(content, media_type="application/octet-stream", headers={**headers, BINARY_HEADER: str(header_length)})
 
 
 def _infer_operation(versioned: bool) -> dict:

@@ -194,12 +194,13 @@ class Server:
             admission.held.release()
             model.leave()
 
-    def reroute(self, admission: Admission, name: str | None, request: Request) -> None:
+    def reroute(self, admission: Admission, name: str | None, request: Request | None) -> None:
         """The body named a variant: move the held queue place to it (404 unknown, 429 full)."""
         if name is None or name == admission.variant.name:
             return
         variant = self._named(admission.model, name)
-        request.state.variant = name
+        if request is not None:
+            request.state.variant = name
         try:
             reservation = variant.batcher.reserve(1, admission.reservation.priority)
         except QueueFull as e:
@@ -207,11 +208,11 @@ class Server:
         admission.reservation.release()
         admission.variant, admission.reservation = variant, reservation
 
-    def reprioritize(self, admission: Admission, given: object, request: Request) -> None:
+    def reprioritize(self, admission: Admission, given: object, request: Request | None) -> None:
         """The body gave a priority (the protocol's `parameters.priority`): move the held queue place
         to that level (400 not a level, 429 full) — unless X-Priority or ?priority= gave one, which
         win, so a gateway in front can set a caller's priority whatever the caller sends."""
-        if given is None or http_priority(request)[0] is not None:
+        if given is None or (request is not None and http_priority(request)[0] is not None):
             return
         level = request_priority(admission.model, given, "parameters.priority")
         if level == admission.reservation.priority:
