@@ -1,4 +1,5 @@
-"""Datasets by name: `digits` (bundled, offline default), `imagefolder:PATH`, `synthetic`.
+"""Datasets by name: `digits` (bundled, offline default), `imagefolder:PATH`, `synthetic`; and
+`text:PATH`, a user's texts, read for text models by `load_text_splits` (data/text.py).
 
 The loaders (torch, torchvision, scikit-learn) are imported when a dataset is loaded: the server
 imports `optiserve.data.image_input` and `png_pixels` from this package, and must not pay for them."""
@@ -37,6 +38,9 @@ def load_dataset(name: str, model_input: InputSpec, num_classes: int, seed: int 
         from optiserve.data.synthetic import load_synthetic_splits
 
         return load_synthetic_splits(model_input, num_classes, seed=seed)
+    if name.startswith("text:"):
+        raise UserError(f"--dataset {name}: text:PATH is for text models; this model takes images "
+                        f"(use {DATASET_CHOICES})")
     if name.startswith("imagefolder:"):
         from optiserve.data.imagefolder import load_imagefolder_splits
 
@@ -49,11 +53,16 @@ def load_dataset(name: str, model_input: InputSpec, num_classes: int, seed: int 
 
 
 def __getattr__(name: str):
-    """`DatasetSplits`, `default_workers` and `make_loader`, imported on first use (they need torch)."""
+    """`DatasetSplits`, `default_workers`, `make_loader` and `load_text_splits`, imported on first use
+    (they need torch or scikit-learn)."""
     if name == "DatasetSplits":
         from optiserve.data.splits import DatasetSplits
 
         return DatasetSplits
+    if name == "load_text_splits":
+        from optiserve.data.text import load_text_splits
+
+        return load_text_splits
     if name in ("default_workers", "make_loader"):
         from optiserve.data import loader
 
@@ -61,4 +70,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DATASET_CHOICES", "DatasetSplits", "default_workers", "load_dataset", "make_loader"]
+__all__ = ["DATASET_CHOICES", "DatasetSplits", "default_workers", "load_dataset", "load_text_splits", "make_loader"]
