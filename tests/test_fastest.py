@@ -96,3 +96,20 @@ def test_without_a_second_pass_a_tie_stands_as_the_first_pass_found_it():
     choice = choose_fastest(sessions, np.zeros((1, 4), np.float32), sizes={"a": 2, "b": 1}, times=first,
                             retime_rounds=0)
     assert calls == [] and choice.tie and not choice.retimed and choice.rounds == 5 and choice.chosen == "b"
+
+
+def test_with_latency_batch_1_the_latency_and_throughput_choices_are_one_tie_timed_again_once():
+    """`optimize --latency-batch 1`: batch 1 is both columns, so a tie there is timed again once, and both
+    recommendations rest on the same evidence."""
+    from optiserve.optimize.judge import Timed, recommend
+
+    calls: list[str] = []
+    sessions = {n: RecordingSession(n, calls) for n in ("a", "b")}
+    times = {"1": {"a": _noisy(10.0, 2.0, 15, 10), "b": _noisy(10.2, 2.0, 15, 11)}}
+    entries = [{"name": n, "status": "accepted", "size_bytes": size} for n, size in (("a", 200), ("b", 100))]
+    recommended = recommend(entries, Timed(sessions, {"1": np.zeros((1, 4), np.float32)}, times), 1)
+    assert recommended["latency"] == recommended["throughput"]
+    assert recommended["evidence"]["latency"] == recommended["evidence"]["throughput"]
+    assert recommended["evidence"]["latency"]["retimed"]
+    turns = [name for i, name in enumerate(calls) if i == 0 or calls[i - 1] != name]
+    assert turns[2:] == ["a", "b"] * 30  # after a warm-up each, 30 more rounds: one second pass, not two

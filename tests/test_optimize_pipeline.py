@@ -17,20 +17,19 @@ from optiserve.optimize.manifest import device_note
 from optiserve.optimize.passes import Variant
 from optiserve.artifacts import read_manifest
 from optiserve.errors import UserError
+from optiserve.machine import CPU_FLAGS_ENV
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 from optiserve.runtime.fastest import RULE, describe
-from optiserve.runtime.openvino_backend import bf16_unavailable
-from optiserve.runtime.torch_backends import bf16_unavailable as torch_bf16_unavailable
-
-TORCH_BF16 = ["torch-bf16"] if torch_bf16_unavailable(torch.device("cpu")) is None else []  # where the CPU has bf16
 
 
 @pytest.fixture(scope="module")
 def artifact(small_cnn_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("art") / "small"
-    manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True, prune=0.5,
-                                           prune_channels=0.5, finetune_epochs=5, out=str(out), progress=False,
-                                           latency_batch=8))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv(CPU_FLAGS_ENV, "-avx512_bf16,-amx_bf16")  # bf16 copies: tests/test_cpu_flags.py's
+        manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True, prune=0.5,
+                                               prune_channels=0.5, finetune_epochs=5, out=str(out), progress=False,
+                                               latency_batch=8))
     return out, manifest
 
 
@@ -38,9 +37,8 @@ def test_the_folder_holds_one_file_per_variant_a_manifest_and_a_report(artifact)
     out, manifest = artifact
     assert read_manifest(out) == manifest
     names = [v["name"] for v in manifest["variants"]]
-    bf16 = ["openvino-bf16"] if bf16_unavailable() is None else []
-    assert names == ["fp32", "torchscript", *TORCH_BF16, "onnx-fp32", "onnx-int8", "torch-int8", "openvino-fp32", *bf16,
-                     "openvino-int8", "sparse50", "pruned50", "pruned50-int8", "openvino-pruned50-int8"]
+    assert names == ["fp32", "torchscript", "onnx-fp32", "onnx-int8", "torch-int8", "openvino-fp32", "openvino-int8",
+                     "sparse50", "pruned50", "pruned50-int8", "openvino-pruned50-int8"]
     files = set()
     for v in manifest["variants"]:
         path = out / v["file"]
@@ -176,11 +174,12 @@ def test_a_crash_between_the_two_renames_of_a_publish_is_repaired_by_the_next_pu
 
 def test_without_a_checkpoint_it_trains_one_first_and_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # through the CLI's entry point in this process: torch is imported already
-    code, stdout, stderr = _cli_output(capsys, "optimize", "small_cnn", "--no-onnx")
+    monkeypatch.setenv(CPU_FLAGS_ENV, "-avx512_bf16,-amx_bf16")  # no bf16 copy: not what this is about
+    code, stdout, stderr = _cli_output(capsys, "optimize", "small_cnn", "--no-onnx", "--latency-batch", "1")
     assert code == 0, stderr[-2000:]
     assert "no trained checkpoint at checkpoints/small_cnn-digits.pt: training small_cnn" in stderr
     manifest = json.loads((tmp_path / "artifacts" / "small_cnn-digits" / "manifest.json").read_text())
-    assert [v["name"] for v in manifest["variants"]] == ["fp32", "torchscript", *TORCH_BF16]
+    assert [v["name"] for v in manifest["variants"]] == ["fp32", "torchscript"]
     assert manifest["variants"][0]["accuracy"]["top1"] > 0.9
     assert "fp32" in stdout and "wrote artifacts/small_cnn-digits/" in stdout
 
@@ -239,7 +238,6 @@ def test_image_folder_classes_are_matched_to_imagenet_categories_by_name(tmp_pat
     import torchvision
     from PIL import Image
 
-    from optiserve.machine import CPU_FLAGS_ENV
     from optiserve.models import create_model, get_model_entry
     from optiserve.optimize.pipeline import class_mapping
 

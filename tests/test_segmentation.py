@@ -352,7 +352,7 @@ def one_channel_map(sigmoid: bool, path: Path) -> Path:
 def test_a_one_channel_map_is_a_binary_mask_at_a_threshold_judged_by_foreground_iou(sigmoid, digit_images, tmp_path):
     model = one_channel_map(sigmoid, tmp_path / "ink-map.onnx")
     manifest = run_optimize(OptimizeConfig(str(model), task="segmentation", dataset=f"imagefolder:{digit_images}",
-                                           int8=True, openvino=False, calib_size=32, latency_batch=2,
+                                           int8=True, openvino=False, calib_size=32, latency_batch=1,
                                            input=InputOverrides(mean=SEG_INPUT.mean, std=SEG_INPUT.std),
                                            out=str(tmp_path / "art"), progress=False))
     assert manifest["output_shape"] == [1, 32, 32] and manifest["classes"] == ["background", "foreground"]

@@ -219,11 +219,13 @@ def recommend(entries: list[dict], timed: Timed, n: int) -> dict | None:
     by_name = {e["name"]: e for e in pool}
     sizes = {name: e["size_bytes"] for name, e in by_name.items()}
     recommended = {"batch": n, "accuracy_gated": gated, "evidence": {}}
+    chosen_at: dict[str, object] = {}  # by batch: with n = 1 both choices are one, timed once
     for key, b in (("latency", "1"), ("throughput", str(n))):
-        choice = choose_fastest({name: timed.sessions[name] for name in by_name}, timed.batches[b], sizes,
-                                times=timed.times[b], retime_rounds=30, retime_seconds=20.0)
-        recommended[key] = choice.chosen
-        recommended["evidence"][key] = choice.to_dict()
+        if b not in chosen_at:
+            chosen_at[b] = choose_fastest({name: timed.sessions[name] for name in by_name}, timed.batches[b], sizes,
+                                          times=timed.times[b], retime_rounds=30, retime_seconds=20.0)
+        recommended[key] = chosen_at[b].chosen
+        recommended["evidence"][key] = chosen_at[b].to_dict()
     return recommended
 
 
