@@ -210,7 +210,11 @@ def _split_file(path: Path, seed: int) -> TextSplits:
 def _role_files(root: Path) -> dict[str, Path]:
     """The folder's train.EXT, val.EXT and test.EXT files, one each at most, of one format."""
     found: dict[str, Path] = {}
-    for p in sorted(root.iterdir()):
+    try:
+        entries = sorted(root.iterdir())
+    except OSError as e:
+        raise UserError(f"cannot read text dataset folder {root}: {e.strerror or e}") from None
+    for p in entries:
         if p.is_file() and p.stem in ROLES and p.suffix.lower() in DELIMITERS:
             if p.stem in found:
                 raise UserError(f"{root} holds {found[p.stem].name} and {p.name}; keep one {p.stem} file")

@@ -22,7 +22,7 @@ from optiserve.optimize.config import OptimizeConfig
 from optiserve.optimize.prune import compressed_size
 from optiserve.optimize.validate import EvalSet, predict
 from optiserve.runtime import RuntimeOptions, Session, get_backend, load_session
-from optiserve.runtime.fastest import choose_fastest
+from optiserve.runtime.fastest import Choice, choose_fastest
 from optiserve.runtime.timing import interleaved_times
 from optiserve.tasks import get_task
 from optiserve.tasks.output_kinds import get_output_kind, holds, kinds_matching, list_output_kinds
@@ -219,7 +219,7 @@ def recommend(entries: list[dict], timed: Timed, n: int) -> dict | None:
     by_name = {e["name"]: e for e in pool}
     sizes = {name: e["size_bytes"] for name, e in by_name.items()}
     recommended = {"batch": n, "accuracy_gated": gated, "evidence": {}}
-    chosen_at: dict[str, object] = {}  # by batch: with n = 1 both choices are one, timed once
+    chosen_at: dict[str, Choice] = {}  # by batch: with n = 1 both choices are one, timed once
     for key, b in (("latency", "1"), ("throughput", str(n))):
         if b not in chosen_at:
             chosen_at[b] = choose_fastest({name: timed.sessions[name] for name in by_name}, timed.batches[b], sizes,

@@ -34,6 +34,7 @@ from optiserve.serve.logs import REQUEST_ID_KEY, accepted_request_id, request_id
 from optiserve.serve.envelope import MAX_NAME_CHARS, OUTPUTS, InferRequest, check_tensor
 from optiserve.serve.handler import Call, handle
 from optiserve.serve.pipeline_requests import PipelineRun
+from optiserve.serve.protocol_codec import ProtocolChecks
 from optiserve.serve.pipeline_protocol import PipelineInput
 from optiserve.serve.preprocess import BadInput, ImageLimits
 from optiserve.serve.protocol_input import ProtocolInput
@@ -155,7 +156,7 @@ def requested_priority(request) -> object:
     return getattr(value, kind) if kind else None
 
 
-class InferCodec:
+class InferCodec(ProtocolChecks):
     """ModelInfer's side of a request (serve/handler.py): one input tensor as the model (or a
     pipeline) takes it, as raw bytes or typed contents; the outputs asked for out, as raw bytes
     where the input came so. The variant that answered goes in the trailing metadata."""
@@ -165,11 +166,6 @@ class InferCodec:
     def __init__(self, message: InferMessage, context):
         self.message, self.context = message, context
         self.parsed = None  # envelope.InferRequest, or PipelineInput
-        self.output_names: tuple[str, ...] = ()
-
-    def on_model(self, server: Server, call: Call) -> None:
-        if call.variant is not None and server.started:
-            oip.served(server, call.name, call.variant)  # NOT_FOUND for an unknown version, before queueing
 
     async def read(self, server: Server, admission: Admission) -> np.ndarray:
         message = self.message
@@ -188,10 +184,6 @@ class InferCodec:
                                                model_version=admission.variant.name, id=self.parsed.id or ""),
                          self.parsed.outputs, lambda out_name: oip.output_tensor(admission.model, out_name, outputs),
                          oip.timing_parameters(timing))
-
-    def on_pipeline(self, server: Server, call: Call, pipeline: Pipeline) -> None:
-        pipeline_protocol.check_unversioned(pipeline, call.variant)
-        self.output_names = pipeline_protocol.output_names(pipeline_protocol.step_models(server, pipeline))
 
     async def read_picture(self, server: Server, admission: Admission) -> Image.Image:
         admission.held.grow(self.message.size, "its message")

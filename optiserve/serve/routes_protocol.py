@@ -18,6 +18,7 @@ from optiserve.serve.envelope import infer_request
 from optiserve.serve.fast_routes import ServingApp
 from optiserve.serve.handler import Call, handle
 from optiserve.serve.pipeline_requests import PipelineRun
+from optiserve.serve.protocol_codec import ProtocolChecks
 from optiserve.serve.routes_predict import error_responses
 from optiserve.serve.server import Admission, ApiError, Server
 
@@ -94,7 +95,7 @@ def add_protocol_routes(app: ServingApp, server: Server) -> None:
     app.add_fast_route("/v2/models/{name}/versions/{version}/infer", infer_version, _infer_operation(True))
 
 
-class InferCodec:
+class InferCodec(ProtocolChecks):
     """The protocol's infer over HTTP (serve/handler.py): one input tensor as the model (or a
     pipeline: pipeline_protocol.py) takes it, in JSON or as binary tensor data; the outputs asked
     for out, in JSON or as binary tensor data as each asks."""
@@ -105,11 +106,6 @@ class InferCodec:
         self.request, self.name = request, name
         self.binary_header = request.headers.get(BINARY_HEADER)  # binary tensor bytes may hold any byte, commas too
         self.parsed = None  # envelope.InferRequest, or pipeline_protocol.PipelineInput
-        self.output_names: tuple[str, ...] = ()
-
-    def on_model(self, server: Server, call: Call) -> None:
-        if call.variant is not None and server.started:
-            oip.served(server, call.name, call.variant)  # 404 in the protocol's words: an unknown version
 
     async def read(self, server: Server, admission: Admission) -> np.ndarray:
         model = admission.model
@@ -125,10 +121,6 @@ class InferCodec:
         return tensors_response({"model_name": self.name, "model_version": variant}, parsed.outputs,
                                 lambda out_name: oip.output_tensor(admission.model, out_name, outputs),
                                 oip.timing_parameters(timing), parsed.id, {VARIANT_HEADER: variant})
-
-    def on_pipeline(self, server: Server, call: Call, pipeline: Pipeline) -> None:
-        pipeline_protocol.check_unversioned(pipeline, call.variant)
-        self.output_names = pipeline_protocol.output_names(pipeline_protocol.step_models(server, pipeline))
 
     async def read_picture(self, server: Server, admission: Admission) -> Image.Image:
         body = await server.read_body(self.request, admission)

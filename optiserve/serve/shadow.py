@@ -11,7 +11,6 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-from starlette.background import BackgroundTask
 
 from optiserve.serve.config import ServeConfig
 from optiserve.serve.metrics import ServerMetrics
@@ -37,12 +36,6 @@ class ShadowRunner:
         if shadow is None or shadow.variant == admission.variant.name or shadow.variant not in model.variants:
             return False
         return shadow.fraction >= 1 or self._rng.random() < shadow.fraction
-
-    def task(self, admission: Admission, images: np.ndarray, logits: np.ndarray) -> BackgroundTask | None:
-        """What an HTTP answer runs once it is sent: the shadow run, if this request is mirrored."""
-        if not self.wanted(admission):
-            return None
-        return BackgroundTask(self.start, admission, images, logits)
 
     async def start(self, admission: Admission, images: np.ndarray, logits: np.ndarray) -> None:
         """Run this request on the shadow variant in a task of its own: neither this answer nor the
