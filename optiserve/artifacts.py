@@ -141,6 +141,15 @@ def write_manifest(folder: Path, manifest: dict) -> None:
         f.write("\n")
 
 
+def image_model_only(manifest: dict, folder: str | os.PathLike, what: str) -> None:
+    """One line where `what` (serving, tuning, a benchmark) is asked of a text model's folder, which it
+    does not take yet: its variants run through the runtime (optiserve.runtime.load_session)."""
+    if (manifest.get("input") or {}).get("kind") == "text":
+        raise UserError(f"{folder} holds a {manifest.get('task', 'text')} model; {what} takes image models for now "
+                        f"(its variants run through optiserve.runtime.load_session, their texts tokenized by "
+                        f"optiserve.text_input.TextTokenizer)")
+
+
 def read_manifest(folder: str | os.PathLike, expected_sha256: str | None = None) -> dict:
     """The folder's manifest; with `expected_sha256`, only if manifest.json has exactly that hash
     (the manifest pins every variant file's hash in turn, so this pins the whole artifact)."""

@@ -17,7 +17,7 @@ import numpy as np
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run, make_results, variant_facts
 from optiserve.errors import UserError
-from optiserve.artifacts import read_manifest
+from optiserve.artifacts import image_model_only, read_manifest
 from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.timing import interleaved_times
 from optiserve.runtime.variants import load_verified, select_variants, warm_up
@@ -34,6 +34,7 @@ def bench_engine(folder: str | Path, variants: list[str] | None, batch_sizes: li
     if duration_s <= 0:
         raise UserError("--duration must be positive")
     manifest = read_manifest(folder)
+    image_model_only(manifest, folder, "optiserve bench engine")
     entries = select_variants(manifest, variants)
     # loaded side by side: a session's idle thread pool must not spin on the cores the next one is timed on
     options = replace(options, extra={**options.extra, "spin": False})

@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from optiserve.artifacts import chosen_accuracy, read_manifest
+from optiserve.artifacts import chosen_accuracy, image_model_only, read_manifest
 from optiserve.bench.loadgen import Load, generate_load
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import environment
@@ -373,6 +373,7 @@ class Tuner:
 
     def _read_folder(self) -> None:
         self.manifest = read_manifest(self.cfg.folder)
+        image_model_only(self.manifest, self.cfg.folder, "optiserve tune")
         self.model = self.manifest.get("model")
         self.own = own_settings(self.cfg.folder)  # kept in every point's settings, and in what is written
 

@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from optiserve.artifacts import read_manifest
+    from optiserve.artifacts import image_model_only, read_manifest
     from optiserve.bench.payloads import dataset_images, images_from_folder
     from optiserve.bench.tune import TuneConfig, Tuner
     from optiserve.bench.tune_report import write_tune_report
@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     if pipeline and not args.images:
         raise UserError(f"tuning the pipeline {folder.name} needs --images DIR: pictures like those it will serve, "
                         f"so its later steps get the boxes they will get")
+    if not pipeline:
+        image_model_only(read_manifest(folder), folder, "optiserve tune")
     if args.images:
         images = images_from_folder(args.images)
     else:

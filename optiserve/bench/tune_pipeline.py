@@ -24,7 +24,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from optiserve.artifacts import is_artifact_folder, read_manifest
+from optiserve.artifacts import image_model_only, is_artifact_folder, read_manifest
 from optiserve.bench.tune import (SETTINGS_FILE, Point, Tuner, candidates, delays_ms, instance_counts, is_point,
                                   is_result, offline_ceiling, own_settings, point_settings, stage_folder)
 from optiserve.errors import UserError
@@ -85,6 +85,7 @@ class PipelineTuner(Tuner):
                 raise UserError(f"pipeline {pipeline.name}: its step {step.model!r} has no model folder {folder} "
                                 f"beside it; tune serves the pipeline from its repository")
             self.manifests[step.model] = read_manifest(folder)
+            image_model_only(self.manifests[step.model], folder, "a pipeline")
             self.own[step.model] = own_settings(folder)
         self.pinned = {step.model: step.variant for step in pipeline.steps if step.variant}
         self.asked = self._asked_variants()

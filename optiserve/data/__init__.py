@@ -6,6 +6,7 @@ imports `optiserve.data.image_input` and `png_pixels` from this package, and mus
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optiserve.errors import UserError
@@ -18,8 +19,9 @@ DATASET_CHOICES = "digits | imagefolder:PATH | synthetic"
 
 
 def load_dataset(name: str, model_input: InputSpec, num_classes: int, seed: int = 0, masks: str | None = None,
-                 ignore_index: int = 255, boxes: str | None = None) -> DatasetSplits:
-    """Load dataset `name` for a model whose native input is `model_input`.
+                 ignore_index: int = 255, boxes: str | None = None, text_folder: Path | None = None) -> DatasetSplits:
+    """Load dataset `name` for a model whose native input is `model_input` (a text model's TextInput,
+    its tokenizer in `text_folder`, takes `text:PATH`).
 
     `digits` brings its own input spec (1x16x16); the others are prepared for the model's. `masks`
     (imagefolder only) is a folder of segmentation masks named after the images; `boxes` a COCO-format
@@ -30,6 +32,9 @@ def load_dataset(name: str, model_input: InputSpec, num_classes: int, seed: int 
             raise UserError(f"{flag} labels the images of --dataset imagefolder:PATH, not {name}")
     if masks is not None and boxes is not None:
         raise UserError("--masks and --boxes label the images for different tasks; give the one for your model's")
+    if text_folder is not None and not name.startswith("text:"):
+        raise UserError(f"--dataset {name} holds images; a text model takes --dataset text:FILE.txt|.tsv|.csv "
+                        f"(or text:FOLDER with train/val/test files)")
     if name == "digits":
         from optiserve.data.digits import load_digits_splits
 
@@ -39,8 +44,12 @@ def load_dataset(name: str, model_input: InputSpec, num_classes: int, seed: int 
 
         return load_synthetic_splits(model_input, num_classes, seed=seed)
     if name.startswith("text:"):
-        raise UserError(f"--dataset {name}: text:PATH is for text models; this model takes images "
-                        f"(use {DATASET_CHOICES})")
+        if text_folder is None:
+            raise UserError(f"--dataset {name}: text:PATH is for text models; this model takes images "
+                            f"(use {DATASET_CHOICES})")
+        from optiserve.data.text_tokens import load_text_dataset
+
+        return load_text_dataset(name, model_input, text_folder, seed=seed)
     if name.startswith("imagefolder:"):
         from optiserve.data.imagefolder import load_imagefolder_splits
 

@@ -26,6 +26,7 @@ from optiserve.errors import UserError, first_line
 from optiserve.models.onnx_file import OnnxGraphFacts, is_onnx_file, read_onnx_facts
 from optiserve.input_spec import CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, InputSpec
 from optiserve.models.registry import create_model, list_models
+from optiserve.models.text_folder import is_text_folder
 
 
 @dataclass
@@ -404,6 +405,22 @@ register_source(ModelSource("torch_export", _is_exported_program, _build_exporte
                             "a torch.export file (torch.export.save) with a dynamic batch axis"))
 register_source(ModelSource("callable", _is_callable_ref, _build_callable, "path/to/file.py:build",
                             "or package.module:build: your function returning an nn.Module (its code runs)"))
+
+
+def _build_text_folder(model: str, num_classes: int | None, image_size: ImageSize | None = None) -> BuiltModel:
+    from optiserve.models.text_folder import build_text_module, read_text_folder
+
+    folder = read_text_folder(model)
+    if num_classes is not None and folder.labels is not None and num_classes != len(folder.labels):
+        raise UserError(f"--num-classes {num_classes}: {model}'s config.json names {len(folder.labels)} classes")
+    return BuiltModel(build_text_module(folder), classes=folder.labels, weights="in the folder",
+                      facts={"text_folder": folder.facts(), "notes": folder.notes}, output_width=folder.width,
+                      task=folder.task, file=folder.path)
+
+
+register_source(ModelSource("text folder", is_text_folder, _build_text_folder, "path/to/hf-folder",
+                            "a Hugging Face text model folder: config.json, model.safetensors, tokenizer.json "
+                            "(sentence-transformers' modules.json and pooling read as given)"))
 
 
 def default_input(channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -17,6 +17,7 @@ from torch import nn
 from optiserve.checkpoint import NotACheckpoint, read_checkpoint
 from optiserve.errors import UserError, first_line
 from optiserve.files import sha256_file
+from optiserve.models.text_folder import is_text_folder
 from optiserve.models.detector_heads import HeadDecoding, head_for
 from optiserve.models.onnx_adapt import append_head, feed_as_float_nchw, load_for_edit
 from optiserve.models.onnx_file import CHANNELS, OUTPUT_DTYPES, ModelOutput, at_input_size, show_shape
@@ -128,8 +129,12 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
     output means (default: classification for one [N, K] output) and, for a model file with several
     outputs, `task_output` which one it reads (default: the first); for a detector file,
     `detection_head` and `decoding` how its outputs are laid out and decoded."""
-    if task is not None and task not in list_tasks():
-        raise UserError(f"unknown task {task!r}; use {' | '.join(list_tasks())}")
+    if is_text_folder(name):
+        from optiserve.models.text_folder import load_text_model
+
+        return load_text_model(name, weights, labels, task, input_spec, overrides, num_classes)
+    if task is not None and task not in list_tasks('image'):
+        raise UserError(f"unknown task {task!r}; use {' | '.join(list_tasks('image'))}")
     if not is_registered(name):
         return _ready(_load_from_source(name, weights, num_classes, overrides, labels, task, task_output,
                                         detection_head, decoding))
@@ -227,7 +232,7 @@ def _task_input(spec: InputSpec, task: str | None, overrides: InputOverrides) ->
 def _output_task(task: str | None, shape: tuple[int, ...], name: str) -> str:
     """The task `shape` (one image's output) is for: the one given, checked, else classification for a
     [N, K] output; any other output needs --task, asked for in one line."""
-    wanted = {get_task(t).output_form.count(",") + 1: t for t in list_tasks()}  # axes, batch included -> task
+    wanted = {get_task(t).output_form.count(",") + 1: t for t in list_tasks('image')}  # axes, batch included -> task
     if task is None:
         if len(shape) == 1:
             return "classification"
@@ -244,7 +249,7 @@ def _output_task(task: str | None, shape: tuple[int, ...], name: str) -> str:
 
 
 def _forms() -> str:
-    return ", ".join(f"{get_task(t).output_form} ({t})" for t in list_tasks())
+    return ", ".join(f"{get_task(t).output_form} ({t})" for t in list_tasks('image'))
 
 
 def _file_model(name: str, built, spec: InputSpec, labels: list[str] | None, task: str | None,

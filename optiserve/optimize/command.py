@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default) or letterbox (the whole image, its aspect kept, padded with the mean colour, or "
                         "gray 114 for a YOLO head; detection)")
     p.add_argument("--labels", default=None, metavar="FILE", help="class names, one a line, in output order")
-    p.add_argument("--task", default=None, choices=list_tasks(),
+    p.add_argument("--task", default=None, choices=list_tasks('image'),
                    help="what the model's output means (default: classification for one [N, K] output)")
     p.add_argument("--task-output", default=None, metavar="NAME",
                    help="a model with several outputs: the one the task reads (default: the first); every "

@@ -73,8 +73,8 @@ class OptimizeConfig:
 
     def validate(self) -> None:
         find_source(self.model)
-        if self.task is not None and self.task not in list_tasks():
-            raise UserError(f"unknown --task {self.task!r}; use {' | '.join(list_tasks())}")
+        if self.task is not None and self.task not in list_tasks('image'):
+            raise UserError(f"unknown --task {self.task!r}; use {' | '.join(list_tasks('image'))}")
         if self.output_kind != "auto" and self.output_kind not in list_output_kinds():
             raise UserError(f"unknown --output-kind {self.output_kind!r}; use auto, {', '.join(list_output_kinds())}")
         for _, minimum in gate_minimums():

@@ -139,7 +139,8 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
     # an idle session must not slow the next; threads as stated, so a server can tell it runs with the same
     options = RuntimeOptions(device=cfg.device, threads=usable_cores(), extra={"spin": False})
     batch1 = valset.images[:1]
-    batch_n = np.resize(valset.images, (cfg.latency_batch, *valset.images.shape[1:])).astype(np.float32)
+    batch_n = np.resize(valset.images, (cfg.latency_batch, *valset.images.shape[1:]))
+    batch_n = batch_n if batch_n.dtype == np.int64 else batch_n.astype(np.float32)  # token batches stay int64
     if baseline_name not in [v.name for v in variants]:
         raise RuntimeError(f"no {baseline_name} variant to validate the others against")
     # The baseline by name, validated first: every other variant is scored against it, whatever the order.

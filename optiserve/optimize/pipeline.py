@@ -17,6 +17,7 @@ from optiserve.errors import UserError
 from optiserve.models import LoadedModel, load_model, read_labels
 from optiserve.models.detector_heads import HeadDecoding
 from optiserve.models.onnx_file import is_onnx_file
+from optiserve.models.text_folder import is_text_folder
 from optiserve.models.sources import is_registered
 from optiserve.optimize.attempts import LOG_FILE, Attempts
 from optiserve.optimize.config import OptimizeConfig  # noqa: F401  importers take it from here too
@@ -32,6 +33,7 @@ from optiserve.optimize.trace import validation_batches
 from optiserve.optimize.report import render_report
 from optiserve.optimize.validate import EvalSet, materialize
 from optiserve.tasks import get_task, unmatched_answers
+from optiserve.text_input import TextInput
 
 
 def default_checkpoint(model: str, dataset: str) -> Path:
@@ -70,6 +72,8 @@ def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> tuple[str, li
     """('', class mapping) when variants can be judged on `data` for `loaded`, else (why not, None);
     the mapping is None where the data's labels cannot score the model (none, or not its classes),
     and a classifier is then judged by top-1 agreement with fp32. Raises on pairs that cannot run."""
+    if isinstance(loaded.input, TextInput):  # its texts were tokenized for it (data/text_tokens.py)
+        return "", None
     if tuple(loaded.input.shape) != tuple(data.input.shape):
         fix = ("use the dataset the checkpoint was trained on" if loaded.rebuildable else
                "give your images with --dataset imagefolder:PATH (or --dataset synthetic for a smoke run)")
@@ -140,9 +144,10 @@ def _judged_by_agreement(loaded: LoadedModel, data: DatasetSplits, why_not: str,
 def run_optimize(cfg: OptimizeConfig) -> dict:
     """Build, validate and publish every requested variant; returns the manifest."""
     cfg.validate()
-    form = "onnx" if is_onnx_file(cfg.model) else "torch"
+    form = "text" if is_text_folder(cfg.model) else "onnx" if is_onnx_file(cfg.model) else "torch"
     log = PassLog(step_count(form, cfg), enabled=cfg.progress)
-    with log.step(f"load {cfg.model} ({cfg.weights or 'default weights'})"):
+    weights = "its own weights" if form == "text" else cfg.weights or "default weights"
+    with log.step(f"load {cfg.model} ({weights})"):
         loaded = resolve_weights(cfg, log)
         if cfg.output_kind != "auto" and not get_task(loaded.task).reads_output_kind:
             raise UserError(f"--output-kind says what a classifier's or segmenter's scores hold; {cfg.model} is "
@@ -165,15 +170,17 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                 raise UserError(f"{flag} scores a {task} model's answers; {cfg.model} is a {loaded.task} model "
                                 f"(--task {task}, if it is one)")
         data = load_dataset(cfg.dataset, loaded.input, len(loaded.classes), masks=cfg.masks,
-                            ignore_index=cfg.ignore_index, boxes=cfg.boxes)
+                            ignore_index=cfg.ignore_index, boxes=cfg.boxes,
+                            text_folder=Path(cfg.model) if form == "text" else None)
         if cfg.test is not None:
             _use_test_folder(data, cfg)
         why_not, mapping = _check_compatible(loaded, data)
         valset = _held_out(data.val, data, loaded, cfg, mapping)
         testset = _held_out(data.test, data, loaded, cfg, mapping)
     left_out = [f"{data.left_out} images {LEFT_OUT[data.truth]} left out"] if data.left_out else []
+    noun = "texts" if form == "text" else "images"
     log.note("; ".join([f"fit on the train split (calibration, recovery); choose on {len(valset.images)} validation "
-                        f"images (every gate and choice); report on {len(testset.images)} test images, after "
+                        f"{noun} (every gate and choice); report on {len(testset.images)} test {noun}, after "
                         f"every choice", *([data.split_note] if data.split_note else []), *left_out]))
 
     torch.manual_seed(0)
@@ -192,7 +199,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         passes = passes_for(run.form, cfg)
         for each in passes:  # every pass after the baseline is an attempt: one that raises
             each.build(run)  # is its variants' failed rows, and the run goes on
-        baseline = "onnx-fp32" if run.form == "onnx" else BASELINE
+        baseline = "onnx-fp32" if run.form in ("onnx", "text") else BASELINE
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
             entries, timed, kind = validate(variants, stage, loaded, valset, cfg, why_not, baseline, attempts)
@@ -227,7 +234,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                                                    if e["frontier"]["on"]],
                                       "dropped": dropped}
             manifest["failed"] = attempts.failed
-            _sweep(stage, entries)
+            _sweep(stage, entries, also=[loaded.input.tokenizer] if form == "text" else [])
             artifacts.write_manifest(stage, manifest)
             (stage / "report.md").write_text(render_report(manifest))
             if run.searched:
@@ -237,11 +244,12 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
     return manifest
 
 
-def _sweep(stage: Path, entries: list[dict]) -> None:
+def _sweep(stage: Path, entries: list[dict], also: list[str]) -> None:
     """Remove from the folder to be published what no published variant uses: what a pass that
     failed had written, the files of a variant that could not run or be judged, the openvino-int8
-    flow that lost (an IR another variant shares stays; the tracebacks in LOG_FILE stay)."""
-    keep = {LOG_FILE} | {f for e in entries for f in (e["file"], *(e.get("companions") or {}))}
+    flow that lost (an IR another variant shares stays; the tracebacks in LOG_FILE stay, and the
+    files every variant shares, `also`: a text model's tokenizer)."""
+    keep = {LOG_FILE, *also} | {f for e in entries for f in (e["file"], *(e.get("companions") or {}))}
     for path in stage.iterdir():
         if path.name in keep:
             continue

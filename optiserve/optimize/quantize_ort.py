@@ -40,7 +40,7 @@ class _BatchReader:
 
 
 @contextlib.contextmanager
-def _root_warnings_muted():
+def root_warnings_muted():
     """ONNX Runtime's quantizer logs on the root logger what it skips (per-channel axes of a
     LayerNorm weight, say): notes for its developers, noise on the optimizer's console."""
     previous = logging.root.manager.disable
@@ -88,7 +88,7 @@ def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLi
         source = Path(fp32_path).resolve()
         # ONNX Runtime's symbolic shape inference saves the graph it could not complete, with its
         # weights beside it, into the working directory: run it where that lands in `tmp`
-        with contextlib.redirect_stdout(io.StringIO()), _root_warnings_muted(), _working_directory(tmp):
+        with contextlib.redirect_stdout(io.StringIO()), root_warnings_muted(), _working_directory(tmp):
             try:
                 quant_pre_process(str(source), str(pre), skip_symbolic_shape=False)
                 shapes = "symbolic"

