@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from optiserve.errors import UserError
+from optiserve.text_input import text_input_of, trim_padding
 from optiserve.machine import bf16_missing
 from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
                                         register_backend)
@@ -70,6 +71,7 @@ class OpenVinoSession:
         self.precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
         self._computes_in = None
         self.outputs = self._outputs_in_manifest_order(path, manifest)
+        self.text = text_input_of(manifest)  # a text model takes token batches, fed as its named inputs
         self.dtypes = [np.dtype(d) for d in output_dtypes(manifest)] or [np.float32] * len(self.outputs)
 
     def _outputs_in_manifest_order(self, path: Path, manifest: dict) -> list[int]:
@@ -104,8 +106,10 @@ class OpenVinoSession:
         return self._run(batch)
 
     def _run(self, batch: np.ndarray) -> list[np.ndarray]:
-        x = np.ascontiguousarray(batch, dtype=np.float32)
-        result = self.request.infer({0: x}, share_inputs=True)
+        if self.text is not None:
+            result = self.request.infer(self.text.feeds(trim_padding(batch)), share_inputs=True)
+        else:
+            result = self.request.infer({0: np.ascontiguousarray(batch, dtype=np.float32)}, share_inputs=True)
         # copies: the request reuses its output buffers
         return [np.array(result[i], dtype=d, copy=True) for i, d in zip(self.outputs, self.dtypes)]
 

@@ -1,8 +1,11 @@
 """The passes of a text model (a Hugging Face folder, models/text_folder.py): onnx-fp32, the encoder
 exported to ONNX with dynamic batch and sequence axes and held to eager on every validation batch
-(the baseline every other variant is judged against), and onnx-int8, its MatMul weights quantized
-to INT8 per output channel with activations quantized per batch at run time (ONNX Runtime's dynamic
-quantization, which needs no calibration and suits activations whose range varies with the text)."""
+(the baseline every other variant is judged against); onnx-int8, its MatMul weights quantized to
+INT8 per output channel with activations quantized per batch at run time (ONNX Runtime's dynamic
+quantization, which needs no calibration and suits activations whose range varies with the text);
+OpenVINO's IR of onnx-fp32 at f32 and, where the CPU has bf16, bf16 inference precision; and
+openvino-int8, NNCF's post-training INT8 with its transformer scheme (LayerNorm, Softmax and GELU
+kept in float), calibrated on the training texts."""
 
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ from torch import nn
 from optiserve.files import atomic_write
 from optiserve.models.text_folder import OUTPUT_NAMES, TOKENIZER
 from optiserve.optimize.export_onnx import OPSET, ExportMismatch
+from optiserve.optimize.export_openvino import export_openvino
 from optiserve.optimize.quantize_ort import root_warnings_muted
 from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
+from optiserve.runtime.openvino_backend import bf16_unavailable
 from optiserve.text_input import TOKEN_INPUTS, trim_padding
 
 EXPORT_ATOL = 1e-4  # the largest |Δ| from eager an exported encoder's output may show on a validation batch
@@ -117,5 +122,65 @@ def _build_int8(run: Run) -> None:
         run.variants.append(Variant("onnx-int8", "model_int8.onnx", "onnxruntime", "int8", settings))
 
 
+CALIBRATION_BATCH = 8  # texts per calibration batch, each padded to its own longest
+
+
+def calibration_feeds(run: Run) -> list[dict[str, np.ndarray]]:
+    """Up to --calib-size training texts (they fit; validation and test never do) as the graph's named
+    inputs, in batches padded to their own longest text."""
+    train = run.data.calibration_set()
+    count = min(run.cfg.calib_size, len(train))
+    tokens = np.stack([np.asarray(train[i][0]) for i in range(count)])
+    return [run.loaded.input.feeds(trim_padding(tokens[i:i + CALIBRATION_BATCH]))
+            for i in range(0, count, CALIBRATION_BATCH)]
+
+
+def quantize_text_nncf(onnx_path: Path, xml_path: Path, feeds: list[dict[str, np.ndarray]]) -> dict:
+    """NNCF's INT8 of the fp32 graph read by OpenVINO, its transformer scheme, calibrated on `feeds`."""
+    import logging
+
+    import nncf
+    import openvino as ov
+
+    nncf.set_log_level(logging.ERROR)
+    model = ov.Core().read_model(str(onnx_path))
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+        quantized = nncf.quantize(model, nncf.Dataset(feeds), subset_size=len(feeds),
+                                  model_type=nncf.ModelType.TRANSFORMER)
+    ov.save_model(quantized, str(xml_path), compress_to_fp16=False)
+    return {"quantizer": "nncf", "nncf": nncf.__version__, "model_type": "transformer", "weights": "int8",
+            "activations": "int8, calibrated", "calibration_texts": int(sum(len(f["input_ids"]) for f in feeds)),
+            "ir_from": onnx_path.name, "openvino": ov.get_version().split("-")[0]}
+
+
+def _build_openvino(run: Run) -> None:
+    title = "OpenVINO IR (fp32 weights; f32 and bf16 inference)"
+    if why := run.attempts.missing("onnx-fp32"):
+        run.attempts.skip(title, why, "openvino-fp32", "openvino-bf16")
+    else:
+        with run.attempts.attempt(title, "openvino-fp32", "openvino-bf16"):
+            ov = export_openvino(run.stage / "model.onnx", run.stage / "model.openvino.xml")
+            run.variants.append(Variant("openvino-fp32", "model.openvino.xml", "openvino", "fp32",
+                                        {**ov, "inference_precision": "f32"}))
+            if why := bf16_unavailable():
+                run.attempts.cannot(why, "openvino-bf16")
+            else:
+                run.variants.append(Variant("openvino-bf16", "model.openvino.xml", "openvino", "bf16",
+                                            {**ov, "inference_precision": "bf16"}))
+    if not run.cfg.int8:
+        return
+    title = "OpenVINO INT8 with NNCF post-training quantization (transformer scheme, training texts)"
+    if why := run.attempts.missing("onnx-fp32"):
+        run.attempts.skip(title, why, "openvino-int8")
+        return
+    with run.attempts.attempt(title, "openvino-int8"):
+        settings = quantize_text_nncf(run.stage / "model.onnx", run.stage / "model.int8.openvino.xml",
+                                      calibration_feeds(run))
+        run.variants.append(Variant("openvino-int8", "model.int8.openvino.xml", "openvino", "int8",
+                                    {**settings, "inference_precision": "f32"}))
+
+
 register_pass(Pass("text-onnx-export", TEXT, _build_fp32))
 register_pass(Pass("text-int8", TEXT, _build_int8, asked=lambda cfg: cfg.int8))
+register_pass(Pass("text-openvino", TEXT, _build_openvino, asked=lambda cfg: cfg.openvino,
+                   steps=lambda cfg: 1 + cfg.int8))
