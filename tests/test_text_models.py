@@ -114,6 +114,25 @@ def test_a_bare_encoder_is_mean_pooled_unnormalised_and_says_so(tmp_path):
     assert read.pooling == ("mean",) and not read.normalize and "no modules.json" in read.notes[0]
 
 
+def test_a_text_classifier_folder_is_one_line_until_its_task_is_built(tmp_path):
+    from optiserve.models import load_model
+
+    folder = _copy(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["BertForSequenceClassification"], id2label={"0": "neg", "1": "pos"})
+    (folder / "config.json").write_text(json.dumps(config))
+    assert read_text_folder(folder).labels == ["neg", "pos"]
+    with pytest.raises(UserError, match="text-classification model .BertForSequenceClassification."):
+        load_model(str(folder))
+
+
+def test_a_text_folder_is_served_under_its_own_name(tmp_path):
+    from optiserve.models import model_slug
+
+    assert model_slug(str(_copy(tmp_path))) == "model"
+    assert model_slug(str(MINILM) + "/") == "model"
+
+
 # --- optimize --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -146,6 +165,9 @@ def test_optimize_builds_onnx_and_openvino_fp32_and_int8_judged_by_cosine_on_val
         low, high = int8["accuracy"]["cosine_ci95"]
         assert low <= int8["accuracy"]["cosine_mean"] <= high < 1.0
     assert manifest["recommended"]["latency"] in by_name
+    assert manifest["model"] == "model"  # served under the folder's own name
+    report = (optimized / "report.md").read_text()
+    assert "validation texts" in report and "test texts" in report and "Cosine similarity of each text's" in report
 
 
 @pytest.mark.parametrize("variant", ["onnx-fp32", "openvino-fp32"])

@@ -91,8 +91,10 @@ def is_registered(model: str) -> bool:
 
 def model_slug(model: str) -> str:
     """A folder and served-model name for MODEL: `torchvision:resnet18` -> `torchvision-resnet18`,
-    `nets/tiny.py:build` -> `tiny-build`."""
-    if is_onnx_file(model) or Path(model).suffix in (".pt", ".pth", ".ts", ".torchscript", ".pt2"):
+    `nets/tiny.py:build` -> `tiny-build`, a text model folder `models/minilm/` -> `minilm`."""
+    if is_text_folder(model):
+        slug = Path(model).resolve().name  # the folder's own name: the served name a user reads
+    elif is_onnx_file(model) or Path(model).suffix in (".pt", ".pth", ".ts", ".torchscript", ".pt2"):
         slug = Path(model).name.split(".")[0]
     elif ":" in model and not is_registered(model):
         where, _, attr = model.rpartition(":")

@@ -274,6 +274,11 @@ def load_text_model(name: str, weights: str | None, labels: list[str] | None, ta
     if labels:
         raise UserError(f"--labels: {name}'s classes are config.json's id2label")
     folder = read_text_folder(name)
+    from optiserve.tasks import list_tasks
+
+    if folder.task not in list_tasks("text"):
+        raise UserError(f"{name} is a {folder.task} model ({folder.facts()['architecture']}); optiserve optimizes "
+                        f"text encoders so far ({', '.join(list_tasks('text'))}): a classifier's head is still to come")
     if task is not None and task != folder.task:
         said = "config.json's architecture" if folder.task == CLASSIFIER_TASK else "folder"
         raise UserError(f"{name} is a {folder.task} model, as its {said} says; --task {task} does not fit it")

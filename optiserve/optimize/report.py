@@ -117,14 +117,19 @@ def search_lines(manifest: dict) -> list[str]:
     return lines
 
 
-def _data_roles(dataset: dict) -> str:
-    """What each split did: validation chose, test only reported."""
-    test = f"Accuracy on {dataset['eval_images']} held-out test images, read once after every choice"
+def _data_roles(dataset: dict, noun: str = "images") -> str:
+    """What each split did: validation chose, test only reported (`noun`: what the model takes)."""
+    test = f"Accuracy on {dataset['eval_images']} held-out test {noun}, read once after every choice"
     if "choose_images" not in dataset:  # a manifest from before the roles were recorded
         return f"{test}."
     split = f" ({dataset['split_note']})" if dataset.get("split_note") else ""
     return (f"{test}; every variant was accepted or rejected, and the search and the recommendation made, on "
-            f"{dataset['choose_images']} validation images{split}.")
+            f"{dataset['choose_images']} validation {noun}{split}.")
+
+
+def _noun(manifest: dict) -> str:
+    """What the model takes, as the report counts it."""
+    return "texts" if (manifest.get("input") or {}).get("kind") == "text" else "images"
 
 
 def _size(n: int) -> str:
@@ -134,7 +139,7 @@ def _size(n: int) -> str:
 def render_report(manifest: dict) -> str:
     header, rows = summary_header(manifest), summary_rows(manifest)
     lines = [f"# optimize report: {manifest['model']} on {manifest['dataset']['name']}", "",
-             f"Weights: `{manifest['source']['weights']}`. {_data_roles(manifest['dataset'])} Latency is the "
+             f"Weights: `{manifest['source']['weights']}`. {_data_roles(manifest['dataset'], _noun(manifest))} Latency is the "
              f"median of repeated runs after warm-up, through the same runtime layer the server uses.", ""]
     if not manifest["accuracy_meaningful"]:
         lines += [f"**Accuracy is not validated here: {manifest['accuracy_note']}.** Agreement and max |Δ| "
