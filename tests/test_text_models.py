@@ -5,6 +5,7 @@ sentence-transformers' `encode`."""
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from pathlib import Path
@@ -28,14 +29,26 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
+LEE_PAIRS = 160
+
+
 @pytest.fixture(scope="module")
-def polarity(tmp_path_factory) -> Path:
-    """The 200 Pang & Lee polarity sentences gensim's wheel carries, converted from cp1252 to UTF-8."""
+def lee_pairs(tmp_path_factory) -> Path:
+    """160 of the 1,225 pairs of Lee's 50 news documents with their human similarity ratings (as gensim's
+    wheel carries them, read as its own test_lee.py does), chosen seeded, as text1/text2/score rows."""
     pytest.importorskip("gensim", reason="gensim's bundled corpora are the real texts these tests read ([dev])")
     from gensim.test.utils import datapath
 
-    path = tmp_path_factory.mktemp("texts") / "polarity.txt"
-    path.write_text(Path(datapath("pang_lee_polarity.cor")).read_bytes().decode("cp1252"), encoding="utf-8")
+    folder = Path(datapath("lee.cor")).parent
+    docs = [line.strip() for line in (folder / "lee.cor").read_bytes().decode("latin-1").splitlines()]
+    ratings = np.loadtxt(folder / "similarities0-1.txt")
+    i, j = np.triu_indices(len(docs), 1)
+    chosen = np.sort(np.random.default_rng(0).choice(len(i), LEE_PAIRS, replace=False))
+    path = tmp_path_factory.mktemp("texts") / "lee.tsv"
+    with path.open("w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f, delimiter="\t")
+        writer.writerow(["text1", "text2", "score"])
+        writer.writerows((docs[i[k]], docs[j[k]], ratings[i[k], j[k]]) for k in chosen)
     return path
 
 
@@ -136,10 +149,10 @@ def test_a_text_folder_is_served_under_its_own_name(tmp_path):
 # --- optimize --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def optimized(polarity, tmp_path_factory) -> Path:
+def optimized(lee_pairs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("minilm") / "artifact"
     # bf16 stated absent: the same variants on any machine (tests/test_cpu_flags.py runs bf16 both ways)
-    r = run_cli("optimize", str(MINILM), "--dataset", f"text:{polarity}", "--int8", "--latency-batch", "1",
+    r = run_cli("optimize", str(MINILM), "--dataset", f"text:{lee_pairs}", "--int8", "--latency-batch", "1", "--calib-size", "32",
                 "--out", str(out), "--no-progress", env={"OPTISERVE_CPU_FLAGS": "-avx512_bf16,-amx_bf16"}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
@@ -166,8 +179,55 @@ def test_optimize_builds_onnx_and_openvino_fp32_and_int8_judged_by_cosine_on_val
         assert low <= int8["accuracy"]["cosine_mean"] <= high < 1.0
     assert manifest["recommended"]["latency"] in by_name
     assert manifest["model"] == "model"  # served under the folder's own name
+    # scored pairs: each variant's Spearman correlation beside fp32's on the same pairs
+    fp32, int8 = by_name["onnx-fp32"]["accuracy"], by_name["openvino-int8"]["accuracy"]
+    assert fp32["spearman"] == fp32["spearman_fp32"] == int8["spearman_fp32"] and fp32["pairs"] == int8["pairs"] > 10
+    assert int8["spearman_vs_fp32"]["ci95"][0] <= int8["spearman_vs_fp32"]["points"] <= int8["spearman_vs_fp32"]["ci95"][1]
     report = (optimized / "report.md").read_text()
     assert "validation texts" in report and "test texts" in report and "Cosine similarity of each text's" in report
+    assert "Spearman (Δ fp32, pts [95% CI])" in report
+
+
+def test_fp32_s_spearman_on_the_test_pairs_is_sentence_transformers_and_scipy_s(optimized, lee_pairs,
+                                                                                 sentence_transformer):
+    from scipy.stats import spearmanr
+
+    from optiserve.data.text import load_text_splits
+
+    manifest = json.loads((optimized / "manifest.json").read_text())
+    test = load_text_splits(str(lee_pairs)).test  # the pairs that only report
+    a, b = sentence_transformer.encode(test.texts), sentence_transformer.encode(test.second)
+    want = spearmanr(_cosine(a, b), test.scores).statistic
+    fp32 = next(v for v in manifest["variants"] if v["name"] == "onnx-fp32")["accuracy"]
+    assert fp32["pairs"] == len(test) and fp32["spearman"] == pytest.approx(want, abs=2e-3)
+
+
+def test_spearman_is_scipy_s_ties_included():
+    from scipy.stats import spearmanr
+
+    from optiserve.tasks.text_embedding import spearman
+
+    rng = np.random.default_rng(0)
+    for a, b in [(rng.normal(size=50), rng.normal(size=50)), (rng.integers(0, 5, 40), rng.integers(0, 3, 40)),
+                 (np.arange(10.0), np.arange(10.0) ** 3)]:
+        assert spearman(a, b) == pytest.approx(spearmanr(a, b).statistic, abs=1e-12)
+    assert spearman(np.ones(5), np.arange(5.0)) is None
+
+
+def test_a_variant_surely_worse_on_the_pairs_is_rejected_and_noise_is_not(sentence_transformer, lee_pairs):
+    from optiserve.data.text import read_text_file
+    from optiserve.tasks import GateLimits, get_task
+
+    pairs = read_text_file(lee_pairs)
+    vectors = sentence_transformer.encode(pairs.texts + pairs.second)
+    scores = np.concatenate([pairs.scores, pairs.scores])
+    task = get_task("text-embedding")
+    baseline = task.metrics(vectors, vectors, scores)
+    limits = GateLimits(min_cosine=0.0)  # the pairs alone decide here
+    for scale, status in ((0.002, "accepted"), (0.15, "rejected")):  # cosine to fp32 about 0.999, and 0.3
+        out = vectors + scale * np.random.default_rng(0).normal(size=vectors.shape).astype(np.float32)
+        metrics = task.metrics(out, vectors, scores)
+        assert task.gate(metrics, baseline, limits)[0] == status, (scale, metrics["spearman_vs_fp32"])
 
 
 @pytest.mark.parametrize("variant", ["onnx-fp32", "openvino-fp32"])
@@ -195,10 +255,17 @@ def test_serving_a_text_model_is_one_line_saying_what_runs_it(optimized):
         assert "text-embedding model" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-@pytest.mark.parametrize("flags, says", [(("--dataset", "digits"), "a text model takes --dataset text:"),
-                                         (("--dataset", "text:X", "--task", "classification"), "--task classification does not fit it"),
-                                         (("--dataset", "text:X", "--weights", "w.pt"), "holds its own weights"),
-                                         (("--dataset", "text:X", "--input-shape", "3,32,32"), "describe images")])
-def test_flags_a_text_model_cannot_take_are_one_line(flags, says):
-    r = run_cli("optimize", str(MINILM), *flags, "--out", "unused", timeout=120)
-    assert r.returncode != 0 and "Traceback" not in r.stderr and says in r.stderr, r.stderr[-2000:]
+def test_data_a_text_model_cannot_take_is_one_line():
+    r = run_cli("optimize", str(MINILM), "--dataset", "digits", "--out", "unused", timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "a text model takes --dataset text:" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("optiserve optimize: error:"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("given, says", [({"task": "classification"}, "--task classification does not fit it"),
+                                         ({"weights": "w.pt"}, "holds its own weights"),
+                                         ({"labels": ["a", "b"]}, "classes are config.json's id2label")])
+def test_what_a_text_folder_says_for_itself_no_flag_overrides(given, says):
+    from optiserve.models import load_model
+
+    with pytest.raises(UserError, match=says):
+        load_model(str(MINILM), **given)

@@ -31,7 +31,8 @@ class DatasetSplits:
     in_memory: bool = True   # True: samples are tensors already, DataLoader workers would only add IPC
     # What each sample's label is: "classes" (a class index), "masks" (a mask [H, W] of class ids, -1:
     # not scored) or "boxes" (the image's true boxes [T, 6] in input pixels: x1, y1, x2, y2, 1 or 0
-    # for a crowd region not scored, class id).
+    # for a crowd region not scored, class id) or "pairs" (scored text pairs: a role's rows are its
+    # pairs' first texts, then their second texts, each labelled with its pair's score).
     truth: str = "classes"
     left_out: int = 0        # images the data holds but cannot use (no mask, not annotated), for the report to say
     split_note: str = ""     # how the validation and test splits were made where the data did not give both

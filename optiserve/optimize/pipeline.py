@@ -126,6 +126,8 @@ def _held_out(split, data: DatasetSplits, loaded: LoadedModel, cfg: OptimizeConf
         _check_mask_classes(held.labels, loaded.classes, cfg)
     elif data.truth == "boxes":
         _check_box_classes(held.labels, loaded.classes, cfg)
+    elif data.truth == "pairs":
+        pass  # the pairs' scores, which the text-embedding task reads as they are
     else:
         held.labels = None if mapping is None else np.asarray(mapping)[held.labels]
     return held

@@ -1,11 +1,36 @@
 """Text embedding: a sentence encoder's pooled vectors [N, D], one per text. Judged as image
 embeddings are (tasks/embedding.py): cosine similarity to fp32's vectors for the same texts, with
-its interval, and nearest-neighbour agreement; answered with the vector."""
+its interval, and nearest-neighbour agreement; and where the texts are scored pairs (`text1`,
+`text2`, `score`), by what the vectors are for: the Spearman correlation of each pair's cosine with
+its score, against fp32's on the same pairs with a paired interval. Answered with the vector."""
 
 from __future__ import annotations
 
-from optiserve.tasks.embedding import Embedding
-from optiserve.tasks.registry import register_task
+import numpy as np
+
+from optiserve.intervals import format_difference, paired_bootstrap_difference
+from optiserve.tasks.embedding import Embedding, cosine
+from optiserve.tasks.registry import GateLimits, register_task
+
+SPEARMAN_DROP = 0.01  # the most a variant's Spearman correlation on scored pairs may fall below fp32's
+
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks from 1, ties given the mean of the ranks they span (as Spearman's correlation ranks)."""
+    x = np.asarray(x, dtype=np.float64)
+    order = np.argsort(x, kind="mergesort")
+    _, first, counts = np.unique(x[order], return_index=True, return_counts=True)
+    ranks = np.empty(len(x))
+    ranks[order] = np.repeat(first + (counts + 1) / 2, counts)
+    return ranks
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
+    """Spearman's rank correlation of two series; None where either is constant (it has none)."""
+    ra, rb = average_ranks(a), average_ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    norm = np.sqrt((ra * ra).sum() * (rb * rb).sum())
+    return float((ra * rb).sum() / norm) if norm > 0 else None
 
 
 class TextEmbedding(Embedding):
@@ -13,11 +38,55 @@ class TextEmbedding(Embedding):
     description = "one [N, D] tensor of text vectors (search, retrieval, clustering)"
     input_kind = "text"
 
+    def metrics(self, out, reference, labels) -> dict:
+        """Embedding's measures; with scored pairs (`labels`: row i and row i + n are pair i's two
+        texts, each labelled with its score), the Spearman correlation of the pairs' cosines with
+        their scores, fp32's on the same pairs, and the paired difference (points) with its interval."""
+        metrics = super().metrics(out, reference, None)
+        if labels is None:
+            return metrics
+        n = len(out) // 2
+        scores = np.asarray(labels[:n], dtype=np.float64)
+        ours, theirs = cosine(out[:n], out[n:]), cosine(reference[:n], reference[n:])
+        metrics.update(pairs=n, spearman=spearman(ours, scores), spearman_fp32=spearman(theirs, scores))
+        if metrics["spearman"] is not None and metrics["spearman_fp32"] is not None:
+            metrics["spearman_vs_fp32"] = paired_bootstrap_difference(
+                n, lambda i: spearman(ours[i], scores[i]), lambda i: spearman(theirs[i], scores[i]))
+        return metrics
+
+    def gate(self, metrics, baseline, limits: GateLimits, why_not: str = "") -> tuple[str, str | None]:
+        status, reason = super().gate(metrics, baseline, limits, why_not)
+        if status != "accepted" or metrics.get("spearman") is None or metrics.get("spearman_fp32") is None:
+            return status, reason
+        # more than the limit below fp32's, and surely below it: on a few dozen pairs a cosine that
+        # moves in the fourth decimal swaps ranks, and a point estimate alone would reject on that noise
+        drop = metrics["spearman_fp32"] - metrics["spearman"]
+        vs = metrics.get("spearman_vs_fp32") or {}
+        if drop > SPEARMAN_DROP and vs.get("significant"):
+            low, high = vs["ci95"]
+            return "rejected", (f"Spearman correlation with the {metrics['pairs']} pairs' scores {metrics['spearman']:.4f}, "
+                                f"{drop:.4f} below fp32's {metrics['spearman_fp32']:.4f} (at most {SPEARMAN_DROP:g}; "
+                                f"paired 95% interval {low:+.2f} to {high:+.2f} points)")
+        return "accepted", None
+
+    def columns(self) -> list[str]:
+        return [*super().columns(), "Spearman (Δ fp32, pts [95% CI])"]
+
+    def cells(self, metrics, baseline) -> list[str]:
+        if metrics.get("spearman") is None:
+            return [*super().cells(metrics, baseline), "—"]
+        vs = metrics.get("spearman_vs_fp32")
+        return [*super().cells(metrics, baseline),
+                f"{metrics['spearman']:.4f}" + (f" ({format_difference(vs)})" if vs and metrics is not baseline else "")]
+
     def legend(self, manifest) -> str:
         return ("Cosine similarity of each text's vector to fp32's for the same text: the mean with its 95% "
                 "bootstrap interval, and the 1st percentile; NN agree: how often a text's nearest neighbour among "
                 "the held-out texts is the one fp32's vectors give. A variant is accepted when the mean is at least "
-                f"{manifest.get('min_cosine', 0.99):g} (--min-cosine).")
+                f"{manifest.get('min_cosine', 0.99):g} (--min-cosine). Where the texts are scored pairs, Spearman: the "
+                "rank correlation of each pair's cosine with its score, and its difference from fp32's on the same "
+                f"pairs in points with a paired 95% bootstrap interval; a variant more than {SPEARMAN_DROP:g} below "
+                "fp32's, with an interval that excludes no difference, is rejected.")
 
 
 register_task(TextEmbedding())
