@@ -20,8 +20,10 @@ from tune_replay import TOLERANCE, check_claim  # noqa: E402
 
 SLO_MS = 60.0
 CONFIRM_S = 5  # the default is 20 s; shorter here to keep the suite quick (the closed-loop test holds 5 s too)
+# 1 s load steps: hundreds of requests each at the digits model's rates, enough for a p99; the
+# confirmation and the replay, which the claim rests on, hold CONFIRM_S
 SMALL_SEARCH = ("--variants", "onnx-int8,openvino-int8", "--batch-sizes", "2", "--delays-ms", "2",
-                "--instances", "1", "--duration", "2", "--quiet", "--confirm-seconds", str(CONFIRM_S))
+                "--instances", "1", "--duration", "1", "--quiet", "--confirm-seconds", str(CONFIRM_S))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def test_tune_writes_the_winner_every_point_and_a_report(tuned):
         if p["meets"]:
             step = next(s for s in p["steps"] if s["rps"] == p["rate"])
             assert step["meets"] and "offered" in step and step["p99_ms"] <= SLO_MS and step["failed"] == 0
-    assert tune["objective"] == {"slo_p99_ms": SLO_MS, "mode": "open", "duration_s": 2.0, "max_accuracy_drop": None}
+    assert tune["objective"] == {"slo_p99_ms": SLO_MS, "mode": "open", "duration_s": 1.0, "max_accuracy_drop": None}
     assert tune["environment"]["cpu"] and tune["environment"]["onnxruntime"]
     settings = json.loads((tuned / "serving.json").read_text())
     assert settings == {**winner["settings"], "timeout_ms": 20000}  # the folder's other settings are kept
@@ -78,7 +80,7 @@ def test_closed_loop_tune_claims_callers_whose_replay_holds_the_objective(small_
     shutil.copytree(small_artifact, folder)
     r = run_cli("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", "--concurrency-mode", "closed",
                 "--variants", "onnx-int8", "--batch-sizes", "2", "--delays-ms", "2", "--instances", "1",
-                "--duration", "2", "--confirm-seconds", "5", "--quiet", timeout=600)
+                "--duration", "1", "--confirm-seconds", "5", "--quiet", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     tune = json.loads((folder / "tune.json").read_text())
     winner = tune["winner"]
