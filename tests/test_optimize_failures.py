@@ -14,6 +14,7 @@ import torch
 from optiserve.artifacts import read_manifest
 from optiserve.errors import UserError, failure_reason, first_line
 from optiserve.input_spec import InputSpec
+from optiserve.machine import CPU_FLAGS_ENV
 from optiserve.models import InputOverrides
 from optiserve.optimize import judge
 from optiserve.optimize.passes import int8 as int8_pass, onnx_export as onnx_export_pass
@@ -26,6 +27,11 @@ class QuantizerCrash(RuntimeError):
     pass
 
 
+# Where no assertion reads a bf16 row, the bf16 copies a CPU with bf16 adds (tests/test_cpu_flags.py builds
+# and judges those) are left out; the branching model's fixture keeps them: its test reads torch-bf16's row.
+NO_BF16 = "-avx512_bf16,-amx_bf16"
+
+
 @pytest.fixture(scope="module")
 def folder_with_a_failed_pass(small_cnn_checkpoint, tmp_path_factory):
     """small_cnn with --int8, where ONNX Runtime's quantizer raises mid-pass."""
@@ -35,6 +41,7 @@ def folder_with_a_failed_pass(small_cnn_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("failed") / "small"
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(int8_pass, "quantize_onnx_static", crash)
+        monkeypatch.setenv(CPU_FLAGS_ENV, NO_BF16)
         manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
                                                search="off", out=str(out), progress=False, latency_batch=2))
     return out, manifest
@@ -162,8 +169,11 @@ def checked_folder(small_cnn_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("checked")
     (root / "checked.py").write_text(CHECKED.format(checkpoint=str(small_cnn_checkpoint)))
     out = root / "out"
-    manifest = run_optimize(OptimizeConfig(f"{root}/checked.py:build", input=InputOverrides((1, 16, 16), (0.0,), (1.0,)),
-                                           openvino=False, search="off", latency_batch=2, out=str(out), progress=False))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv(CPU_FLAGS_ENV, NO_BF16)
+        manifest = run_optimize(OptimizeConfig(f"{root}/checked.py:build",
+                                               input=InputOverrides((1, 16, 16), (0.0,), (1.0,)), openvino=False,
+                                               search="off", latency_batch=2, out=str(out), progress=False))
     return out, manifest
 
 
@@ -229,6 +239,7 @@ def folder_where_timing_and_int8_calibration_fail(small_cnn_checkpoint, tmp_path
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(int8_pass, "calibration_batches", no_calibration)
         monkeypatch.setattr(judge, "load_session", load)
+        monkeypatch.setenv(CPU_FLAGS_ENV, NO_BF16)
         manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
                                                openvino=False, search="off", out=str(out), progress=False,
                                                latency_batch=3))
