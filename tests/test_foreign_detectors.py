@@ -25,6 +25,7 @@ from foreign_models import SIDE, DetrLayout, Grid, Transpose, YoloV5Layout, Yolo
 from optiserve.data.image_input import image_to_input
 from optiserve.errors import UserError
 from optiserve.input_spec import InputSpec, placement
+from optiserve.machine import CPU_FLAGS_ENV
 from optiserve.models import InputOverrides, load_model
 from optiserve.models.detector_heads import HeadDecoding
 from optiserve.models.detector_heads.registry import DETECTIONS, SCORE_FLOOR
@@ -33,6 +34,15 @@ from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 os.environ.setdefault("YOLO_OFFLINE", "1")  # Ultralytics, the reference below: no network probe on import
 
 ULTRALYTICS_YOLOV8 = Path(__file__).parent / "data" / "yolov8-ultralytics.onnx"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_bf16():
+    """What is tested here is how foreign detectors' heads are read, judged and served: the bf16 copies a
+    CPU with bf16 adds (tests/test_cpu_flags.py builds and judges those) are left out of every run."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CPU_FLAGS_ENV, "-avx512_bf16,-amx_bf16")
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +272,7 @@ def ultralytics_artifact(pictures, tmp_path_factory) -> tuple[Path, dict]:
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.chdir(cwd)
         manifest = run_optimize(OptimizeConfig(str(ULTRALYTICS_YOLOV8), task="detection", int8=True, calib_size=32,
-                                               latency_batch=2, dataset=f"imagefolder:{pictures}",
+                                               latency_batch=1, dataset=f"imagefolder:{pictures}",
                                                accuracy_aware=False,  # its per-layer search: minutes on 60 convs
                                                input=InputOverrides((3, SIDE, SIDE)), out=str(out), progress=False))
     assert list(cwd.iterdir()) == []
@@ -302,7 +312,7 @@ def test_a_served_yolov8_answers_its_own_decoding_in_the_uploaded_image_s_pixels
 def test_a_detr_layout_at_opset_11_goes_from_optimize_to_predict(heads, pictures, tmp_path):
     out = tmp_path / "detr"
     manifest = run_optimize(OptimizeConfig(str(heads["detr"]), task="detection", int8=True, calib_size=32,
-                                           latency_batch=2, openvino=False, dataset=f"imagefolder:{pictures}",
+                                           latency_batch=1, openvino=False, dataset=f"imagefolder:{pictures}",
                                            input=InputOverrides(resize="letterbox"), out=str(out), progress=False))
     assert manifest["source"]["detection_head"]["head"] == "detr" and manifest["source"]["opset"] == 11
     int8 = next(v for v in manifest["variants"] if v["name"] == "onnx-int8")
