@@ -66,14 +66,17 @@ class TextTokenizer:
     and padding each batch to its longest text."""
 
     def __init__(self, path: Path | str, max_length: int):
+        from optiserve.errors import UserError, first_line
+
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            from optiserve.errors import UserError
-
             raise UserError("text models need tokenizers: pip install 'optiserve[text]'") from None
-
-        self.tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception on a file it cannot parse
+            raise UserError(f"{path} is not a tokenizer file `tokenizers` can read "
+                            f"({first_line(e, limit=200)}): save the model's fast tokenizer there") from None
         self.tokenizer.no_padding()
         # truncated before the special tokens are added, as the model's own tokenizer does; what a
         # text lost is in its encoding's `overflowing`, so that truncated texts are counted

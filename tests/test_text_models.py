@@ -121,6 +121,24 @@ def test_what_the_folder_says_and_optiserve_does_not_build_is_one_line(tmp_path,
         read_text_folder(folder)
 
 
+@pytest.mark.parametrize("damage, says", [
+    (lambda f: (f / "tokenizer.json").write_text('{"broken'), "is not a tokenizer file `tokenizers` can read"),
+    (lambda f: (f / "model.safetensors").write_bytes((MINILM / "model.safetensors").read_bytes()[:1000]),
+     "cannot be read as safetensors"),
+    (lambda f: (f / "config.json").write_text(json.dumps({**json.loads((MINILM / "config.json").read_text()),
+                                                         "model_type": "nonsense"})),
+     "transformers cannot build this model"),
+])
+def test_a_damaged_folder_is_one_line_never_a_traceback(tmp_path, damage, says):
+    from optiserve.models import load_model
+
+    folder = _copy(tmp_path)
+    damage(folder)
+    with pytest.raises(UserError, match=says):
+        load_model(str(folder))
+        TextTokenizer(folder / "tokenizer.json", 256)
+
+
 def test_a_bare_encoder_is_mean_pooled_unnormalised_and_says_so(tmp_path):
     folder = _copy(tmp_path, ("modules.json", "1_Pooling"))
     read = read_text_folder(folder)
@@ -246,6 +264,31 @@ def test_an_fp32_variant_run_through_the_runtime_equals_sentence_transformers(op
     # a row padded further than its batch's longest text (a dataset's padding) is run at its own length
     padded = np.pad(tokens.batch, ((0, 0), (0, 0), (0, 7)))
     np.testing.assert_allclose(session.run(padded), session.run(tokens.batch), atol=1e-5)
+
+
+@pytest.mark.parametrize("flags", ["+avx512_bf16", "-avx512_bf16,-amx_bf16"])
+def test_the_openvino_ir_runs_in_bf16_only_where_the_cpu_has_it(optimized, monkeypatch, flags):
+    """The text pass builds openvino-bf16 where the stated CPU has bf16 (the same code as an image
+    model's, which tests/test_cpu_flags.py runs both ways); its session is the text model's: bf16 close
+    to fp32 where the CPU has it, one line where it does not."""
+    from optiserve.artifacts import read_manifest
+    from optiserve.machine import CPU_FLAGS_ENV
+    from optiserve.runtime import RuntimeOptions
+    from optiserve.runtime.variants import load_verified, select_variants
+
+    monkeypatch.setenv(CPU_FLAGS_ENV, flags)
+    manifest = read_manifest(optimized)
+    (fp32,) = select_variants(manifest, ["openvino-fp32"])
+    bf16 = {**fp32, "name": "openvino-bf16", "precision": "bf16",
+            "settings": {**fp32["settings"], "inference_precision": "bf16"}}
+    tokens = TextTokenizer(optimized / "tokenizer.json", manifest["input"]["max_length"]).encode(TEXTS).batch
+    want = load_verified(optimized, fp32, manifest, RuntimeOptions(device="cpu")).session.run(tokens)
+    if flags.startswith("+"):
+        session = load_verified(optimized, bf16, manifest, RuntimeOptions(device="cpu")).session
+        assert session.computes_in()["precision"] == "bf16" and _cosine(session.run(tokens), want).min() > 0.99
+    else:
+        with pytest.raises(UserError, match="runs in bf16, which cannot run here"):
+            load_verified(optimized, bf16, manifest, RuntimeOptions(device="cpu"))
 
 
 def test_serving_a_text_model_is_one_line_saying_what_runs_it(optimized):

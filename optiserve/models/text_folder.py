@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from optiserve.errors import UserError
+from optiserve.errors import UserError, first_line
 from optiserve.text_input import TOKEN_INPUTS, TextInput
 
 CONFIG, WEIGHTS, TOKENIZER, MODULES = "config.json", "model.safetensors", "tokenizer.json", "modules.json"
@@ -231,15 +231,19 @@ def build_text_module(folder: TextFolder) -> TextModule:
     except ImportError as e:
         raise UserError(f"text models need {e.name}: pip install 'optiserve[text]'") from None
 
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in folder.config.items()
-                                                  if k not in ("architectures", "_name_or_path")})
-    config.architectures = folder.config.get("architectures")
     builder = transformers.AutoModelForSequenceClassification if folder.task == CLASSIFIER_TASK else transformers.AutoModel
     try:
+        config = transformers.AutoConfig.for_model(**{k: v for k, v in folder.config.items()
+                                                      if k not in ("architectures", "_name_or_path")})
+        config.architectures = folder.config.get("architectures")
         model = builder.from_config(config, attn_implementation="eager")
-    except (ValueError, KeyError) as e:
-        raise UserError(f"{folder.path / CONFIG}: transformers cannot build this model ({e})") from None
-    state = load_file(str(folder.path / WEIGHTS))
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{folder.path / CONFIG}: transformers cannot build this model "
+                        f"({first_line(e, limit=200)})") from None
+    try:
+        state = load_file(str(folder.path / WEIGHTS))
+    except Exception as e:  # noqa: BLE001  safetensors' own error type, raised on a damaged file
+        raise UserError(f"{folder.path / WEIGHTS} cannot be read as safetensors ({first_line(e, limit=200)})") from None
     own = model.state_dict()
     prefix = model.base_model_prefix + "."
     if folder.task == ENCODER_TASK and not (set(state) & set(own)):  # saved from a model with a head
