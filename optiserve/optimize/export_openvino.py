@@ -30,10 +30,12 @@ def export_openvino(onnx_path: str | os.PathLike, xml_path: str | os.PathLike,
 
 
 def quantize_openvino_nncf(onnx_path: str | os.PathLike, xml_path: str | os.PathLike, batches: list,
-                           model_type: str | None = None) -> dict:
+                           model_type: str | None = None, unit: str = "images") -> dict:
     """NNCF post-training INT8 quantization of the fp32 model read by OpenVINO, calibrated on
-    `batches` (the same images as the other INT8 flows); IR written at `xml_path`. `model_type`
-    "transformer" is NNCF's transformer scheme (LayerNorm, Softmax and GELU kept in float)."""
+    `batches` (the same images as the other INT8 flows, compiled for their size; or a text model's
+    named inputs, dicts, whose shapes stay dynamic); IR written at `xml_path`. `model_type`
+    "transformer" is NNCF's transformer scheme (LayerNorm, Softmax and GELU kept in float); `unit`
+    names what the calibration count counts."""
     import contextlib
     import io
     import logging
@@ -42,7 +44,9 @@ def quantize_openvino_nncf(onnx_path: str | os.PathLike, xml_path: str | os.Path
     import openvino as ov
 
     nncf.set_log_level(logging.ERROR)
-    model = image_size_fixed(ov.Core().read_model(str(onnx_path)), tuple(batches[0].shape[1:]))
+    model = ov.Core().read_model(str(onnx_path))
+    if not isinstance(batches[0], dict):
+        model = image_size_fixed(model, tuple(batches[0].shape[1:]))
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
         quantized = nncf.quantize(model, nncf.Dataset(list(batches)), subset_size=len(batches),
                                   model_type=nncf.ModelType(model_type) if model_type else None)
@@ -51,4 +55,5 @@ def quantize_openvino_nncf(onnx_path: str | os.PathLike, xml_path: str | os.Path
             "quantization": "NNCF post-training quantization, " + (f"model_type {model_type}" if model_type else
                                                                    "defaults"),
             "weights_compressed_to_fp16": False,
-            "calibration_images": int(sum(len(b) for b in batches))}
+            f"calibration_{unit}": int(sum(len(next(iter(b.values())) if isinstance(b, dict) else b)
+                                           for b in batches))}

@@ -19,6 +19,25 @@ def _build_openvino(run: Run) -> None:
                        run.loaded.input.shape, run.int8_source, run.conversion)
 
 
+def openvino_float_variants(stage: Path, variants: list[Variant], attempts: Attempts,
+                            chw: tuple[int, int, int] | None) -> None:
+    """openvino-fp32 and, where the CPU has bf16, openvino-bf16: one IR of model.onnx (compiled for
+    inputs of `chw`; None: its own shapes, a text model's dynamic ones), the precision set at load."""
+    title = "OpenVINO IR (fp32 weights; f32 and bf16 inference)"
+    if why := attempts.missing("onnx-fp32"):
+        attempts.skip(title, why, "openvino-fp32", "openvino-bf16")
+        return
+    with attempts.attempt(title, "openvino-fp32", "openvino-bf16"):
+        ov = export_openvino(stage / "model.onnx", stage / "model.openvino.xml", chw)
+        variants.append(Variant("openvino-fp32", "model.openvino.xml", "openvino", "fp32",
+                                {**ov, "inference_precision": "f32"}))
+        if why := bf16_unavailable():
+            attempts.cannot(why, "openvino-bf16")
+        else:
+            variants.append(Variant("openvino-bf16", "model.openvino.xml", "openvino", "bf16",
+                                    {**ov, "inference_precision": "bf16"}))
+
+
 NNCF_SUFFIX = "-nncf"  # NNCF's INT8 of a variant, validated beside the QDQ flow's; the better one keeps the name
 OPENVINO_INT8_CANDIDATE = "openvino-int8" + NNCF_SUFFIX
 
@@ -30,19 +49,7 @@ def _openvino_variants(stage: Path, variants: list[Variant], attempts: Attempts,
     compiled for inputs of `chw`;
     with --int8, two openvino-int8 candidates: the ONNX Runtime QDQ file read by OpenVINO, and NNCF's
     own post-training quantization on the same calibration images (see `pick_openvino_int8_flows`)."""
-    title = "OpenVINO IR (fp32 weights; f32 and bf16 inference)"
-    if why := attempts.missing("onnx-fp32"):
-        attempts.skip(title, why, "openvino-fp32", "openvino-bf16")
-    else:
-        with attempts.attempt(title, "openvino-fp32", "openvino-bf16"):
-            ov = export_openvino(stage / "model.onnx", stage / "model.openvino.xml", chw)
-            variants.append(Variant("openvino-fp32", "model.openvino.xml", "openvino", "fp32",
-                                    {**ov, "inference_precision": "f32"}))
-            if why := bf16_unavailable():
-                attempts.cannot(why, "openvino-bf16")
-            else:
-                variants.append(Variant("openvino-bf16", "model.openvino.xml", "openvino", "bf16",
-                                        {**ov, "inference_precision": "bf16"}))
+    openvino_float_variants(stage, variants, attempts, chw)
     if not cfg.int8:
         return
     title = "OpenVINO IR of the INT8 QDQ model -> openvino-int8"

@@ -24,11 +24,11 @@ from torch import nn
 from optiserve.files import atomic_write
 from optiserve.models.text_folder import OUTPUT_NAMES, TOKENIZER
 from optiserve.optimize.export_onnx import OPSET, ExportMismatch
-from optiserve.optimize.export_openvino import export_openvino
+from optiserve.optimize.export_openvino import quantize_openvino_nncf
 from optiserve.optimize.quantize_ort import root_warnings_muted
+from optiserve.optimize.passes.openvino import openvino_float_variants
 from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
-from optiserve.runtime.openvino_backend import bf16_unavailable
-from optiserve.text_input import TOKEN_INPUTS, trim_padding
+from optiserve.text_input import TextInput, trim_padding
 
 EXPORT_ATOL = 1e-4  # the largest |Δ| from eager an exported encoder's output may show on a validation batch
 
@@ -44,26 +44,23 @@ class _NamedInputs(nn.Module):
         return self.module.run(*inputs)
 
 
-def export_text_onnx(module: nn.Module, names: tuple[str, ...], output: str, example: np.ndarray, path: Path,
+def export_text_onnx(module: nn.Module, text: TextInput, output: str, example: np.ndarray, path: Path,
                      checks: list[np.ndarray]) -> float:
-    """Export the text module to `path` with inputs `names` (dynamic batch and sequence axes) and its
-    one output named `output`; returns
-    the largest |Δ| between ONNX Runtime and eager over `checks` (token batches), or raises
-    ExportMismatch past EXPORT_ATOL. The TorchScript exporter writes the attention as the graph
-    ONNX Runtime's transformer tools and quantizer know."""
+    """Export the text module to `path` with the graph inputs `text` names (dynamic batch and sequence
+    axes) and its one output named `output`; returns the largest |Δ| between ONNX Runtime and eager
+    over `checks` (token batches), or raises ExportMismatch past EXPORT_ATOL. The TorchScript exporter
+    writes the attention as the graph ONNX Runtime's transformer tools and quantizer know."""
     import onnxruntime as ort
 
-    rows = [TOKEN_INPUTS.index(n) for n in names]
-    example = trim_padding(example)
-    args = tuple(torch.from_numpy(np.ascontiguousarray(example[:, r])) for r in rows)
-    axes = {n: {0: "batch", 1: "sequence"} for n in names}
+    args = tuple(torch.from_numpy(x) for x in text.feeds(trim_padding(example)).values())
+    axes = {n: {0: "batch", 1: "sequence"} for n in text.inputs}
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp) / "model.onnx"
         # the exporter warns of what tracing fixes (transformers' mask checks, an index's negative
         # values): the graph is held to eager on every validation batch below instead
         with contextlib.redirect_stdout(io.StringIO()), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(_NamedInputs(module).eval(), args, str(tmp_path), input_names=list(names),
+            torch.onnx.export(_NamedInputs(module).eval(), args, str(tmp_path), input_names=list(text.inputs),
                               output_names=[output], opset_version=OPSET, dynamo=False,
                               dynamic_axes={**axes, output: {0: "batch"}})
         proto = onnx.load(str(tmp_path))
@@ -74,7 +71,7 @@ def export_text_onnx(module: nn.Module, names: tuple[str, ...], output: str, exa
     worst = 0.0
     for batch in checks:
         batch = trim_padding(batch)
-        got = session.run([output], {n: np.ascontiguousarray(batch[:, r]) for n, r in zip(names, rows)})[0]
+        got = session.run([output], text.feeds(batch))[0]
         with torch.no_grad():
             want = module(torch.from_numpy(batch)).numpy()
         worst = max(worst, float(np.abs(got - want).max()))
@@ -106,8 +103,8 @@ def _build_fp32(run: Run) -> None:
     shutil.copyfile(Path(run.loaded.name) / TOKENIZER, run.stage / run.loaded.input.tokenizer)
     with run.attempts.attempt(f"ONNX export (opset {OPSET}, dynamic batch and sequence)", "onnx-fp32"):
         names = run.loaded.input.inputs
-        difference = export_text_onnx(run.loaded.model, names, OUTPUT_NAMES[run.loaded.task], np.asarray(run.example),
-                                      run.stage / "model.onnx",
+        difference = export_text_onnx(run.loaded.model, run.loaded.input, OUTPUT_NAMES[run.loaded.task],
+                                      np.asarray(run.example), run.stage / "model.onnx",
                                       [np.asarray(b) for b in run.checks])
         run.variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
                                     {"opset": OPSET, "inputs": list(names), "graph_optimization": "all"}))
@@ -135,38 +132,8 @@ def calibration_feeds(run: Run) -> list[dict[str, np.ndarray]]:
             for i in range(0, count, CALIBRATION_BATCH)]
 
 
-def quantize_text_nncf(onnx_path: Path, xml_path: Path, feeds: list[dict[str, np.ndarray]]) -> dict:
-    """NNCF's INT8 of the fp32 graph read by OpenVINO, its transformer scheme, calibrated on `feeds`."""
-    import logging
-
-    import nncf
-    import openvino as ov
-
-    nncf.set_log_level(logging.ERROR)
-    model = ov.Core().read_model(str(onnx_path))
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
-        quantized = nncf.quantize(model, nncf.Dataset(feeds), subset_size=len(feeds),
-                                  model_type=nncf.ModelType.TRANSFORMER)
-    ov.save_model(quantized, str(xml_path), compress_to_fp16=False)
-    return {"quantizer": "nncf", "nncf": nncf.__version__, "model_type": "transformer", "weights": "int8",
-            "activations": "int8, calibrated", "calibration_texts": int(sum(len(f["input_ids"]) for f in feeds)),
-            "ir_from": onnx_path.name, "openvino": ov.get_version().split("-")[0]}
-
-
 def _build_openvino(run: Run) -> None:
-    title = "OpenVINO IR (fp32 weights; f32 and bf16 inference)"
-    if why := run.attempts.missing("onnx-fp32"):
-        run.attempts.skip(title, why, "openvino-fp32", "openvino-bf16")
-    else:
-        with run.attempts.attempt(title, "openvino-fp32", "openvino-bf16"):
-            ov = export_openvino(run.stage / "model.onnx", run.stage / "model.openvino.xml")
-            run.variants.append(Variant("openvino-fp32", "model.openvino.xml", "openvino", "fp32",
-                                        {**ov, "inference_precision": "f32"}))
-            if why := bf16_unavailable():
-                run.attempts.cannot(why, "openvino-bf16")
-            else:
-                run.variants.append(Variant("openvino-bf16", "model.openvino.xml", "openvino", "bf16",
-                                            {**ov, "inference_precision": "bf16"}))
+    openvino_float_variants(run.stage, run.variants, run.attempts, None)  # shapes stay dynamic
     if not run.cfg.int8:
         return
     title = "OpenVINO INT8 with NNCF post-training quantization (transformer scheme, training texts)"
@@ -174,10 +141,10 @@ def _build_openvino(run: Run) -> None:
         run.attempts.skip(title, why, "openvino-int8")
         return
     with run.attempts.attempt(title, "openvino-int8"):
-        settings = quantize_text_nncf(run.stage / "model.onnx", run.stage / "model.int8.openvino.xml",
-                                      calibration_feeds(run))
+        settings = quantize_openvino_nncf(run.stage / "model.onnx", run.stage / "model.int8.openvino.xml",
+                                          calibration_feeds(run), "transformer", unit="texts")
         run.variants.append(Variant("openvino-int8", "model.int8.openvino.xml", "openvino", "int8",
-                                    {**settings, "inference_precision": "f32"}))
+                                    {**settings, "model_type": "transformer", "inference_precision": "f32"}))
 
 
 register_pass(Pass("text-onnx-export", TEXT, _build_fp32))
