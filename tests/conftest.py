@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -25,6 +26,21 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "optiserve", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd)
+
+
+def run_cli_here(*args: str) -> subprocess.CompletedProcess:
+    """`optiserve ARGS` run in this process, through the same `main` the console script calls: the same
+    parsing, checks and one-line errors as run_cli, without a fresh interpreter's seconds of imports.
+    For runs that stop at a bad option; a run that does work goes through run_cli."""
+    from optiserve.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+    return subprocess.CompletedProcess(["optiserve", *args], code, out.getvalue(), err.getvalue())
 
 
 def _judged(entry: dict) -> list[tuple[dict, str]]:

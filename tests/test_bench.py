@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import free_port, run_cli, serving
+from conftest import free_port, run_cli, run_cli_here, serving
 from optiserve.bench.loadgen import Load, generate_load
 from optiserve.bench.payloads import dataset_images
 from optiserve.bench.report import build_report, write_report
@@ -83,14 +83,15 @@ def test_bench_http_sends_the_same_images_as_uploads_raw_bodies_binary_tensors_o
     with serving(small_artifact, "--variants", "onnx-int8", "--grpc-port", str(grpc_port)) as (base, _):
         for protocol in ("predict", "predict-raw", "v2-binary", "grpc"):
             out = tmp_path / f"{protocol}.json"
-            proc = run_cli("bench", "http", base, "--protocol", protocol, "--concurrency", "2", "--duration", "1",
-                           "--warmup", "0.3", "--out", str(out), "--quiet",
-                           *(["--grpc-target", f"127.0.0.1:{grpc_port}"] if protocol == "grpc" else []))
+            # in this process, through the command's own main: five interpreters' imports spared
+            proc = run_cli_here("bench", "http", base, "--protocol", protocol, "--concurrency", "2", "--duration", "1",
+                                "--warmup", "0.3", "--out", str(out), "--quiet",
+                                *(["--grpc-target", f"127.0.0.1:{grpc_port}"] if protocol == "grpc" else []))
             assert proc.returncode == 0, proc.stderr
             results[protocol] = load_results(out)
         stats = httpx.get(f"{base}/stats").json()["models"]["small_cnn"]["variants"]["onnx-int8"]
-        proc = run_cli("bench", "http", base, "--protocol", "grpc", "--grpc-target", f"127.0.0.1:{free_port()}",
-                       "--duration", "1")
+        proc = run_cli_here("bench", "http", base, "--protocol", "grpc", "--grpc-target", f"127.0.0.1:{free_port()}",
+                            "--duration", "1")
         assert proc.returncode == 2 and "no gRPC inference server answers" in proc.stderr
     for protocol, result in results.items():
         run, = result["runs"]
@@ -186,9 +187,9 @@ def test_an_unreachable_server_and_bad_files_are_one_line_errors(tmp_path):
     assert proc.returncode == 2 and "cannot reach" in proc.stderr and "Traceback" not in proc.stderr
     bad = tmp_path / "bad.json"
     bad.write_text('{"hello": 1}')
-    proc = run_cli("compare", str(bad), "--out", str(tmp_path / "r"))
+    proc = run_cli_here("compare", str(bad), "--out", str(tmp_path / "r"))
     assert proc.returncode == 2 and "not an optiserve results file" in proc.stderr
-    proc = run_cli("compare", str(tmp_path / "missing.json"), "--out", str(tmp_path / "r"))
+    proc = run_cli_here("compare", str(tmp_path / "missing.json"), "--out", str(tmp_path / "r"))
     assert proc.returncode == 2 and "no such results file" in proc.stderr
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import offline_logits, run_cli, served
+from conftest import offline_logits, run_cli_here, served
 from optiserve.data import load_dataset
 from optiserve.errors import UserError
 from optiserve.machine import CPU_FLAGS_ENV, bf16_missing, cpu_facts, cpu_line, stated_flags
@@ -38,10 +38,11 @@ def test_stated_flags_add_to_and_take_from_the_detected_ones(monkeypatch):
     assert "as OPTISERVE_CPU_FLAGS states" in bf16_missing()
 
 
-def test_a_mistyped_flag_is_refused_in_one_line_before_any_work(tmp_path):
+def test_a_mistyped_flag_is_refused_in_one_line_before_any_work(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="unknown flag 'avx512bf16'; state \\+FLAG or -FLAG"):
         stated_flags("+avx512bf16")
-    result = run_cli("optimize", "small_cnn", "--out", str(tmp_path / "a"), env={CPU_FLAGS_ENV: "+avx512bf16"})
+    monkeypatch.setenv(CPU_FLAGS_ENV, "+avx512bf16")
+    result = run_cli_here("optimize", "small_cnn", "--out", str(tmp_path / "a"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         f"optiserve optimize: error: {CPU_FLAGS_ENV}='+avx512bf16': unknown flag 'avx512bf16'; state +FLAG or "

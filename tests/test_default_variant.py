@@ -51,14 +51,17 @@ def _recorded_by_the_optimizer(source, folder, names: dict[str, str]) -> dict:
     variant of `source` whose entry and file it takes; one file under two names runs the same work,
     a real tie), with `recommended` drawn as optimize draws it: each loaded through the runtime with
     the optimizer's options, all timed side by side in interleaved rounds at batch 1 and the latency
-    batch, and decided by judge.recommend. Returns the manifest written."""
+    batch, and decided by judge.recommend. Returns the manifest written. A file under two names is one
+    session under both: two sessions of one file can differ by a steady tenth (where each one's
+    buffers fall in memory), so only one session is a tie by construction."""
     shutil.copytree(source, folder)
     manifest = read_manifest(folder)
     by_name = {v["name"]: v for v in manifest["variants"]}
     manifest["variants"] = [{**by_name[of], "name": name} for name, of in names.items()]
     n = manifest["latency_batch"]
     options = RuntimeOptions(threads=usable_cores(), extra={"spin": False})
-    sessions = {v["name"]: load_session(folder / v["file"], v, manifest, options) for v in manifest["variants"]}
+    of_file = {of: load_session(folder / by_name[of]["file"], by_name[of], manifest, options) for of in set(names.values())}
+    sessions = {name: of_file[of] for name, of in names.items()}
     rng = np.random.default_rng(0)
     batches = {b: rng.standard_normal((int(b), *manifest["input"]["shape"]), dtype=np.float32) for b in ("1", str(n))}
     times = {b: interleaved_times(sessions, x, rounds=15, warmup=3, max_seconds=30.0) for b, x in batches.items()}

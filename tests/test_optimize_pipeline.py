@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import cache_imagenet_weights, crash_between_publish_renames, run_cli
+from conftest import cache_imagenet_weights, crash_between_publish_renames, run_cli, run_cli_here
 from optiserve.files import sha256_file
 from optiserve.optimize import judge
 from optiserve.optimize.passes import int8 as int8_pass
@@ -176,10 +176,11 @@ def test_a_crash_between_the_two_renames_of_a_publish_is_repaired_by_the_next_pu
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
-def test_without_a_checkpoint_it_trains_one_first_and_says_so(tmp_path, monkeypatch, capsys):
+def test_without_a_checkpoint_it_trains_one_first_and_says_so(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # through the CLI's entry point in this process: torch is imported already
     monkeypatch.setenv(CPU_FLAGS_ENV, "-avx512_bf16,-amx_bf16")  # no bf16 copy: not what this is about
-    code, stdout, stderr = _cli_output(capsys, "optimize", "small_cnn", "--no-onnx", "--latency-batch", "1")
+    run = run_cli_here("optimize", "small_cnn", "--no-onnx", "--latency-batch", "1")
+    code, stdout, stderr = run.returncode, run.stdout, run.stderr
     assert code == 0, stderr[-2000:]
     assert "no trained checkpoint at checkpoints/small_cnn-digits.pt: training small_cnn" in stderr
     manifest = json.loads((tmp_path / "artifacts" / "small_cnn-digits" / "manifest.json").read_text())
@@ -188,7 +189,7 @@ def test_without_a_checkpoint_it_trains_one_first_and_says_so(tmp_path, monkeypa
     assert "fp32" in stdout and "wrote artifacts/small_cnn-digits/" in stdout
 
 
-def test_bad_input_gives_one_clear_error_line(small_cnn_checkpoint, tmp_path, capsys):
+def test_bad_input_gives_one_clear_error_line(small_cnn_checkpoint, tmp_path):
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"\x00garbage")
     (tmp_path / "empty").mkdir()
@@ -207,7 +208,8 @@ def test_bad_input_gives_one_clear_error_line(small_cnn_checkpoint, tmp_path, ca
     proc = run_cli("optimize", *cases[0][0])  # as a process, once: the exit status and the one line
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("optiserve optimize: error: ")
     for args, message in cases:  # the rest through the same entry point in this process (no torch import each)
-        code, stderr = _cli_in_process(capsys, "optimize", *args, "--out", str(tmp_path / "out"))
+        run = run_cli_here("optimize", *args, "--out", str(tmp_path / "out"))
+        code, stderr = run.returncode, run.stderr
         assert code == 2, (args, stderr)
         *progress, error = stderr.strip().splitlines()
         assert message in error and error.startswith("optiserve optimize: error: "), (args, stderr)
@@ -215,25 +217,6 @@ def test_bad_input_gives_one_clear_error_line(small_cnn_checkpoint, tmp_path, ca
         assert all(line.startswith("[") for line in progress), stderr
         assert not progress or progress[-1].endswith("failed"), stderr
     assert not (tmp_path / "out").exists()
-
-
-def _cli_in_process(capsys, *args: str) -> tuple[int, str]:
-    """`optiserve ARGS` through its entry point here: (exit status, what it wrote to stderr)."""
-    code, _, stderr = _cli_output(capsys, *args)
-    return code, stderr
-
-
-def _cli_output(capsys, *args: str) -> tuple[int, str, str]:
-    """`optiserve ARGS` through its entry point here: (exit status, its stdout, its stderr)."""
-    from optiserve.cli import main
-
-    capsys.readouterr()
-    try:
-        code = main(list(args))
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_image_folder_classes_are_matched_to_imagenet_categories_by_name(tmp_path, monkeypatch):
@@ -305,14 +288,15 @@ def test_the_manifest_recommends_the_fastest_accepted_variant_and_names_the_cpu_
                    if r[0] not in (rec["latency"], rec["throughput"]))
 
 
-def test_the_progress_line_counts_the_passes_a_run_asks_for_and_ends_at_its_total(tmp_path, capsys):
+def test_the_progress_line_counts_the_passes_a_run_asks_for_and_ends_at_its_total(tmp_path):
     """Each pass says how many steps it reports, so the count is right whatever the flags: a torch
     model with INT8 and pruning, then its ONNX export given as the model (fewer passes apply)."""
     import re
 
     def steps(*args: str) -> list[tuple[int, int]]:
         # through the CLI's entry point in this process (no torch import each): the lines it writes to stderr
-        code, stderr = _cli_in_process(capsys, "optimize", *args, "--dataset", "synthetic", "--int8", "--no-openvino")
+        run = run_cli_here("optimize", *args, "--dataset", "synthetic", "--int8", "--no-openvino")
+        code, stderr = run.returncode, run.stderr
         assert code == 0, stderr
         return [(int(a), int(b)) for a, b in re.findall(r"^\[(\d+)/(\d+)\]", stderr, re.M)]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli_here
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 from optiserve.runtime.torch_backends import tensorrt_unavailable
 
@@ -11,7 +11,7 @@ WHY = tensorrt_unavailable()
 
 @pytest.mark.skipif(WHY is None, reason="TensorRT is available here, so there is no refusal to check")
 def test_without_a_gpu_or_the_extra_tensorrt_is_refused_in_one_line():
-    proc = run_cli("optimize", "small_cnn", "--weights", "random", "--tensorrt")
+    proc = run_cli_here("optimize", "small_cnn", "--weights", "random", "--tensorrt")
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"optiserve optimize: error: --tensorrt cannot run here: {WHY}"
 

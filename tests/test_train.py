@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import ROOT, checkpoint_test_top1, free_port, run_cli
+from conftest import ROOT, checkpoint_test_top1, free_port, run_cli, run_cli_here
 from optiserve.checkpoint import read_checkpoint
 from optiserve.train.distributed import broadcast_buffers, cleanup_distributed, setup_distributed, wrap_ddp
 from optiserve.train.trainer import train_step
@@ -141,7 +141,8 @@ def test_resume_continues_exactly_where_a_killed_run_stopped(tmp_path, workers):
     (["train", "small_cnn", "--resume", "/no/such.pt"], "checkpoint /no/such.pt does not exist"),
 ])
 def test_bad_options_give_one_clear_line(args, message):
-    proc = run_cli(*args)
+    # the first as a user runs it, in a fresh interpreter; the others through the same main, here
+    proc = run_cli(*args) if args == ["train", "resnet19"] else run_cli_here(*args)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -163,7 +164,7 @@ def test_resume_refuses_a_world_size_that_cannot_keep_the_global_batch_or_change
     monkeypatch.delenv("WORLD_SIZE")
     ckpt = tmp_path / "run.pt"
     shutil.copy(small_cnn_checkpoint, ckpt)
-    proc = run_cli("train", "small_cnn", "--resume", str(ckpt), "--epochs", "9")
+    proc = run_cli_here("train", "small_cnn", "--resume", str(ckpt), "--epochs", "9")
     assert proc.returncode == 2 and "trained with epochs=4, not 9" in proc.stderr
 
 
@@ -178,7 +179,7 @@ def test_a_checkpoint_from_another_version_is_refused_in_one_line_not_a_key_erro
     change(ckpt)
     old = tmp_path / "old.pt"
     torch.save(ckpt, old)
-    proc = run_cli("train", "small_cnn", "--resume", str(old))
+    proc = run_cli_here("train", "small_cnn", "--resume", str(old))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "was written by another optiserve version" in proc.stderr and message in proc.stderr
 
