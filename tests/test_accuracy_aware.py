@@ -34,7 +34,7 @@ def int8_sensitive(checkpoint, out, channel: int = 0, scale: float = 300.0):
 def test_an_int8_model_that_misses_the_gate_keeps_its_most_sensitive_layers_in_float(small_cnn_checkpoint, tmp_path):
     sensitive = int8_sensitive(small_cnn_checkpoint, tmp_path / "sensitive.pt")
     common = dict(weights=str(sensitive), int8=True, openvino=False, search="off", progress=False, latency_batch=2,
-                  max_accuracy_drop=0.0)
+                  max_accuracy_drop=0.0, timing_rounds=3)
     plain = run_optimize(OptimizeConfig("small_cnn", accuracy_aware=False, out=str(tmp_path / "plain"), **common))
     fp32_top1 = _by_name(plain)["fp32"]["accuracy"]["top1"]
     plain_int8 = _by_name(plain)["onnx-int8"]

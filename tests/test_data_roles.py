@@ -49,7 +49,7 @@ def three_runs(small_cnn_checkpoint, tmp_path_factory) -> dict[str, dict]:
             runs[shuffled] = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint),
                                                          dataset=f"imagefolder:{folder}", prune=0.9, openvino=False,
                                                          search="off", latency_batch=1, out=str(tmp / "out"),
-                                                         progress=False))
+                                                         progress=False, timing_rounds=3))
     return runs
 
 
@@ -105,7 +105,7 @@ def test_a_separate_test_folder_reports_and_the_dataset_s_validation_split_still
     _, _, test = stratified_split(digits.target, seed=0)
     _write(tmp_path / "test", digits.images, digits.target, test[:100])
     common = dict(weights=str(small_cnn_checkpoint), onnx=False, openvino=False, search="off", latency_batch=2,
-                  progress=False)
+                  progress=False, timing_rounds=3)
     manifest = run_optimize(OptimizeConfig("small_cnn", test=str(tmp_path / "test"), out=str(tmp_path / "out"),
                                            **common))
     assert manifest["dataset"]["eval_images"] == 100 and manifest["dataset"]["choose_images"] == 180

@@ -134,7 +134,7 @@ def ssd_artifact(detector, pictures, tmp_path_factory) -> tuple[Path, dict]:
                                                latency_batch=1,
                                                accuracy_aware=False,  # its per-layer search: minutes on 100 convs
                                                dataset=f"imagefolder:{pictures}", input=InputOverrides((3, SIDE, SIDE)),
-                                               out=str(out), progress=False))
+                                               out=str(out), progress=False, timing_rounds=3))
     return out, manifest
 
 
@@ -290,7 +290,8 @@ def test_a_detector_is_judged_by_map_against_true_boxes_when_given(boxed_picture
     monkeypatch.setenv("OPTISERVE_CPU_FLAGS", "-avx512_bf16,-amx_bf16")  # bf16: the SSDlite run's
     model = f"{boxes.parent}/ink_boxes.py:build"
     common = dict(task="detection", dataset=f"imagefolder:{images}", boxes=str(boxes), progress=False,
-                  input=InputOverrides((3, 64, 64), (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), resize="letterbox"))
+                  input=InputOverrides((3, 64, 64), (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), resize="letterbox"),
+                  timing_rounds=3)
     manifest = run_optimize(OptimizeConfig(model, int8=True, openvino=False, calib_size=16, latency_batch=1,
                                            out=str(tmp_path / "art"), **common))
     assert manifest["dataset"]["eval_images"] == 16  # 20% of the 80 annotated; the 4 others are left out
@@ -335,7 +336,8 @@ def test_true_box_mistakes_are_refused_in_one_line(boxed_pictures, tmp_path):
     images, boxes, _ = boxed_pictures
     model = f"{boxes.parent}/ink_boxes.py:build"
     common = dict(task="detection", dataset=f"imagefolder:{images}", progress=False, openvino=False,
-                  input=InputOverrides((3, 64, 64), (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), resize="letterbox"))
+                  input=InputOverrides((3, 64, 64), (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), resize="letterbox"),
+                  timing_rounds=3)
     bad = tmp_path / "bad.json"
     for content, message in (("{", "is not a JSON file"),
                              ('{"images": []}', "is not in COCO's format"),

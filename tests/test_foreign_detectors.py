@@ -192,7 +192,8 @@ def test_boxes_normalised_to_the_input_are_recognised_and_decoded_once_said(tmp_
                                         r"of its 64x64 input: they read as normalised to 0\.\.1; say so with "
                                         r"--box-units normalized"):
         run_optimize(OptimizeConfig(str(file), task="detection", int8=False, openvino=False, latency_batch=1,
-                                    dataset=f"imagefolder:{pictures}", out=str(tmp_path / "out"), progress=False))
+                                    dataset=f"imagefolder:{pictures}", out=str(tmp_path / "out"), progress=False,
+                                    timing_rounds=3))
     loaded = load_model(str(file), task="detection", decoding=HeadDecoding(box_units="normalized"))
     assert loaded.source["detection_head"]["box_units"] == "normalized"
     pictures_ = digit_pictures(5, 300).astype(np.float32)
@@ -274,7 +275,8 @@ def ultralytics_artifact(pictures, tmp_path_factory) -> tuple[Path, dict]:
         manifest = run_optimize(OptimizeConfig(str(ULTRALYTICS_YOLOV8), task="detection", int8=True, calib_size=32,
                                                latency_batch=1, dataset=f"imagefolder:{pictures}",
                                                accuracy_aware=False,  # its per-layer search: minutes on 60 convs
-                                               input=InputOverrides((3, SIDE, SIDE)), out=str(out), progress=False))
+                                               input=InputOverrides((3, SIDE, SIDE)), out=str(out), progress=False,
+                                               timing_rounds=3))
     assert list(cwd.iterdir()) == []
     return out, manifest
 
@@ -313,7 +315,8 @@ def test_a_detr_layout_at_opset_11_goes_from_optimize_to_predict(heads, pictures
     out = tmp_path / "detr"
     manifest = run_optimize(OptimizeConfig(str(heads["detr"]), task="detection", int8=True, calib_size=32,
                                            latency_batch=1, openvino=False, dataset=f"imagefolder:{pictures}",
-                                           input=InputOverrides(resize="letterbox"), out=str(out), progress=False))
+                                           input=InputOverrides(resize="letterbox"), out=str(out), progress=False,
+                                           timing_rounds=3))
     assert manifest["source"]["detection_head"]["head"] == "detr" and manifest["source"]["opset"] == 11
     int8 = next(v for v in manifest["variants"] if v["name"] == "onnx-int8")
     assert int8["settings"]["architecture"] == "detector"  # no NMS, but its decoding is found and left in float

@@ -56,7 +56,8 @@ def test_a_channels_last_uint8_classifier_is_optimized_and_served_as_its_file_de
     grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is in the [dev] extra")
     out = tmp_path / "nhwc"
     manifest = run_optimize(OptimizeConfig(str(nhwc_uint8), dataset=f"imagefolder:{digit_images}", int8=True,
-                                           calib_size=32, latency_batch=2, out=str(out), progress=False))
+                                           calib_size=32, latency_batch=2, out=str(out), progress=False,
+                                           timing_rounds=3))
     assert manifest["source"]["input_adapted"] == {"dtype": "uint8", "layout": "NHWC", "shape": [None, 16, 16, 3],
                                                    "added": "NCHW -> NHWC, rounded and cast to uint8"}
     spec = InputSpec.from_dict(manifest["input"])

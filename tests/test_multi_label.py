@@ -82,7 +82,8 @@ def trained(tmp_path_factory) -> dict:
     for form, source in (("onnx", str(onnx_file)), ("torch", f"{root}/net.py:build")):
         folder = root / form
         run_optimize(OptimizeConfig(source, input=overrides, labels=str(root / "labels.txt"), int8=True,
-                                    openvino=False, calib_size=64, latency_batch=2, out=str(folder), progress=False))
+                                    openvino=False, calib_size=64, latency_batch=2, out=str(folder), progress=False,
+                                    timing_rounds=3))
         out[form] = (source, folder)
     return out
 
@@ -198,7 +199,8 @@ def test_a_segmenter_ending_in_sigmoids_is_refused_in_one_line(tmp_path):
     for stated in ("auto", "multi_label"):
         with pytest.raises(UserError) as error:
             run_optimize(OptimizeConfig(f"{tmp_path}/seg.py:build", task="segmentation", output_kind=stated,
-                                        input=InputOverrides((1, 16, 16)), out=str(tmp_path / "a"), progress=False))
+                                        input=InputOverrides((1, 16, 16)), out=str(tmp_path / "a"), progress=False,
+                                        timing_rounds=3))
         assert str(error.value) == (
             "the torch model ends in sigmoid over 3 classes, each on its own (multi-label): optiserve reads a "
             "segmentation model's scores as log_probabilities, logits, probabilities, not as K independent "

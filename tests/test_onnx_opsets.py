@@ -37,7 +37,7 @@ def opset11_file(small_cnn_checkpoint, tmp_path_factory):
 def test_an_opset_11_file_is_quantized_from_a_converted_copy_and_served_as_given(opset11_file, tmp_path):
     out = tmp_path / "art"
     manifest = run_optimize(OptimizeConfig(str(opset11_file), int8=True, latency_batch=2, out=str(out),
-                                           progress=False))
+                                           progress=False, timing_rounds=3))
     by_name = {v["name"]: v for v in manifest["variants"]}
     assert by_name["onnx-fp32"]["sha256"] == sha256_file(opset11_file)  # the file itself, still opset 11
     assert onnx.load(str(out / "model.onnx")).opset_import[0].version == 11
@@ -62,7 +62,7 @@ def test_a_file_the_converter_cannot_raise_gets_not_built_rows_for_int8(opset11_
 
     monkeypatch.setattr(int8_pass, "at_least_opset", no_adapter)
     manifest = run_optimize(OptimizeConfig(str(opset11_file), int8=True, latency_batch=2, out=str(tmp_path / "a"),
-                                           progress=False))
+                                           progress=False, timing_rounds=3))
     reasons = {s["name"]: s["reason"] for s in manifest["skipped"]}
     assert reasons["onnx-int8"] == ("the file is below opset 13, which INT8 QDQ needs (DequantizeLinear's axis), and "
                                     "onnx's version converter could not raise it (RuntimeError: convert_graph: Op "

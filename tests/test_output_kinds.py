@@ -53,7 +53,8 @@ def ended_models(small_cnn_checkpoint, tmp_path_factory) -> dict:
             f"    return torch.nn.Sequential(trained, {layer})\n")
         out = root / ending
         run_optimize(OptimizeConfig(f"{root}/{ending}_net.py:build", input=InputOverrides((1, 16, 16), (0.0,), (1.0,)),
-                                    openvino=False, search="off", latency_batch=2, out=str(out), progress=False))
+                                    openvino=False, search="off", latency_batch=2, out=str(out), progress=False,
+                                    timing_rounds=3))
         folders[ending] = out
     return folders
 
@@ -96,7 +97,8 @@ def test_predict_and_the_protocol_answer_the_models_own_probabilities(ended_mode
 
 def test_output_kind_can_be_stated_and_is_refused_for_other_tasks(small_cnn_checkpoint, tmp_path):
     manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), output_kind="logits",
-                                           onnx=False, latency_batch=2, out=str(tmp_path / "a"), progress=False))
+                                           onnx=False, latency_batch=2, out=str(tmp_path / "a"), progress=False,
+                                           timing_rounds=3))
     assert manifest["output_kind"] == "logits"
     assert manifest["output_kind_from"] == "--output-kind, as the torch model ends in linear (a linear operation)"
     with pytest.raises(UserError, match="unknown --output-kind 'odds'; use auto, log_probabilities, logits, "
@@ -106,7 +108,8 @@ def test_output_kind_can_be_stated_and_is_refused_for_other_tasks(small_cnn_chec
                                          "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 8))\n")
     with pytest.raises(UserError, match="--output-kind says what a classifier's or segmenter's scores hold; .* is run for embedding"):
         run_optimize(OptimizeConfig(f"{tmp_path}/vectors.py:build", task="embedding", output_kind="probabilities",
-                                    input=InputOverrides((1, 16, 16)), out=str(tmp_path / "b"), progress=False))
+                                    input=InputOverrides((1, 16, 16)), out=str(tmp_path / "b"), progress=False,
+                                    timing_rounds=3))
 
 
 # What an output holds, read from the model: each case a real small model, as a torch module and as
@@ -234,7 +237,7 @@ def test_output_kind_contradicting_the_graph_stops_the_run_in_one_line(tmp_path,
     loaded, _, model = _model(tmp_path, "softmax with a temperature", form)
     with pytest.raises(UserError) as error:
         run_optimize(OptimizeConfig(model, input=InputOverrides((1, SIDE, SIDE), (0.0,), (1.0,)),
-                                    output_kind="logits", out=str(tmp_path / "a"), progress=False))
+                                    output_kind="logits", out=str(tmp_path / "a"), progress=False, timing_rounds=3))
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith(f"--output-kind logits, but {GRAPH[form]} "), message

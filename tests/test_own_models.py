@@ -58,9 +58,9 @@ BLOCKS = textwrap.dedent('''
 DIGIT_INPUT = InputSpec((3, 16, 16), (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # ImageNet's: the default
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 # What these runs are about is the model a user brings: how it is read, judged and served. Latency is
-# timed at batch 1 alone (no assertion here reads another), and the bf16 copies a CPU with bf16 adds
-# (tests/test_cpu_flags.py builds and judges those) are left out.
-ONE_BATCH = dict(latency_batch=1)
+# timed at batch 1 alone, in a few rounds (no assertion here reads a timing), and the bf16 copies a CPU
+# with bf16 adds (tests/test_cpu_flags.py builds and judges those) are left out.
+QUICK_TIMING = dict(latency_batch=1, timing_rounds=3)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -158,7 +158,7 @@ def user_model_artifact(user_code, lightning_checkpoint, digit_images, tmp_path_
     run_optimize(OptimizeConfig(f"{user_code}/digit_net.py:build", weights=str(lightning_checkpoint),
                                 dataset=f"imagefolder:{digit_images}", int8=True, openvino=False, out=str(out),
                                 input=InputOverrides((3, 16, 16)), labels=str(user_code / "labels.txt"),
-                                progress=False, **ONE_BATCH))
+                                progress=False, **QUICK_TIMING))
     return out
 
 
@@ -234,7 +234,7 @@ def test_a_torchvision_model_with_a_plain_state_dict(digit_images, user_code, tm
                                            dataset=f"imagefolder:{digit_images}", int8=True, openvino=False,
                                            labels=str(user_code / "labels.txt"), input=InputOverrides((3, 32, 32)),
                                            accuracy_aware=False, calib_size=64,  # its gate's word, not the fallback
-                                           out=str(tmp_path / "art"), progress=False, **ONE_BATCH))
+                                           out=str(tmp_path / "art"), progress=False, **QUICK_TIMING))
     assert manifest["model"] == "torchvision-mobilenet_v3_small"
     # torchvision's metadata gives mean and std where the user gave only the shape
     assert manifest["input"]["mean"] == pytest.approx([0.485, 0.456, 0.406])
@@ -263,7 +263,7 @@ def test_a_timm_model_with_safetensors_weights(digit_images, user_code, tmp_path
                                            dataset=f"imagefolder:{digit_images}", int8=True, openvino=False,
                                            input=InputOverrides((3, 32, 32)), out=str(tmp_path / "art"),
                                            accuracy_aware=False, calib_size=64,  # its gate's word, not the fallback
-                                           progress=False, **ONE_BATCH))
+                                           progress=False, **QUICK_TIMING))
     assert_gated(manifest, "onnx-int8")
     assert_served_as_its_framework(tmp_path / "art", reference, digit_images, seed=2)
 
@@ -296,7 +296,7 @@ def test_a_package_module_callable_is_imported_from_the_working_directory(user_c
     manifest = run_optimize(OptimizeConfig("digit_net:build", weights=str(lightning_checkpoint), int8=True,
                                            openvino=False, dataset=f"imagefolder:{digit_images}",
                                            labels="labels.txt", input=InputOverrides((3, 16, 16)),
-                                           out=str(tmp_path / "art"), progress=False, **ONE_BATCH))
+                                           out=str(tmp_path / "art"), progress=False, **QUICK_TIMING))
     assert manifest["source"]["source"] == "callable"
     assert_gated(manifest, "onnx-int8")
     monkeypatch.chdir(tmp_path)  # served without the user's code: fp32 is the module traced to TorchScript
@@ -381,7 +381,7 @@ def embedding_artifact(user_code, lightning_checkpoint, digit_images, tmp_path_f
     out = tmp_path_factory.mktemp("own") / "embed"
     run_optimize(OptimizeConfig(f"{user_code}/embed_net.py:build", task="embedding", dataset=f"imagefolder:{digit_images}",
                                 int8=True, openvino=False, input=InputOverrides((3, 16, 16)), out=str(out),
-                                progress=False, **ONE_BATCH))
+                                progress=False, **QUICK_TIMING))
     return out
 
 
@@ -479,7 +479,7 @@ def test_a_torch_model_that_returns_several_tensors_serves_every_one(user_code, 
     manifest = run_optimize(OptimizeConfig(f"{user_code}/digit_heads.py:build", weights=str(lightning_checkpoint),
                                            dataset=f"imagefolder:{digit_images}", int8=True, openvino=False,
                                            out=str(out), input=shape, labels=str(user_code / "labels.txt"),
-                                           progress=False, **ONE_BATCH))
+                                           progress=False, **QUICK_TIMING))
     assert manifest["outputs"] == [{"name": "scores", "dtype": "float32", "shape": [10]},
                                    {"name": "features", "dtype": "float32", "shape": [32]}]
     by_name = {v["name"]: v for v in manifest["variants"]}
@@ -546,7 +546,7 @@ def onnx_artifact(user_code, lightning_checkpoint, digit_images, tmp_path_factor
                                     folder / "digits-classifier.onnx", output_names=ONNX_OUTPUTS)
     out = folder / "art"
     run_optimize(OptimizeConfig(str(original), dataset=f"imagefolder:{digit_images}", int8=True, out=str(out),
-                                labels=str(user_code / "labels.txt"), progress=False, **ONE_BATCH))
+                                labels=str(user_code / "labels.txt"), progress=False, **QUICK_TIMING))
     return original, out
 
 
@@ -718,7 +718,7 @@ def test_a_torchscript_file_is_optimized_from_the_module_it_holds(user_code, lig
         load_model(str(path), str(lightning_checkpoint), overrides=InputOverrides((3, 16, 16)))
     manifest = run_optimize(OptimizeConfig(str(path), dataset=f"imagefolder:{digit_images}", int8=True, openvino=False,
                                            input=InputOverrides((3, 16, 16)), labels=str(user_code / "labels.txt"),
-                                           out=str(tmp_path / "art"), progress=False, **ONE_BATCH))
+                                           out=str(tmp_path / "art"), progress=False, **QUICK_TIMING))
     assert manifest["model"] == "digit_net" and manifest["source"]["source"] == "torchscript"
     by_name = {v["name"]: v for v in manifest["variants"]}
     assert by_name["fp32"]["accuracy"]["top1"] > 0.7
@@ -745,7 +745,7 @@ def test_a_classifier_on_unlabelled_images_is_judged_by_top1_agreement_with_fp32
     manifest = run_optimize(OptimizeConfig(f"{user_code}/digit_net.py:build", weights=str(lightning_checkpoint),
                                            dataset=f"imagefolder:{loose}", int8=True, openvino=False,
                                            input=InputOverrides((3, 16, 16)), out=str(tmp_path / "art"),
-                                           progress=False, **ONE_BATCH))
+                                           progress=False, **QUICK_TIMING))
     assert manifest["accuracy_meaningful"]
     assert any("has no labels: each variant is judged by how often its top-1 agrees" in n for n in manifest["notes"])
     by_name = {v["name"]: v for v in manifest["variants"]}
@@ -782,7 +782,7 @@ def test_a_torch_export_file_is_optimized_from_the_program_it_holds(user_code, l
         load_model(str(tmp_path / "fixed.pt2"))
     manifest = run_optimize(OptimizeConfig(str(path), dataset=f"imagefolder:{digit_images}", int8=True, openvino=False,
                                            labels=str(user_code / "labels.txt"), out=str(tmp_path / "art"),
-                                           progress=False, **ONE_BATCH))
+                                           progress=False, **QUICK_TIMING))
     assert manifest["source"]["source"] == "torch_export" and manifest["input"]["shape"] == [3, 16, 16]  # its own
     by_name = {v["name"]: v for v in manifest["variants"]}
     assert by_name["fp32"]["accuracy"]["top1"] > 0.7
@@ -847,7 +847,7 @@ def test_attention_in_the_graph_picks_the_transformer_int8_recipe(vit_weights, u
 def test_a_vision_transformer_gets_int8_matmuls_with_layernorm_and_softmax_in_float(vit_weights, user_code,
                                                                                     digit_images, tmp_path):
     common = dict(weights=str(vit_weights), labels=str(user_code / "labels.txt"), dataset=f"imagefolder:{digit_images}",
-                  int8=True, input=InputOverrides((3, 16, 16)), progress=False, **ONE_BATCH)
+                  int8=True, input=InputOverrides((3, 16, 16)), progress=False, **QUICK_TIMING)
     manifest = run_optimize(OptimizeConfig(f"{user_code}/tiny_vit.py:build", out=str(tmp_path / "auto"), **common))
     by_name = {v["name"]: v for v in manifest["variants"]}
     assert any("INT8 recipe for a transformer (attention found in the graph)" in n for n in manifest["notes"])

@@ -177,7 +177,7 @@ def test_optimize_answers_a_model_it_cannot_prune_with_a_row_and_builds_the_rest
     monkeypatch.syspath_prepend(str(tmp_path))
     manifest = run_optimize(OptimizeConfig("fixed_width:build", input=InputOverrides((1, 16, 16)), dataset="synthetic",
                                            int8=True, prune_channels=0.5, openvino=False, out=str(tmp_path / "a"),
-                                           progress=False))
+                                           progress=False, timing_rounds=3))
     skipped = {row["name"]: row["reason"] for row in manifest["skipped"]}
     assert skipped["pruned50"].startswith("fixed_width:build: its channels cannot be removed consistently")
     assert "pruned50-int8" not in {v["name"] for v in manifest["variants"]}

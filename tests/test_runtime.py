@@ -44,7 +44,7 @@ def test_every_variant_maps_a_batch_to_float32_logits(small_cnn_checkpoint, tmp_
     from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
     run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True, out=str(tmp_path / "a"),
-                                search="off", progress=False, latency_batch=2))
+                                search="off", progress=False, latency_batch=2, timing_rounds=3))
     manifest = read_manifest(tmp_path / "a")
     batch = np.random.default_rng(0).standard_normal((3, 1, 16, 16), dtype=np.float32)
     outputs = {}
@@ -102,7 +102,7 @@ def test_the_optimizer_and_bench_engine_load_sessions_that_do_not_spin_when_idle
     monkeypatch.setattr(int8_pass, "load_session", spy)
     pipeline.run_optimize(pipeline.OptimizeConfig("small_cnn", weights="random", dataset="synthetic",
                                                   openvino=False, out=str(small_artifact.parent / "spin"),
-                                                  progress=False, latency_batch=2))
+                                                  progress=False, latency_batch=2, timing_rounds=3))
     assert seen and not any(seen)
 
 

@@ -103,7 +103,8 @@ def ink_artifact(ink_net, digit_images, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("seg") / "ink"
     run_optimize(OptimizeConfig(f"{folder}/ink_net.py:build", task="segmentation", weights=str(folder / "ink_net.pt"),
                                 dataset=f"imagefolder:{digit_images}", int8=True, openvino=False, latency_batch=1,
-                                labels=str(labels), input=InputOverrides((3, 32, 32)), out=str(out), progress=False))
+                                labels=str(labels), input=InputOverrides((3, 32, 32)), out=str(out), progress=False,
+                                timing_rounds=3))
     return out
 
 
@@ -127,7 +128,7 @@ def test_a_pruned_segmenter_recovers_its_masks_by_distillation_without_labels(in
     manifest = run_optimize(OptimizeConfig(f"{folder}/ink_net.py:build", task="segmentation", prune_channels=0.5,
                                            weights=str(folder / "ink_net.pt"), dataset=f"imagefolder:{digit_images}",
                                            openvino=False, latency_batch=1, input=InputOverrides((3, 32, 32)),
-                                           out=str(tmp_path / "a"), progress=False))
+                                           out=str(tmp_path / "a"), progress=False, timing_rounds=3))
     pruned = next(v for v in manifest["variants"] if v["name"].startswith("pruned"))
     settings = pruned["settings"]
     assert settings["recovery"]["method"] == "distillation from the unpruned model"  # no masks: no labels
@@ -163,7 +164,7 @@ def test_a_segmentation_model_is_judged_by_miou_against_true_masks_when_given(in
     folder, _ = ink_net
     images, masks = masked_digits
     common = dict(task="segmentation", weights=str(folder / "ink_net.pt"), dataset=f"imagefolder:{images}",
-                  input=InputOverrides((3, 32, 32)), latency_batch=1, progress=False)
+                  input=InputOverrides((3, 32, 32)), latency_batch=1, progress=False, timing_rounds=3)
     manifest = run_optimize(OptimizeConfig(f"{folder}/ink_net.py:build", int8=True, openvino=False, masks=str(masks),
                                            out=str(tmp_path / "art"), **common))
     assert manifest["dataset"]["eval_images"] == 60  # 20% of the 300 with a mask; the 5 without are left out
@@ -233,7 +234,8 @@ def test_a_torchvision_segmentation_builder_is_served_as_torchvision_computes_it
     out = tmp_path / "lraspp"
     run_optimize(OptimizeConfig("torchvision:lraspp_mobilenet_v3_large", weights=str(tmp_path / "lraspp.pth"),
                                 num_classes=3, dataset=f"imagefolder:{digit_images}", onnx=False, openvino=False,
-                                latency_batch=1, input=InputOverrides((3, 64, 64)), out=str(out), progress=False))
+                                latency_batch=1, input=InputOverrides((3, 64, 64)), out=str(out), progress=False,
+                                timing_rounds=3))
     images = np.random.default_rng(7).standard_normal((2, 3, 64, 64), dtype=np.float32)
     with torch.no_grad():
         expected = reference(torch.from_numpy(images))["out"].numpy()
@@ -269,7 +271,7 @@ def test_a_segmentation_int8_model_that_misses_its_gate_keeps_sensitive_layers_i
     torch.save(state, tmp_path / "sensitive.pt")
     common = dict(task="segmentation", weights=str(tmp_path / "sensitive.pt"), dataset=f"imagefolder:{digit_images}",
                   int8=True, openvino=False, input=InputOverrides((3, 32, 32)), min_miou=0.99, progress=False,
-                  latency_batch=1, max_float_layers=3)
+                  latency_batch=1, max_float_layers=3, timing_rounds=3)
     plain = run_optimize(OptimizeConfig(f"{folder}/ink_net.py:build", accuracy_aware=False,
                                         out=str(tmp_path / "plain"), **common))
     plain_int8 = {v["name"]: v for v in plain["variants"]}["onnx-int8"]
@@ -304,7 +306,7 @@ def test_a_segmentation_onnx_file_of_any_size_is_served_at_the_size_given_as_onn
     out = tmp_path / "art"
     manifest = run_optimize(OptimizeConfig(str(path), task="segmentation", dataset=f"imagefolder:{digit_images}",
                                            int8=True, input=InputOverrides((3, 48, 48)), out=str(out),
-                                           latency_batch=1, calib_size=64, progress=False))
+                                           latency_batch=1, calib_size=64, progress=False, timing_rounds=3))
     assert manifest["baseline"] == "onnx-fp32" and manifest["input_name"] == "pixel_values"
     assert manifest["input"]["resize"] == "stretch" and manifest["output_shape"] == [2, 48, 48]
     by_name = {v["name"]: v for v in manifest["variants"]}
@@ -354,7 +356,7 @@ def test_a_one_channel_map_is_a_binary_mask_at_a_threshold_judged_by_foreground_
     manifest = run_optimize(OptimizeConfig(str(model), task="segmentation", dataset=f"imagefolder:{digit_images}",
                                            int8=True, openvino=False, calib_size=32, latency_batch=1,
                                            input=InputOverrides(mean=SEG_INPUT.mean, std=SEG_INPUT.std),
-                                           out=str(tmp_path / "art"), progress=False))
+                                           out=str(tmp_path / "art"), progress=False, timing_rounds=3))
     assert manifest["output_shape"] == [1, 32, 32] and manifest["classes"] == ["background", "foreground"]
     assert manifest["output_kind"] == ("probabilities" if sigmoid else "logits")  # never a second sigmoid
     by_name = {v["name"]: v for v in manifest["variants"]}

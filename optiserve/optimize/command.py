@@ -150,6 +150,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-batch", type=int, default=DEFAULTS.latency_batch, metavar="N",
                    help=f"the larger batch size latency is measured at, beside batch 1 (default "
                         f"{DEFAULTS.latency_batch})")
+    p.add_argument("--timing-rounds", type=int, default=DEFAULTS.timing_rounds, metavar="N",
+                   help=f"interleaved rounds every variant is timed in at each batch size (default "
+                        f"{DEFAULTS.timing_rounds}; two the rounds cannot separate are timed again for twice as "
+                        f"many): fewer finish sooner, with wider intervals and more ties")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where variants are validated and timed (default auto)")
     p.add_argument("--out", default=None, metavar="DIR", help="artifact folder (default artifacts/MODEL-DATASET)")
@@ -166,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         tensorrt=args.tensorrt, fp16=args.fp16,
         calib_size=args.calib_size, calib_method=args.calib_method, int8_recipe=args.int8_recipe,
         max_accuracy_drop=args.max_accuracy_drop,
-        latency_batch=args.latency_batch, out=args.out, device=args.device, progress=not args.no_progress,
+        latency_batch=args.latency_batch, timing_rounds=args.timing_rounds, out=args.out, device=args.device, progress=not args.no_progress,
         num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, output_kind=args.output_kind,
         detection_head=args.detection_head, agnostic_nms=args.agnostic_nms, box_units=args.box_units,
         **{minimum.name: getattr(args, minimum.name) for _, minimum in gate_minimums()}, masks=args.masks, ignore_index=args.ignore_index, boxes=args.boxes,

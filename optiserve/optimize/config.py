@@ -46,6 +46,7 @@ class OptimizeConfig:
     accuracy_aware: bool = True       # an ONNX INT8 variant that misses the gate keeps its most sensitive layers in float
     max_float_layers: int = 8
     latency_batch: int = 16
+    timing_rounds: int = 15           # interleaved rounds per batch size; a tie is timed again for twice as many
     out: str | None = None
     device: str = "auto"
     progress: bool = True
@@ -136,6 +137,9 @@ class OptimizeConfig:
             raise UserError(f"--max-float-layers must be at least 1, got {self.max_float_layers}")
         if self.latency_batch < 1:
             raise UserError(f"--latency-batch must be at least 1, got {self.latency_batch}")
+        if self.timing_rounds < 3:
+            raise UserError(f"--timing-rounds must be at least 3 (a median and its interval need a few), "
+                            f"got {self.timing_rounds}")
 
     @property
     def out_path(self) -> Path:

@@ -193,7 +193,7 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
     times: dict[str, dict[str, list[float]]] = {}
     for b, x in batches.items():
         failures: dict[str, Exception] = {}
-        times[b] = interleaved_times(sessions, x, rounds=15, warmup=3, max_seconds=10.0 * len(sessions),
+        times[b] = interleaved_times(sessions, x, rounds=cfg.timing_rounds, warmup=3, max_seconds=10.0 * len(sessions),
                                      failures=failures)
         for name, e in failures.items():  # a variant that raises while timed has failed; the others go on
             if name == baseline_name:
@@ -206,7 +206,7 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
     return [entries[v.name] for v in variants if v.name in entries], Timed(sessions, batches, times), reading
 
 
-def recommend(entries: list[dict], timed: Timed, n: int) -> dict | None:
+def recommend(entries: list[dict], timed: Timed, n: int, retime_rounds: int = 30) -> dict | None:
     """The fastest accepted variant at batch 1 ("latency") and at batch n ("throughput"), as timed in
     this run on this machine, by runtime.fastest's rule (two that noise cannot separate are timed
     again; still a tie, the smaller file); among unvalidated ones when none could be gated (random
@@ -224,7 +224,7 @@ def recommend(entries: list[dict], timed: Timed, n: int) -> dict | None:
     for key, b in (("latency", "1"), ("throughput", str(n))):
         if b not in chosen_at:
             chosen_at[b] = choose_fastest({name: timed.sessions[name] for name in by_name}, timed.batches[b], sizes,
-                                          times=timed.times[b], retime_rounds=30, retime_seconds=20.0)
+                                          times=timed.times[b], retime_rounds=retime_rounds, retime_seconds=20.0)
         recommended[key] = chosen_at[b].chosen
         recommended["evidence"][key] = chosen_at[b].to_dict()
     return recommended

@@ -214,7 +214,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                 entries, dropped = drop_off_frontier(entries)
                 for row in dropped:
                     timed.drop(row["name"])
-            recommended = recommend(entries, timed, cfg.latency_batch)
+            recommended = recommend(entries, timed, cfg.latency_batch, retime_rounds=2 * cfg.timing_rounds)
             report_on_test(entries, timed, testset, loaded, cfg, why_not, baseline, kind)  # every choice is made
             if kind.get("output_kind", "logits") != "logits":
                 notes.append(f"the model's output holds {kind['output_kind']} ({kind['output_kind_from']}): "
