@@ -202,6 +202,7 @@ def test_bad_input_gives_one_clear_error_line(small_cnn_checkpoint, tmp_path):
         (["small_cnn", "--calib-method", "median"], "invalid choice: 'median'"),
         (["small_cnn", "--weights", "random", "--prune", "1.5"], "--prune must be a fraction in (0, 1)"),
         (["small_cnn", "--weights", "random", "--prune-channels", "0.5", "--no-onnx"], "drop --no-onnx"),
+        (["small_cnn", "--weights", "random", "--timing-rounds", "2"], "--timing-rounds must be at least 3"),
     ]
     if not torch.cuda.is_available():  # asked for a GPU that is not there: said before anything is built
         cases.append((["small_cnn", "--weights", "random", "--device", "cuda"], "no CUDA device is visible here"))
