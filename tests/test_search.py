@@ -25,7 +25,7 @@ def searched(small_cnn_checkpoint, tmp_path_factory):
         mp.setenv(CPU_FLAGS_ENV, NO_BF16)
         manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True, search="on",
                                                search_ratios=(0.5, 0.98, 0.99), finetune_epochs=1, latency_batch=1,
-                                               calib_size=64, out=str(out), progress=False))
+                                               calib_size=64, out=str(out), progress=False, timing_rounds=3))
     return out, manifest
 
 
@@ -38,7 +38,7 @@ def unrecovered(small_cnn_checkpoint, tmp_path_factory):
         mp.setenv(CPU_FLAGS_ENV, NO_BF16)
         manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), search="on",
                                                search_ratios=(0.5, 0.9), finetune_epochs=0, openvino=False,
-                                               latency_batch=1, out=str(out), progress=False))
+                                               latency_batch=1, out=str(out), progress=False, timing_rounds=3))
     return out, manifest
 
 
@@ -149,7 +149,7 @@ def test_an_interrupted_search_resumes_from_the_candidates_it_had_recovered(smal
     monkeypatch.setattr(pruning, "recover", interrupted_in_the_second)
     out = tmp_path / "a"
     options = dict(weights=str(small_cnn_checkpoint), search="on", search_ratios=(0.5, 0.7), openvino=False,
-                   latency_batch=1, out=str(out), progress=False)
+                   latency_batch=1, timing_rounds=3, out=str(out), progress=False)
     with pytest.raises(KeyboardInterrupt):
         run_optimize(OptimizeConfig("small_cnn", **options))
     assert not out.exists() and len(list(cache_folder(out).glob("*.json"))) == 1  # the first one, recovered
