@@ -18,8 +18,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 pytest.importorskip("aiohttp", reason="the load generator is in the [bench] extra")
 from tune_replay import TOLERANCE, check_claim  # noqa: E402
 
+from optiserve.bench.tune import MAX_RATE_STEPS, below_the_floor  # noqa: E402
+
 SLO_MS = 60.0
-CONFIRM_S = 5  # the default is 20 s; shorter here to keep the suite quick (the closed-loop test holds 5 s too)
+CONFIRM_S = 5  # the default is 20 s; shorter here to keep the suite quick (the closed-loop test holds it too)
 # 1 s load steps: hundreds of requests each at the digits model's rates, enough for a p99; the
 # confirmation and the replay, which the claim rests on, hold CONFIRM_S
 SMALL_SEARCH = ("--variants", "onnx-int8,openvino-int8", "--batch-sizes", "2", "--delays-ms", "2",
@@ -80,7 +82,7 @@ def test_closed_loop_tune_claims_callers_whose_replay_holds_the_objective(small_
     shutil.copytree(small_artifact, folder)
     r = run_cli("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", "--concurrency-mode", "closed",
                 "--variants", "onnx-int8", "--batch-sizes", "2", "--delays-ms", "2", "--instances", "1",
-                "--duration", "1", "--confirm-seconds", "5", "--quiet", timeout=600)
+                "--duration", "1", "--confirm-seconds", str(CONFIRM_S), "--quiet", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     tune = json.loads((folder / "tune.json").read_text())
     winner = tune["winner"]
@@ -88,7 +90,7 @@ def test_closed_loop_tune_claims_callers_whose_replay_holds_the_objective(small_
     held = winner["confirmation"]["tries"][-1]
     assert held["meets"] and winner["concurrency"] == held["level"] >= 1 and winner["rate"] == held["rps"]
     assert winner["p99_ms"] <= SLO_MS
-    result = check_claim(folder, seconds=5)
+    result = check_claim(folder, seconds=CONFIRM_S)
     assert result["replay"]["failed"] == 0 and result["replay"]["p99_ms"] <= TOLERANCE * SLO_MS, result
     assert result["holds"]
 
@@ -110,6 +112,18 @@ def test_an_objective_nothing_meets_is_one_line_naming_the_closest(small_artifac
                 "--instances", "1", "--duration", "1", "--quiet", timeout=300)
     assert r.returncode != 0 and "no setting met p99 <= 0.01 ms" in r.stderr and "Traceback" not in r.stderr
     assert not (folder / "serving.json").exists()
+    # no lower rate is tried once a step's fastest answer, a lone request's, took longer than the objective
+    (point,) = json.loads((folder / "tune.json").read_text())["points"]
+    opened = [s for s in point["steps"] if not s.get("probe")]
+    assert len(opened) < MAX_RATE_STEPS and below_the_floor(opened[-1], 0.01), opened
+    assert all(not below_the_floor(s, 0.01) for s in opened[:-1])
+
+
+def test_the_floor_is_a_lone_request_s_answer_above_the_objective():
+    step = {"offered": 100.0, "min_ms": 4.0, "p99_ms": 9.0}  # 0.4 requests in flight on average
+    assert below_the_floor(step, 3.0) and not below_the_floor(step, 5.0)
+    assert not below_the_floor({**step, "offered": 200.0}, 3.0)  # overlapping: the fastest may have waited
+    assert not below_the_floor({"min_ms": 4.0, "p99_ms": 9.0}, 3.0)  # closed loop: no rate to lower
 
 
 def test_a_point_whose_server_does_not_start_is_a_recorded_failure_and_none_starting_is_one_line(small_artifact,

@@ -50,6 +50,7 @@ SETTINGS_FILE = "serving.json"
 FORMAT = 1
 MAX_RATE_STEPS = 6        # open-loop rates tried per point
 RATE_PRECISION = 0.08     # stop bracketing once the bracket is this narrow (relative)
+FLOOR_OVERLAP = 0.5       # requests in flight on average below which a step's fastest answer is a lone request's
 KEEPS_UP = 0.95           # no backlog: the answered rate is at least this share of the rate sent (keeps_up)
 HEADROOM = 0.8            # open-loop rates are tried only up to this share of the most the point ever answered:
 # at the edge of capacity a queue grows slowly, which a window of seconds does not show and a longer run does
@@ -229,9 +230,10 @@ def _summary(run, offered: float | None, window_s: float) -> dict:
     """One load step as tune.json keeps it: `requests` counts every request sent in the measured
     window (answered or failed), `window_s` is that window and `drain_s` how long after it the last
     answer came (`rps` is answered over both); `offered` is an open loop's nominal rate."""
-    s = run.window_summary() if run.records["ok"] else {"requests": 0, "failed": 0, "rps": 0.0, "p50": float("inf"),
-                                                         "p99": float("inf")}
-    return {"level": run.level, "rps": round(s["rps"], 2), "p50_ms": round(s["p50"], 2), "p99_ms": round(s["p99"], 2),
+    s = run.window_summary() if run.records["ok"] else {"requests": 0, "failed": 0, "rps": 0.0, "min": float("inf"),
+                                                         "p50": float("inf"), "p99": float("inf")}
+    return {"level": run.level, "rps": round(s["rps"], 2), "min_ms": round(s["min"], 2), "p50_ms": round(s["p50"], 2),
+            "p99_ms": round(s["p99"], 2),
             "requests": s["requests"], "failed": s["failed"], "window_s": window_s,
             "drain_s": round(max(0.0, run.duration_s - window_s), 3), **({"offered": offered} if offered else {})}
 
@@ -291,6 +293,15 @@ def missed(step: dict, slo_p99_ms: float) -> list[str]:
             why.append(f"answered {step['rps']:.1f}/s < {KEEPS_UP:.0%} of the {step['offered']:g}/s offered "
                        f"({KEEPS_UP * step['offered']:.1f}/s)")
     return why
+
+
+def below_the_floor(step: dict, slo_p99_ms: float) -> bool:
+    """Whether an open-loop step shows that no lower rate can meet the objective: even its fastest
+    answer took longer, at a rate where requests seldom overlap (fewer than FLOOR_OVERLAP in flight on
+    average), so that answer is a lone request's, which waiting less cannot make faster."""
+    fastest = step.get("min_ms")
+    return (fastest is not None and fastest > slo_p99_ms and "offered" in step
+            and step["offered"] * fastest / 1000 < FLOOR_OVERLAP)
 
 
 def point_missed(point: dict, slo_p99_ms: float) -> str:
@@ -562,7 +573,8 @@ class Tuner:
     def _open_search(self, base: str, point: Point) -> list[dict]:
         """Bracket the highest rate that meets the objective below HEADROOM of the point's capacity
         (a closed-loop probe's throughput, raised by any step that answered more): the cap first,
-        then halving the bracket between the best rate that held and the lowest that did not."""
+        then halving the bracket between the best rate that held and the lowest that did not; lower
+        rates are not tried once even a lone request's answer misses the objective (below_the_floor)."""
         self._show(point, "estimating capacity")
         probe = self._load(base, "closed", max(2, 2 * point.max_batch_size * point.instances), point)
         probe["probe"] = True
@@ -580,7 +592,7 @@ class Tuner:
             else:
                 bad = rate
             top = bad if bad is not None else HEADROOM * capacity
-            if top <= good * (1 + RATE_PRECISION):
+            if top <= good * (1 + RATE_PRECISION) or (not good and below_the_floor(step, self.cfg.slo_p99_ms)):
                 break
             rate = (good + top) / 2 if good else top / 2
         return steps
