@@ -170,6 +170,10 @@ class InferCodec(ProtocolChecks):
     async def read(self, server: Server, admission: Admission) -> np.ndarray:
         message = self.message
         self.context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
+        model = admission.model
+        if model.texts is not None:
+            raise ApiError(400, f"model {model.name} takes texts, which gRPC does not carry yet: send its BYTES "
+                                f"tensor over HTTP (/v2/models/{model.name}/infer), or use /predict or /v1/embeddings")
         admission.held.grow(message.size, "its message")  # held by the request until it ends, as a body
         args = (message, admission.model.protocol_input, admission.model.settings.max_images,
                 admission.model.protocol_outputs)
