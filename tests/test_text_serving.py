@@ -224,20 +224,41 @@ def test_embeddings_refusals_are_one_line(repo, body, status, says):
     assert r.status_code == status and says in r.json()["error"], r.text
 
 
-# --- what does not take texts yet ------------------------------------------------------------------
+# --- gRPC, pipelines ------------------------------------------------------------------------------
 
-def test_grpc_refuses_a_text_model_in_one_line(repo):
+def test_an_unmodified_tritonclient_grpc_sends_bytes_tensors(repo, reference):
     grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is in the [dev] extra")
     from tritonclient.utils import InferenceServerException
 
     _, port = repo
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-    text = grpcclient.InferInput("text", [1], "BYTES")
-    text.set_data_from_numpy(np.array(["hello"], dtype=object))
+    assert client.get_model_metadata("minilm", as_json=True)["inputs"] == [
+        {"name": "text", "datatype": "BYTES", "shape": ["-1"]}]
+    text = grpcclient.InferInput("text", [len(TEXTS)], "BYTES")
+    text.set_data_from_numpy(np.array(TEXTS, dtype=object))  # raw_input_contents, length-prefixed
+    vectors = client.infer("minilm", [text]).as_numpy("embedding")
+    assert vectors.shape == (len(TEXTS), 384) and _cosine(vectors, reference(TEXTS)).min() >= 0.999
+    bad = grpcclient.InferInput("text", [1], "BYTES")
+    bad.set_data_from_numpy(np.array([b"\xff\xfe"], dtype=object))
     with pytest.raises(InferenceServerException) as e:
-        client.infer("minilm", [text])
-    assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "gRPC does not carry yet" in e.value.message()
+        client.infer("minilm", [bad])
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "BYTES element 0 is not valid UTF-8" in e.value.message()
     client.close()
+
+
+def test_grpc_typed_bytes_contents_are_texts_too(repo, reference):
+    grpc = pytest.importorskip("grpc", reason="grpcio is in the [dev] extra")
+    from optiserve.grpc_protocol import pb, stub
+
+    _, port = repo
+    request = pb.ModelInferRequest(model_name="minilm")
+    tensor = request.inputs.add(name="text", datatype="BYTES", shape=[len(TEXTS)])
+    tensor.contents.bytes_contents.extend(t.encode() for t in TEXTS)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        response = stub(channel).ModelInfer(request, timeout=30)
+    (out,) = response.outputs
+    vectors = np.array(out.contents.fp32_contents).reshape(list(out.shape))
+    assert out.name == "embedding" and _cosine(vectors, reference(TEXTS)).min() >= 0.999
 
 
 def test_a_pipeline_step_naming_a_text_model_is_refused_with_the_reason(repo):

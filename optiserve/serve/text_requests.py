@@ -104,15 +104,8 @@ class TextRequests:
             raise BadInput('expected "inputs": [{"name": "text", "shape": [N], "datatype": "BYTES", "data": [...]}]')
         tensor = inputs[0]
         name_field(tensor.get("name"), "inputs[0].name", optional=False)
-        shape, datatype = tensor.get("shape"), tensor.get("datatype")
-        if datatype != "BYTES":
-            raise BadInput(f"a text model takes a BYTES tensor of UTF-8 texts, got datatype {str(datatype)[:20]!r}")
-        if not (isinstance(shape, list) and len(shape) in (1, 2) and all(
-                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape) and shape[1:] in ([], [1])):
-            raise BadInput(f"a text model's input shape is [N] (or [N, 1]): one text per row, got {str(shape)[:40]}")
-        count = shape[0]
-        if count > self.max_texts:
-            raise TooManyTexts(count, self.max_texts)
+        shape = tensor.get("shape")
+        count = self.check_tensor(shape, tensor.get("datatype"))
         size = object_field(tensor.get("parameters"), "inputs[0].parameters").get("binary_data_size")
         if size is None:
             if tail:
@@ -130,6 +123,18 @@ class TextRequests:
             raise BadInput(f"input data has {got} but shape {shape} needs {count}")
         return InferRequest(self.tokens(texts).batch, requested_outputs(body.get("outputs"), params, output_names),
                             id_field(body.get("id")), params.get("priority"))
+
+    def check_tensor(self, shape, datatype) -> int:
+        """The number of texts a protocol tensor declares (BYTES, shape [N] or [N, 1], N at most
+        `max_texts`), checked before its data is read; BadInput / TooManyTexts otherwise."""
+        if datatype != "BYTES":
+            raise BadInput(f"a text model takes a BYTES tensor of UTF-8 texts, got datatype {str(datatype)[:20]!r}")
+        if not (isinstance(shape, list) and len(shape) in (1, 2) and all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape) and shape[1:] in ([], [1])):
+            raise BadInput(f"a text model's input shape is [N] (or [N, 1]): one text per row, got {str(shape)[:40]}")
+        if shape[0] > self.max_texts:
+            raise TooManyTexts(shape[0], self.max_texts)
+        return shape[0]
 
     def metadata(self) -> dict:
         """The protocol's input of a text model: a BYTES tensor of UTF-8 texts."""
