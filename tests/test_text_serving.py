@@ -203,7 +203,7 @@ def test_embeddings_answers_in_openai_s_own_shape(server):
     assert r.status_code == 200 and set(body) == {"object", "data", "model", "usage"}, r.text
     assert body["data"][1]["object"] == "embedding" and body["data"][1]["index"] == 1
     vector = np.frombuffer(base64.b64decode(body["data"][1]["embedding"]), dtype="<f4")
-    floats = httpx.post(f"{server}/v1/embeddings", json={"model": "model", "input": "b"}).json()
+    floats = httpx.post(f"{server}/v1/embeddings", json={"model": "model", "input": "b", "encoding_format": None}).json()
     np.testing.assert_allclose(vector, floats["data"][0]["embedding"], atol=1e-6)
     assert body["usage"] == {"prompt_tokens": 6, "total_tokens": 6}  # [CLS] a [SEP], [CLS] b [SEP]
 
@@ -217,6 +217,9 @@ def test_embeddings_answers_in_openai_s_own_shape(server):
     ({"model": "nope", "input": ["a"]}, 404, "unknown model 'nope'"),
     ({"model": "digits", "input": ["a"]}, 400, "takes images; /v1/embeddings serves text-embedding models"),
     ({"input": ["a"]}, 400, '"model" must be a non-empty string'),
+    ({"model": "minilm", "input": ["a", True]}, 400, "text 1 is a bool, not a string"),
+    ({"model": "minilm", "input": None}, 400, "non-empty list of texts"),
+    (["not", "an", "object"], 400, "must be an object"),
 ])
 def test_embeddings_refusals_are_one_line(repo, body, status, says):
     client, _ = repo

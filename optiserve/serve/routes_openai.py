@@ -62,7 +62,7 @@ def embeddings_request(data: bytes) -> EmbeddingsRequest:
         raise BadInput('"input" holds token ids: send strings, which the server tokenizes with the model\'s tokenizer')
     if isinstance(texts, list) and any(isinstance(t, list) for t in texts):
         raise BadInput('"input" holds lists (token ids?): send a string or a list of strings')
-    encoding = body.get("encoding_format", "float")
+    encoding = body.get("encoding_format") or "float"  # absent or null: OpenAI's default
     if encoding not in ENCODINGS:
         raise BadInput(f'"encoding_format" is "float" or "base64", got {str(encoding)[:40]!r}')
     dimensions = body.get("dimensions")

@@ -60,8 +60,7 @@ class TextRequests:
             raise TooManyTexts(len(texts), self.max_texts)
         for i, text in enumerate(texts):
             if not isinstance(text, str):
-                kind = "a token id" if isinstance(text, int) or (isinstance(text, list) and text and all(
-                    isinstance(t, int) for t in text)) else f"a {type(text).__name__}"
+                kind = "a token id" if _token_ids(text) else f"a {type(text).__name__}"
                 raise BadInput(f"text {i} is {kind}, not a string: send texts as strings (the server tokenizes them)")
             try:
                 size = len(text.encode("utf-8"))
@@ -168,6 +167,13 @@ class TextRequests:
         for batch in batches:
             for _ in range(backend.warm_up_runs):
                 variant.session.run(batch)
+
+
+def _token_ids(value) -> bool:
+    """Whether `value` looks like token ids (an integer, or a list of them) rather than a text."""
+    def integer(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    return integer(value) or (isinstance(value, list) and bool(value) and all(integer(v) for v in value))
 
 
 def utf8(data: bytes, what: str) -> str:
