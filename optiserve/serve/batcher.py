@@ -158,13 +158,14 @@ class DynamicBatcher:
                  max_batch_size: int = 16, max_delay_ms: float = 5.0, max_queue: int | Sequence[int] = 256,
                  name: str = "", on_batch: Callable[[BatchRecord], None] | None = None,
                  thread_initializer: Callable[[], None] | None = None, row_shape: tuple[int, ...] | None = None,
-                 priority_levels: int = 1):
+                 priority_levels: int = 1, stack: Callable[[list[np.ndarray]], np.ndarray] = stack_rows):
         limits = [max_queue] * priority_levels if isinstance(max_queue, int) else list(max_queue)
         runners = [run_batch] if callable(run_batch) else list(run_batch)
         if max_batch_size < 1 or not limits or min(limits) < 1 or max_delay_ms < 0 or not runners:
             raise ValueError("max_batch_size and max_queue must be >= 1, max_delay_ms >= 0, and there must be "
                              "at least one priority level and one instance")
         self.runners, self.name = runners, name
+        self.stack = stack  # rows into one batch: stack_rows (equal shapes), or a text model's padding
         self.max_batch_size, self.max_delay = max_batch_size, max_delay_ms / 1000
         self.max_queue = limits  # images each priority level may queue
         self._reserved = [0] * len(limits)  # images admitted at the door (being read and decoded), not yet queued
@@ -363,7 +364,7 @@ class DynamicBatcher:
                                  {"optiserve.variant": self.name, "optiserve.batch_size": len(live)}, error)
 
     def _stack_and_run(self, instance: int, images: list[np.ndarray]) -> list[np.ndarray]:
-        out = self.runners[instance](stack_rows(images))
+        out = self.runners[instance](self.stack(images))
         return [out] if isinstance(out, np.ndarray) else list(out)
 
     async def _run(self, batch: list[_Row], instance: int = 0) -> None:

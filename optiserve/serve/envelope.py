@@ -153,7 +153,8 @@ def predict_request(data: bytes, spec: InputSpec, classes: int, max_images: int,
     before_parsing(data, spec, max_images, hold)
     body = parse_json(data, tensor_at=("inputs",))
     if "inputs" not in body:
-        raise BadInput('JSON requests need "inputs": nested lists [N, C, H, W] or base64 images')
+        hint = " (this model takes images, not texts)" if "texts" in body else ""
+        raise BadInput(f'JSON requests need "inputs": nested lists [N, C, H, W] or base64 images{hint}')
     variant, k = name_field(body.get("variant"), "variant"), top_k(body.get("top_k"), classes)
     inputs = body["inputs"]
     if not isinstance(inputs, (list, np.ndarray)) or not len(inputs):

@@ -10,7 +10,8 @@ the client's deadline or --timeout-ms), UNAVAILABLE (not ready, or shutting down
 variant that served it in its trailing metadata (`x-optiserve-variant`) and its timing in the
 response parameters (`server_us`, `queue_us`, `compute_us`, `batch_size`). Every call's request ID
 (the caller's `x-request-id` metadata, else a new one) comes back in its initial metadata and is on
-every log line about it.
+every log line about it. A text model takes a BYTES tensor of UTF-8 texts (`parse_text_infer`), read
+and tokenized as over HTTP (serve/text_requests.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from optiserve.serve.pipeline_protocol import PipelineInput
 from optiserve.serve.preprocess import BadInput, ImageLimits
 from optiserve.serve.protocol_input import ProtocolInput
 from optiserve.serve.server import Admission, ApiError, Server
+from optiserve.serve.text_requests import TextRequests, bytes_elements, utf8
 
 log = logging.getLogger("optiserve.serve")
 
@@ -85,6 +87,26 @@ def parse_infer(message: InferMessage, taken: ProtocolInput, max_images: int,
             raise BadInput(f"input contents.{field} has {len(values):,} values but shape {shape} needs {count:,}")
         flat = taken.values(values, tensor.datatype, f"input contents.{field}")
     return InferRequest(taken.batch(flat.reshape(shape)), _requested(request, output_names, bool(raw)),
+                        request.id or None)
+
+
+def parse_text_infer(message: InferMessage, texts: TextRequests, output_names: tuple[str, ...]) -> InferRequest:
+    """A ModelInferRequest on a text model: one BYTES tensor [N] of UTF-8 texts, as raw bytes (each
+    element its 4-byte little-endian length, then its bytes: tritonclient's encoding) or typed
+    contents (`bytes_contents`), checked as its HTTP twin (serve/text_requests.py) and tokenized."""
+    request, raw = message.request, message.raw
+    tensor = _one_input(request, '("text", BYTES [N])')
+    shape = list(tensor.shape)
+    count = texts.check_tensor(shape, tensor.datatype)
+    if raw:
+        if len(raw) != 1 or tensor.HasField("contents"):
+            raise BadInput("give the texts once: one raw_input_contents entry, or contents.bytes_contents")
+        values = bytes_elements(bytes(raw[0]))
+    else:
+        values = [utf8(b, f"contents.bytes_contents[{i}]") for i, b in enumerate(tensor.contents.bytes_contents)]
+    if len(values) != count:
+        raise BadInput(f"input data has {len(values)} texts but shape {shape} needs {count}")
+    return InferRequest(texts.tokens(values).batch, _requested(request, output_names, bool(raw)),
                         request.id or None)
 
 
@@ -170,7 +192,11 @@ class InferCodec(ProtocolChecks):
     async def read(self, server: Server, admission: Admission) -> np.ndarray:
         message = self.message
         self.context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
+        model = admission.model
         admission.held.grow(message.size, "its message")  # held by the request until it ends, as a body
+        if model.texts is not None:  # a BYTES tensor of texts, tokenized on the decode threads
+            self.parsed = await server.decode(parse_text_infer, message, model.texts, model.protocol_outputs)
+            return self.parsed.images
         args = (message, admission.model.protocol_input, admission.model.settings.max_images,
                 admission.model.protocol_outputs)
         # raw bytes are a view and a check, cheaper here than a hop to the decode threads

@@ -14,8 +14,9 @@ from typing import Callable
 import numpy as np
 
 from optiserve.tasks import task_of
-from optiserve.artifacts import image_model_only, read_manifest_versioned
+from optiserve.artifacts import read_manifest_versioned
 from optiserve.input_spec import InputSpec
+from optiserve.text_input import text_input_of
 from optiserve.machine import usable_cores
 from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.fastest import choose_fastest
@@ -27,6 +28,7 @@ from optiserve.serve.metrics import ServerMetrics
 from optiserve.serve.model_settings import SETTINGS_FILE, ModelSettings
 from optiserve.serve.protocol_input import ProtocolInput
 from optiserve.serve.stats import VariantStats
+from optiserve.serve.text_requests import TextRequests
 from optiserve.serve.traffic import Router, Shadow, ShadowStats, parse_ab
 
 log = logging.getLogger("optiserve.serve")
@@ -81,7 +83,6 @@ class ServedModel:
                  settings_version: str | None = None):
         self.name, self.folder, self.settings = name, Path(folder), settings
         self.manifest, self.version = read_manifest_versioned(self.folder, manifest_sha256)
-        image_model_only(self.manifest, self.folder, "optiserve serve")
         self.settings_version = settings_version  # sha256 of the serving.json it was read from (None: none)
         self.entries = select_variants(self.manifest, settings.variants)
         settings.check_variants([e["name"] for e in self.entries])
@@ -89,8 +90,12 @@ class ServedModel:
         # others share the server's (None)
         self.memory = ByteBudget(settings.max_queue_bytes, f"{SETTINGS_FILE} max_queue_bytes") \
             if settings.sources["max_queue_bytes"] == "file" else None
-        self.spec = InputSpec.from_dict(self.manifest["input"])
-        self.protocol_input = ProtocolInput.of(self.manifest, self.spec)  # the file's own, where optimize adapted it
+        # what the model takes: images (an InputSpec, and the protocol's input: the file's own, where
+        # optimize adapted it), or texts (its tokenizer, loaded once: serve/text_requests.py)
+        text = text_input_of(self.manifest)
+        self.texts = TextRequests(self.folder, text, settings.max_images) if text is not None else None
+        self.spec = InputSpec.from_dict(self.manifest["input"]) if text is None else None
+        self.protocol_input = ProtocolInput.of(self.manifest, self.spec) if text is None else None
         self.classes: list[str] = self.manifest["classes"]
         self.task = task_of(self.manifest)  # what the output means: answers, outputs, agreement
         self.output_width = self.task.width(self.manifest)
@@ -127,7 +132,11 @@ class ServedModel:
                 instances = []
                 for _ in range(count):  # one session each: engines' sessions are not run from two threads at once
                     loaded = await loop.run_in_executor(loader, load_verified, self.folder, entry, self.manifest, own)
-                    await loop.run_in_executor(loader, warm_up, loaded, self.manifest["input"]["shape"], batching.sizes)
+                    if self.texts is not None:
+                        await loop.run_in_executor(loader, self.texts.warm_up, loaded, batching.sizes)
+                    else:
+                        await loop.run_in_executor(loader, warm_up, loaded, self.manifest["input"]["shape"],
+                                                   batching.sizes)
                     instances.append(loaded)
                 stats = VariantStats()
 
@@ -139,7 +148,7 @@ class ServedModel:
                 batcher = DynamicBatcher(runners, batching.max_batch_size, batching.max_delay_ms,
                                          batching.max_queue, name=f"{self.name}/{entry['name']}", on_batch=on_batch,
                                          thread_initializer=batching.thread_initializer,
-                                         row_shape=tuple(self.spec.shape))
+                                         **self._rows())
                 batcher.start()
                 self.variants[entry["name"]] = ServedVariant(instances[0], batcher, stats)
                 log.info("model %s: variant %s (%s, %s) loaded and warmed up%s", self.name, entry["name"],
@@ -148,6 +157,19 @@ class ServedModel:
         except BaseException:
             await self.close(0)
             raise
+
+    def _rows(self) -> dict:
+        """How the batcher joins this model's rows: images of one shape, decoded into staging rows
+        (serve/staging.py); token rows of different lengths, padded to the longest (no staging)."""
+        if self.texts is not None:
+            return {"stack": self.texts.stack}
+        return {"row_shape": tuple(self.spec.shape)}
+
+    def sample_batch(self, n: int) -> np.ndarray:
+        """A batch of `n` inputs the variants are timed on: random images, or real short texts' tokens."""
+        if self.texts is not None:
+            return self.texts.sample(n)
+        return np.random.default_rng(0).standard_normal((n, *self.spec.shape), dtype=np.float32)
 
     def choose_fastest(self, max_batch_size: int, seconds: float, threads: int | None,
                        replaced: "ServedModel | None" = None) -> dict | None:
@@ -189,7 +211,7 @@ class ServedModel:
         if recorded.tied:
             candidates = recorded.tied
             timing = dict(rounds=TIE_ROUNDS, max_seconds=seconds, retime_rounds=0)
-        batch = np.random.default_rng(0).standard_normal((max_batch_size, *self.spec.shape), dtype=np.float32)
+        batch = self.sample_batch(max_batch_size)
         sizes = {n: entries[n].get("size_bytes") or 0 for n in candidates}
         choice = choose_fastest({n: self.variants[n].loaded.session for n in candidates}, batch, sizes, **timing)
         throughput = {n: max_batch_size / (ms / 1000) for n, ms in choice.medians_ms.items()}

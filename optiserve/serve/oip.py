@@ -51,10 +51,11 @@ def model_config(model: ServedModel) -> dict:
 
 def model_metadata(model: ServedModel, version: str | None) -> dict:
     """The model's input as the protocol takes it (the model file's own, where optimize adapted it:
-    serve/protocol_input.py) and its outputs."""
+    serve/protocol_input.py; a text model's, a BYTES tensor of texts: serve/text_requests.py) and its
+    outputs."""
     return {"name": model.name, "versions": model.entry_names, "platform": "optiserve",
             **({"version": version} if version else {}),
-            "inputs": [model.protocol_input.metadata()],
+            "inputs": [(model.texts or model.protocol_input).metadata()],
             "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, *model.task.output_shape(model.manifest)]}
                         for name in model.task.outputs]
             + [{"name": o["name"], "datatype": DATATYPES[o["dtype"]], "shape": [-1, *(-1 if d is None else d

@@ -177,6 +177,8 @@ class ModelRepository:
                 return f"step {i + 1}: model {step.model!r} is {why}"
             if step.variant is not None and step.variant not in model.variants:
                 return f"step {i + 1}: model {step.model!r} serves no variant {step.variant!r}"
+            if model.texts is not None:
+                return f"step {i + 1}: model {step.model!r} is a text model; a pipeline's steps read images"
             if i == 0 and not model.task.finds_boxes:
                 return f"step 1: model {step.model!r} is a {model.task.name} model; a pipeline's first step is a detector"
             if i >= 1 and model.task.finds_boxes:

@@ -30,9 +30,11 @@ def add_predict_routes(app: ServingApp, server: Server) -> None:
         """A multipart upload (one file part, field `file` or any name), a raw image body (content-type image/png, ...), or JSON
         {"inputs": tensors or base64 images}; `?model=` picks the model, `?variant=` the variant."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if not (ctype in IMAGE_TYPES or ctype in ("multipart/form-data", "application/json", "")):
+        if not (ctype in IMAGE_TYPES or ctype in ("multipart/form-data", "application/json", "text/plain", "")):
             raise ApiError(415, f"unsupported content type {ctype[:100]!r}; send multipart/form-data, "
-                                f"application/json or an image ({', '.join(IMAGE_TYPES)})")
+                                f"application/json, text/plain (a text model) or an image ({', '.join(IMAGE_TYPES)})")
+        if ctype == "text/plain" and not utf8_charset(request.headers.get("content-type", "")):
+            raise ApiError(415, "a text/plain body must be UTF-8 (charset=utf-8)")
         query = request.query_params
         return await handle(server, Call(query.get("model"), query.get("variant"), request),
                             PredictCodec(server.cfg, request, ctype))
@@ -59,6 +61,11 @@ class PredictCodec:
     async def read(self, server: Server, admission: Admission) -> np.ndarray:
         model, request, query = admission.model, self.request, self.query
         self.params = _task_parameters(model.task, query)
+        if model.texts is not None:
+            return await self._read_texts(server, admission)
+        if self.ctype == "text/plain":
+            raise ApiError(415, f"unsupported content type text/plain: model {model.name} takes images, not text; "
+                                'send an image, multipart/form-data or JSON {"inputs": ...}')
         if self.ctype == "multipart/form-data":
             boundary = boundary_of(request.headers["content-type"])
             upload, named = upload_and_variant(parse_form(await server.read_body(request, admission), boundary))
@@ -79,6 +86,22 @@ class PredictCodec:
         if self.params.get("top_k") is None:
             self.params["top_k"] = parsed.top_k
         return parsed.images
+
+    async def _read_texts(self, server: Server, admission: Admission) -> np.ndarray:
+        """A text model's texts: JSON {"texts": [...]} or a text/plain body (one text), tokenized on
+        the decode threads (serve/text_requests.py)."""
+        model = admission.model
+        if self.ctype not in ("application/json", "text/plain", ""):
+            raise ApiError(415, f"model {model.name} takes texts, not {self.ctype}: send JSON "
+                                '{"texts": ["..."]} or a text/plain body')
+        body = await server.read_body(self.request, admission)
+        if self.ctype == "text/plain":
+            parsed = await server.decode(model.texts.predict_plain, body)
+        else:
+            parsed = await server.decode(model.texts.predict_json, body, admission.hold_json)
+        if "variant" not in self.query:
+            server.reroute(admission, parsed.variant, self.request)
+        return parsed.tokens.batch
 
     def answer(self, admission: Admission, outputs: tuple[np.ndarray, ...], timing: dict) -> FastJSONResponse:
         model, variant = admission.model, admission.variant.name
@@ -121,6 +144,15 @@ class PredictCodec:
         return FastJSONResponse({"model": pipeline.name, "detections": [run.found],
                                  "latency_ms": {"server_ms": 1000 * run.seconds, "steps": run.steps}},
                                 headers={VARIANT_HEADER: run.variant})
+
+
+def utf8_charset(content_type: str) -> bool:
+    """Whether a content type's charset (if it gives one) is UTF-8."""
+    for param in content_type.split(";")[1:]:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset":
+            return value.strip().strip('"').lower() in ("utf-8", "utf8")
+    return True
 
 
 def _task_parameters(task: Task, query) -> dict:

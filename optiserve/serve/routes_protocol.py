@@ -109,10 +109,15 @@ class InferCodec(ProtocolChecks):
 
     async def read(self, server: Server, admission: Admission) -> np.ndarray:
         model = admission.model
-        body = await server.read_body(self.request, admission, json_values=self.binary_header is None)
-        self.parsed = parsed = await server.decode(
-            infer_request, body, self.binary_header, model.protocol_input, model.settings.max_images,
-            admission.hold_json, model.protocol_outputs, model.settings.max_json_images)
+        if model.texts is not None:  # a BYTES tensor of texts, tokenized on the decode threads
+            body = await server.read_body(self.request, admission)
+            self.parsed = parsed = await server.decode(model.texts.infer_request, body, self.binary_header,
+                                                       admission.hold_json, model.protocol_outputs)
+        else:
+            body = await server.read_body(self.request, admission, json_values=self.binary_header is None)
+            self.parsed = parsed = await server.decode(
+                infer_request, body, self.binary_header, model.protocol_input, model.settings.max_images,
+                admission.hold_json, model.protocol_outputs, model.settings.max_json_images)
         server.reprioritize(admission, parsed.priority, self.request)
         return parsed.images
 

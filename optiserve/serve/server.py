@@ -232,16 +232,27 @@ class Server:
         try:
             if admission is None:
                 return await self._within_body_timeout(request.body())
-            limit = max_commas(admission.model.spec, admission.model.settings.max_json_images) if json_values else None
-            return await self._within_body_timeout(self._read_held(request, admission, limit))
+            model = admission.model
+            limit = max_commas(model.spec, model.settings.max_json_images) \
+                if json_values and model.spec is not None else None
+            return await self._within_body_timeout(self._read_held(request, admission.held, limit, admission))
         except ClientDisconnect:
             raise self._client_gone(admission, "while uploading its body") from None
 
-    async def _read_held(self, request: Request, admission: Admission, comma_limit: int | None) -> bytes:
+    async def read_named_body(self, request: Request, held: HeldBytes) -> bytes:
+        """The body of a request that names its model inside it (/v1/embeddings), read before it is
+        admitted: held against the server's byte budget by `held`, which the caller releases."""
+        self._check_ready()
+        try:
+            return await self._within_body_timeout(self._read_held(request, held, None, None))
+        except ClientDisconnect:
+            raise self._client_gone(None, "while uploading its body") from None
+
+    async def _read_held(self, request: Request, held: HeldBytes, comma_limit: int | None,
+                         admission: Admission | None) -> bytes:
         """The body, held against the byte budget before it is buffered — twice over while it arrives,
         since its chunks and the bytes they are joined into live together for a moment: all of it
         at once when its length is declared, chunk by chunk when it is sent chunked."""
-        held = admission.held
         length = request.headers.get("content-length", "")
         declared = length.isdigit()
         if declared:

@@ -1,0 +1,199 @@
+"""A text model's side of serving: its tokenizer loaded once, the texts a request sends checked and
+tokenized (one `encode_batch` call, on the decode threads), token rows of different lengths joined
+into one batch, and the token batches it is warmed up and timed with. Every transport reads texts
+through here, so /predict, the protocol's BYTES tensors and /v1/embeddings refuse the same things
+with the same words. Parsers here run on the decode threads, never on the event loop."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from optiserve.runtime import get_backend
+from optiserve.runtime.variants import LoadedVariant
+from optiserve.serve.binary import BinaryFormatError, split_body
+from optiserve.serve.envelope import (InferRequest, TooManyImages, id_field, name_field, object_field, parse_json,
+                                      requested_outputs)
+from optiserve.serve.preprocess import BadInput
+from optiserve.text_input import IDS, TextInput, TextTokenizer, Tokens
+
+MAX_TEXT_BYTES = 64 << 10  # one text's UTF-8 bytes: far more than any model keeps (it truncates at max_length)
+WARM_LENGTH = 16  # the short length every batch size is warmed up at (a long one is warmed once)
+SAMPLE_TEXT = "A short sentence, about as long as the ones a search box or a chat message sends."
+
+
+class TooManyTexts(TooManyImages):
+    """More texts than a queue holds: such a request can never be admitted (413, as for images)."""
+
+    def __init__(self, texts: int, max_texts: int):
+        BadInput.__init__(self, f"{texts} texts in one request, but a queue holds at most {max_texts} (the server's "
+                                f"--max-queue; each text is a row): split it into smaller requests")
+
+
+@dataclass
+class TextRequest:
+    """A request's texts, tokenized, with what its transport's envelope also said."""
+
+    tokens: Tokens
+    variant: str | None = None
+
+
+class TextRequests:
+    """A served text model's input kind: the model's `TextInput`, its tokenizer (read once from the
+    folder), and the most texts one request may carry (`max_texts`: rows of the queue)."""
+
+    def __init__(self, folder: Path, text_input: TextInput, max_texts: int):
+        self.input, self.max_texts = text_input, max_texts
+        self.tokenizer = TextTokenizer(Path(folder) / text_input.tokenizer, text_input.max_length)
+
+    # ---- texts in ----------------------------------------------------------------------------------
+    def tokens(self, texts: list) -> Tokens:
+        """`texts` checked (a non-empty list of strings, at most `max_texts`, each valid UTF-8 of at
+        most MAX_TEXT_BYTES) and tokenized in one batched call; BadInput says what is wrong."""
+        if not isinstance(texts, list) or not texts:
+            raise BadInput("send a non-empty list of texts (strings)")
+        if len(texts) > self.max_texts:
+            raise TooManyTexts(len(texts), self.max_texts)
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                kind = "a token id" if _token_ids(text) else f"a {type(text).__name__}"
+                raise BadInput(f"text {i} is {kind}, not a string: send texts as strings (the server tokenizes them)")
+            try:
+                size = len(text.encode("utf-8"))
+            except UnicodeEncodeError:
+                raise BadInput(f"text {i} is not valid Unicode (a lone surrogate): send UTF-8 text") from None
+            if size > MAX_TEXT_BYTES:
+                raise BadInput(f"text {i} is {size:,} bytes, over the {MAX_TEXT_BYTES:,} a text may be (the model "
+                               f"keeps at most {self.input.max_length} tokens of it)")
+        return self.tokenizer.encode(texts)
+
+    def predict_json(self, data: bytes, hold: Callable[[int], None] | None) -> TextRequest:
+        """/predict's JSON for a text model: {"texts": [...], "variant"?}; `top_k` is allowed and unread."""
+        if hold is not None:
+            hold(2 * len(data))  # the strings and the list the parse builds: about the body again, and some
+        body = parse_json(data)
+        if "texts" not in body:
+            hint = ' ("inputs" is for image models)' if "inputs" in body else ""
+            raise BadInput(f'a text model takes JSON {{"texts": ["...", ...]}}{hint}')
+        return TextRequest(self.tokens(body["texts"]), name_field(body.get("variant"), "variant"))
+
+    def predict_plain(self, data: bytes) -> TextRequest:
+        """A text/plain body: all of it is one text, in UTF-8."""
+        return TextRequest(self.tokens([utf8(data, "the body")]))
+
+    def infer_request(self, data: bytes, header_length: str | None, hold: Callable[[int], None] | None,
+                      output_names: tuple[str, ...]) -> InferRequest:
+        """The protocol's infer for a text model: one BYTES tensor [N] (or [N, 1]) of UTF-8 texts, as
+        JSON `data` (a list of strings) or as binary tensor data (each element its 4-byte little-endian
+        length, then its bytes: tritonclient's encoding). Its `images` are the texts' token batch."""
+        try:
+            head, tail = split_body(data, header_length)
+        except BinaryFormatError as e:
+            raise BadInput(str(e)) from None
+        if hold is not None:
+            hold(2 * len(head))
+        body = parse_json(head)
+        params = object_field(body.get("parameters"), "parameters")
+        inputs = body.get("inputs")
+        if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+            raise BadInput('expected "inputs": [{"name": "text", "shape": [N], "datatype": "BYTES", "data": [...]}]')
+        tensor = inputs[0]
+        name_field(tensor.get("name"), "inputs[0].name", optional=False)
+        shape = tensor.get("shape")
+        count = self.check_tensor(shape, tensor.get("datatype"))
+        size = object_field(tensor.get("parameters"), "inputs[0].parameters").get("binary_data_size")
+        if size is None:
+            if tail:
+                raise BadInput(f"{len(tail)} bytes of binary data follow the JSON, but no input has binary_data_size")
+            texts = tensor.get("data")
+            if isinstance(texts, list) and len(texts) == count and all(isinstance(t, list) and len(t) == 1
+                                                                        for t in texts):
+                texts = [t[0] for t in texts]  # shape [N, 1] sent nested
+        else:
+            if isinstance(size, bool) or not isinstance(size, int) or size != len(tail):
+                raise BadInput(f"binary_data_size is {str(size)[:20]} but {len(tail):,} bytes follow the JSON")
+            texts = bytes_elements(tail)
+        if not isinstance(texts, list) or len(texts) != count:
+            got = f"{len(texts)} texts" if isinstance(texts, list) else "no list of texts"
+            raise BadInput(f"input data has {got} but shape {shape} needs {count}")
+        return InferRequest(self.tokens(texts).batch, requested_outputs(body.get("outputs"), params, output_names),
+                            id_field(body.get("id")), params.get("priority"))
+
+    def check_tensor(self, shape, datatype) -> int:
+        """The number of texts a protocol tensor declares (BYTES, shape [N] or [N, 1], N at most
+        `max_texts`), checked before its data is read; BadInput / TooManyTexts otherwise."""
+        if datatype != "BYTES":
+            raise BadInput(f"a text model takes a BYTES tensor of UTF-8 texts, got datatype {str(datatype)[:20]!r}")
+        if not (isinstance(shape, list) and len(shape) in (1, 2) and all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape) and shape[1:] in ([], [1])):
+            raise BadInput(f"a text model's input shape is [N] (or [N, 1]): one text per row, got {str(shape)[:40]}")
+        if shape[0] > self.max_texts:
+            raise TooManyTexts(shape[0], self.max_texts)
+        return shape[0]
+
+    def metadata(self) -> dict:
+        """The protocol's input of a text model: a BYTES tensor of UTF-8 texts."""
+        return {"name": "text", "datatype": "BYTES", "shape": [-1]}
+
+    # ---- batches -----------------------------------------------------------------------------------
+    def stack(self, rows: list[np.ndarray]) -> np.ndarray:
+        """Token rows [3, L_i] (each request's padded to its own longest text) as one batch [N, 3, L],
+        padded to the longest: ids with the tokenizer's pad id, mask and type ids with 0, which leaves
+        every text's vector as it is alone."""
+        longest = max(r.shape[1] for r in rows)
+        batch = np.zeros((len(rows), 3, longest), dtype=np.int64)
+        batch[:, IDS] = self.tokenizer.pad_id
+        for out, row in zip(batch, rows):
+            out[:, :row.shape[1]] = row
+        return batch
+
+    def sample(self, n: int, long: bool = False) -> np.ndarray:
+        """A token batch of `n` real texts: a short sentence, or (`long`) one truncated at max_length."""
+        text = SAMPLE_TEXT * (self.input.max_length if long else 1)
+        return self.tokenizer.encode([text] * n).batch
+
+    def warm_up(self, variant: LoadedVariant, batch_sizes: list[int]) -> None:
+        """Run each batch size the server forms at a short length, and the largest once at max_length,
+        as many times as the backend needs: the sequence axis is dynamic, so the first long batch
+        would otherwise pay for the engine's first run at that shape."""
+        backend = get_backend(variant.entry["backend"])
+        short = self.tokenizer.encode([SAMPLE_TEXT]).batch[:, :, :WARM_LENGTH]
+        batches = [np.repeat(short, b, axis=0) for b in backend.warm_sizes(list(batch_sizes), variant.session.device)]
+        batches.append(self.sample(max(batch_sizes), long=True))
+        for batch in batches:
+            for _ in range(backend.warm_up_runs):
+                variant.session.run(batch)
+
+
+def _token_ids(value) -> bool:
+    """Whether `value` looks like token ids (an integer, or a list of them) rather than a text."""
+    def integer(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    return integer(value) or (isinstance(value, list) and bool(value) and all(integer(v) for v in value))
+
+
+def utf8(data: bytes, what: str) -> str:
+    """`data` as text, or BadInput: the texts a model takes are UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{what} is not valid UTF-8 (byte {e.start}): send texts in UTF-8") from None
+
+
+def bytes_elements(data: bytes) -> list[str]:
+    """A BYTES tensor's binary data as texts: each element a 4-byte little-endian length, then its bytes."""
+    texts, at = [], 0
+    while at < len(data):
+        if at + 4 > len(data):
+            raise BadInput("BYTES tensor data ends inside an element's 4-byte length")
+        (n,) = struct.unpack_from("<I", data, at)
+        at += 4
+        if at + n > len(data):
+            raise BadInput(f"BYTES element {len(texts)} says {n:,} bytes but {len(data) - at:,} are left")
+        texts.append(utf8(data[at:at + n], f"BYTES element {len(texts)}"))
+        at += n
+    return texts

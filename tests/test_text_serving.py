@@ -1,0 +1,282 @@
+"""Serving a text-embedding model (all-MiniLM-L6-v2, optimized once per session by conftest's `optimized`):
+/predict, the Open Inference Protocol's BYTES tensors and OpenAI's /v1/embeddings, each held to
+sentence-transformers' own `encode` through an unmodified client (tritonclient, openai) where one
+exists; the refusals are one line, never a 500."""
+
+from __future__ import annotations
+
+import base64
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import free_port, minilm_folder, pipeline_repository, serving, until
+from optiserve.serve.app import ServeConfig, create_app
+from optiserve.text_input import TextTokenizer
+
+MINILM = minilm_folder()
+TEXTS = ["A gripping, beautifully shot film.", "it's not that bad", "Ünïcödé – fine ✓"]
+LONG = "The plot collapses in the final act and no amount of star power can save it. " * 40  # over 256 tokens
+VARIANTS = ["onnx-fp32", "onnx-int8"]
+
+
+def _cosine(a, b) -> np.ndarray:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """sentence-transformers' own vectors for a list of texts."""
+    st = pytest.importorskip("sentence_transformers", reason="the reference encoder ([dev])")
+    model = st.SentenceTransformer(str(MINILM), device="cpu")
+    return lambda texts: model.encode(texts)
+
+
+def _ready(client: TestClient, path: str = "/v2/health/ready") -> None:
+    until(lambda: client.get(path).status_code == 200, seconds=120)
+
+
+@pytest.fixture(scope="module")
+def repo(optimized, small_artifact, tmp_path_factory):
+    """A repository serving the text model (`minilm`) beside an image classifier (`digits`), a pipeline
+    whose step names the text model, and gRPC on a free port: (HTTP client, gRPC port)."""
+    root = pipeline_repository(tmp_path_factory.mktemp("text-repo") / "models",
+                               {"minilm": optimized, "digits": small_artifact},
+                               {"reads_text": {"steps": [{"model": "minilm"}, {"model": "digits"}]}})
+    port = free_port()
+    cfg = ServeConfig(str(root), variants=VARIANTS, ab="onnx-fp32=1", grpc_port=port)
+    with TestClient(create_app(cfg)) as client:
+        _ready(client, "/v2/models/minilm/ready")
+        _ready(client, "/v2/models/digits/ready")
+        yield client, port
+
+
+# --- /predict ----------------------------------------------------------------------------------------
+
+def test_predict_answers_texts_with_sentence_transformers_vectors(repo, reference):
+    client, _ = repo
+    r = client.post("/predict?model=minilm", json={"texts": TEXTS, "top_k": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "minilm" and body["variant"] == "onnx-fp32" and "server_ms" in body["latency_ms"]
+    assert _cosine(body["embedding"], reference(TEXTS)).min() >= 0.999
+    # ?variant= and ?normalize= as for images; a text/plain body is one text
+    r = client.post("/predict?model=minilm&variant=onnx-int8&normalize=true", json={"texts": TEXTS[:1]})
+    assert r.status_code == 200 and r.json()["variant"] == "onnx-int8"
+    assert np.linalg.norm(r.json()["embedding"][0]) == pytest.approx(1.0, abs=1e-6)
+    plain = client.post("/predict?model=minilm", content=TEXTS[2].encode(),
+                        headers={"content-type": "text/plain; charset=utf-8"})
+    assert plain.status_code == 200, plain.text
+    np.testing.assert_allclose(plain.json()["embedding"][0], body["embedding"][2], atol=1e-5)
+    # the body's own "variant" routes too
+    assert client.post("/predict?model=minilm", json={"texts": ["x"], "variant": "onnx-int8"}).json()["variant"] \
+        == "onnx-int8"
+
+
+@pytest.mark.parametrize("send, status, says", [
+    (dict(json={"texts": []}), 400, "non-empty list of texts"),
+    (dict(json={"texts": ["fine", 7]}), 400, "text 1 is a token id, not a string"),
+    (dict(json={"texts": "one string"}), 400, "non-empty list of texts"),
+    (dict(json={"inputs": [[0.0]]}), 400, '"inputs" is for image models'),
+    (dict(content=b'{"texts": ["\xff\xfe"]}', headers={"content-type": "application/json"}), 400, "malformed JSON"),
+    (dict(content=b"caf\xe9", headers={"content-type": "text/plain"}), 400, "not valid UTF-8 (byte 3)"),
+    (dict(content=b"x", headers={"content-type": "text/plain; charset=latin-1"}), 415, "must be UTF-8"),
+    (dict(content=b'{"texts": ["\\ud800"]}', headers={"content-type": "application/json"}), 400, "lone surrogate"),
+    (dict(json={"texts": ["x"] * 257}), 413, "257 texts in one request, but a queue holds at most 256"),
+    (dict(json={"texts": ["x" * (65 << 10)]}), 400, "over the 65,536 a text may be"),
+    (dict(content=b"\x89PNG", headers={"content-type": "image/png"}), 415, "takes texts, not image/png"),
+])
+def test_what_a_text_model_cannot_take_is_one_line(repo, send, status, says):
+    client, _ = repo
+    r = client.post("/predict?model=minilm", **send)
+    assert r.status_code == status and says in r.json()["error"], r.text
+
+
+def test_an_image_model_refuses_texts_in_one_line(repo):
+    client, _ = repo
+    r = client.post("/predict?model=digits", json={"texts": ["a"]})
+    assert r.status_code == 400 and "takes images, not texts" in r.json()["error"]
+    r = client.post("/predict?model=digits", content=b"a", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and "takes images, not text" in r.json()["error"]
+
+
+def test_padding_to_a_batch_s_longest_text_leaves_each_vector_as_it_is_alone(optimized):
+    short, longer = ["ok"], ["The plot collapses in the final act, and no amount of star power can save it."]
+    cfg = ServeConfig(str(optimized), variants=["onnx-fp32"], max_batch_size=2, max_delay_ms=3000)
+    with TestClient(create_app(cfg)) as client:
+        _ready(client)
+
+        def post(texts):
+            return client.post("/predict", json={"texts": texts}).json()
+
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(post, [short, longer]))
+        assert [t["latency_ms"]["batch_size"] for t in together] == [2, 2]  # one batch, padded to `longer`
+        alone = [post(short + short), post(longer + longer)]  # batches of their own length
+    for both, one in zip(together, alone):
+        assert _cosine(both["embedding"], one["embedding"][:1]).min() >= 0.9999
+
+
+# --- the Open Inference Protocol ------------------------------------------------------------------
+
+def test_protocol_metadata_declares_a_bytes_input_and_the_vectors(repo):
+    client, _ = repo
+    meta = client.get("/v2/models/minilm").json()
+    assert meta["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    assert meta["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, 384]}]
+
+
+@pytest.mark.parametrize("tensor, status, says", [
+    ({"name": "text", "shape": [2], "datatype": "FP32", "data": [1, 2]}, 400, "takes a BYTES tensor"),
+    ({"name": "text", "shape": [2, 3], "datatype": "BYTES", "data": ["a"] * 6}, 400, "shape is [N] (or [N, 1])"),
+    ({"name": "text", "shape": [2], "datatype": "BYTES", "data": ["a"]}, 400, "has 1 texts but shape [2] needs 2"),
+    ({"name": "text", "shape": [1], "datatype": "BYTES", "data": [[1, 2]]}, 400, "text 0 is a token id"),
+    ({"name": "text", "shape": [300], "datatype": "BYTES", "data": ["a"]}, 413, "300 texts in one request"),
+])
+def test_protocol_bytes_tensors_that_are_not_texts_are_one_line(repo, tensor, status, says):
+    client, _ = repo
+    r = client.post("/v2/models/minilm/infer", json={"inputs": [tensor]})
+    assert r.status_code == status and says in r.json()["error"], r.text
+
+
+def test_binary_bytes_elements_that_are_not_utf8_or_cut_short_are_one_line(repo):
+    client, _ = repo
+    for tail, says in ((b"\x02\x00\x00\x00\xff\xfe", "BYTES element 0 is not valid UTF-8"),
+                       (b"\x09\x00\x00\x00abc", "says 9 bytes but 3 are left")):
+        head = json.dumps({"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES",
+                                       "parameters": {"binary_data_size": len(tail)}}]}).encode()
+        r = client.post("/v2/models/minilm/infer", content=head + tail,
+                        headers={"Inference-Header-Content-Length": str(len(head))})
+        assert r.status_code == 400 and says in r.json()["error"], r.text
+
+
+# --- real servers, unmodified clients --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(optimized):
+    """`optiserve serve` of the text model's folder, a real process on a loopback port."""
+    with serving(optimized, "--variants", "onnx-fp32") as (base, _):
+        yield base
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_an_unmodified_tritonclient_sends_bytes_tensors(server, reference, binary):
+    httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the [dev] extra")
+    client = httpclient.InferenceServerClient(url=server.removeprefix("http://"))
+    name = "model"  # the folder's own name, as optimize recorded it
+    assert client.get_model_metadata(name)["inputs"][0] == {"name": "text", "datatype": "BYTES", "shape": [-1]}
+    text = httpclient.InferInput("text", [len(TEXTS)], "BYTES")
+    text.set_data_from_numpy(np.array(TEXTS, dtype=object), binary_data=binary)
+    result = client.infer(name, [text], outputs=[httpclient.InferRequestedOutput("embedding", binary_data=binary)])
+    vectors = result.as_numpy("embedding")
+    assert vectors.shape == (len(TEXTS), 384) and _cosine(vectors, reference(TEXTS)).min() >= 0.999
+
+
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+def test_the_openai_client_gets_sentence_transformers_vectors_and_the_tokens_counted(server, reference, encoding):
+    openai = pytest.importorskip("openai", reason="the OpenAI client is in the [dev] extra")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0)
+    texts = [*TEXTS, LONG]
+    answer = client.embeddings.create(model="model", input=texts, encoding_format=encoding)
+    assert answer.object == "list" and answer.model == "model" and [d.index for d in answer.data] == [0, 1, 2, 3]
+    # asked for by name, base64 comes back as sent (the client decodes it only where it chose base64 itself)
+    vectors = np.array([np.frombuffer(base64.b64decode(d.embedding), "<f4") if encoding == "base64" else d.embedding
+                        for d in answer.data])
+    assert _cosine(vectors, reference(texts)).min() >= 0.999  # the long text truncated at 256 tokens, as theirs is
+    tokens = TextTokenizer(MINILM / "tokenizer.json", 256).encode(texts)
+    assert tokens.lengths[-1] == 256 and tokens.truncated == 1
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == int(tokens.lengths.sum())
+    one = client.embeddings.create(model="model", input=TEXTS[0], dimensions=384)  # the client's default: base64
+    np.testing.assert_allclose(one.data[0].embedding, vectors[0], atol=1e-5)
+
+
+def test_embeddings_answers_in_openai_s_own_shape(server):
+    import httpx
+
+    r = httpx.post(f"{server}/v1/embeddings", json={"model": "model", "input": ["a", "b"],
+                                                    "encoding_format": "base64", "user": "ignored"})
+    body = r.json()
+    assert r.status_code == 200 and set(body) == {"object", "data", "model", "usage"}, r.text
+    assert body["data"][1]["object"] == "embedding" and body["data"][1]["index"] == 1
+    vector = np.frombuffer(base64.b64decode(body["data"][1]["embedding"]), dtype="<f4")
+    floats = httpx.post(f"{server}/v1/embeddings", json={"model": "model", "input": "b", "encoding_format": None}).json()
+    np.testing.assert_allclose(vector, floats["data"][0]["embedding"], atol=1e-6)
+    assert body["usage"] == {"prompt_tokens": 6, "total_tokens": 6}  # [CLS] a [SEP], [CLS] b [SEP]
+
+
+@pytest.mark.parametrize("body, status, says", [
+    ({"model": "minilm", "input": [101, 2023, 102]}, 400, "holds token ids: send strings"),
+    ({"model": "minilm", "input": [[101, 2023, 102]]}, 400, "send a string or a list of strings"),
+    ({"model": "minilm", "input": []}, 400, "non-empty list of texts"),
+    ({"model": "minilm", "input": ["a"], "dimensions": 128}, 400, "is not model 'minilm''s width 384"),
+    ({"model": "minilm", "input": ["a"], "encoding_format": "int8"}, 400, '"encoding_format" is "float" or'),
+    ({"model": "nope", "input": ["a"]}, 404, "unknown model 'nope'"),
+    ({"model": "digits", "input": ["a"]}, 400, "takes images; /v1/embeddings serves text-embedding models"),
+    ({"input": ["a"]}, 400, '"model" must be a non-empty string'),
+    ({"model": "minilm", "input": ["a", True]}, 400, "text 1 is a bool, not a string"),
+    ({"model": "minilm", "input": None}, 400, "non-empty list of texts"),
+    (["not", "an", "object"], 400, "must be an object"),
+])
+def test_embeddings_refusals_are_one_line(repo, body, status, says):
+    client, _ = repo
+    r = client.post("/v1/embeddings", json=body)
+    assert r.status_code == status and says in r.json()["error"], r.text
+
+
+# --- gRPC, pipelines ------------------------------------------------------------------------------
+
+def test_an_unmodified_tritonclient_grpc_sends_bytes_tensors(repo, reference):
+    grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is in the [dev] extra")
+    from tritonclient.utils import InferenceServerException
+
+    _, port = repo
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    assert client.get_model_metadata("minilm", as_json=True)["inputs"] == [
+        {"name": "text", "datatype": "BYTES", "shape": ["-1"]}]
+    text = grpcclient.InferInput("text", [len(TEXTS)], "BYTES")
+    text.set_data_from_numpy(np.array(TEXTS, dtype=object))  # raw_input_contents, length-prefixed
+    vectors = client.infer("minilm", [text]).as_numpy("embedding")
+    assert vectors.shape == (len(TEXTS), 384) and _cosine(vectors, reference(TEXTS)).min() >= 0.999
+    bad = grpcclient.InferInput("text", [1], "BYTES")
+    bad.set_data_from_numpy(np.array([b"\xff\xfe"], dtype=object))
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("minilm", [bad])
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "BYTES element 0 is not valid UTF-8" in e.value.message()
+    client.close()
+
+
+def test_grpc_typed_bytes_contents_are_texts_too(repo, reference):
+    grpc = pytest.importorskip("grpc", reason="grpcio is in the [dev] extra")
+    from optiserve.grpc_protocol import pb, stub
+
+    _, port = repo
+    request = pb.ModelInferRequest(model_name="minilm")
+    tensor = request.inputs.add(name="text", datatype="BYTES", shape=[len(TEXTS)])
+    tensor.contents.bytes_contents.extend(t.encode() for t in TEXTS)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        response = stub(channel).ModelInfer(request, timeout=30)
+    (out,) = response.outputs
+    vectors = np.array(out.contents.fp32_contents).reshape(list(out.shape))
+    assert out.name == "embedding" and _cosine(vectors, reference(TEXTS)).min() >= 0.999
+
+
+def test_a_pipeline_step_naming_a_text_model_is_refused_with_the_reason(repo):
+    client, _ = repo
+    r = client.get("/v2/models/reads_text/ready")
+    assert r.status_code == 503 and "step 1: model 'minilm' is a text model" in r.json()["error"], r.text
+
+
+def test_the_default_variant_is_timed_on_token_batches(repo, monkeypatch):
+    """Where no record applies, start-up times the variants on a batch of real texts' tokens."""
+    from optiserve.runtime.recorded import Recorded
+
+    client, _ = repo
+    model = client.app.state.server.models["minilm"]
+    monkeypatch.setattr("optiserve.serve.model.recorded_choice", lambda *a, **k: Recorded(None, "no record here"))
+    assert model.sample_batch(4).dtype == np.int64 and model.sample_batch(4).shape[:2] == (4, 3)
+    choice = model.choose_fastest(4, 1.0, None)
+    assert choice["source"] == "timed" and choice["variant"] in VARIANTS
