@@ -57,7 +57,7 @@ def test_bench_http_drives_a_real_server_closed_and_open_loop_and_compare_writes
     assert intended.min() >= 0 and intended.max() < 2.0  # warm-up requests are not recorded
 
     report_dir = tmp_path / "report"
-    proc = run_cli("compare", str(out), "--baseline", "fp32", "--out", str(report_dir), "--resamples", "300")
+    proc = run_cli_here("compare", str(out), "--baseline", "fp32", "--out", str(report_dir), "--resamples", "300")
     assert proc.returncode == 0, proc.stderr
     md = (report_dir / "report.md").read_text()
     assert "## Verdicts" in md
@@ -110,7 +110,7 @@ def test_compare_reads_a_running_servers_own_ab_traffic(small_artifact, tmp_path
     with serving(small_artifact, "--variants", "fp32,onnx-int8", "--ab", "fp32=0.5,onnx-int8=0.5") as (base, _):
         for png in pngs * 5:
             assert httpx.post(f"{base}/predict", files={"file": ("d.png", png)}).status_code == 200
-        proc = run_cli("compare", base, "--out", str(tmp_path), "--resamples", "200", "--no-plots")
+        proc = run_cli_here("compare", base, "--out", str(tmp_path), "--resamples", "200", "--no-plots")
     assert proc.returncode == 0, proc.stderr
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["sources"][0]["kind"] == "server"

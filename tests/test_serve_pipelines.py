@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from conftest import ROOT, free_port, in_process_server, pipeline_repository, run_cli, serving
+from conftest import ROOT, free_port, in_process_server, pipeline_repository, run_cli_here, serving
 from optiserve.errors import UserError
 from optiserve.serve.app import ServeConfig, create_app
 from optiserve.pipeline_file import Crops, nested_pipelines, parse_pipeline
@@ -309,16 +309,16 @@ def test_bench_http_drives_a_pipeline_by_upload_protocol_and_grpc(addresses, tmp
     sent = 0
     for protocol in ("predict-raw", "v2-binary", "grpc"):
         out = tmp_path / f"{protocol}.json"
-        r = run_cli("bench", "http", base, "--model", "reader", "--protocol", protocol, "--images", str(scenes),
-                    "--concurrency", "2", "--duration", "1", "--warmup", "0.3", "--out", str(out), "--quiet",
-                    *(["--grpc-target", grpc_address] if protocol == "grpc" else []))
+        r = run_cli_here("bench", "http", base, "--model", "reader", "--protocol", protocol, "--images", str(scenes),
+                         "--concurrency", "2", "--duration", "1", "--warmup", "0.3", "--out", str(out), "--quiet",
+                         *(["--grpc-target", grpc_address] if protocol == "grpc" else []))
         assert r.returncode == 0, r.stderr[-2000:]
         run, = load_results(out)["runs"]
         assert len(run.records["ok"]) > 5 and all(run.records["ok"]), (protocol, set(run.records["error"]))
         sent += len(run.records["ok"])
     after = httpx.get(f"{base}/stats?model=reader").json()["steps"]["pipeline"]["outcomes"]["ok"]
     assert after - before >= sent  # and the warm-ups
-    r = run_cli("bench", "http", base, "--model", "nothing", "--duration", "1", "--quiet")
+    r = run_cli_here("bench", "http", base, "--model", "nothing", "--duration", "1", "--quiet")
     assert r.returncode == 2 and "reader (a pipeline)" in r.stderr and "Traceback" not in r.stderr
 
 

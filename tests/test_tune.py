@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, run_cli_here
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 pytest.importorskip("aiohttp", reason="the load generator is in the [bench] extra")
@@ -80,9 +80,9 @@ def test_closed_loop_tune_claims_callers_whose_replay_holds_the_objective(small_
     tune_replay's closed-loop branch replays exactly those callers against `optiserve serve`."""
     folder = tmp_path / "digits"
     shutil.copytree(small_artifact, folder)
-    r = run_cli("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", "--concurrency-mode", "closed",
-                "--variants", "onnx-int8", "--batch-sizes", "2", "--delays-ms", "2", "--instances", "1",
-                "--duration", "1", "--confirm-seconds", str(CONFIRM_S), "--quiet", timeout=600)
+    r = run_cli_here("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", "--concurrency-mode", "closed",
+                     "--variants", "onnx-int8", "--batch-sizes", "2", "--delays-ms", "2", "--instances", "1",
+                     "--duration", "1", "--confirm-seconds", str(CONFIRM_S), "--quiet")
     assert r.returncode == 0, r.stderr[-3000:]
     tune = json.loads((folder / "tune.json").read_text())
     winner = tune["winner"]
@@ -97,10 +97,10 @@ def test_closed_loop_tune_claims_callers_whose_replay_holds_the_objective(small_
 
 def test_resume_goes_on_from_tune_json_and_refuses_another_objective(tuned):
     before = json.loads((tuned / "tune.json").read_text())["points"]
-    r = run_cli("tune", str(tuned), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH, "--resume", timeout=300)
+    r = run_cli_here("tune", str(tuned), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH, "--resume")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((tuned / "tune.json").read_text())["points"] == before  # nothing measured again
-    r = run_cli("tune", str(tuned), "--slo-p99-ms", "10", *SMALL_SEARCH, "--resume", timeout=300)
+    r = run_cli_here("tune", str(tuned), "--slo-p99-ms", "10", *SMALL_SEARCH, "--resume")
     assert r.returncode != 0 and "was measured for" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
@@ -108,8 +108,8 @@ def test_resume_goes_on_from_tune_json_and_refuses_another_objective(tuned):
 def test_an_objective_nothing_meets_is_one_line_naming_the_closest(small_artifact, tmp_path):
     folder = tmp_path / "digits"
     shutil.copytree(small_artifact, folder)
-    r = run_cli("tune", str(folder), "--slo-p99-ms", "0.01", "--variants", "onnx-int8", "--batch-sizes", "1",
-                "--instances", "1", "--duration", "1", "--quiet", timeout=300)
+    r = run_cli_here("tune", str(folder), "--slo-p99-ms", "0.01", "--variants", "onnx-int8", "--batch-sizes", "1",
+                     "--instances", "1", "--duration", "1", "--quiet")
     assert r.returncode != 0 and "no setting met p99 <= 0.01 ms" in r.stderr and "Traceback" not in r.stderr
     assert not (folder / "serving.json").exists()
     # no lower rate is tried once a step's fastest answer, a lone request's, took longer than the objective
@@ -131,7 +131,7 @@ def test_a_point_whose_server_does_not_start_is_a_recorded_failure_and_none_star
     folder = tmp_path / "digits"
     shutil.copytree(small_artifact, folder)
     (folder / "serving.json").write_text(json.dumps({"max_queue": 0}))  # the server refuses it at start
-    r = run_cli("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH, timeout=300)
+    r = run_cli_here("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("optiserve tune: error: no point's server started (") and "max_queue must be" in last
@@ -149,7 +149,7 @@ def test_resume_from_a_damaged_tune_json_is_one_line(small_artifact, tmp_path, c
     folder = tmp_path / "digits"
     shutil.copytree(small_artifact, folder)
     (folder / "tune.json").write_text(content)
-    r = run_cli("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH, "--resume", timeout=120)
+    r = run_cli_here("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", *SMALL_SEARCH, "--resume")
     assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "is not a tune.json" in r.stderr or "was measured for" in r.stderr
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, pipeline_repository, run_cli
+from conftest import ROOT, pipeline_repository, run_cli, run_cli_here
 from optiserve.bench.tune import TuneConfig
 from optiserve.bench.tune_pipeline import PipelineTuner, cannot_beat
 from optiserve.errors import UserError
@@ -104,15 +104,15 @@ def test_the_claimed_rate_replayed_on_the_repository_keeps_p99_within_1_2x_the_o
 
 def test_resume_on_a_pipeline_measures_nothing_again(tuned, scenes):
     before = json.loads((tuned / "reader" / "tune.json").read_text())
-    r = run_cli("tune", str(tuned / "reader"), "--slo-p99-ms", f"{SLO_MS:g}", "--images", str(scenes), *SEARCH,
-                "--resume", timeout=300)
+    r = run_cli_here("tune", str(tuned / "reader"), "--slo-p99-ms", f"{SLO_MS:g}", "--images", str(scenes), *SEARCH,
+                     "--resume")
     assert r.returncode == 0, r.stderr[-2000:]
     after = json.loads((tuned / "reader" / "tune.json").read_text())
     assert after["points"] == before["points"] and after["winner"] == before["winner"]
 
 
 def test_pipeline_tune_mistakes_are_one_line_naming_the_fix(repository, scenes, tmp_path):
-    r = run_cli("tune", str(repository / "reader"), "--slo-p99-ms", "50")
+    r = run_cli_here("tune", str(repository / "reader"), "--slo-p99-ms", "50")
     assert r.returncode != 0 and "needs --images DIR" in r.stderr and "Traceback" not in r.stderr
 
     def tuner(folder: Path, **kw) -> PipelineTuner:
