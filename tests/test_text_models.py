@@ -119,15 +119,17 @@ def test_a_bare_encoder_is_mean_pooled_unnormalised_and_says_so(tmp_path):
     assert read.pooling == ("mean",) and not read.normalize and "no modules.json" in read.notes[0]
 
 
-def test_a_text_classifier_folder_is_one_line_until_its_task_is_built(tmp_path):
+def test_a_text_classifier_folder_without_its_head_s_weights_is_one_line(tmp_path):
     from optiserve.models import load_model
 
     folder = _copy(tmp_path)
     config = json.loads((folder / "config.json").read_text())
     config.update(architectures=["BertForSequenceClassification"], id2label={"0": "neg", "1": "pos"})
     (folder / "config.json").write_text(json.dumps(config))
-    assert read_text_folder(folder).labels == ["neg", "pos"]
-    with pytest.raises(UserError, match="text-classification model .BertForSequenceClassification."):
+    read = read_text_folder(folder)
+    assert read.task == "text-classification" and read.labels == ["neg", "pos"]
+    # the encoder's weights alone: the classifier's head is not there to be loaded
+    with pytest.raises(UserError, match=r"lacks 2 of the model's weights \(classifier\."):
         load_model(str(folder))
 
 

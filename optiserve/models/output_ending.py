@@ -47,10 +47,24 @@ def read_output_ending(loaded) -> OutputEnding:
     try:
         if loaded.from_file:
             return _onnx_ending(loaded.file, loaded.outputs[0]["name"] if loaded.outputs else None, channels)
-        return _torch_ending(loaded.model, (2, *loaded.input.shape), channels, rank)
+        return _torch_ending(loaded.model, _example(loaded.input), channels, rank)
     except Exception as e:  # a graph we cannot walk says nothing; the values may still settle it
         form = "ONNX graph" if loaded.from_file else "torch model"
         return OutputEnding(None, f"the {form} could not be read ({type(e).__name__})")
+
+
+def _example(model_input):
+    """What the trace runs on: a zero image batch of the input's shape, or for a text model (which has
+    no shape) two texts of eight tokens, each token attended (token batch [N, 3, L], optiserve.text_input)."""
+    import torch
+
+    if hasattr(model_input, "shape"):
+        return torch.zeros((2, *model_input.shape))
+    from optiserve.text_input import MASK
+
+    tokens = torch.zeros((2, 3, 8), dtype=torch.int64)
+    tokens[:, MASK] = 1
+    return tokens
 
 
 def _from_op(op: str, axis: int | None, rank: int | None, channels: int | None, where: str,
@@ -140,7 +154,7 @@ def _onnx_ranks(proto) -> dict[str, int]:
     return {v.name: len(v.type.tensor_type.shape.dim) for v in infos if v.type.tensor_type.HasField("shape")}
 
 
-def _torch_ending(model, example_shape: tuple[int, ...], channels: int | None, rank: int) -> OutputEnding:
+def _torch_ending(model, example, channels: int | None, rank: int) -> OutputEnding:
     import torch
 
     if isinstance(model, torch.jit.ScriptModule):
@@ -149,7 +163,7 @@ def _torch_ending(model, example_shape: tuple[int, ...], channels: int | None, r
         device = next(model.parameters(), torch.zeros(0)).device
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the tracer's warnings are about what this reading does not use
-            traced = torch.jit.trace(model.eval(), torch.zeros(example_shape, device=device), check_trace=False,
+            traced = torch.jit.trace(model.eval(), example.to(device), check_trace=False,
                                      strict=False)
         graph = traced.inlined_graph
     value = _element(next(iter(graph.outputs())), 0)  # the task's output: the first of several

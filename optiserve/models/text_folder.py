@@ -86,6 +86,7 @@ def read_text_folder(model: str | Path) -> TextFolder:
     notes: list[str] = []
     if architecture.endswith("ForSequenceClassification"):
         labels = _labels(config, path)
+        _check_single_label(config, path, len(labels))
         task, pooling, normalize = CLASSIFIER_TASK, (), False
     else:
         labels = None
@@ -178,6 +179,21 @@ def _labels(config: dict, path: Path) -> list[str]:
     if [k for k, _ in ordered] != list(range(width)):
         return [str(i) for i in range(width)]
     return [name for _, name in ordered]
+
+
+def _check_single_label(config: dict, path: Path, width: int) -> None:
+    """One line for a sequence classifier whose logits are not one softmax over its classes: a
+    multi-label model's (independent sigmoids) or a regressor's (scores), as `problem_type` says, and
+    one with fewer than two labels (transformers reads one label as regression)."""
+    problem = config.get("problem_type")
+    if problem == "multi_label_classification":
+        raise UserError(f"{path / CONFIG}: problem_type is multi_label_classification (independent sigmoids over "
+                        f"the logits), which optiserve does not serve for text yet; it reads one softmax over "
+                        f"the classes")
+    if problem == "regression" or width < 2:
+        said = "problem_type is regression" if problem == "regression" else f"{width} label{'' if width == 1 else 's'}"
+        raise UserError(f"{path / CONFIG}: {said}: a regressor's scores, not classes; optiserve classifies texts over "
+                        f"two or more classes")
 
 
 # --- the module ------------------------------------------------------------------------------------
@@ -278,11 +294,6 @@ def load_text_model(name: str, weights: str | None, labels: list[str] | None, ta
     if labels:
         raise UserError(f"--labels: {name}'s classes are config.json's id2label")
     folder = read_text_folder(name)
-    from optiserve.tasks import list_tasks
-
-    if folder.task not in list_tasks("text"):
-        raise UserError(f"{name} is a {folder.task} model ({folder.facts()['architecture']}); optiserve optimizes "
-                        f"text encoders so far ({', '.join(list_tasks('text'))}): a classifier's head is still to come")
     if task is not None and task != folder.task:
         said = "config.json's architecture" if folder.task == CLASSIFIER_TASK else "folder"
         raise UserError(f"{name} is a {folder.task} model, as its {said} says; --task {task} does not fit it")

@@ -51,7 +51,7 @@ def output_kind(loaded: LoadedModel, cfg: OptimizeConfig, outputs: np.ndarray) -
         return {}
     ending = stated_against_graph(loaded, cfg)
     matching = kinds_matching(outputs)
-    seen = f"fp32's outputs for {len(outputs)} held-out images"
+    seen = f"fp32's outputs for {len(outputs)} held-out {get_task(loaded.task).unit}"
     if cfg.output_kind != "auto":
         if not holds(cfg.output_kind, outputs):
             raise UserError(f"--output-kind {cfg.output_kind}, but {seen} are not "

@@ -101,6 +101,8 @@ class PredictCodec:
             parsed = await server.decode(model.texts.predict_json, body, admission.hold_json)
         if "variant" not in self.query:
             server.reroute(admission, parsed.variant, self.request)
+        if self.params.get("top_k") is None:
+            self.params["top_k"] = parsed.top_k
         return parsed.tokens.batch
 
     def answer(self, admission: Admission, outputs: tuple[np.ndarray, ...], timing: dict) -> FastJSONResponse:

@@ -17,11 +17,12 @@ from optiserve.runtime import get_backend
 from optiserve.runtime.variants import LoadedVariant
 from optiserve.serve.binary import BinaryFormatError, split_body
 from optiserve.serve.envelope import (InferRequest, TooManyImages, id_field, name_field, object_field, parse_json,
-                                      requested_outputs)
+                                      requested_outputs, top_k)
 from optiserve.serve.preprocess import BadInput
 from optiserve.text_input import IDS, TextInput, TextTokenizer, Tokens
 
 MAX_TEXT_BYTES = 64 << 10  # one text's UTF-8 bytes: far more than any model keeps (it truncates at max_length)
+MAX_TOP_K = 1 << 20  # top_k is parsed before the model's classes are at hand; the answer clips it to them
 WARM_LENGTH = 16  # the short length every batch size is warmed up at (a long one is warmed once)
 SAMPLE_TEXT = "A short sentence, about as long as the ones a search box or a chat message sends."
 
@@ -40,6 +41,7 @@ class TextRequest:
 
     tokens: Tokens
     variant: str | None = None
+    top_k: int | None = None  # a classifier's classes answered per text, as the body says (None: not said)
 
 
 class TextRequests:
@@ -72,14 +74,16 @@ class TextRequests:
         return self.tokenizer.encode(texts)
 
     def predict_json(self, data: bytes, hold: Callable[[int], None] | None) -> TextRequest:
-        """/predict's JSON for a text model: {"texts": [...], "variant"?}; `top_k` is allowed and unread."""
+        """/predict's JSON for a text model: {"texts": [...], "variant"?, "top_k"?} (`top_k`: a classifier's
+        classes per text, clipped to its classes where answered; an encoder's answer does not read it)."""
         if hold is not None:
             hold(2 * len(data))  # the strings and the list the parse builds: about the body again, and some
         body = parse_json(data)
         if "texts" not in body:
             hint = ' ("inputs" is for image models)' if "inputs" in body else ""
             raise BadInput(f'a text model takes JSON {{"texts": ["...", ...]}}{hint}')
-        return TextRequest(self.tokens(body["texts"]), name_field(body.get("variant"), "variant"))
+        return TextRequest(self.tokens(body["texts"]), name_field(body.get("variant"), "variant"),
+                           top_k(body.get("top_k"), MAX_TOP_K))
 
     def predict_plain(self, data: bytes) -> TextRequest:
         """A text/plain body: all of it is one text, in UTF-8."""

@@ -54,8 +54,8 @@ class Classification(Task):
         if baseline.get("top1") is None or metrics["top1"] is None:
             differ = 100 * (1 - metrics["agreement"])
             if differ > limits.max_accuracy_drop:
-                return "rejected", (f"top-1 differs from fp32's on {differ:.2f}% of the images (no labels; limit "
-                                    f"{limits.max_accuracy_drop:g})")
+                return "rejected", (f"top-1 differs from fp32's on {differ:.2f}% of the {self.unit} (no labels; "
+                                    f"limit {limits.max_accuracy_drop:g})")
             return "accepted", None
         drop = 100 * (baseline["top1"] - metrics["top1"])
         if drop > limits.max_accuracy_drop:

@@ -112,6 +112,7 @@ class Task:
     distills: str | None = None
     finds_boxes: bool = False            # whether its answers are boxes a pipeline's next step can read crops of
     input_kind: str = "image"            # what its models take: "image" (and tensors of images) or "text"
+    unit: str = "images"                 # what its inputs are, as its reasons and notes count them
 
     def class_count(self, width: int) -> int:
         """How many class names an output `width` wide has (a one-channel map has two: not, and is)."""

@@ -37,6 +37,7 @@ class TextEmbedding(Embedding):
     name = "text-embedding"
     description = "one [N, D] tensor of text vectors (search, retrieval, clustering)"
     input_kind = "text"
+    unit = "texts"
 
     def metrics(self, out, reference, labels) -> dict:
         """Embedding's measures; with scored pairs (`labels`: row i and row i + n are pair i's two

@@ -1,5 +1,6 @@
 """The passes of a text model (a Hugging Face folder, models/text_folder.py): onnx-fp32, the encoder
-exported to ONNX with dynamic batch and sequence axes and held to eager on every validation batch
+(with its classifier's head, for a text classifier: one output, `logits`) exported to ONNX with
+dynamic batch and sequence axes and held to eager on every validation batch
 (the baseline every other variant is judged against); onnx-int8, its MatMul weights quantized to
 INT8 per output channel with activations quantized per batch at run time (ONNX Runtime's dynamic
 quantization, which needs no calibration and suits activations whose range varies with the text);
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from optiserve.files import atomic_write
-from optiserve.models.text_folder import OUTPUT_NAMES, TOKENIZER
+from optiserve.models.text_folder import TOKENIZER
 from optiserve.optimize.export_onnx import OPSET, ExportMismatch
 from optiserve.optimize.export_openvino import quantize_openvino_nncf
 from optiserve.optimize.quantize_ort import root_warnings_muted
@@ -103,7 +104,8 @@ def _build_fp32(run: Run) -> None:
     shutil.copyfile(Path(run.loaded.name) / TOKENIZER, run.stage / run.loaded.input.tokenizer)
     with run.attempts.attempt(f"ONNX export (opset {OPSET}, dynamic batch and sequence)", "onnx-fp32"):
         names = run.loaded.input.inputs
-        difference = export_text_onnx(run.loaded.model, run.loaded.input, OUTPUT_NAMES[run.loaded.task],
+        output = run.loaded.outputs[0]["name"]  # the task's output as the manifest lists it: vector or logits
+        difference = export_text_onnx(run.loaded.model, run.loaded.input, output,
                                       np.asarray(run.example), run.stage / "model.onnx",
                                       [np.asarray(b) for b in run.checks])
         run.variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",

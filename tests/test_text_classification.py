@@ -1,0 +1,247 @@
+"""A text classifier (a small BERT sequence classifier, its WordPiece tokenizer trained and its weights
+fine-tuned here on the Pang & Lee polarity sentences gensim carries): optimized with its classes
+from config.json's id2label, the dataset's labels matched to them by name, fp32 held to transformers'
+own BertForSequenceClassification, the INT8 variants gated by top-1; served on /predict and the
+protocol, and refused by /v1/embeddings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import assert_gated, until
+from optiserve.errors import UserError
+from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+transformers = pytest.importorskip("transformers", reason="the reference classifier ([text])")
+tokenizers = pytest.importorskip("tokenizers", reason="the tokenizer trained here ([text])")
+torch = pytest.importorskip("torch")
+
+CLASSES = ["neg", "pos"]
+MAX_LENGTH = 128
+TEXTS = ["a gripping , beautifully shot film .", "simplistic , silly and tedious .", "Ünïcödé – fine ✓"]
+
+
+def _polarity(folder: Path, rename: dict[str, str] | None = None) -> Path:
+    """gensim's 200 polarity sentences (cp1252, as it carries them) as a UTF-8 fastText file, the labels
+    renamed as `rename` says."""
+    pytest.importorskip("gensim", reason="gensim's bundled corpora are the real texts these tests read ([dev])")
+    from gensim.test.utils import datapath
+
+    lines = Path(datapath("pang_lee_polarity.cor")).read_bytes().decode("cp1252").splitlines()
+    for old, new in (rename or {}).items():
+        lines = [line.replace(f"__label__{old} ", f"__label__{new} ", 1) for line in lines]
+    path = folder / "polarity.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _fine_tuned(folder: Path, texts: list[str], labels: list[int]) -> None:
+    """A two-layer BERT with a WordPiece tokenizer trained on `texts`, fine-tuned on them for a few
+    epochs, saved as a Hugging Face folder (config.json, model.safetensors, tokenizer.json)."""
+    from tokenizers import BertWordPieceTokenizer
+
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1, show_progress=False)
+    folder.mkdir(parents=True)
+    wordpiece.save(str(folder / "tokenizer.json"))
+    tokenizer = _reference_tokenizer(folder)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=wordpiece.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=MAX_LENGTH,
+                                     id2label=dict(enumerate(CLASSES)), label2id={c: i for i, c in enumerate(CLASSES)},
+                                     architectures=["BertForSequenceClassification"])
+    model = transformers.BertForSequenceClassification(config)
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
+    target = torch.tensor(labels)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    for _ in range(30):
+        for idx in torch.randperm(len(texts)).split(16):
+            loss = model(**{k: v[idx] for k, v in batch.items()}, labels=target[idx]).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    model.eval().save_pretrained(str(folder), safe_serialization=True)
+
+
+def _reference_tokenizer(folder: Path):
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), pad_token="[PAD]",
+                                                unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+
+
+def _reference_predictions(folder: Path, texts: list[str]) -> np.ndarray:
+    """transformers' own BertForSequenceClassification's top class for each text, as it reads the folder."""
+    model = transformers.BertForSequenceClassification.from_pretrained(str(folder)).eval()
+    batch = _reference_tokenizer(folder)(texts, padding=True, truncation=True, max_length=MAX_LENGTH,
+                                          return_tensors="pt")
+    with torch.no_grad():
+        return model(**batch).logits.argmax(1).numpy()
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory, monkeypatch_module):
+    """(the model folder, the polarity file, the optimized folder): onnx-fp32, onnx-int8, openvino-fp32
+    and openvino-int8, bf16 stated absent so that every machine builds the same variants."""
+    from optiserve.data.text import load_text_splits
+
+    work = tmp_path_factory.mktemp("text-classifier")
+    data = _polarity(work)
+    train = load_text_splits(str(data)).train  # fitted on the train role only: validation chooses, test reports
+    folder = work / "model"
+    _fine_tuned(folder, train.texts, train.labels)
+    monkeypatch_module.setenv("OPTISERVE_CPU_FLAGS", "-avx512_bf16,-amx_bf16")
+    out = work / "artifact"
+    run_optimize(OptimizeConfig(str(folder), dataset=f"text:{data}", int8=True, latency_batch=1, timing_rounds=3,
+                                calib_size=64, progress=False, out=str(out)))
+    return folder, data, out
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+# --- optimize -------------------------------------------------------------------------------------
+
+def test_the_classes_are_id2label_s_and_the_logits_are_read_from_the_model(classifier):
+    _, _, out = classifier
+    manifest = _manifest(out)
+    assert manifest["task"] == "text-classification" and manifest["input"]["kind"] == "text"
+    assert manifest["classes"] == CLASSES
+    assert manifest["outputs"][0]["name"] == "logits" and manifest["outputs"][0]["shape"] == [2]
+    assert manifest["output_kind"] == "logits" and "linear" in manifest["output_kind_from"]
+    assert "held-out texts agree" in manifest["output_kind_from"]
+    names = {v["name"] for v in manifest["variants"]}
+    assert {"onnx-fp32", "onnx-int8", "openvino-fp32", "openvino-int8"} <= names
+    assert not any("agrees with fp32" in note for note in manifest["notes"])  # the labels score it
+
+
+def test_fp32_s_top1_on_the_test_texts_is_transformers_own(classifier):
+    import onnxruntime as ort
+
+    from optiserve.data.text import load_text_splits
+    from optiserve.text_input import TextInput, TextTokenizer
+
+    folder, data, out = classifier
+    manifest = _manifest(out)
+    test = load_text_splits(str(data)).test  # the texts that only report; classes sorted: neg, pos, as the model's
+    want = _reference_predictions(folder, test.texts)
+    text = TextInput.from_dict(manifest["input"])
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    logits = session.run(["logits"], text.feeds(TextTokenizer(out / "tokenizer.json", text.max_length)
+                                                .encode(test.texts).batch))[0]
+    assert np.array_equal(logits.argmax(1), want)
+    fp32 = next(v for v in manifest["variants"] if v["name"] == "onnx-fp32")
+    assert fp32["accuracy"]["top1"] == pytest.approx(float((want == np.asarray(test.labels)).mean()))
+    assert fp32["accuracy"]["top1"] > 0.5  # fine-tuned: better than chance on texts it never saw
+
+
+@pytest.mark.parametrize("name", ["onnx-int8", "openvino-int8"])
+def test_int8_variants_are_gated_by_top1_on_the_validation_texts(classifier, name):
+    manifest = _manifest(classifier[2])
+    assert_gated(manifest, name)
+    variant = next(v for v in manifest["variants"] if v["name"] == name)
+    assert variant["computes_in"]["precision"] == "int8"
+    judged = variant["validation"]["accuracy"]
+    assert judged["top1"] is not None and "vs_baseline" in judged
+    low, high = judged["vs_baseline"]["ci95"]
+    assert low <= judged["vs_baseline"]["points"] <= high
+
+
+def test_labels_that_are_not_the_model_s_classes_judge_by_agreement_with_fp32(classifier, tmp_path):
+    folder, _, _ = classifier
+    data = _polarity(tmp_path, {"neg": "negative", "pos": "positive"})
+    manifest = run_optimize(OptimizeConfig(str(folder), dataset=f"text:{data}", int8=False, openvino=False,
+                                           latency_batch=1, timing_rounds=3, progress=False,
+                                           out=str(tmp_path / "artifact")))
+    assert any("has labels that are not the model's classes (matched by name)" in note and "agrees with fp32" in note
+               for note in manifest["notes"])
+    fp32 = next(v for v in manifest["variants"] if v["name"] == "onnx-fp32")
+    assert fp32["accuracy"]["top1"] is None and fp32["accuracy"]["agreement"] == 1.0
+
+
+def _copy_with(folder: Path, tmp_path: Path, **config) -> Path:
+    copy = tmp_path / "model"
+    shutil.copytree(folder, copy)
+    given = json.loads((copy / "config.json").read_text())
+    given.update(config)
+    (copy / "config.json").write_text(json.dumps(given))
+    return copy
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"problem_type": "multi_label_classification"}, "multi_label_classification .independent sigmoids"),
+    ({"problem_type": "regression"}, "problem_type is regression: a regressor's scores"),
+    ({"id2label": {"0": "score"}, "num_labels": 1}, "1 label: a regressor's scores"),
+])
+def test_a_classifier_whose_logits_are_not_one_softmax_is_one_line(classifier, tmp_path, config, says):
+    from optiserve.models.text_folder import read_text_folder
+
+    with pytest.raises(UserError, match=says):
+        read_text_folder(_copy_with(classifier[0], tmp_path, **config))
+
+
+def test_scored_pairs_do_not_judge_a_classifier(classifier, tmp_path):
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text("text1\ttext2\tscore\n" + "".join(f"a {i}\tb {i}\t{i / 20}\n" for i in range(20)))
+    with pytest.raises(UserError, match="scored pairs .* text-classification model"):
+        run_optimize(OptimizeConfig(str(classifier[0]), dataset=f"text:{pairs}", int8=False, openvino=False,
+                                    progress=False, out=str(tmp_path / "artifact")))
+
+
+# --- serve ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client(classifier):
+    from optiserve.serve.app import ServeConfig, create_app
+
+    with TestClient(create_app(ServeConfig(str(classifier[2]), variants=["onnx-fp32"]))) as served:
+        until(lambda: served.get("/v2/health/ready").status_code == 200, seconds=120)
+        yield served
+
+
+def test_predict_answers_texts_with_transformers_top_class(classifier, client):
+    want = _reference_predictions(classifier[0], TEXTS)
+    r = client.post("/predict", json={"texts": TEXTS})
+    assert r.status_code == 200, r.text
+    predictions = r.json()["predictions"]
+    assert [p[0]["class"] for p in predictions] == [CLASSES[i] for i in want]
+    for p in predictions:
+        assert [c["class"] for c in p] == sorted(CLASSES, key=lambda c: -next(x["probability"] for x in p
+                                                                                if x["class"] == c))
+        assert sum(c["probability"] for c in p) == pytest.approx(1.0, abs=1e-5)
+    one = client.post("/predict?top_k=1", json={"texts": TEXTS[:1]}).json()["predictions"]
+    assert len(one) == 1 and len(one[0]) == 1 and one[0][0]["class"] == CLASSES[want[0]]
+    said = client.post("/predict", json={"texts": TEXTS[:1], "top_k": 1}).json()["predictions"]  # the body's own
+    assert said == one
+    bad = client.post("/predict", json={"texts": TEXTS[:1], "top_k": "many"})
+    assert bad.status_code == 400 and "top_k must be a positive integer" in bad.json()["error"]
+
+
+def test_protocol_answers_logits_and_probabilities(client):
+    meta = client.get("/v2/models/model").json()
+    assert meta["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    tensor = {"name": "text", "shape": [len(TEXTS)], "datatype": "BYTES", "data": TEXTS}
+    r = client.post("/v2/models/model/infer", json={"inputs": [tensor]})
+    assert r.status_code == 200, r.text
+    outputs = {o["name"]: np.reshape(o["data"], o["shape"]) for o in r.json()["outputs"]}
+    assert set(outputs) == {"logits", "probabilities"} and outputs["logits"].shape == (len(TEXTS), 2)
+    np.testing.assert_allclose(outputs["probabilities"].sum(1), 1.0, atol=1e-5)
+    assert np.array_equal(outputs["logits"].argmax(1), outputs["probabilities"].argmax(1))
+
+
+def test_embeddings_refuse_a_classifier(client):
+    r = client.post("/v1/embeddings", json={"model": "model", "input": ["a"]})
+    assert r.status_code == 400
+    assert "is a text-classification model; /v1/embeddings serves text-embedding models" in r.json()["error"], r.text
