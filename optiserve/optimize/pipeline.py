@@ -36,11 +36,6 @@ from optiserve.tasks import get_task, unmatched_answers
 from optiserve.text_input import TextInput
 
 
-# The tasks whose outputs are scores over named classes, which a dataset's labels score when they
-# name the same classes (class_mapping).
-CLASSIFIERS = ("classification", "text-classification")
-
-
 def default_checkpoint(model: str, dataset: str) -> Path:
     return Path("checkpoints") / f"{model}-{dataset}.pt"
 
@@ -78,7 +73,7 @@ def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> tuple[str, li
     the mapping is None where the data's labels cannot score the model (none, or not its classes),
     and a classifier is then judged by top-1 agreement with fp32. Raises on pairs that cannot run."""
     if isinstance(loaded.input, TextInput):  # its texts were tokenized for it (data/text_tokens.py)
-        if loaded.task not in CLASSIFIERS:
+        if not get_task(loaded.task).scored_by_labels:
             return "", None
         if data.truth == "pairs":
             raise UserError(f"dataset {data.name} holds scored pairs (text1, text2, score), which judge a sentence "
@@ -93,7 +88,7 @@ def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> tuple[str, li
         return "random weights: accuracy is meaningless", None
     if not data.real_images:
         return f"dataset {data.name} is random tensors, not images: accuracy cannot be measured", None
-    if loaded.task not in CLASSIFIERS or not data.labelled:
+    if not get_task(loaded.task).scored_by_labels or not data.labelled:
         return "", None  # judged against fp32's outputs: no labels needed
     return "", class_mapping(loaded.classes, data.classes)
 
@@ -147,7 +142,7 @@ def _judged_by_agreement(loaded: LoadedModel, data: DatasetSplits, why_not: str,
                          read: str | None) -> list[str]:
     """The note that says a classifier is judged without labels, and why (its task's words, as its
     scores are read)."""
-    if why_not or loaded.task not in CLASSIFIERS:
+    if why_not or not get_task(loaded.task).scored_by_labels:
         return []
     note = get_task(loaded.task, read).judged_note(data.name, data.labelled, mapping is not None)
     return [note] if note else []

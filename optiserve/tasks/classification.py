@@ -16,6 +16,7 @@ class Classification(Task):
     outputs = ("logits", "probabilities")
     description = "one [N, K] tensor of class scores"
     has_classes = True
+    scored_by_labels = True
     reads_output_kind = True
     distills = "class-scores"
     parameters = (Parameter("top_k", "count", "the most probable classes answered per image (classification; "

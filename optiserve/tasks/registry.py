@@ -96,6 +96,7 @@ class Task:
     description: str = ""
     output_form: str = "[N, K]"          # the model output the task takes, as errors name it
     has_classes: bool = False            # whether the output's K are named classes (--labels)
+    scored_by_labels: bool = False       # whether a dataset's class labels, matched to the classes by name, score it
     class_ids: bool = False              # whether the output holds class ids, named by --labels or the source
     answers_at_upload_size: bool = False  # whether `answer` needs each uploaded image's (width, height)
     resize_modes: tuple[str, ...] | None = None  # the input resize modes the task allows (None: any)
