@@ -34,11 +34,14 @@ def _agent(node: netns.Node, head: netns.Node, nnodes: str, out: Path, epochs: i
            train_extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """A torchrun agent on `node`, rendezvousing at `head`'s IP, Gloo bound to the node's veth. The head
     is told it hosts the rendezvous store (torchrun guesses that from the host name, which in a
-    namespace resolves to the machine, not to the node)."""
+    namespace resolves to the machine, not to the node). Agents beat every second, so a node that is
+    gone is out of the next round after three missed beats, not torchrun's default fifteen seconds."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": node.interface, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    conf = ("last_call_timeout=3,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=3,"
+            f"is_host={int(node == head)}")
     cmd = node.command(sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
                        "--rdzv-backend=c10d", f"--rdzv-endpoint={head.ip}:{RDZV_PORT}", f"--local-addr={node.ip}",
-                       f"--rdzv-conf=last_call_timeout=3,join_timeout=120,is_host={int(node == head)}", *torchrun, *_train(out, epochs, *train_extra))
+                       f"--rdzv-conf={conf}", *torchrun, *_train(out, epochs, *train_extra))
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
@@ -121,8 +124,8 @@ def test_with_nnodes_1_to_2_the_first_node_finishes_alone_when_the_second_one_is
     out = tmp_path / "shrunk.pt"
     epochs = 10
     with netns.two_nodes() as (a, b), tempfile.TemporaryFile("w+") as log_a, tempfile.TemporaryFile("w+") as log_b:
-        agents = [_agent(b, a, "1:2", out, epochs, log_b, "--max-restarts=3", train_extra=("--collective-timeout-s", "15")),
-                  _agent(a, a, "1:2", out, epochs, log_a, "--max-restarts=3", train_extra=("--collective-timeout-s", "15"))]
+        agents = [_agent(b, a, "1:2", out, epochs, log_b, "--max-restarts=3", train_extra=("--collective-timeout-s", "8")),
+                  _agent(a, a, "1:2", out, epochs, log_a, "--max-restarts=3", train_extra=("--collective-timeout-s", "8"))]
         _until(lambda: _epoch(out) >= 3, 240, "a checkpoint at epoch 3", (log_a, log_b))
         assert read_checkpoint(out)["world_size"] == 2
         netns.cut_link(b)
