@@ -89,6 +89,8 @@ def test_predict_answers_texts_with_sentence_transformers_vectors(repo, referenc
     (dict(json={"texts": ["x"] * 257}), 413, "257 texts in one request, but a queue holds at most 256"),
     (dict(json={"texts": ["x" * (65 << 10)]}), 400, "over the 65,536 a text may be"),
     (dict(content=b"\x89PNG", headers={"content-type": "image/png"}), 415, "takes texts, not image/png"),
+    (dict(content=b'{"texts": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", headers={"content-type": "application/json"}),
+     400, "nested too deeply"),
 ])
 def test_what_a_text_model_cannot_take_is_one_line(repo, send, status, says):
     client, _ = repo
@@ -225,6 +227,13 @@ def test_embeddings_refusals_are_one_line(repo, body, status, says):
     client, _ = repo
     r = client.post("/v1/embeddings", json=body)
     assert r.status_code == status and says in r.json()["error"], r.text
+
+
+def test_embeddings_nested_too_deeply_is_a_400_not_a_500(repo):
+    client, _ = repo
+    deep = b'{"model": "minilm", "input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = client.post("/v1/embeddings", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"], r.text
 
 
 # --- gRPC, pipelines ------------------------------------------------------------------------------
