@@ -32,7 +32,8 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
 def run_cli_here(*args: str) -> subprocess.CompletedProcess:
     """`optiserve ARGS` run in this process, through the same `main` the console script calls: the same
     parsing, checks and one-line errors as run_cli, without a fresh interpreter's seconds of imports.
-    For runs that stop at a bad option; a run that does work goes through run_cli."""
+    For runs that stop at a bad option, and for work whose subject is not the fresh process (each
+    command keeps one run_cli test of the user's own invocation)."""
     from optiserve.cli import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -301,8 +302,11 @@ def optimized(lee_pairs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("minilm") / "artifact"
     # bf16 stated absent: the same variants on any machine (tests/test_cpu_flags.py runs bf16 both ways)
     # timed at batch 1 in a few rounds: no assertion reads a timing, only that a recommendation names a variant
-    r = run_cli("optimize", str(minilm_folder()), "--dataset", f"text:{lee_pairs}", "--int8", "--latency-batch", "1",
-                "--timing-rounds", "3", "--calib-size", "32", "--out", str(out), "--no-progress",
-                env={"OPTISERVE_CPU_FLAGS": "-avx512_bf16,-amx_bf16"}, timeout=600)
+    # in this process (the user's own invocation is test_text_models' CLI runs): no fresh interpreter's imports
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("OPTISERVE_CPU_FLAGS", "-avx512_bf16,-amx_bf16")
+        r = run_cli_here("optimize", str(minilm_folder()), "--dataset", f"text:{lee_pairs}", "--int8",
+                         "--latency-batch", "1", "--timing-rounds", "3", "--calib-size", "32", "--out", str(out),
+                         "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     return out

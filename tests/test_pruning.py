@@ -8,7 +8,7 @@ from torch import nn
 
 from optiserve.models import InputSpec, create_model
 from optiserve.optimize.fuse import fuse_conv_bn
-from optiserve.optimize.prune import compressed_size, measure_sparsity, prune_unstructured
+from optiserve.optimize.prune import compressed_size, compressed_sizes, measure_sparsity, prune_unstructured
 from optiserve.optimize.prune_channels import CannotPrune, count_flops, prune_channels
 
 SMALL = InputSpec((1, 16, 16), (0.3,), (0.3,))
@@ -27,6 +27,9 @@ def test_unstructured_pruning_reaches_the_sparsity_and_is_permanent(tmp_path):
     torch.save(model.state_dict(), tmp_path / "dense.pt")
     torch.save(pruned.state_dict(), tmp_path / "sparse.pt")
     assert compressed_size(tmp_path / "sparse.pt") < 0.75 * compressed_size(tmp_path / "dense.pt")
+    # side by side on the cores, each file's size is the one it has alone (a file named twice, once)
+    files = [tmp_path / "dense.pt", tmp_path / "sparse.pt", tmp_path / "dense.pt"]
+    assert compressed_sizes(files) == {f: compressed_size(f) for f in files}
 
 
 @pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 1.5])

@@ -382,7 +382,8 @@ def _rss_kib(pid: int) -> int:
 def test_load_unload_cycles_do_not_grow_resident_memory(repository, token_file):
     import httpx
 
-    with served(repository, "--model-control", "explicit", "--load-model", "digits-a",
+    # the default variant taken as recorded (--choose-seconds 0): each load is the loading, not seconds of timing
+    with served(repository, "--model-control", "explicit", "--load-model", "digits-a", "--choose-seconds", "0",
                 "--admin-token-file", token_file) as (base, proc):
         rss = []
         for _ in range(6):

@@ -25,7 +25,7 @@ CONFIRM_S = 5  # the default is 20 s; shorter here to keep the suite quick (the 
 # 1 s load steps: hundreds of requests each at the digits model's rates, enough for a p99; the
 # confirmation and the replay, which the claim rests on, hold CONFIRM_S
 SMALL_SEARCH = ("--variants", "onnx-int8,openvino-int8", "--batch-sizes", "2", "--delays-ms", "2",
-                "--instances", "1", "--duration", "1", "--quiet", "--confirm-seconds", str(CONFIRM_S))
+                "--instances", "1", "--duration", "1", "--warmup", "0.5", "--quiet", "--confirm-seconds", str(CONFIRM_S))
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_closed_loop_tune_claims_callers_whose_replay_holds_the_objective(small_
     shutil.copytree(small_artifact, folder)
     r = run_cli_here("tune", str(folder), "--slo-p99-ms", f"{SLO_MS:g}", "--concurrency-mode", "closed",
                      "--variants", "onnx-int8", "--batch-sizes", "2", "--delays-ms", "2", "--instances", "1",
-                     "--duration", "1", "--confirm-seconds", str(CONFIRM_S), "--quiet")
+                     "--duration", "1", "--warmup", "0.5", "--confirm-seconds", str(CONFIRM_S), "--quiet")
     assert r.returncode == 0, r.stderr[-3000:]
     tune = json.loads((folder / "tune.json").read_text())
     winner = tune["winner"]
@@ -109,7 +109,7 @@ def test_an_objective_nothing_meets_is_one_line_naming_the_closest(small_artifac
     folder = tmp_path / "digits"
     shutil.copytree(small_artifact, folder)
     r = run_cli_here("tune", str(folder), "--slo-p99-ms", "0.01", "--variants", "onnx-int8", "--batch-sizes", "1",
-                     "--instances", "1", "--duration", "1", "--quiet")
+                     "--instances", "1", "--duration", "1", "--warmup", "0.5", "--quiet")
     assert r.returncode != 0 and "no setting met p99 <= 0.01 ms" in r.stderr and "Traceback" not in r.stderr
     assert not (folder / "serving.json").exists()
     # no lower rate is tried once a step's fastest answer, a lone request's, took longer than the objective
@@ -117,6 +117,12 @@ def test_an_objective_nothing_meets_is_one_line_naming_the_closest(small_artifac
     opened = [s for s in point["steps"] if not s.get("probe")]
     assert len(opened) < MAX_RATE_STEPS and below_the_floor(opened[-1], 0.01), opened
     assert all(not below_the_floor(s, 0.01) for s in opened[:-1])
+
+
+def test_a_negative_warmup_is_one_line(small_artifact):
+    r = run_cli_here("tune", str(small_artifact), "--slo-p99-ms", "50", "--warmup", "-1")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "optiserve tune: error: --warmup -1: seconds of load before each measured window, 0 or more"], r.stderr
 
 
 def test_the_floor_is_a_lone_request_s_answer_above_the_objective():

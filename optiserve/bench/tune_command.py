@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cosine similarity to fp32 x100")
     p.add_argument("--duration", type=float, default=10.0, metavar="S",
                    help="measured seconds per load step (default 10)")
+    p.add_argument("--warmup", type=float, default=1.0, metavar="S",
+                   help="seconds of each step's load sent before its measured window, so the queue settles "
+                        "at the new load (default 1; a confirmation warms up for at least 2)")
     p.add_argument("--confirm-seconds", type=float, default=20.0, metavar="S",
                    help="how long the winner must hold its load on a fresh server before it is claimed; "
                         "where it does not, the load is lowered until it does (default 20)")
@@ -92,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     folder = Path(args.artifact_dir)
     if args.slo_p99_ms <= 0 or args.duration <= 0 or args.confirm_seconds <= 0:
         raise UserError("--slo-p99-ms, --duration and --confirm-seconds must be positive")
+    if args.warmup < 0:
+        raise UserError(f"--warmup {args.warmup:g}: seconds of load before each measured window, 0 or more")
     if args.max_accuracy_drop is not None and args.max_accuracy_drop < 0:
         raise UserError("--max-accuracy-drop is points of accuracy, at least 0")
     pipeline = is_pipeline_folder(folder)
@@ -104,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         images = images_from_folder(args.images)
     else:
         images = dataset_images("synthetic", max(read_manifest(folder)["input"]["shape"][1:]), count=64)
-    cfg = TuneConfig(folder, args.slo_p99_ms, args.max_accuracy_drop, args.duration, mode=args.concurrency_mode,
+    cfg = TuneConfig(folder, args.slo_p99_ms, args.max_accuracy_drop, args.duration,
+                     warmup_s=args.warmup, mode=args.concurrency_mode,
                      variants=[v for v in args.variants.split(",") if v] if args.variants else None,
                      batch_sizes=args.batch_sizes, delays_ms=args.delays_ms, instances=args.instances,
                      images=images, confirm_s=args.confirm_seconds, resume=args.resume, progress=not args.quiet)

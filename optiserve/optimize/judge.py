@@ -19,7 +19,7 @@ from optiserve.models import LoadedModel
 from optiserve.models.output_ending import OutputEnding
 from optiserve.optimize.attempts import Attempts
 from optiserve.optimize.config import OptimizeConfig
-from optiserve.optimize.prune import compressed_size
+from optiserve.optimize.prune import compressed_sizes
 from optiserve.optimize.validate import EvalSet, predict
 from optiserve.runtime import RuntimeOptions, Session, get_backend, load_session
 from optiserve.runtime.fastest import Choice, choose_fastest
@@ -146,11 +146,13 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
     # The baseline by name, validated first: every other variant is scored against it, whatever the order.
     entries, sessions, reference, baseline, reading, row_names = {}, {}, None, {}, {}, {}
     task, limits = get_task(loaded.task), cfg.gate_limits
+    files = {v.name: [stage / f for f in (v.file, *get_backend(v.backend).companions(v.file))] for v in variants}
+    compressed = compressed_sizes(f for paths in files.values() for f in paths)
     for v in sorted(variants, key=lambda v: v.name != baseline_name):
         companions = get_backend(v.backend).companions(v.file)
         entry = {"name": v.name, "file": v.file, "backend": v.backend, "precision": v.precision,
                  **artifacts.file_facts(stage / v.file),
-                 "size_compressed_bytes": sum(compressed_size(stage / f) for f in (v.file, *companions)),
+                 "size_compressed_bytes": sum(compressed[f] for f in files[v.name]),
                  "settings": v.settings}
         if companions:
             entry["companions"] = {f: artifacts.file_facts(stage / f) for f in companions}

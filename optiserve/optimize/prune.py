@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import copy
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 from torch import nn
 from torch.nn.utils import prune
+
+from optiserve.machine import usable_cores
 
 _PRUNABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
@@ -45,3 +48,11 @@ def compressed_size(path, level: int = 6) -> int:
         while block := f.read(1 << 22):
             size += len(comp.compress(block))
     return size + len(comp.flush())
+
+
+def compressed_sizes(paths) -> dict:
+    """compressed_size of each file, the files compressed side by side on the usable cores (zlib lets
+    go of the GIL): a transformer's variants are hundreds of megabytes of weights each."""
+    paths = list(dict.fromkeys(paths))
+    with ThreadPoolExecutor(max(1, min(usable_cores(), len(paths)))) as pool:
+        return dict(zip(paths, pool.map(compressed_size, paths)))
