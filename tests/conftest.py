@@ -271,6 +271,40 @@ def minilm_folder() -> Path:
     return Path(package.get_model_path())
 
 
+def polarity_file(folder: Path, rename: dict[str, str] | None = None) -> Path:
+    """gensim's 200 polarity sentences (cp1252, as it carries them) as a UTF-8 fastText file, the labels
+    renamed as `rename` says."""
+    pytest.importorskip("gensim", reason="gensim's bundled corpora are the real texts these tests read ([dev])")
+    from gensim.test.utils import datapath
+
+    lines = Path(datapath("pang_lee_polarity.cor")).read_bytes().decode("cp1252").splitlines()
+    for old, new in (rename or {}).items():
+        lines = [line.replace(f"__label__{old} ", f"__label__{new} ", 1) for line in lines]
+    path = folder / "polarity.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def small_bert_classifier(folder: Path, texts: list[str], classes: list[str], max_length: int):
+    """A two-layer BERT sequence classifier (seeded random weights) with a WordPiece tokenizer trained on
+    `texts`, its tokenizer.json written to `folder`; the model is returned unsaved, for the caller to
+    train or save as it is (save_pretrained: config.json, model.safetensors)."""
+    transformers = pytest.importorskip("transformers", reason="the BERT built here ([text])")
+    tokenizers = pytest.importorskip("tokenizers", reason="the tokenizer trained here ([text])")
+    import torch
+
+    wordpiece = tokenizers.BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1, show_progress=False)
+    folder.mkdir(parents=True)
+    wordpiece.save(str(folder / "tokenizer.json"))
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=wordpiece.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=max_length,
+                                     id2label=dict(enumerate(classes)), label2id={c: i for i, c in enumerate(classes)},
+                                     architectures=["BertForSequenceClassification"])
+    return transformers.BertForSequenceClassification(config)
+
+
 LEE_PAIRS = 160
 
 
