@@ -123,7 +123,8 @@ def test_a_variant_faster_beyond_noise_at_some_lengths_is_named_with_them():
     assert verdict["holds_for_lengths"] == [16, 64] and verdict["faster_elsewhere"] == {"b": [256]}
     assert verdict["evidence"]["64"]["tie_within_noise"] and not verdict["evidence"]["256"]["tie_within_noise"]
     said = describe_lengths(verdict)
-    assert said.startswith("at batch 8, a holds at 16, 64 tokens; b is faster at 256 tokens (1.5")
+    assert said.startswith("at batch 8, a holds at 16, 64 tokens (a tie within noise with b at 64 tokens); b is "
+                           "faster at 256 tokens (1.5")
 
 
 @pytest.mark.parametrize("given, says", [

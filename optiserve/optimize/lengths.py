@@ -72,22 +72,23 @@ def holds_for(chosen: str, pool: list[str], sessions: dict[str, Session], batche
 
 def describe_lengths(by_length: dict) -> str:
     """The recommendation's reach in words: at every timed length, or where another variant is
-    faster, by how much (the ratio of medians and its 95% interval)."""
-    name, batch = by_length["variant"], by_length["batch"]
+    faster, by how much (the ratio of medians and its 95% interval); the ties within noise named."""
+    name, batch, evidence = by_length["variant"], by_length["batch"], by_length["evidence"]
+    ties = [f"a tie within noise with {next(v for v in e['tied'] if v != name)} at {n} tokens"
+            for n, e in evidence.items() if e["tie_within_noise"] and name in e["tied"]]
     if not by_length["faster_elsewhere"]:
-        return (f"{name} is the fastest at every timed length ({_tokens(by_length['lengths'])}, batch {batch}, "
-                f"within noise where re-timed)")
+        return (f"{name} is the fastest at every timed length ({_tokens(by_length['lengths'])}, batch {batch}"
+                + "".join(f"; {tie}" for tie in ties) + ")")
     held = by_length["holds_for_lengths"]
     where = f"holds at {_tokens(held)}" if held else "holds at none of the timed lengths"
     faster = []
     for other, lengths in by_length["faster_elsewhere"].items():
         each = []
         for n in lengths:
-            evidence = by_length["evidence"][str(n)]
-            low, high = evidence["ci95"]
-            each.append(f"{n} tokens ({evidence['ratio']:.2f}× as fast, 95% CI {low:.2f}–{high:.2f})")
+            low, high = evidence[str(n)]["ci95"]
+            each.append(f"{n} tokens ({evidence[str(n)]['ratio']:.2f}× as fast, 95% CI {low:.2f}–{high:.2f})")
         faster.append(f"{other} is faster at {' and '.join(each)}")
-    return f"at batch {batch}, {name} {where}; {'; '.join(faster)}"
+    return f"at batch {batch}, {name} {where}" + "".join(f" ({tie})" for tie in ties) + f"; {'; '.join(faster)}"
 
 
 def _tokens(lengths: list[int]) -> str:
