@@ -334,9 +334,11 @@ def optimized(lee_pairs, tmp_path_factory) -> Path:
     with tokenizer.json, built once for every test that reads or serves a text model."""
     out = tmp_path_factory.mktemp("minilm") / "artifact"
     # bf16 stated absent: the same variants on any machine (tests/test_cpu_flags.py runs bf16 both ways)
-    # timed at batch 1 in a few rounds: no assertion reads a timing, only that a recommendation names a variant
+    # timed at batch 1 in a few rounds, and at two sequence lengths (256 tokens would add seconds): no assertion
+    # reads a timing, only that a recommendation names a variant
     r = run_cli("optimize", str(minilm_folder()), "--dataset", f"text:{lee_pairs}", "--int8", "--latency-batch", "1",
-                "--timing-rounds", "3", "--calib-size", "32", "--out", str(out), "--no-progress",
+                "--timing-rounds", "3", "--seq-lengths", "16,64", "--calib-size", "32", "--out", str(out),
+                "--no-progress",
                 env={"OPTISERVE_CPU_FLAGS": "-avx512_bf16,-amx_bf16"}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
