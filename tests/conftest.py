@@ -272,6 +272,40 @@ def minilm_folder() -> Path:
     return Path(package.get_model_path())
 
 
+def polarity_file(folder: Path, rename: dict[str, str] | None = None) -> Path:
+    """gensim's 200 polarity sentences (cp1252, as it carries them) as a UTF-8 fastText file, the labels
+    renamed as `rename` says."""
+    pytest.importorskip("gensim", reason="gensim's bundled corpora are the real texts these tests read ([dev])")
+    from gensim.test.utils import datapath
+
+    lines = Path(datapath("pang_lee_polarity.cor")).read_bytes().decode("cp1252").splitlines()
+    for old, new in (rename or {}).items():
+        lines = [line.replace(f"__label__{old} ", f"__label__{new} ", 1) for line in lines]
+    path = folder / "polarity.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def small_bert_classifier(folder: Path, texts: list[str], classes: list[str], max_length: int):
+    """A two-layer BERT sequence classifier (seeded random weights) with a WordPiece tokenizer trained on
+    `texts`, its tokenizer.json written to `folder`; the model is returned unsaved, for the caller to
+    train or save as it is (save_pretrained: config.json, model.safetensors)."""
+    transformers = pytest.importorskip("transformers", reason="the BERT built here ([text])")
+    tokenizers = pytest.importorskip("tokenizers", reason="the tokenizer trained here ([text])")
+    import torch
+
+    wordpiece = tokenizers.BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1, show_progress=False)
+    folder.mkdir(parents=True)
+    wordpiece.save(str(folder / "tokenizer.json"))
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=wordpiece.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=max_length,
+                                     id2label=dict(enumerate(classes)), label2id={c: i for i, c in enumerate(classes)},
+                                     architectures=["BertForSequenceClassification"])
+    return transformers.BertForSequenceClassification(config)
+
+
 LEE_PAIRS = 160
 
 
@@ -301,12 +335,13 @@ def optimized(lee_pairs, tmp_path_factory) -> Path:
     with tokenizer.json, built once for every test that reads or serves a text model."""
     out = tmp_path_factory.mktemp("minilm") / "artifact"
     # bf16 stated absent: the same variants on any machine (tests/test_cpu_flags.py runs bf16 both ways)
-    # timed at batch 1 in a few rounds: no assertion reads a timing, only that a recommendation names a variant
-    # in this process (the user's own invocation is test_text_models' CLI runs): no fresh interpreter's imports
+    # timed at batch 1 in a few rounds, and at two sequence lengths (256 tokens would add seconds): no assertion
+    # reads a timing, only that a recommendation names a variant; run in this process (the user's own
+    # invocation is test_text_models' CLI runs): no fresh interpreter's imports
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("OPTISERVE_CPU_FLAGS", "-avx512_bf16,-amx_bf16")
         r = run_cli_here("optimize", str(minilm_folder()), "--dataset", f"text:{lee_pairs}", "--int8",
-                         "--latency-batch", "1", "--timing-rounds", "3", "--calib-size", "32", "--out", str(out),
-                         "--no-progress")
+                         "--latency-batch", "1", "--timing-rounds", "3", "--seq-lengths", "16,64", "--calib-size",
+                         "32", "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     return out

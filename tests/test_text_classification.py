@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import assert_gated, until
+from conftest import assert_gated, polarity_file as _polarity, small_bert_classifier, until
 from optiserve.errors import UserError
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
@@ -27,36 +27,11 @@ MAX_LENGTH = 128
 TEXTS = ["a gripping , beautifully shot film .", "simplistic , silly and tedious .", "Ünïcödé – fine ✓"]
 
 
-def _polarity(folder: Path, rename: dict[str, str] | None = None) -> Path:
-    """gensim's 200 polarity sentences (cp1252, as it carries them) as a UTF-8 fastText file, the labels
-    renamed as `rename` says."""
-    pytest.importorskip("gensim", reason="gensim's bundled corpora are the real texts these tests read ([dev])")
-    from gensim.test.utils import datapath
-
-    lines = Path(datapath("pang_lee_polarity.cor")).read_bytes().decode("cp1252").splitlines()
-    for old, new in (rename or {}).items():
-        lines = [line.replace(f"__label__{old} ", f"__label__{new} ", 1) for line in lines]
-    path = folder / "polarity.txt"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
 def _fine_tuned(folder: Path, texts: list[str], labels: list[int]) -> None:
     """A two-layer BERT with a WordPiece tokenizer trained on `texts`, fine-tuned on them for a few
     epochs, saved as a Hugging Face folder (config.json, model.safetensors, tokenizer.json)."""
-    from tokenizers import BertWordPieceTokenizer
-
-    wordpiece = BertWordPieceTokenizer(lowercase=True)
-    wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1, show_progress=False)
-    folder.mkdir(parents=True)
-    wordpiece.save(str(folder / "tokenizer.json"))
+    model = small_bert_classifier(folder, texts, CLASSES, MAX_LENGTH)
     tokenizer = _reference_tokenizer(folder)
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=wordpiece.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=MAX_LENGTH,
-                                     id2label=dict(enumerate(CLASSES)), label2id={c: i for i, c in enumerate(CLASSES)},
-                                     architectures=["BertForSequenceClassification"])
-    model = transformers.BertForSequenceClassification(config)
     batch = tokenizer(texts, padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
     target = torch.tensor(labels)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

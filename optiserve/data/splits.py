@@ -36,6 +36,7 @@ class DatasetSplits:
     truth: str = "classes"
     left_out: int = 0        # images the data holds but cannot use (no mask, not annotated), for the report to say
     split_note: str = ""     # how the validation and test splits were made where the data did not give both
+    val_texts: list[str] | None = None  # a text dataset's validation texts, as written: timing rows of set lengths
 
     def calibration_set(self) -> Dataset:
         return self.calib if self.calib is not None else self.train

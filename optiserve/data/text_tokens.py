@@ -33,7 +33,36 @@ def load_text_dataset(name: str, model_input: TextInput, folder: Path, seed: int
         note += (f"; {truncated} texts were longer than the model's {model_input.max_length} tokens and were "
                  f"truncated, as the model's own tokenizer does")
     return DatasetSplits(splits.name, *(dataset for dataset, _ in roles), splits.classes, model_input,
-                         labelled=labelled, split_note=note, truth="pairs" if splits.kind == "pairs" else "classes")
+                         labelled=labelled, split_note=note, truth="pairs" if splits.kind == "pairs" else "classes",
+                         val_texts=list(splits.val.texts) + list(splits.val.second or []))
+
+
+def rows_of_length(texts: list[str], model_input: TextInput, folder: Path, length: int, rows: int) -> np.ndarray:
+    """A token batch [rows, 3, length] in which every row is exactly `length` real tokens (special
+    tokens included, no padding), to time a text model at that length on real text: row i is texts
+    i, i+1, ... joined by spaces (cycling through them where they are short), tokenized by the
+    model's own tokenizer and truncated at `length`, as a longer text sent to the server is."""
+    tokenizer = TextTokenizer(folder / model_input.tokenizer, length)
+    special = tokenizer.tokenizer.num_special_tokens_to_add(False)
+    if length <= special:
+        raise UserError(f"a sequence length of {length} tokens leaves no room for text beside the model's {special} "
+                        f"special tokens; time at {special + 1} tokens or more")
+    counts = [len(e.ids) for e in tokenizer.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+    if not sum(counts):
+        raise UserError("the validation texts hold no tokens to build timing rows from")
+    joined = []
+    for i in range(rows):
+        parts, have, j = [], 0, i
+        while have < length:  # a margin past `length - special`: joining may merge a token or two
+            parts.append(texts[j % len(texts)])
+            have += counts[j % len(texts)]
+            j += 1
+        joined.append(" ".join(parts))
+    batch = tokenizer.encode(joined).batch
+    short = int((batch[:, 1].sum(axis=1) < length).sum())
+    if short or batch.shape[2] != length:
+        raise RuntimeError(f"{short} of {rows} timing rows came out shorter than {length} tokens")
+    return batch
 
 
 def _tokenized(examples: TextExamples, tokenizer: TextTokenizer, kind: str) -> tuple[TensorDataset, int]:

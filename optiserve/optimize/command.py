@@ -154,6 +154,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"interleaved rounds every variant is timed in at each batch size (default "
                         f"{DEFAULTS.timing_rounds}; two the rounds cannot separate are timed again for twice as "
                         f"many): fewer finish sooner, with wider intervals and more ties")
+    p.add_argument("--seq-lengths", type=_lengths, default=None, metavar="N,N,...",
+                   help="a text model: the sequence lengths (tokens per row, real validation text, no padding) "
+                        "every variant is also timed at, at --latency-batch, each reported with its speedup and "
+                        "whether the recommendation holds there (default 16,64,256, those above the model's max "
+                        "length skipped)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where variants are validated and timed (default auto)")
     p.add_argument("--out", default=None, metavar="DIR", help="artifact folder (default artifacts/MODEL-DATASET)")
@@ -170,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         tensorrt=args.tensorrt, fp16=args.fp16,
         calib_size=args.calib_size, calib_method=args.calib_method, int8_recipe=args.int8_recipe,
         max_accuracy_drop=args.max_accuracy_drop,
-        latency_batch=args.latency_batch, timing_rounds=args.timing_rounds, out=args.out, device=args.device, progress=not args.no_progress,
+        latency_batch=args.latency_batch, timing_rounds=args.timing_rounds, seq_lengths=args.seq_lengths, out=args.out, device=args.device, progress=not args.no_progress,
         num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, output_kind=args.output_kind,
         detection_head=args.detection_head, agnostic_nms=args.agnostic_nms, box_units=args.box_units,
         **{minimum.name: getattr(args, minimum.name) for _, minimum in gate_minimums()}, masks=args.masks, ignore_index=args.ignore_index, boxes=args.boxes,
@@ -213,6 +218,17 @@ def _ints(n: int):
                                              f"got {text!r}")
         return values
     return parse
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive numbers of tokens separated by commas, e.g. 16,64,256; "
+                                         f"got {text!r}")
+    return values
 
 
 def _floats(text: str) -> tuple[float, ...]:

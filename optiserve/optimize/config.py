@@ -47,6 +47,7 @@ class OptimizeConfig:
     max_float_layers: int = 8
     latency_batch: int = 16
     timing_rounds: int = 15           # interleaved rounds per batch size; a tie is timed again for twice as many
+    seq_lengths: tuple[int, ...] | None = None  # a text model's timed lengths in tokens (None: 16, 64, 256 up to its max)
     out: str | None = None
     device: str = "auto"
     progress: bool = True
@@ -137,6 +138,9 @@ class OptimizeConfig:
             raise UserError(f"--max-float-layers must be at least 1, got {self.max_float_layers}")
         if self.latency_batch < 1:
             raise UserError(f"--latency-batch must be at least 1, got {self.latency_batch}")
+        if self.seq_lengths is not None and (not self.seq_lengths or min(self.seq_lengths) < 1):
+            raise UserError(f"--seq-lengths must be positive numbers of tokens, e.g. 16,64,256; got "
+                            f"{','.join(map(str, self.seq_lengths))}")
         if self.timing_rounds < 3:
             raise UserError(f"--timing-rounds must be at least 3 (a median and its interval need a few), "
                             f"got {self.timing_rounds}")

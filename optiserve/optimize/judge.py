@@ -6,7 +6,7 @@ accuracy on the test images, which only reports."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +19,7 @@ from optiserve.models import LoadedModel
 from optiserve.models.output_ending import OutputEnding
 from optiserve.optimize.attempts import Attempts
 from optiserve.optimize.config import OptimizeConfig
+from optiserve.optimize.lengths import holds_for, per_length
 from optiserve.optimize.prune import compressed_sizes
 from optiserve.optimize.validate import EvalSet, predict
 from optiserve.runtime import RuntimeOptions, Session, get_backend, load_session
@@ -112,29 +113,35 @@ def stated_against_graph(loaded: LoadedModel, cfg: OptimizeConfig) -> OutputEndi
 @dataclass
 class Timed:
     """The validated variants' open sessions, the batches they were timed on, and their call times
-    (ms) per batch size, taken in interleaved rounds: what the recommendation decides on."""
+    (ms) per batch size, taken in interleaved rounds: what the recommendation decides on. A text
+    model's are also timed at set sequence lengths (`length_batches` and `by_length`, keyed by the
+    tokens in a row), at the larger batch size."""
 
     sessions: dict[str, Session]
     batches: dict[str, np.ndarray]
     times: dict[str, dict[str, list[float]]]
+    length_batches: dict[str, np.ndarray] = field(default_factory=dict)
+    by_length: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     def rename(self, old: str, new: str) -> None:
         self.sessions[new] = self.sessions.pop(old)
-        for by_name in self.times.values():
+        for by_name in (*self.times.values(), *self.by_length.values()):
             by_name[new] = by_name.pop(old)
 
     def drop(self, name: str) -> None:
         self.sessions.pop(name, None)
-        for by_name in self.times.values():
+        for by_name in (*self.times.values(), *self.by_length.values()):
             by_name.pop(name, None)
 
 
 def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg: OptimizeConfig, why_not: str,
-              baseline_name: str, attempts: Attempts) -> tuple[list[dict], Timed, dict]:
+              baseline_name: str, attempts: Attempts,
+              length_batches: dict[str, np.ndarray] | None = None) -> tuple[list[dict], Timed, dict]:
     """Each variant loaded through the runtime, judged by its task's gate against the baseline on the
-    validation images (`validation` in its entry: what every choice reads) and timed; one its engine
-    cannot run is not built (with the reason), one whose judging or timing raises has failed; either
-    way its files are deleted and the others go on. The baseline failing ends the run."""
+    validation images (`validation` in its entry: what every choice reads) and timed, also on each of
+    `length_batches` (a text model's rows of set lengths: `latency_by_length` in its entry); one its
+    engine cannot run is not built (with the reason), one whose judging or timing raises has failed;
+    either way its files are deleted and the others go on. The baseline failing ends the run."""
     base_manifest = session_manifest(loaded)
     # an idle session must not slow the next; threads as stated, so a server can tell it runs with the same
     options = RuntimeOptions(device=cfg.device, threads=usable_cores(), extra={"spin": False})
@@ -192,20 +199,28 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
         row_names[v.name] = row_name
     # Timed together, in interleaved rounds: a variant's figure must not depend on its neighbours.
     batches = {"1": batch1, str(cfg.latency_batch): batch_n}
+    length_batches = length_batches or {}
     times: dict[str, dict[str, list[float]]] = {}
-    for b, x in batches.items():
+    by_length: dict[str, dict[str, list[float]]] = {}
+    for timing, key, x, at in [*((times, b, x, f"batch {b}") for b, x in batches.items()),
+                               *((by_length, n, x, f"{n} tokens") for n, x in length_batches.items())]:
         failures: dict[str, Exception] = {}
-        times[b] = interleaved_times(sessions, x, rounds=cfg.timing_rounds, warmup=3, max_seconds=10.0 * len(sessions),
-                                     failures=failures)
+        timing[key] = interleaved_times(sessions, x, rounds=cfg.timing_rounds, warmup=3,
+                                        max_seconds=10.0 * len(sessions), failures=failures)
         for name, e in failures.items():  # a variant that raises while timed has failed; the others go on
             if name == baseline_name:
                 raise e
-            attempts.record(f"time {name} at batch {b}", e, row_names[name])
+            attempts.record(f"time {name} at {at}", e, row_names[name])
             del entries[name], sessions[name]
-    times = {b: {name: t for name, t in by_name.items() if name in sessions} for b, by_name in times.items()}
+    times, by_length = ({key: {name: t for name, t in by_name.items() if name in sessions}
+                         for key, by_name in timing.items()} for timing in (times, by_length))
+    lengths = per_length(by_length, baseline_name)
     for name, entry in entries.items():
         entry["latency_ms"] = {b: statistics.median(times[b][name]) for b in times}
-    return [entries[v.name] for v in variants if v.name in entries], Timed(sessions, batches, times), reading
+        if lengths:
+            entry["latency_by_length"] = lengths[name]
+    return ([entries[v.name] for v in variants if v.name in entries],
+            Timed(sessions, batches, times, length_batches, by_length), reading)
 
 
 def recommend(entries: list[dict], timed: Timed, n: int, retime_rounds: int = 30) -> dict | None:
@@ -213,7 +228,9 @@ def recommend(entries: list[dict], timed: Timed, n: int, retime_rounds: int = 30
     this run on this machine, by runtime.fastest's rule (two that noise cannot separate are timed
     again; still a tie, the smaller file); among unvalidated ones when none could be gated (random
     weights). The latency columns stay those of the rounds every variant ran in side by side; the
-    evidence of a re-timing is in `recommended.evidence`."""
+    evidence of a re-timing is in `recommended.evidence`. Where a text model was timed at set
+    sequence lengths, `recommended.by_length` says at which of them the throughput choice holds
+    (optimize/lengths.py)."""
     pool = [e for e in entries if e["status"] == "accepted"]
     gated = bool(pool)
     pool = pool or [e for e in entries if e["status"] == "unvalidated"]
@@ -229,6 +246,9 @@ def recommend(entries: list[dict], timed: Timed, n: int, retime_rounds: int = 30
                                           times=timed.times[b], retime_rounds=retime_rounds, retime_seconds=20.0)
         recommended[key] = chosen_at[b].chosen
         recommended["evidence"][key] = chosen_at[b].to_dict()
+    if timed.by_length:  # timed at batch n: how far the throughput choice reaches across lengths
+        recommended["by_length"] = holds_for(recommended["throughput"], list(by_name), timed.sessions,
+                                             timed.length_batches, timed.by_length, sizes, n, retime_rounds)
     return recommended
 
 

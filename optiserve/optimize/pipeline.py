@@ -23,6 +23,7 @@ from optiserve.optimize.attempts import LOG_FILE, Attempts
 from optiserve.optimize.config import OptimizeConfig  # noqa: F401  importers take it from here too
 from optiserve.optimize.frontier import drop_off_frontier, mark_frontier
 from optiserve.optimize.frontier_plot import FILE as FRONTIER_PLOT, render_frontier
+from optiserve.optimize.lengths import lengths_to_time
 from optiserve.optimize.judge import recommend, report_on_test, stated_against_graph, validate
 from optiserve.optimize.manifest import BASELINE, build_manifest, device_note, int8_comparison
 from optiserve.optimize.passes import Run, Variant, passes_for, step_count
@@ -33,7 +34,7 @@ from optiserve.optimize.trace import validation_batches
 from optiserve.optimize.report import render_report
 from optiserve.optimize.validate import EvalSet, materialize
 from optiserve.tasks import get_task, unmatched_answers
-from optiserve.text_input import TextInput
+from optiserve.text_input import TextInput, trim_padding
 
 
 def default_checkpoint(model: str, dataset: str) -> Path:
@@ -148,6 +149,26 @@ def _judged_by_agreement(loaded: LoadedModel, data: DatasetSplits, why_not: str,
     return [note] if note else []
 
 
+ROWS_OF_LENGTH = ("validation texts joined and cut by the model's own tokenizer to exactly the length, special "
+                  "tokens included, no padding")
+
+
+def _length_batches(loaded: LoadedModel, data: DatasetSplits, folder: Path | None,
+                    cfg: OptimizeConfig) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """A text model's timing rows per sequence length (tokens, as a string: --latency-batch rows of
+    real validation text each), and the default lengths skipped above its max length; nothing for
+    an image model, which --seq-lengths is refused for."""
+    if not isinstance(loaded.input, TextInput):
+        if cfg.seq_lengths is not None:
+            raise UserError(f"--seq-lengths times a text model at set numbers of tokens; {cfg.model} takes images")
+        return {}, []
+    from optiserve.data.text_tokens import rows_of_length
+
+    lengths, skipped = lengths_to_time(cfg.seq_lengths, loaded.input.max_length)
+    return {str(n): rows_of_length(data.val_texts, loaded.input, folder, n, cfg.latency_batch)
+            for n in lengths}, skipped
+
+
 def run_optimize(cfg: OptimizeConfig) -> dict:
     """Build, validate and publish every requested variant; returns the manifest."""
     cfg.validate()
@@ -176,14 +197,15 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             if given is not None and loaded.task != task:
                 raise UserError(f"{flag} scores a {task} model's answers; {cfg.model} is a {loaded.task} model "
                                 f"(--task {task}, if it is one)")
+        text_folder = Path(cfg.model) if form == "text" else None
         data = load_dataset(cfg.dataset, loaded.input, len(loaded.classes), masks=cfg.masks,
-                            ignore_index=cfg.ignore_index, boxes=cfg.boxes,
-                            text_folder=Path(cfg.model) if form == "text" else None)
+                            ignore_index=cfg.ignore_index, boxes=cfg.boxes, text_folder=text_folder)
         if cfg.test is not None:
             _use_test_folder(data, cfg)
         why_not, mapping = _check_compatible(loaded, data)
         valset = _held_out(data.val, data, loaded, cfg, mapping)
         testset = _held_out(data.test, data, loaded, cfg, mapping)
+        length_batches, skipped_lengths = _length_batches(loaded, data, text_folder, cfg)
     left_out = [f"{data.left_out} images {LEFT_OUT[data.truth]} left out"] if data.left_out else []
     noun = "texts" if form == "text" else "images"
     log.note("; ".join([f"fit on the train split (calibration, recovery); choose on {len(valset.images)} validation "
@@ -209,7 +231,11 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         baseline = "onnx-fp32" if run.form in ("onnx", "text") else BASELINE
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
-            entries, timed, kind = validate(variants, stage, loaded, valset, cfg, why_not, baseline, attempts)
+            entries, timed, kind = validate(variants, stage, loaded, valset, cfg, why_not, baseline, attempts,
+                                            length_batches)
+            # the tokens of the rows the headline batches ran at (padded to their longest text)
+            headline_tokens = {b: int(trim_padding(x).shape[2]) for b, x in timed.batches.items()} \
+                if length_batches else {}
             for each in passes:
                 if each.settle is not None:
                     entries, settled = each.settle(entries, cfg.latency_batch, timed)
@@ -234,6 +260,10 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             manifest["baseline"] = baseline
             manifest.update(kind)
             manifest["skipped"] = skipped
+            if length_batches:
+                manifest["seq_lengths"] = {"batch": cfg.latency_batch, "timed": [int(n) for n in length_batches],
+                                           "skipped": skipped_lengths, "rows": ROWS_OF_LENGTH,
+                                           "headline_tokens": headline_tokens}
             if run.searched:
                 n = str(cfg.latency_batch)
                 manifest["search"] = {"ratios": list(pruning_ratios(cfg)), "minutes": cfg.search_minutes,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from optiserve.artifacts import chosen_accuracy
 from optiserve.machine import cpu_line
 from optiserve.optimize.attempts import LOG_FILE
+from optiserve.optimize.lengths import describe_lengths
 from optiserve.runtime.fastest import describe as describe_choice
 from optiserve.tasks import task_of
 
@@ -82,9 +83,36 @@ def recommendation_line(manifest: dict) -> str:
     evidence = rec.get("evidence") or {}
     why = "; ".join(f"batch {b}: {describe_choice(evidence[key])}" for key, b in
                     (("latency", 1), ("throughput", rec["batch"])) if evidence.get(key))
+    lengths = f" By sequence length: {describe_lengths(rec['by_length'])}." if rec.get("by_length") else ""
     return (f"Recommended on {machine}: for latency (batch 1) **{rec['latency']}**, for throughput "
-            f"(batch {rec['batch']}) **{rec['throughput']}**{gated}." + (f" Why: {why}." if why else "") +
+            f"(batch {rec['batch']}) **{rec['throughput']}**{gated}." + (f" Why: {why}." if why else "") + lengths +
             " Timed here, in this run: on another CPU the order can differ.")
+
+
+def length_lines(manifest: dict) -> list[str]:
+    """A text model's timings at set sequence lengths: per variant and length, the median and how
+    many times as fast as the baseline (95% interval), and what the headline columns timed."""
+    timed = manifest.get("seq_lengths")
+    if not timed:
+        return []
+    n, base, lengths = timed["batch"], manifest["baseline"], [str(t) for t in timed["timed"]]
+    header = ["variant", *(cell for t in lengths for cell in (f"p50 ms {t} tok", f"× {base} {t} tok (95% CI)"))]
+    lines = ["", f"## Latency by sequence length (batch {n})", "",
+             f"Every row is exactly the length's tokens of real text ({timed['rows']}); the median of the "
+             f"interleaved rounds, and how many times as fast as {base} by the ratio of medians with its paired 95% "
+             f"interval. The table above times the validation texts at their own lengths: "
+             + ", ".join(f"batch {b} at {t} tokens" for b, t in timed["headline_tokens"].items())
+             + " (a batch padded to its longest text)."
+             + "".join(f" Not timed at {s['tokens']} tokens: {s['reason']}." for s in timed["skipped"]), "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for v in manifest["variants"]:
+        cells = []
+        for t in lengths:
+            at = v["latency_by_length"][t]
+            low, high = at["speedup_ci95"]
+            cells += [f"{at['p50_ms']:.2f}", f"{at['speedup']:.2f}× ({low:.2f}–{high:.2f})"]
+        lines.append("| " + " | ".join([v["name"], *cells]) + " |")
+    return lines
 
 
 def search_lines(manifest: dict) -> list[str]:
@@ -153,6 +181,7 @@ def render_report(manifest: dict) -> str:
         lines += ["", f"Passes that failed ({', '.join(f['name'] for f in manifest['failed'])}): each one's "
                       f"traceback is in `{LOG_FILE}` beside this report; the other variants were built as usual."]
     lines += search_lines(manifest)
+    lines += length_lines(manifest)
     lines += ["", task_of(manifest).legend(manifest)]
     lines += ["", recommendation_line(manifest)]
     lines += ["", "Notes:"] + [f"- {n}" for n in manifest["notes"]]
