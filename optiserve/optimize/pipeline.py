@@ -55,7 +55,7 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
         weights = str(ckpt)
     return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task,
                       task_output=cfg.task_output, detection_head=cfg.detection_head,
-                      decoding=HeadDecoding(cfg.agnostic_nms, cfg.box_units))
+                      decoding=HeadDecoding(cfg.agnostic_nms, cfg.box_units), tokenizer=cfg.tokenizer)
 
 
 def class_mapping(model_classes: list[str], data_classes: list[str]) -> list[int] | None:
@@ -151,7 +151,8 @@ def _judged_by_agreement(loaded: LoadedModel, data: DatasetSplits, why_not: str,
 def run_optimize(cfg: OptimizeConfig) -> dict:
     """Build, validate and publish every requested variant; returns the manifest."""
     cfg.validate()
-    form = "text" if is_text_folder(cfg.model) else "onnx" if is_onnx_file(cfg.model) else "torch"
+    text = is_text_folder(cfg.model) or cfg.tokenizer is not None  # an image model given --tokenizer: refused on load
+    form = "text" if text else "onnx" if is_onnx_file(cfg.model) else "torch"
     log = PassLog(step_count(form, cfg), enabled=cfg.progress)
     weights = "its own weights" if form == "text" else cfg.weights or "default weights"
     with log.step(f"load {cfg.model} ({weights})"):
@@ -178,7 +179,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                                 f"(--task {task}, if it is one)")
         data = load_dataset(cfg.dataset, loaded.input, len(loaded.classes), masks=cfg.masks,
                             ignore_index=cfg.ignore_index, boxes=cfg.boxes,
-                            text_folder=Path(cfg.model) if form == "text" else None)
+                            text_folder=loaded.tokenizer_folder)
         if cfg.test is not None:
             _use_test_folder(data, cfg)
         why_not, mapping = _check_compatible(loaded, data)
