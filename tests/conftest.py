@@ -271,6 +271,39 @@ def minilm_folder() -> Path:
     return Path(package.get_model_path())
 
 
+def polarity_file(folder: Path, rename: dict[str, str] | None = None) -> Path:
+    """gensim's 200 polarity sentences (cp1252, as it carries them) as a UTF-8 fastText file, the labels
+    renamed as `rename` says."""
+    pytest.importorskip("gensim", reason="gensim's bundled corpora are the real texts these tests read ([dev])")
+    from gensim.test.utils import datapath
+
+    lines = Path(datapath("pang_lee_polarity.cor")).read_bytes().decode("cp1252").splitlines()
+    for old, new in (rename or {}).items():
+        lines = [line.replace(f"__label__{old} ", f"__label__{new} ", 1) for line in lines]
+    path = folder / "polarity.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def wordpiece_tokenizer(folder: Path, texts: list[str]) -> int:
+    """A lower-casing BERT WordPiece tokenizer trained on `texts`, saved as `folder`/tokenizer.json; its
+    vocabulary's size."""
+    from tokenizers import BertWordPieceTokenizer
+
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1, show_progress=False)
+    wordpiece.save(str(folder / "tokenizer.json"))
+    return wordpiece.get_vocab_size()
+
+
+def reference_tokenizer(folder: Path):
+    """transformers' own fast tokenizer on `folder`/tokenizer.json, with BERT's special tokens."""
+    import transformers
+
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), pad_token="[PAD]",
+                                                unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+
+
 LEE_PAIRS = 160
 
 

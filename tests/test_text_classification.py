@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import assert_gated, until
+from conftest import assert_gated, polarity_file, reference_tokenizer, until, wordpiece_tokenizer
 from optiserve.errors import UserError
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
@@ -27,32 +27,14 @@ MAX_LENGTH = 128
 TEXTS = ["a gripping , beautifully shot film .", "simplistic , silly and tedious .", "Ünïcödé – fine ✓"]
 
 
-def _polarity(folder: Path, rename: dict[str, str] | None = None) -> Path:
-    """gensim's 200 polarity sentences (cp1252, as it carries them) as a UTF-8 fastText file, the labels
-    renamed as `rename` says."""
-    pytest.importorskip("gensim", reason="gensim's bundled corpora are the real texts these tests read ([dev])")
-    from gensim.test.utils import datapath
-
-    lines = Path(datapath("pang_lee_polarity.cor")).read_bytes().decode("cp1252").splitlines()
-    for old, new in (rename or {}).items():
-        lines = [line.replace(f"__label__{old} ", f"__label__{new} ", 1) for line in lines]
-    path = folder / "polarity.txt"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
 def _fine_tuned(folder: Path, texts: list[str], labels: list[int]) -> None:
     """A two-layer BERT with a WordPiece tokenizer trained on `texts`, fine-tuned on them for a few
     epochs, saved as a Hugging Face folder (config.json, model.safetensors, tokenizer.json)."""
-    from tokenizers import BertWordPieceTokenizer
-
-    wordpiece = BertWordPieceTokenizer(lowercase=True)
-    wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1, show_progress=False)
     folder.mkdir(parents=True)
-    wordpiece.save(str(folder / "tokenizer.json"))
-    tokenizer = _reference_tokenizer(folder)
+    vocab_size = wordpiece_tokenizer(folder, texts)
+    tokenizer = reference_tokenizer(folder)
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=wordpiece.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+    config = transformers.BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=2, intermediate_size=64, max_position_embeddings=MAX_LENGTH,
                                      id2label=dict(enumerate(CLASSES)), label2id={c: i for i, c in enumerate(CLASSES)},
                                      architectures=["BertForSequenceClassification"])
@@ -70,16 +52,11 @@ def _fine_tuned(folder: Path, texts: list[str], labels: list[int]) -> None:
     model.eval().save_pretrained(str(folder), safe_serialization=True)
 
 
-def _reference_tokenizer(folder: Path):
-    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), pad_token="[PAD]",
-                                                unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
-
-
 def _reference_predictions(folder: Path, texts: list[str]) -> np.ndarray:
     """transformers' own BertForSequenceClassification's top class for each text, as it reads the folder."""
     model = transformers.BertForSequenceClassification.from_pretrained(str(folder)).eval()
-    batch = _reference_tokenizer(folder)(texts, padding=True, truncation=True, max_length=MAX_LENGTH,
-                                          return_tensors="pt")
+    batch = reference_tokenizer(folder)(texts, padding=True, truncation=True, max_length=MAX_LENGTH,
+                                         return_tensors="pt")
     with torch.no_grad():
         return model(**batch).logits.argmax(1).numpy()
 
@@ -91,7 +68,7 @@ def classifier(tmp_path_factory, monkeypatch_module):
     from optiserve.data.text import load_text_splits
 
     work = tmp_path_factory.mktemp("text-classifier")
-    data = _polarity(work)
+    data = polarity_file(work)
     train = load_text_splits(str(data)).train  # fitted on the train role only: validation chooses, test reports
     folder = work / "model"
     _fine_tuned(folder, train.texts, train.labels)
@@ -161,7 +138,7 @@ def test_int8_variants_are_gated_by_top1_on_the_validation_texts(classifier, nam
 
 def test_labels_that_are_not_the_model_s_classes_judge_by_agreement_with_fp32(classifier, tmp_path):
     folder, _, _ = classifier
-    data = _polarity(tmp_path, {"neg": "negative", "pos": "positive"})
+    data = polarity_file(tmp_path, {"neg": "negative", "pos": "positive"})
     manifest = run_optimize(OptimizeConfig(str(folder), dataset=f"text:{data}", int8=False, openvino=False,
                                            latency_batch=1, timing_rounds=3, progress=False,
                                            out=str(tmp_path / "artifact")))
