@@ -65,7 +65,8 @@ class _Positional(torch.nn.Module):
 def files(tmp_path_factory, monkeypatch_module):
     """The polarity texts, and each model's ONNX file and tokenizer folder: an encoder (per-token output
     and pooler output; sentence-transformers' mean pooling and Normalize in its folder), the same encoder
-    with int32 inputs (cls + max pooling), and a classifier taking no token_type_ids."""
+    taking int32 inputs and no attention mask (cls + max pooling), and a classifier taking no
+    token_type_ids."""
     from optiserve.data.text import load_text_splits
 
     monkeypatch_module.setenv("OPTISERVE_CPU_FLAGS", "-avx512_bf16,-amx_bf16")  # the same variants on any machine
@@ -88,7 +89,8 @@ def files(tmp_path_factory, monkeypatch_module):
     int32_dir.mkdir()
     shutil.copy(encoder_dir / "tokenizer.json", int32_dir)
     _sentence_transformers_modules(int32_dir, {"pooling_mode_cls_token": True, "pooling_mode_max_tokens": True})
-    int32_file = _export(_Positional(encoder, names), work / "encoder-int32.onnx", names,
+    unmasked = ("input_ids", "token_type_ids")
+    int32_file = _export(_Positional(encoder, unmasked), work / "encoder-int32.onnx", unmasked,
                          ["last_hidden_state", "pooler_output"], dtype=torch.int32)
 
     classifier_dir = work / "classifier"
@@ -184,14 +186,15 @@ def test_an_encoder_file_is_pooled_as_its_folder_says_and_equals_onnx_runtime_on
         assert (got * want).sum(1).min() > 0.98, name  # unit vectors: their cosine
 
 
-def test_int32_inputs_are_fed_int64_and_cls_and_max_pooling_concatenate(files):
+def test_int32_inputs_are_fed_int64_and_cls_and_max_pooling_concatenate_under_the_mask(files):
     from optiserve.models import load_model
 
     onnx_file, folder = files["int32"]
     loaded = load_model(str(onnx_file), tokenizer=str(folder))
     assert loaded.task == "text-embedding" and loaded.output_width == 64
-    assert loaded.source["text_onnx"]["inputs"] == {"input_ids": "int32", "attention_mask": "int32",
-                                                    "token_type_ids": "int32"}
+    assert loaded.source["text_onnx"]["inputs"] == {"input_ids": "int32", "token_type_ids": "int32"}
+    # the model attends to every token; the pooling reads the mask, an input added for it
+    assert loaded.input.inputs == ("input_ids", "token_type_ids", "attention_mask")
     (hidden, _), tokens = _original(onnx_file, folder, TEXTS, dtype=np.int32)
     masked = np.where(tokens["attention_mask"][:, :, None] == 1, hidden, -np.inf)
     want = np.concatenate([hidden[:, 0], masked.max(1)], axis=1)
