@@ -286,20 +286,37 @@ def polarity_file(folder: Path, rename: dict[str, str] | None = None) -> Path:
     return path
 
 
+def wordpiece_tokenizer(folder: Path, texts: list[str]) -> int:
+    """A lower-casing BERT WordPiece tokenizer trained on `texts`, saved as `folder`/tokenizer.json; its
+    vocabulary's size."""
+    from tokenizers import BertWordPieceTokenizer
+
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1, show_progress=False)
+    wordpiece.save(str(folder / "tokenizer.json"))
+    return wordpiece.get_vocab_size()
+
+
+def reference_tokenizer(folder: Path):
+    """transformers' own fast tokenizer on `folder`/tokenizer.json, with BERT's special tokens."""
+    import transformers
+
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), pad_token="[PAD]",
+                                                unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+
+
 def small_bert_classifier(folder: Path, texts: list[str], classes: list[str], max_length: int):
     """A two-layer BERT sequence classifier (seeded random weights) with a WordPiece tokenizer trained on
     `texts`, its tokenizer.json written to `folder`; the model is returned unsaved, for the caller to
     train or save as it is (save_pretrained: config.json, model.safetensors)."""
     transformers = pytest.importorskip("transformers", reason="the BERT built here ([text])")
-    tokenizers = pytest.importorskip("tokenizers", reason="the tokenizer trained here ([text])")
+    pytest.importorskip("tokenizers", reason="the tokenizer trained here ([text])")
     import torch
 
-    wordpiece = tokenizers.BertWordPieceTokenizer(lowercase=True)
-    wordpiece.train_from_iterator(texts, vocab_size=2000, min_frequency=1, show_progress=False)
     folder.mkdir(parents=True)
-    wordpiece.save(str(folder / "tokenizer.json"))
+    vocab_size = wordpiece_tokenizer(folder, texts)
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=wordpiece.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+    config = transformers.BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=2, intermediate_size=64, max_position_embeddings=max_length,
                                      id2label=dict(enumerate(classes)), label2id={c: i for i, c in enumerate(classes)},
                                      architectures=["BertForSequenceClassification"])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import assert_gated, polarity_file as _polarity, small_bert_classifier, until
+from conftest import assert_gated, polarity_file, reference_tokenizer, small_bert_classifier, until
 from optiserve.errors import UserError
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
@@ -31,7 +31,7 @@ def _fine_tuned(folder: Path, texts: list[str], labels: list[int]) -> None:
     """A two-layer BERT with a WordPiece tokenizer trained on `texts`, fine-tuned on them for a few
     epochs, saved as a Hugging Face folder (config.json, model.safetensors, tokenizer.json)."""
     model = small_bert_classifier(folder, texts, CLASSES, MAX_LENGTH)
-    tokenizer = _reference_tokenizer(folder)
+    tokenizer = reference_tokenizer(folder)
     batch = tokenizer(texts, padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
     target = torch.tensor(labels)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -45,16 +45,11 @@ def _fine_tuned(folder: Path, texts: list[str], labels: list[int]) -> None:
     model.eval().save_pretrained(str(folder), safe_serialization=True)
 
 
-def _reference_tokenizer(folder: Path):
-    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), pad_token="[PAD]",
-                                                unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
-
-
 def _reference_predictions(folder: Path, texts: list[str]) -> np.ndarray:
     """transformers' own BertForSequenceClassification's top class for each text, as it reads the folder."""
     model = transformers.BertForSequenceClassification.from_pretrained(str(folder)).eval()
-    batch = _reference_tokenizer(folder)(texts, padding=True, truncation=True, max_length=MAX_LENGTH,
-                                          return_tensors="pt")
+    batch = reference_tokenizer(folder)(texts, padding=True, truncation=True, max_length=MAX_LENGTH,
+                                         return_tensors="pt")
     with torch.no_grad():
         return model(**batch).logits.argmax(1).numpy()
 
@@ -66,7 +61,7 @@ def classifier(tmp_path_factory, monkeypatch_module):
     from optiserve.data.text import load_text_splits
 
     work = tmp_path_factory.mktemp("text-classifier")
-    data = _polarity(work)
+    data = polarity_file(work)
     train = load_text_splits(str(data)).train  # fitted on the train role only: validation chooses, test reports
     folder = work / "model"
     _fine_tuned(folder, train.texts, train.labels)
@@ -136,7 +131,7 @@ def test_int8_variants_are_gated_by_top1_on_the_validation_texts(classifier, nam
 
 def test_labels_that_are_not_the_model_s_classes_judge_by_agreement_with_fp32(classifier, tmp_path):
     folder, _, _ = classifier
-    data = _polarity(tmp_path, {"neg": "negative", "pos": "positive"})
+    data = polarity_file(tmp_path, {"neg": "negative", "pos": "positive"})
     manifest = run_optimize(OptimizeConfig(str(folder), dataset=f"text:{data}", int8=False, openvino=False,
                                            latency_batch=1, timing_rounds=3, progress=False,
                                            out=str(tmp_path / "artifact")))

@@ -84,16 +84,18 @@ def read_onnx_facts(path: str | Path) -> OnnxGraphFacts:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as e:
         raise UserError(f"cannot read {path} as ONNX: {first_line(e)}") from None
-    initializers = {i.name for i in proto.graph.initializer}
-    inputs = [i for i in proto.graph.input if i.name not in initializers]
+    inputs = fed_inputs(proto)
+    if takes_tokens(inputs):
+        raise UserError(f"{path} takes token inputs ({show_inputs(inputs)}): it is a text model; give its tokenizer "
+                        f"with --tokenizer DIR (a folder holding its tokenizer.json)")
     if len(inputs) != 1:
         raise UserError(f"{path} has {len(inputs)} inputs ({', '.join(i.name for i in inputs)}); optiserve serves "
                         f"models with one image input [N, C, H, W]")
-    in_shape = _shape(inputs[0])
+    in_shape = value_shape(inputs[0])
     if len(in_shape) != 4:
         raise UserError(f"{path}: input {inputs[0].name!r} has shape {show_shape(in_shape)}; expected an image batch "
                         f"[N, C, H, W]")
-    dtype, layout = _dtype(inputs[0]), _layout(in_shape)
+    dtype, layout = value_dtype(inputs[0]), _layout(in_shape)
     if dtype not in INPUT_DTYPES:
         raise UserError(f"{path}: input {inputs[0].name!r} holds {dtype}; optiserve feeds an image input as "
                         f"{', '.join(INPUT_DTYPES)}: export the model with one of those")
@@ -101,7 +103,7 @@ def read_onnx_facts(path: str | Path) -> OnnxGraphFacts:
         raise UserError(f"{path}: the batch dimension of input {inputs[0].name!r} is fixed at {in_shape[0]}; export "
                         f"it with a dynamic batch axis (torch.onnx.export(..., dynamic_shapes=...) or dynamic_axes)")
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return OnnxGraphFacts(inputs[0].name, in_shape, _outputs(proto, path), opset, dtype, layout)
+    return OnnxGraphFacts(inputs[0].name, in_shape, graph_outputs(proto, path), opset, dtype, layout)
 
 
 def at_input_size(model: str | Path | bytes, facts: OnnxGraphFacts,
@@ -126,7 +128,29 @@ def at_input_size(model: str | Path | bytes, facts: OnnxGraphFacts,
     return tuple(ModelOutput(o.name, (None, *v.shape[1:]), o.dtype) for o, v in zip(facts.outputs, values))
 
 
-def _outputs(proto, path: Path) -> tuple[ModelOutput, ...]:
+def fed_inputs(proto) -> list:
+    """The graph's inputs a caller feeds (those that are not also initializers), in the graph's order."""
+    initializers = {i.name for i in proto.graph.initializer}
+    return [i for i in proto.graph.input if i.name not in initializers]
+
+
+TOKEN_DTYPES = ("int64", "int32")  # what a text model's token inputs may hold
+
+
+def takes_tokens(inputs: list) -> bool:
+    """Whether a graph's inputs are a text model's: an `input_ids` among them, or every one an integer
+    matrix [N, L] (what a tokenizer gives), never an image."""
+    if any(i.name == "input_ids" for i in inputs):
+        return True
+    return bool(inputs) and all(value_dtype(i) in TOKEN_DTYPES and len(value_shape(i)) == 2 for i in inputs)
+
+
+def show_inputs(inputs: list) -> str:
+    """The graph's inputs as the errors name them: `input_ids int64 [?, ?], attention_mask int64 [?, ?]`."""
+    return ", ".join(f"{i.name} {value_dtype(i)} {show_shape(value_shape(i))}" for i in inputs)
+
+
+def graph_outputs(proto, path: Path) -> tuple[ModelOutput, ...]:
     """Every output, each with a batch axis first (a row per image is what a batch is split into)."""
     from onnx.helper import tensor_dtype_to_np_dtype
 
@@ -135,7 +159,7 @@ def _outputs(proto, path: Path) -> tuple[ModelOutput, ...]:
         if not o.type.tensor_type.HasField("shape"):
             raise UserError(f"{path}: output {o.name!r} declares no shape; give the graph its shapes (onnx.shape_inference"
                             f".infer_shapes, or export again) so that its batch axis is known")
-        shape = _shape(o)
+        shape = value_shape(o)
         if not shape or shape[0] not in (None, -1):
             raise UserError(f"{path}: output {o.name!r} has shape {show_shape(shape)}; every output needs a dynamic "
                             f"batch axis first (one row per image)")
@@ -153,7 +177,7 @@ def _outputs(proto, path: Path) -> tuple[ModelOutput, ...]:
 CHANNELS = (1, 3, 4)  # what an image's channel axis holds
 
 
-def _dtype(value_info) -> str:
+def value_dtype(value_info) -> str:
     from onnx.helper import tensor_dtype_to_np_dtype
 
     try:
@@ -168,7 +192,7 @@ def _layout(shape: tuple[int | None, ...]) -> str:
     return "NHWC" if shape[3] in CHANNELS and shape[1] not in CHANNELS else "NCHW"
 
 
-def _shape(value_info) -> tuple[int | None, ...]:
+def value_shape(value_info) -> tuple[int | None, ...]:
     dims = value_info.type.tensor_type.shape.dim
     return tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in dims)
 

@@ -301,4 +301,4 @@ def load_text_model(name: str, weights: str | None, labels: list[str] | None, ta
     source = {"weights": str(folder.path / WEIGHTS), "sha256": sha256_file(folder.path / WEIGHTS), **built.facts}
     output = {"name": OUTPUT_NAMES[folder.task], "dtype": "float32", "shape": [folder.width]}
     return LoadedModel(name, built.module, folder.input, built.classes or [], source, task=folder.task,
-                       output_width=folder.width, outputs=[output])
+                       output_width=folder.width, outputs=[output], tokenizer_folder=folder.path)

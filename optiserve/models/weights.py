@@ -20,7 +20,7 @@ from optiserve.files import sha256_file
 from optiserve.models.text_folder import is_text_folder
 from optiserve.models.detector_heads import HeadDecoding, head_for
 from optiserve.models.onnx_adapt import append_head, feed_as_float_nchw, load_for_edit
-from optiserve.models.onnx_file import CHANNELS, OUTPUT_DTYPES, ModelOutput, at_input_size, show_shape
+from optiserve.models.onnx_file import CHANNELS, OUTPUT_DTYPES, ModelOutput, at_input_size, is_onnx_file, show_shape
 from optiserve.input_spec import CROP_FRACTION, InputSpec
 from optiserve.models.registry import create_model, get_model_entry
 from optiserve.models.sources import OutputOf, default_input, find_source, is_registered
@@ -86,6 +86,7 @@ class LoadedModel:
     output_shape: tuple[int, ...] | None = None  # one image's output shape ([K], [D], [K, H, W])
     outputs: list[dict] | None = None  # a model file's outputs ({name, dtype, shape}), the one the task reads first
     keep: object = None  # what must live as long as `file` (the temporary folder of an adapted graph)
+    tokenizer_folder: Path | None = None  # a text model's folder holding its tokenizer.json
     _ending: object = field(default=None, init=False, repr=False, compare=False)  # output_ending(), once read
 
     def __post_init__(self):
@@ -123,16 +124,31 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
                input_spec: InputSpec | None = None, overrides: InputOverrides = InputOverrides(),
                labels: list[str] | None = None, task: str | None = None,
                task_output: str | None = None, detection_head: str = "auto",
-               decoding: HeadDecoding = HeadDecoding()) -> LoadedModel:
+               decoding: HeadDecoding = HeadDecoding(), tokenizer: str | None = None) -> LoadedModel:
     """Build MODEL `name` from its source and load `weights` (default: the model's default weights);
     `overrides` and `labels` say what the user knows of its input and classes, `task` what its
     output means (default: classification for one [N, K] output) and, for a model file with several
     outputs, `task_output` which one it reads (default: the first); for a detector file,
-    `detection_head` and `decoding` how its outputs are laid out and decoded."""
+    `detection_head` and `decoding` how its outputs are laid out and decoded; for an ONNX file of a
+    text model, `tokenizer` the folder holding its tokenizer.json."""
     if is_text_folder(name):
         from optiserve.models.text_folder import load_text_model
 
+        if tokenizer is not None:
+            raise UserError(f"--tokenizer: {name} is a text model folder with its own tokenizer.json; drop --tokenizer")
         return load_text_model(name, weights, labels, task, input_spec, overrides, num_classes)
+    if tokenizer is not None:
+        if not is_onnx_file(name):
+            raise UserError(f"--tokenizer is for an ONNX file of a text model; {name} is not one: drop --tokenizer")
+        from optiserve.models.text_onnx import load_text_onnx
+
+        _refuse_image_flags(name, weights, labels, input_spec, overrides, num_classes, detection_head, decoding)
+        if task is not None and task not in list_tasks("text"):
+            raise UserError(f"--task {task} is an image task; a text model is {' or '.join(list_tasks('text'))}")
+        return load_text_onnx(name, tokenizer, task, task_output)
+    if task is not None and task in list_tasks("text"):
+        raise UserError(f"--task {task} is for a text model: a Hugging Face model folder, or an ONNX file with "
+                        f"--tokenizer DIR; {name} takes images")
     if task is not None and task not in list_tasks('image'):
         raise UserError(f"unknown task {task!r}; use {' | '.join(list_tasks('image'))}")
     if not is_registered(name):
@@ -167,6 +183,22 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
             model = create_model(name, num_classes or entry.num_classes, spec)
             return _ready(_with_state_dict(name, model, spec, weights, labels))
     raise UserError(f"unknown weights {weights!r}; use {WEIGHT_CHOICES}")
+
+
+def _refuse_image_flags(name: str, weights, labels, input_spec, overrides: InputOverrides, num_classes,
+                        detection_head: str, decoding: HeadDecoding) -> None:
+    """One line for a flag that says what an ONNX text model's file or folder already says."""
+    if weights is not None:
+        raise UserError(f"--weights: {name} holds its own weights; drop --weights")
+    if input_spec is not None or overrides != InputOverrides():
+        raise UserError(f"--input-shape, --mean, --std and --resize describe images; {name} is a text model, whose "
+                        f"input its tokenizer says")
+    if labels or num_classes is not None:
+        raise UserError("--labels and --num-classes: a text classifier's classes are the id2label of the "
+                        "config.json beside its tokenizer (--tokenizer DIR)")
+    if detection_head != "auto" or decoding != HeadDecoding():
+        raise UserError(f"--detection-head, --agnostic-nms and --box-units read a detector's outputs; {name} is a "
+                        f"text model")
 
 
 def _load_from_source(name: str, weights: str | None, num_classes: int | None, overrides: InputOverrides,

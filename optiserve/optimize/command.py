@@ -60,8 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default) or letterbox (the whole image, its aspect kept, padded with the mean colour, or "
                         "gray 114 for a YOLO head; detection)")
     p.add_argument("--labels", default=None, metavar="FILE", help="class names, one a line, in output order")
-    p.add_argument("--task", default=None, choices=list_tasks('image'),
-                   help="what the model's output means (default: classification for one [N, K] output)")
+    p.add_argument("--task", default=None, choices=list_tasks(),
+                   help="what the model's output means (default: classification for one [N, K] output; a text "
+                        "model's, as its folder or --tokenizer DIR says)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="MODEL is an ONNX file of a text encoder or classifier: the folder holding its "
+                        "tokenizer.json (and sentence-transformers' pooling modules, config.json's id2label, "
+                        "the max length) (docs/text.md)")
     p.add_argument("--task-output", default=None, metavar="NAME",
                    help="a model with several outputs: the one the task reads (default: the first); every "
                         "output is served under its own name")
@@ -179,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, output_kind=args.output_kind,
         detection_head=args.detection_head, agnostic_nms=args.agnostic_nms, box_units=args.box_units,
         **{minimum.name: getattr(args, minimum.name) for _, minimum in gate_minimums()}, masks=args.masks, ignore_index=args.ignore_index, boxes=args.boxes,
-        test=args.test,
+        test=args.test, tokenizer=args.tokenizer,
         input=InputOverrides(args.input_shape, args.mean, args.std, args.resize),
     )
     manifest = run_optimize(cfg)

@@ -67,6 +67,7 @@ class OptimizeConfig:
     ignore_index: int = 255           # a mask's value for pixels not to score
     boxes: str | None = None          # detection: a COCO-format file of the images' true boxes
     test: str | None = None           # a separate image folder (class subfolders) whose images only report
+    tokenizer: str | None = None      # an ONNX file of a text model: the folder holding its tokenizer.json
 
     @property
     def gate_limits(self) -> GateLimits:
@@ -75,8 +76,8 @@ class OptimizeConfig:
 
     def validate(self) -> None:
         find_source(self.model)
-        if self.task is not None and self.task not in list_tasks('image'):
-            raise UserError(f"unknown --task {self.task!r}; use {' | '.join(list_tasks('image'))}")
+        if self.task is not None and self.task not in list_tasks():
+            raise UserError(f"unknown --task {self.task!r}; use {' | '.join(list_tasks())}")
         if self.output_kind != "auto" and self.output_kind not in list_output_kinds():
             raise UserError(f"unknown --output-kind {self.output_kind!r}; use auto, {', '.join(list_output_kinds())}")
         for _, minimum in gate_minimums():

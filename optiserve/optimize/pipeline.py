@@ -56,7 +56,7 @@ def resolve_weights(cfg: OptimizeConfig, log: PassLog) -> LoadedModel:
         weights = str(ckpt)
     return load_model(cfg.model, weights, cfg.num_classes, overrides=cfg.input, labels=labels, task=cfg.task,
                       task_output=cfg.task_output, detection_head=cfg.detection_head,
-                      decoding=HeadDecoding(cfg.agnostic_nms, cfg.box_units))
+                      decoding=HeadDecoding(cfg.agnostic_nms, cfg.box_units), tokenizer=cfg.tokenizer)
 
 
 def class_mapping(model_classes: list[str], data_classes: list[str]) -> list[int] | None:
@@ -172,7 +172,8 @@ def _length_batches(loaded: LoadedModel, data: DatasetSplits, folder: Path | Non
 def run_optimize(cfg: OptimizeConfig) -> dict:
     """Build, validate and publish every requested variant; returns the manifest."""
     cfg.validate()
-    form = "text" if is_text_folder(cfg.model) else "onnx" if is_onnx_file(cfg.model) else "torch"
+    text = is_text_folder(cfg.model) or cfg.tokenizer is not None  # an image model given --tokenizer: refused on load
+    form = "text" if text else "onnx" if is_onnx_file(cfg.model) else "torch"
     log = PassLog(step_count(form, cfg), enabled=cfg.progress)
     weights = "its own weights" if form == "text" else cfg.weights or "default weights"
     with log.step(f"load {cfg.model} ({weights})"):
@@ -197,7 +198,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             if given is not None and loaded.task != task:
                 raise UserError(f"{flag} scores a {task} model's answers; {cfg.model} is a {loaded.task} model "
                                 f"(--task {task}, if it is one)")
-        text_folder = Path(cfg.model) if form == "text" else None
+        text_folder = loaded.tokenizer_folder  # the text model's folder, or its --tokenizer DIR; None for images
         data = load_dataset(cfg.dataset, loaded.input, len(loaded.classes), masks=cfg.masks,
                             ignore_index=cfg.ignore_index, boxes=cfg.boxes, text_folder=text_folder)
         if cfg.test is not None:

@@ -1,7 +1,8 @@
-"""The passes of a text model (a Hugging Face folder, models/text_folder.py): onnx-fp32, the encoder
-(with its classifier's head, for a text classifier: one output, `logits`) exported to ONNX with
-dynamic batch and sequence axes and held to eager on every validation batch
-(the baseline every other variant is judged against); onnx-int8, its MatMul weights quantized to
+"""The passes of a text model (a Hugging Face folder, models/text_folder.py, or an ONNX file with its
+tokenizer's folder, models/text_onnx.py): onnx-fp32, the encoder (with its classifier's head, for a
+text classifier: one output, `logits`) exported to ONNX with dynamic batch and sequence axes and held
+to eager on every validation batch, or the given file as it is (the baseline every other variant is
+judged against); onnx-int8, its MatMul weights quantized to
 INT8 per output channel with activations quantized per batch at run time (ONNX Runtime's dynamic
 quantization, which needs no calibration and suits activations whose range varies with the text);
 OpenVINO's IR of onnx-fp32 at f32 and, where the CPU has bf16, bf16 inference precision; and
@@ -101,7 +102,10 @@ def quantize_text_dynamic(fp32_path: Path, out_path: Path) -> dict:
 
 def _build_fp32(run: Run) -> None:
     # every variant tokenizes with the model's own tokenizer, which the folder carries beside them
-    shutil.copyfile(Path(run.loaded.name) / TOKENIZER, run.stage / run.loaded.input.tokenizer)
+    shutil.copyfile(run.loaded.tokenizer_folder / TOKENIZER, run.stage / run.loaded.input.tokenizer)
+    if run.loaded.from_file:
+        _file_baseline(run)
+        return
     with run.attempts.attempt(f"ONNX export (opset {OPSET}, dynamic batch and sequence)", "onnx-fp32"):
         names = run.loaded.input.inputs
         output = run.loaded.outputs[0]["name"]  # the task's output as the manifest lists it: vector or logits
@@ -111,6 +115,20 @@ def _build_fp32(run: Run) -> None:
         run.variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
                                     {"opset": OPSET, "inputs": list(names), "graph_optimization": "all"}))
         run.notes.append(f"ONNX export parity with eager: max |Δ| {difference:.1e} on every validation batch")
+
+
+def _file_baseline(run: Run) -> None:
+    """An ONNX file given with --tokenizer: the file itself (adapted inside where it needed it,
+    models/text_onnx.py) is onnx-fp32, the baseline the others are checked against."""
+    facts = run.loaded.source["text_onnx"]
+    served = "the given ONNX file, " + ("; ".join(facts["added"]) if facts["added"] else "unchanged")
+    with run.log.step("the ONNX file as onnx-fp32 (the baseline the others are checked against)"):
+        shutil.copyfile(run.loaded.file, run.stage / "model.onnx")
+        run.variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
+                                    {"opset": run.loaded.source["opset"], "inputs": list(run.loaded.input.inputs),
+                                     "from": served, "graph_optimization": "all"}))
+    run.notes.append(f"started from an ONNX file with --tokenizer: onnx-fp32 is {served}")
+    run.notes += run.loaded.source.get("notes") or []
 
 
 def _build_int8(run: Run) -> None:
