@@ -53,7 +53,8 @@ def test_a_mistyped_flag_is_refused_in_one_line_before_any_work(tmp_path, monkey
 def _optimize(checkpoint, out, flags, monkeypatch) -> dict:
     monkeypatch.setenv(CPU_FLAGS_ENV, flags)
     return pipeline.run_optimize(pipeline.OptimizeConfig("small_cnn", weights=str(checkpoint), out=str(out),
-                                                         search="off", progress=False, latency_batch=2))
+                                                         search="off", progress=False, latency_batch=2,
+                                                         timing_rounds=3))
 
 
 @pytest.fixture(scope="module")

@@ -119,7 +119,8 @@ def test_no_openvino_skips_the_openvino_variants(small_cnn_checkpoint, tmp_path)
     from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
     manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), openvino=False,
-                                           out=str(tmp_path / "a"), progress=False, latency_batch=2))
+                                           out=str(tmp_path / "a"), progress=False, latency_batch=2,
+                                           timing_rounds=3))
     assert [v["name"] for v in manifest["variants"] if v["backend"] == "openvino"] == []
     assert "onnx-fp32" in [v["name"] for v in manifest["variants"]]
 

@@ -43,7 +43,8 @@ def folder_with_a_failed_pass(small_cnn_checkpoint, tmp_path_factory):
         monkeypatch.setattr(int8_pass, "quantize_onnx_static", crash)
         monkeypatch.setenv(CPU_FLAGS_ENV, NO_BF16)
         manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
-                                               search="off", out=str(out), progress=False, latency_batch=2))
+                                               search="off", out=str(out), progress=False, latency_batch=2,
+                                               timing_rounds=3))
     return out, manifest
 
 
@@ -91,7 +92,7 @@ def test_the_command_succeeds_and_prints_the_failed_row(small_cnn_checkpoint, tm
 
     monkeypatch.setattr(onnx_export_pass, "export_onnx", crash)
     code = main(["optimize", "small_cnn", "--weights", str(small_cnn_checkpoint), "--int8", "--latency-batch", "2",
-                 "--no-search", "--out", str(tmp_path / "a"), "--no-progress"])
+                 "--no-search", "--timing-rounds", "3", "--out", str(tmp_path / "a"), "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0
     rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
@@ -173,7 +174,8 @@ def checked_folder(small_cnn_checkpoint, tmp_path_factory):
         monkeypatch.setenv(CPU_FLAGS_ENV, NO_BF16)
         manifest = run_optimize(OptimizeConfig(f"{root}/checked.py:build",
                                                input=InputOverrides((1, 16, 16), (0.0,), (1.0,)), openvino=False,
-                                               search="off", latency_batch=2, out=str(out), progress=False))
+                                               search="off", latency_batch=2, out=str(out), progress=False,
+                                               timing_rounds=3))
     return out, manifest
 
 
@@ -242,7 +244,7 @@ def folder_where_timing_and_int8_calibration_fail(small_cnn_checkpoint, tmp_path
         monkeypatch.setenv(CPU_FLAGS_ENV, NO_BF16)
         manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True,
                                                openvino=False, search="off", out=str(out), progress=False,
-                                               latency_batch=3))
+                                               latency_batch=3, timing_rounds=3))
     return out, manifest
 
 
@@ -320,7 +322,8 @@ def branching_folder(small_cnn_checkpoint, tmp_path_factory):
     out = root / "out"
     manifest = run_optimize(OptimizeConfig(f"{root}/exposure.py:build",
                                            input=InputOverrides((1, 16, 16), (0.0,), (1.0,)), openvino=False,
-                                           int8=False, search="off", latency_batch=2, out=str(out), progress=False))
+                                           int8=False, search="off", latency_batch=2, out=str(out), progress=False,
+                                           timing_rounds=3))
     spec = importlib.util.spec_from_file_location("exposure_by_hand", root / "exposure.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -116,7 +116,7 @@ def test_by_default_the_command_searches_only_where_the_data_can_judge(tmp_path,
     monkeypatch.setenv(CPU_FLAGS_ENV, NO_BF16)
     capsys.readouterr()  # through the CLI's entry point in this process: torch is imported already
     code = main(["optimize", "small_cnn", "--weights", "random", "--dataset", "synthetic", "--no-openvino",
-                 "--latency-batch", "1", "--out", str(tmp_path / "a")])
+                 "--latency-batch", "1", "--timing-rounds", "3", "--out", str(tmp_path / "a")])
     stderr = capsys.readouterr().err
     assert code == 0, stderr
     assert "search" not in read_manifest(tmp_path / "a") and "pruning search" not in stderr
