@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import polarity_file, reference_tokenizer, run_cli_here, small_bert_classifier, until
+from conftest import free_port, polarity_file, reference_tokenizer, run_cli_here, small_bert_classifier, until
 from optiserve.errors import UserError
 from optiserve.tasks import GateLimits, get_task
 
@@ -221,12 +221,19 @@ def test_label_sets_are_read_as_documented(tmp_path):
 # --- serve ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def client(classifier):
+def served(classifier):
+    """(HTTP client, gRPC port) of a server of the optimized folder's onnx-fp32."""
     from optiserve.serve.app import ServeConfig, create_app
 
-    with TestClient(create_app(ServeConfig(str(classifier[2]), variants=["onnx-fp32"]))) as served:
-        until(lambda: served.get("/v2/health/ready").status_code == 200, seconds=120)
-        yield served
+    port = free_port()
+    with TestClient(create_app(ServeConfig(str(classifier[2]), variants=["onnx-fp32"], grpc_port=port))) as http:
+        until(lambda: http.get("/v2/health/ready").status_code == 200, seconds=120)
+        yield http, port
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return served[0]
 
 
 @pytest.mark.parametrize("threshold", [None, 0.2])
@@ -251,3 +258,19 @@ def test_protocol_answers_the_model_s_own_probabilities(classifier, client):
     outputs = {o["name"]: np.reshape(o["data"], o["shape"]) for o in r.json()["outputs"]}
     assert set(outputs) == {"logits", "probabilities"}
     np.testing.assert_allclose(outputs["probabilities"], want, atol=1e-5)  # no softmax over independent classes
+
+
+def test_grpc_answers_the_model_s_own_probabilities(classifier, served):
+    grpc = pytest.importorskip("grpc", reason="grpcio is in the [dev] extra")
+    from optiserve.grpc_protocol import pb, stub
+
+    request = pb.ModelInferRequest(model_name="model")
+    tensor = request.inputs.add(name="text", datatype="BYTES", shape=[len(TEXTS)])
+    tensor.contents.bytes_contents.extend(t.encode() for t in TEXTS)
+    request.outputs.add(name="probabilities")
+    with grpc.insecure_channel(f"127.0.0.1:{served[1]}") as channel:
+        response = stub(channel).ModelInfer(request, timeout=30)
+    (out,) = response.outputs
+    got = np.array(out.contents.fp32_contents or np.frombuffer(response.raw_output_contents[0], np.float32))
+    assert out.name == "probabilities"
+    np.testing.assert_allclose(got.reshape(list(out.shape)), reference(classifier[0], TEXTS), atol=1e-5)
