@@ -151,11 +151,10 @@ def _copy_with(folder: Path, tmp_path: Path, **config) -> Path:
 
 
 @pytest.mark.parametrize("config, says", [
-    ({"problem_type": "multi_label_classification"}, "multi_label_classification .independent sigmoids"),
     ({"problem_type": "regression"}, "problem_type is regression: a regressor's scores"),
     ({"id2label": {"0": "score"}, "num_labels": 1}, "1 label: a regressor's scores"),
 ])
-def test_a_classifier_whose_logits_are_not_one_softmax_is_one_line(classifier, tmp_path, config, says):
+def test_a_regressor_is_one_line(classifier, tmp_path, config, says):
     from optiserve.models.text_folder import read_text_folder
 
     with pytest.raises(UserError, match=says):

@@ -32,7 +32,8 @@ class DatasetSplits:
     # What each sample's label is: "classes" (a class index), "masks" (a mask [H, W] of class ids, -1:
     # not scored) or "boxes" (the image's true boxes [T, 6] in input pixels: x1, y1, x2, y2, 1 or 0
     # for a crowd region not scored, class id) or "pairs" (scored text pairs: a role's rows are its
-    # pairs' first texts, then their second texts, each labelled with its pair's score).
+    # pairs' first texts, then their second texts, each labelled with its pair's score) or "class-sets"
+    # (a text's classes, [C] in {0, 1} over `classes`: a multi-labelled text dataset).
     truth: str = "classes"
     left_out: int = 0        # images the data holds but cannot use (no mask, not annotated), for the report to say
     split_note: str = ""     # how the validation and test splits were made where the data did not give both

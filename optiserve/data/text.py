@@ -8,7 +8,10 @@ The file's extension says its format:
                 `__label__NAME `, labelled (NAME the label, the rest the text)
   .tsv / .csv   a header row, then tab- / comma-separated rows (Python's `csv` quoting): columns
                 `text` (and optionally `label`), or `text1`, `text2` and `score` (scored pairs);
-                other columns are ignored
+                other columns are ignored. A `label` holding `|` names several classes of one
+                text (`sports|politics`, for a multi-label classifier): where any row's does, every
+                row's label is a set of classes (one name is a set of one), and the file is split
+                at random rather than by label
 Files are UTF-8 (a byte-order mark is tolerated); anything else is refused with the command that
 converts it, rather than guessed."""
 
@@ -27,6 +30,7 @@ from optiserve.errors import UserError
 
 DELIMITERS = {".txt": None, ".tsv": "\t", ".csv": ","}  # the formats, by extension
 FASTTEXT_LABEL = "__label__"
+LABEL_SEPARATOR = "|"  # between the classes of one text in a multi-labelled table's `label` column
 ROLES = ("train", "val", "test")
 EXPECTED_COLUMNS = "a header row with `text` (and optionally `label`), or `text1`, `text2` and `score`"
 MIN_PER_CLASS, MIN_UNLABELLED = 5, 10  # as an image folder: enough for each role to hold some
@@ -36,9 +40,9 @@ MIN_PER_CLASS, MIN_UNLABELLED = 5, 10  # as an image folder: enough for each rol
 class TextFile:
     """What one file holds, before any split: labels are names, as written."""
 
-    kind: str                             # "texts" | "labelled" | "pairs"
+    kind: str                             # "texts" | "labelled" | "multilabelled" | "pairs"
     texts: list[str]                      # pairs: the first texts
-    labels: list[str] | None = None
+    labels: list | None = None            # a name per text; multilabelled: a tuple of names per text
     second: list[str] | None = None       # pairs: the second texts
     scores: np.ndarray | None = None      # pairs: float scores
 
@@ -51,7 +55,7 @@ class TextExamples:
     """One role's examples."""
 
     texts: list[str]                      # pairs: the first texts
-    labels: list[int] | None = None       # class indices into TextSplits.classes
+    labels: list | None = None            # class indices into TextSplits.classes; multilabelled: a list per text
     second: list[str] | None = None       # pairs: the second texts
     scores: np.ndarray | None = None      # pairs: float scores
 
@@ -69,7 +73,7 @@ class TextSplits:
     val: TextExamples
     test: TextExamples
     classes: list[str]   # sorted label names; [] when unlabelled or pairs
-    kind: str            # "texts" | "labelled" | "pairs"
+    kind: str            # "texts" | "labelled" | "multilabelled" | "pairs"
     how: str             # one sentence: where each role came from
 
 
@@ -108,7 +112,8 @@ def _read_lines(path: Path, content: str) -> TextFile:
             raise UserError(f"{path}: line {n} is not `__label__NAME TEXT` (one label, then the text); "
                             f"write each labelled line so")
         if text.startswith(FASTTEXT_LABEL):
-            raise UserError(f"{path}: line {n} has more than one label; one label a text is read (keep the first)")
+            raise UserError(f"{path}: line {n} has more than one label; one label a text is read from a .txt file "
+                            f"(keep the first, or write a .tsv with a `label` column: a|b for several)")
         texts.append(text.strip())
         labels.append(label)
     return TextFile("labelled", texts, labels)
@@ -145,8 +150,12 @@ def _read_table(path: Path, content: str, delimiter: str) -> TextFile:
                 raise UserError(f"{path}: line {n} has an empty {name!r}; fill it in or remove the row")
             column.append(row[i])
     if wanted[0] == "text":
-        return TextFile("labelled", columns[0], [label.strip() for label in columns[1]]) if len(wanted) == 2 \
-            else TextFile("texts", columns[0])
+        if len(wanted) == 1:
+            return TextFile("texts", columns[0])
+        if any(LABEL_SEPARATOR in label for label in columns[1]):
+            return TextFile("multilabelled", columns[0], [_label_set(path, n, label)
+                                                          for (n, _), label in zip(rows, columns[1])])
+        return TextFile("labelled", columns[0], [label.strip() for label in columns[1]])
     scores = []
     for (n, _), value in zip(rows, columns[2]):
         try:
@@ -157,6 +166,29 @@ def _read_table(path: Path, content: str, delimiter: str) -> TextFile:
             raise UserError(f"{path}: line {n} has score {value!r}; a score is a finite number (e.g. 0.75)")
         scores.append(score)
     return TextFile("pairs", columns[0], second=columns[1], scores=np.asarray(scores, dtype=np.float64))
+
+
+def _label_set(path: Path, n: int, label: str) -> tuple[str, ...]:
+    """A multi-labelled row's classes: its label's names between `|`, each once, in the order written."""
+    names = [name.strip() for name in label.split(LABEL_SEPARATOR)]
+    if not all(names):
+        raise UserError(f"{path}: line {n} has label {label[:60]!r}, with an empty name between "
+                        f"{LABEL_SEPARATOR!r}s; write the classes as a{LABEL_SEPARATOR}b")
+    return tuple(dict.fromkeys(names))
+
+
+def _as_sets(file: TextFile) -> TextFile:
+    """A labelled file's labels as sets of one, beside a multi-labelled file's."""
+    if file.kind != "labelled":
+        return file
+    return TextFile("multilabelled", file.texts, [(label,) for label in file.labels])
+
+
+def _class_names(file: TextFile) -> set[str]:
+    """Every class a file's labels name."""
+    if file.kind == "multilabelled":
+        return {name for names in file.labels for name in names}
+    return set(file.labels or ())
 
 
 def read_text_file(path: str | Path) -> TextFile:
@@ -176,18 +208,20 @@ def _examples(file: TextFile, classes: list[str], idx=None) -> TextExamples:
     """`file`'s examples at `idx` (all of them when None), labels as indices into `classes`."""
     idx = range(len(file)) if idx is None else [int(i) for i in idx]
     index = {name: i for i, name in enumerate(classes)}
+    label = ((lambda names: [index[name] for name in names]) if file.kind == "multilabelled" else index.__getitem__)
     return TextExamples([file.texts[i] for i in idx],
-                        [index[file.labels[i]] for i in idx] if file.labels is not None else None,
+                        [label(file.labels[i]) for i in idx] if file.labels is not None else None,
                         [file.second[i] for i in idx] if file.second is not None else None,
                         file.scores[list(idx)] if file.scores is not None else None)
 
 
 def _split_file(path: Path, seed: int) -> TextSplits:
-    """One file split seeded in SPLIT_FRACTIONS proportions, stratified by label where labelled."""
+    """One file split seeded in SPLIT_FRACTIONS proportions, stratified by label where labelled (one
+    label a text; label sets are split at random)."""
     file = read_text_file(path)
     noun = "pairs" if file.kind == "pairs" else "texts"
-    classes = sorted(set(file.labels)) if file.labels is not None else []
-    if file.labels is not None:
+    classes = sorted(_class_names(file))
+    if file.kind == "labelled":
         counts = {c: file.labels.count(c) for c in classes}
         fewest = min(classes, key=counts.__getitem__)
         if counts[fewest] < MIN_PER_CLASS:
@@ -200,7 +234,8 @@ def _split_file(path: Path, seed: int) -> TextSplits:
             raise UserError(f"{path}: {len(file)} {noun}; at least {MIN_UNLABELLED} are needed to split into "
                             f"train/val/test (add more, or give train/val/test files)")
         tr, va, te = random_split(len(file), seed)
-    how = (f"{path.name}'s {len(file)} {noun} were split (seed {seed}{', by label' if classes else ''}) into "
+    by = ", by label" if file.kind == "labelled" else ""
+    how = (f"{path.name}'s {len(file)} {noun} were split (seed {seed}{by}) into "
            f"{len(tr)} train {noun} that fit, {len(va)} validation {noun} that choose and {len(te)} test {noun} "
            f"that report")
     return TextSplits(f"text:{path}", _examples(file, classes, tr), _examples(file, classes, va),
@@ -235,14 +270,16 @@ def _given_splits(root: Path, seed: int) -> TextSplits:
     labelled, seeded): the first half chooses, the second only reports."""
     paths = _role_files(root)
     files = {role: read_text_file(p) for role, p in paths.items()}
+    if any(file.kind == "multilabelled" for file in files.values()):
+        files = {role: _as_sets(file) for role, file in files.items()}
     train = files["train"]
     for role, file in files.items():
         if file.kind != train.kind:
             raise UserError(f"{paths[role]} holds {file.kind} but {paths['train'].name} holds {train.kind}; "
                             f"write every file with the same columns")
-    classes = sorted(set(train.labels)) if train.labels is not None else []
+    classes = sorted(_class_names(train))
     for role, file in files.items():
-        unknown = sorted(set(file.labels or ()) - set(classes))
+        unknown = sorted(_class_names(file) - set(classes))
         if unknown:
             raise UserError(f"{paths[role]} has labels {paths['train'].name} has not ({', '.join(unknown[:8])}); "
                             f"label every file with the same names")
@@ -256,14 +293,15 @@ def _given_splits(root: Path, seed: int) -> TextSplits:
     else:
         file, name = files[held_out[0]], paths[held_out[0]].name
         index = {c: i for i, c in enumerate(classes)}
-        labels = np.asarray([index[label] for label in file.labels] if file.labels is not None else [0] * len(file))
+        labels = np.asarray([index[label] for label in file.labels] if file.kind == "labelled" else [0] * len(file))
         if len(file) < 2:
             raise UserError(f"{paths[held_out[0]]} holds {len(file)} {noun}; halving it into validation and test "
                             f"needs at least 2 (give val and test files, or more {noun})")
         choose, report = split_in_halves(labels, seed)
         val, test = _examples(file, classes, choose), _examples(file, classes, report)
+        by = "by label " if file.kind == "labelled" else ""
         how = (f"{root.name} has {paths['train'].name} and {name} only: {name}'s {len(file)} {noun} were split "
-               f"{'by label ' if classes else ''}(seed {seed}) into {len(choose)} validation {noun} that choose and "
+               f"{by}(seed {seed}) into {len(choose)} validation {noun} that choose and "
                f"{len(report)} test {noun} that report; {paths['train'].name} ({len(train)}) fits")
     return TextSplits(f"text:{root}", _examples(train, classes), val, test, classes, train.kind, how)
 

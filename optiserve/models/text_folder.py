@@ -6,8 +6,10 @@ says. Nothing is downloaded: a hub name is one line asking for a folder.
 What the folder is read into (`TextFolder`) says what the model is for: a sentence encoder (a
 sentence-transformers folder, or a bare encoder with mean pooling stated) is a `text-embedding`
 model, whose output is the pooled vector; an `...ForSequenceClassification` architecture is a
-`text-classification` model, whose output is the logits over `config.json`'s `id2label`. The
-module built from it (`build_text_module`) takes one token batch [N, 3, L] (optiserve.text_input)."""
+`text-classification` model, whose output is the logits over `config.json`'s `id2label`, or where
+its `problem_type` is `multi_label_classification` their sigmoids, each class on its own (what
+transformers' BCEWithLogitsLoss trains). The module built from it (`build_text_module`) takes one
+token batch [N, 3, L] (optiserve.text_input)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens")  # the ones built here
 ENCODER_TASK, CLASSIFIER_TASK = "text-embedding", "text-classification"
 OUTPUT_NAMES = {ENCODER_TASK: "sentence_embedding", CLASSIFIER_TASK: "logits"}  # the graph's output, as exported
+MULTI_LABEL_OUTPUT = "probabilities"  # a multi-label classifier's output: its logits' sigmoids
+MULTI_LABEL = "multi_label_classification"  # config.json's problem_type for independent sigmoids
 
 
 @dataclass
@@ -44,6 +48,7 @@ class TextFolder:
     normalize: bool = False                 # an encoder's vectors scaled to unit length
     labels: list[str] | None = None         # a classifier's classes, from id2label
     notes: list[str] = field(default_factory=list)
+    multi_label: bool = False               # a classifier's classes each on its own (sigmoids, not one softmax)
 
     @property
     def width(self) -> int:
@@ -52,10 +57,16 @@ class TextFolder:
             return len(self.labels or [])
         return len(self.pooling) * int(self.config["hidden_size"])
 
+    @property
+    def output_name(self) -> str:
+        """The graph's output, as exported: what the module returns."""
+        return MULTI_LABEL_OUTPUT if self.multi_label else OUTPUT_NAMES[self.task]
+
     def facts(self) -> dict:
         """What the manifest records of the folder: where each reading came from."""
         return {"architecture": (self.config.get("architectures") or [self.config.get("model_type")])[0],
                 "model_type": self.config.get("model_type"), "pooling": list(self.pooling),
+                **({"problem_type": MULTI_LABEL} if self.multi_label else {}),
                 "normalize": self.normalize, "max_length": self.input.max_length}
 
 
@@ -84,9 +95,10 @@ def read_text_folder(model: str | Path) -> TextFolder:
     architecture = (config.get("architectures") or [""])[0]
     modules = _modules(path)
     notes: list[str] = []
+    multi_label = False
     if architecture.endswith("ForSequenceClassification"):
         labels = _labels(config, path)
-        _check_single_label(config, path, len(labels))
+        multi_label = is_multi_label(config, path, len(labels))
         task, pooling, normalize = CLASSIFIER_TASK, (), False
     else:
         labels = None
@@ -94,7 +106,8 @@ def read_text_folder(model: str | Path) -> TextFolder:
         pooling, normalize = _pooling(path, modules, config, notes)
     max_length = _max_length(path, config)
     inputs = ("input_ids", "attention_mask") + (("token_type_ids",) if config.get("type_vocab_size", 0) > 0 else ())
-    return TextFolder(path, config, task, TextInput(TOKENIZER, max_length, inputs), pooling, normalize, labels, notes)
+    return TextFolder(path, config, task, TextInput(TOKENIZER, max_length, inputs), pooling, normalize, labels, notes,
+                      multi_label)
 
 
 def _json(path: Path, what: str) -> dict:
@@ -181,26 +194,25 @@ def _labels(config: dict, path: Path) -> list[str]:
     return [name for _, name in ordered]
 
 
-def _check_single_label(config: dict, path: Path, width: int) -> None:
-    """One line for a sequence classifier whose logits are not one softmax over its classes: a
-    multi-label model's (independent sigmoids) or a regressor's (scores), as `problem_type` says, and
-    one with fewer than two labels (transformers reads one label as regression)."""
+def is_multi_label(config: dict, path: Path, width: int) -> bool:
+    """Whether a sequence classifier's classes are each on its own (`problem_type`
+    multi_label_classification: a sigmoid per logit) rather than one softmax over them; one line for
+    a regressor's scores (`problem_type` regression, or fewer than two labels: transformers reads
+    one label as regression)."""
     problem = config.get("problem_type")
-    if problem == "multi_label_classification":
-        raise UserError(f"{path / CONFIG}: problem_type is multi_label_classification (independent sigmoids over "
-                        f"the logits), which optiserve does not serve for text yet; it reads one softmax over "
-                        f"the classes")
     if problem == "regression" or width < 2:
         said = "problem_type is regression" if problem == "regression" else f"{width} label{'' if width == 1 else 's'}"
         raise UserError(f"{path / CONFIG}: {said}: a regressor's scores, not classes; optiserve classifies texts over "
                         f"two or more classes")
+    return problem == MULTI_LABEL
 
 
 # --- the module ------------------------------------------------------------------------------------
 
 class TextModule(nn.Module):
     """A Hugging Face encoder as one module on a token batch [N, 3, L]: the pooled vector (normalised
-    where the folder says so) of an encoder, the logits of a classifier."""
+    where the folder says so) of an encoder, the logits of a classifier (a multi-label one's sigmoids:
+    the graph then ends in the sigmoid, which is how its scores are read as multi-label)."""
 
     def __init__(self, model: nn.Module, folder: TextFolder):
         super().__init__()
@@ -210,6 +222,7 @@ class TextModule(nn.Module):
         self.pooling = folder.pooling
         self.normalize = folder.normalize
         self.classifier = folder.task == CLASSIFIER_TASK
+        self.multi_label = folder.multi_label
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.run(*(tokens[:, i] for i in self.inputs))
@@ -219,7 +232,7 @@ class TextModule(nn.Module):
         feeds = dict(zip(self.names, inputs))
         out = self.model(**feeds, return_dict=True)
         if self.classifier:
-            return out.logits
+            return torch.sigmoid(out.logits) if self.multi_label else out.logits
         hidden = out.last_hidden_state
         mask = feeds["attention_mask"] if "attention_mask" in feeds else torch.ones_like(feeds["input_ids"])
         vectors = torch.cat([pool(mode, hidden, mask) for mode in self.pooling], dim=-1)
@@ -299,6 +312,6 @@ def load_text_model(name: str, weights: str | None, labels: list[str] | None, ta
         raise UserError(f"{name} is a {folder.task} model, as its {said} says; --task {task} does not fit it")
     built = find_source(name).build(name, num_classes, None)
     source = {"weights": str(folder.path / WEIGHTS), "sha256": sha256_file(folder.path / WEIGHTS), **built.facts}
-    output = {"name": OUTPUT_NAMES[folder.task], "dtype": "float32", "shape": [folder.width]}
+    output = {"name": folder.output_name, "dtype": "float32", "shape": [folder.width]}
     return LoadedModel(name, built.module, folder.input, built.classes or [], source, task=folder.task,
                        output_width=folder.width, outputs=[output], tokenizer_folder=folder.path)

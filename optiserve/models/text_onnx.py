@@ -24,7 +24,7 @@ from optiserve.models.onnx_file import (TOKEN_DTYPES, ModelOutput, fed_inputs, g
                                         takes_tokens, value_dtype, value_shape)
 from optiserve.models.onnx_graph import GraphEdit, renamed_uses
 from optiserve.models.text_folder import (CLASSIFIER_TASK, CONFIG, ENCODER_TASK, OUTPUT_NAMES, TOKENIZER,
-                                          _check_single_label, _json, _labels, _max_length, _modules, _pooling)
+                                          _json, _labels, _max_length, _modules, _pooling, is_multi_label)
 from optiserve.text_input import TOKEN_INPUTS, TextInput
 
 INT64, FLOAT, INT32 = 7, 1, 6  # onnx.TensorProto's element types
@@ -168,7 +168,10 @@ def _reading(read: ModelOutput, task: str | None, config: dict, folder: Path, na
     if id2label and len(id2label) != width:
         raise UserError(f"{folder / CONFIG}: id2label names {len(id2label)} classes; {which} scores {width}")
     labels = _labels({**config, "num_labels": width}, folder)
-    _check_single_label(config, folder, width)
+    if is_multi_label(config, folder, width):
+        raise UserError(f"{folder / CONFIG}: problem_type is multi_label_classification; optiserve reads a multi-label "
+                        f"text classifier from its model folder (config.json, model.safetensors), not yet from an "
+                        f"ONNX file of its logits: give the folder")
     return CLASSIFIER_TASK, labels, (), False
 
 

@@ -17,6 +17,7 @@ from optiserve.errors import UserError
 from optiserve.models import LoadedModel, load_model, read_labels
 from optiserve.models.detector_heads import HeadDecoding
 from optiserve.models.onnx_file import is_onnx_file
+from optiserve.models.output_ending import MULTI_LABEL
 from optiserve.models.text_folder import is_text_folder
 from optiserve.models.sources import is_registered
 from optiserve.optimize.attempts import LOG_FILE, Attempts
@@ -69,16 +70,19 @@ def class_mapping(model_classes: list[str], data_classes: list[str]) -> list[int
     return None if None in mapping else mapping
 
 
-def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> tuple[str, list[int] | None]:
-    """('', class mapping) when variants can be judged on `data` for `loaded`, else (why not, None);
-    the mapping is None where the data's labels cannot score the model (none, or not its classes),
-    and a classifier is then judged by top-1 agreement with fp32. Raises on pairs that cannot run."""
+def _check_compatible(loaded: LoadedModel, data: DatasetSplits, read: str | None) -> tuple[str, list[int] | None]:
+    """('', class mapping) when variants can be judged on `data` for `loaded` (its scores holding
+    `read`, as far as known), else (why not, None); the mapping is None where the data's labels cannot
+    score the model (none, or not its classes), and a classifier is then judged by top-1 agreement
+    with fp32. Raises on pairs, or sets of classes, that cannot run."""
     if isinstance(loaded.input, TextInput):  # its texts were tokenized for it (data/text_tokens.py)
         if not get_task(loaded.task).scored_by_labels:
             return "", None
         if data.truth == "pairs":
             raise UserError(f"dataset {data.name} holds scored pairs (text1, text2, score), which judge a sentence "
                             f"encoder; {loaded.name} is a {loaded.task} model: give texts, labelled or not")
+        if data.truth == "class-sets":
+            return "", _class_sets_mapping(loaded, data, read)
         return "", class_mapping(loaded.classes, data.classes) if data.labelled else None
     if tuple(loaded.input.shape) != tuple(data.input.shape):
         fix = ("use the dataset the checkpoint was trained on" if loaded.rebuildable else
@@ -92,6 +96,22 @@ def _check_compatible(loaded: LoadedModel, data: DatasetSplits) -> tuple[str, li
     if not get_task(loaded.task).scored_by_labels or not data.labelled:
         return "", None  # judged against fp32's outputs: no labels needed
     return "", class_mapping(loaded.classes, data.classes)
+
+
+def _class_sets_mapping(loaded: LoadedModel, data: DatasetSplits, read: str | None) -> list[int]:
+    """The model's class of each of the data's, for texts labelled with sets of classes (`a|b`): only a
+    multi-label classifier's scores read them, and every name must be one of its classes (one line
+    otherwise: a set half matched would score the model on classes it was never asked about)."""
+    if read != MULTI_LABEL:
+        raise UserError(f"dataset {data.name} labels texts with sets of classes (a|b), which score a multi-label "
+                        f"classifier; {loaded.name} reads one softmax over its classes: give each text one label")
+    mapping = class_mapping(loaded.classes, data.classes)
+    if mapping is None:
+        unknown = next(c for c in data.classes if class_mapping(loaded.classes, [c]) is None)
+        raise UserError(f"dataset {data.name} has label {unknown!r}, which is not one of {loaded.name}'s classes "
+                        f"({', '.join(loaded.classes[:8])}{', ...' if len(loaded.classes) > 8 else ''}: config.json's "
+                        f"id2label, matched by name); label the texts with the model's classes")
+    return mapping
 
 
 def _check_mask_classes(masks: np.ndarray, classes: list[str], cfg: OptimizeConfig) -> None:
@@ -134,6 +154,10 @@ def _held_out(split, data: DatasetSplits, loaded: LoadedModel, cfg: OptimizeConf
         _check_box_classes(held.labels, loaded.classes, cfg)
     elif data.truth == "pairs":
         pass  # the pairs' scores, which the text-embedding task reads as they are
+    elif data.truth == "class-sets":  # the data's classes put in the model's columns
+        sets = np.zeros((len(held.labels), len(loaded.classes)), dtype=np.int64)
+        sets[:, mapping] = held.labels
+        held.labels = sets
     else:
         held.labels = None if mapping is None else np.asarray(mapping)[held.labels]
     return held
@@ -145,7 +169,9 @@ def _judged_by_agreement(loaded: LoadedModel, data: DatasetSplits, why_not: str,
     scores are read)."""
     if why_not or not get_task(loaded.task).scored_by_labels:
         return []
-    note = get_task(loaded.task, read).judged_note(data.name, data.labelled, mapping is not None)
+    # labels score a multi-label model where they are sets of classes, and any other classifier where one class
+    scored = mapping is not None and (data.truth == "class-sets") == (read == MULTI_LABEL)
+    note = get_task(loaded.task, read).judged_note(data.name, data.labelled, scored)
     return [note] if note else []
 
 
@@ -203,7 +229,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                             ignore_index=cfg.ignore_index, boxes=cfg.boxes, text_folder=text_folder)
         if cfg.test is not None:
             _use_test_folder(data, cfg)
-        why_not, mapping = _check_compatible(loaded, data)
+        why_not, mapping = _check_compatible(loaded, data, read)
         valset = _held_out(data.val, data, loaded, cfg, mapping)
         testset = _held_out(data.test, data, loaded, cfg, mapping)
         length_batches, skipped_lengths = _length_batches(loaded, data, text_folder, cfg)

@@ -29,6 +29,8 @@ def materialize(dataset: Dataset, labelled: bool, truth: str = "classes") -> Eva
         x = x.astype(np.float32, copy=False)
     if truth == "masks":
         y = np.stack(labels)
+    elif truth == "class-sets":  # each text's classes, [N, C] in {0, 1} (data/text_tokens.py)
+        y = np.stack([np.asarray(v) for v in labels]).astype(np.int64)
     elif truth == "pairs":  # scored text pairs: each row its pair's score (data/text_tokens.py)
         y = np.asarray([float(v) for v in labels])
     elif truth == "boxes":

@@ -96,7 +96,8 @@ register_output_kind(OutputKind("log_probabilities", "exp sums to 1 over the cla
                                 np.exp, _are_log_probabilities))
 register_output_kind(OutputKind("multi_label", "K independent probabilities, each in 0..1 and each class on its "
                                 "own (a classifier ending in a sigmoid over K > 1 classes: multi-label)",
-                                lambda out: out, _are_independent_probabilities, tasks=("classification",),
+                                lambda out: out, _are_independent_probabilities,
+                                tasks=("classification", "text-classification"),
                                 suggested_by_values=False))
 
 

@@ -2,12 +2,14 @@
 id2label, in index order), one row per text. Judged and answered as image classification is
 (tasks/classification.py): top-1 against labels matched to the classes by name, with the paired
 interval of its difference from fp32, or without such labels top-1 agreement with fp32; answered
-with the top-k classes and their probabilities."""
+with the top-k classes and their probabilities. A multi-label classifier's (its sigmoids: output kind
+`multi_label`) is read as an image one's is (tasks/multi_label.py), its words counting texts."""
 
 from __future__ import annotations
 
 from optiserve.tasks.classification import Classification
-from optiserve.tasks.registry import register_task
+from optiserve.tasks.multi_label import KIND, MultiLabelClassification
+from optiserve.tasks.registry import register_reading, register_task
 
 
 class TextClassification(Classification):
@@ -25,3 +27,13 @@ class TextClassification(Classification):
 
 
 register_task(TextClassification())
+
+
+class TextMultiLabelClassification(MultiLabelClassification):
+    name = TextClassification.name
+    description = "one [N, K] tensor of K independent class probabilities per text (multi-label)"
+    input_kind = "text"
+    unit = "texts"
+
+
+register_reading(KIND, TextMultiLabelClassification())

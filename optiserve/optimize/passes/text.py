@@ -1,10 +1,11 @@
 """The passes of a text model (a Hugging Face folder, models/text_folder.py, or an ONNX file with its
 tokenizer's folder, models/text_onnx.py): onnx-fp32, the encoder (with its classifier's head, for a
-text classifier: one output, `logits`) exported to ONNX with dynamic batch and sequence axes and held
-to eager on every validation batch, or the given file as it is (the baseline every other variant is
-judged against); onnx-int8, its MatMul weights quantized to
-INT8 per output channel with activations quantized per batch at run time (ONNX Runtime's dynamic
-quantization, which needs no calibration and suits activations whose range varies with the text);
+text classifier: one output, `logits`, or a multi-label one's sigmoids of them, `probabilities`)
+exported to ONNX with dynamic batch and sequence axes and held to eager on every validation batch,
+or the given file as it is (the baseline every other variant is judged against); onnx-int8, its
+MatMul weights quantized to INT8 per output channel with activations quantized per batch at run
+time (ONNX Runtime's dynamic quantization, which needs no calibration and suits activations whose
+range varies with the text);
 OpenVINO's IR of onnx-fp32 at f32 and, where the CPU has bf16, bf16 inference precision; and
 openvino-int8, NNCF's post-training INT8 with its transformer scheme (LayerNorm, Softmax and GELU
 kept in float), calibrated on the training texts."""
@@ -108,7 +109,7 @@ def _build_fp32(run: Run) -> None:
         return
     with run.attempts.attempt(f"ONNX export (opset {OPSET}, dynamic batch and sequence)", "onnx-fp32"):
         names = run.loaded.input.inputs
-        output = run.loaded.outputs[0]["name"]  # the task's output as the manifest lists it: vector or logits
+        output = run.loaded.outputs[0]["name"]  # the task's output as the manifest lists it
         difference = export_text_onnx(run.loaded.model, run.loaded.input, output,
                                       np.asarray(run.example), run.stage / "model.onnx",
                                       [np.asarray(b) for b in run.checks])
