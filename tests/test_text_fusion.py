@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import polarity_file, small_bert_classifier, wordpiece_tokenizer
+from optiserve.optimize.fuse_text import heads_in_graph
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
 onnx = pytest.importorskip("onnx")
@@ -63,6 +64,8 @@ def test_the_fused_graph_holds_onnx_runtime_s_fused_operators_with_the_config_s_
     assert all(settings["fused_operators"][op] == ops.count(op) for op in settings["fused_operators"])
     assert "Attention" in settings["fusions_applied"] and "SkipLayerNormalization" in settings["fusions_applied"]
     assert "Attention" not in {n.op_type for n in _graph(out / "model.onnx").node}
+    # what an ONNX file's heads are read from: the attention's split into heads in the exported graph
+    assert heads_in_graph(_graph(out / "model.onnx")) == {(config["num_attention_heads"], config["hidden_size"])}
     # the contract every ONNX text variant keeps: the token inputs and the one output, by name
     base = _graph(out / "model.onnx")
     assert [i.name for i in _graph(out / fused["file"]).input] == [i.name for i in base.input]

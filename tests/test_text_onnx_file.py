@@ -128,7 +128,8 @@ def encoder_artifact(files) -> Path:
     onnx_file, folder = files["encoder"]
     out = files["work"] / "encoder-artifact"
     run_optimize(OptimizeConfig(str(onnx_file), tokenizer=str(folder), dataset=f"text:{files['data']}", int8=True,
-                                latency_batch=1, timing_rounds=3, calib_size=16, progress=False, out=str(out)))
+                                latency_batch=1, timing_rounds=3, calib_size=16, ort_transformer=False,
+                                progress=False, out=str(out)))
     return out
 
 

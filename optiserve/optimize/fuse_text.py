@@ -19,8 +19,9 @@ from onnx import numpy_helper
 from optiserve.files import atomic_write
 from optiserve.optimize.quantize_ort import root_warnings_muted
 
-MODEL_TYPE = "bert"  # the optimizer's patterns: BERT and its kin (RoBERTa, DistilBERT, MiniLM), as transformers exports them
-OPT_LEVEL = 1        # ONNX Runtime's basic graph optimizations first: provider-independent, what the optimizer defaults to for BERT
+# the optimizer's patterns: BERT and its kin (RoBERTa, DistilBERT, MiniLM) as transformers exports them
+MODEL_TYPE = "bert"
+OPT_LEVEL = 1  # ONNX Runtime's basic graph optimizations first: provider-independent, the optimizer's BERT default
 # a folder's config.json: (heads, width) under transformers' names for BERT-like and DistilBERT-like configurations
 CONFIG_KEYS = (("num_attention_heads", "hidden_size"), ("n_heads", "dim"))
 
@@ -67,10 +68,27 @@ def _constant_ints(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
     return known
 
 
+def _widths(graph: onnx.GraphProto) -> dict[str, int]:
+    """The last dimension of each projection's output: a MatMul or Add of a weight (an initializer,
+    directly or through Identity), as a query, key or value projection is exported."""
+    shapes = {init.name: list(init.dims) for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Identity" and node.input[0] in shapes:
+            shapes[node.output[0]] = shapes[node.input[0]]
+    widths: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type in ("MatMul", "Add"):
+            dims = [shapes[name][-1] for name in node.input if shapes.get(name)]
+            if dims:
+                widths[node.output[0]] = dims[0]
+    return widths
+
+
 def heads_in_graph(graph: onnx.GraphProto) -> set[tuple[int, int]]:
-    """(heads, hidden size) of each attention's split into heads: a Reshape to [batch, sequence, H, D]
-    (H and D fixed numbers) whose output a Transpose with perm [0, 2, 1, 3] reads."""
-    known = _constant_ints(graph)
+    """(heads, hidden size) of each attention's split into heads: a projection reshaped to
+    [batch, sequence, H, D] whose output a Transpose to [0, 2, 1, 3] reads; D a fixed number, H one
+    too or -1 (then the projection's width over D)."""
+    known, widths = _constant_ints(graph), _widths(graph)
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
@@ -78,11 +96,17 @@ def heads_in_graph(graph: onnx.GraphProto) -> set[tuple[int, int]]:
     found = set()
     for node in graph.node:
         shape = known.get(node.input[1]) if node.op_type == "Reshape" and len(node.input) > 1 else None
-        if not shape or len(shape) != 4 or not all(isinstance(v, int) and v > 0 for v in shape[2:]):
+        if not shape or len(shape) != 4 or not isinstance(shape[3], int) or shape[3] <= 0:
             continue
-        if any(r.op_type == "Transpose" and [int(p) for a in r.attribute if a.name == "perm" for p in a.ints]
-               == [0, 2, 1, 3] for r in readers.get(node.output[0], [])):
-            found.add((shape[2], shape[2] * shape[3]))
+        if not any(r.op_type == "Transpose" and [int(p) for a in r.attribute if a.name == "perm" for p in a.ints]
+                   == [0, 2, 1, 3] for r in readers.get(node.output[0], [])):
+            continue
+        heads, size = shape[2], shape[3]
+        width = widths.get(node.input[0])
+        if heads == -1 and width and width % size == 0:
+            heads = width // size
+        if isinstance(heads, int) and heads > 0 and (width is None or width == heads * size):
+            found.add((heads, heads * size))
     return found
 
 
