@@ -221,6 +221,10 @@ def test_a_classifier_file_takes_its_classes_from_id2label_and_predicts_as_the_f
     got = _variant(out, "onnx-fp32", TEXTS)
     np.testing.assert_allclose(got, logits, atol=1e-5)
     assert (got.argmax(1) == logits.argmax(1)).all()
+    # ONNX Runtime's fusions, given the heads and width the file's own attention reshapes say
+    fused = next(v for v in manifest["variants"] if v["name"] == "onnx-fused")["settings"]
+    assert (fused["num_heads"], fused["hidden_size"], fused["heads_from"]) == (2, 32, "the graph's attention reshapes")
+    np.testing.assert_allclose(_variant(out, "onnx-fused", TEXTS), logits, atol=1e-4)
 
 
 # --- refusals --------------------------------------------------------------------------------------------
