@@ -53,7 +53,7 @@ def timed(model, tmp_path_factory):
         patch.setattr(ort.InferenceSession, "run", observed)
         # every variant accepted (the weights are untrained): two to compare at every length
         run_optimize(OptimizeConfig(str(folder), dataset=f"text:{data}", int8=True, openvino=False,
-                                    latency_batch=BATCH, timing_rounds=ROUNDS, calib_size=32,
+                                    ort_transformer=False, latency_batch=BATCH, timing_rounds=ROUNDS, calib_size=32,
                                     max_accuracy_drop=100.0, progress=False, out=str(out)))
     return json.loads((out / "manifest.json").read_text()), fed, out
 

@@ -135,6 +135,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--openvino", action=argparse.BooleanOptionalAction, default=True,
                    help="build the OpenVINO variants from the ONNX files: openvino-fp32, openvino-bf16 where the "
                         "CPU has bf16, openvino-int8 with --int8 (default on; --no-openvino skips them)")
+    p.add_argument("--ort-transformer", action=argparse.BooleanOptionalAction, default=True,
+                   help="a text model: ONNX Runtime's transformer variants, onnx-fused (its attention, LayerNorm and "
+                        "GELU fusions) and with --int8 onnx-fused-int8 and onnx-int8-static (static QDQ, calibrated "
+                        "on training texts) (default on; --no-ort-transformer skips them)")
     p.add_argument("--accuracy-aware", action=argparse.BooleanOptionalAction, default=True,
                    help="an ONNX INT8 variant that misses the accuracy gate is quantized again with its most "
                         "sensitive layers (measured on validation images) kept in float (default on)")
@@ -173,6 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = OptimizeConfig(
         model=args.model, weights=args.weights, dataset=args.dataset, int8=args.int8, onnx=args.onnx, openvino=args.openvino,
+        ort_transformer=args.ort_transformer,
         accuracy_aware=args.accuracy_aware, max_float_layers=args.max_float_layers,
         prune=args.prune, prune_channels=args.prune_channels, finetune_epochs=args.finetune_epochs,
         search="auto" if args.search is None else ("on" if args.search else "off"), search_minutes=args.search_minutes,

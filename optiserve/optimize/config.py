@@ -39,6 +39,7 @@ class OptimizeConfig:
     fp16: bool = False
     onnx: bool = True
     openvino: bool = True             # OpenVINO IR variants (built from the ONNX files)
+    ort_transformer: bool = True      # a text model: onnx-fused, and with int8 onnx-fused-int8 and onnx-int8-static
     calib_size: int = 256
     calib_method: str = "minmax"
     int8_recipe: str = "auto"         # auto: transformer where the graph has attention, else convolutional

@@ -24,16 +24,22 @@ CALIB_METHODS = ("minmax", "entropy", "percentile")
 
 
 class _BatchReader:
-    """onnxruntime.quantization.CalibrationDataReader over pre-made batches."""
+    """onnxruntime.quantization.CalibrationDataReader over pre-made batches: arrays for the graph's
+    one input, or a text model's named token inputs (a dict per batch)."""
 
-    def __init__(self, input_name: str, batches: list[np.ndarray]):
+    def __init__(self, input_name: str, batches: list[np.ndarray] | list[dict[str, np.ndarray]]):
         self.input_name, self.batches, self.i = input_name, batches, 0
 
     def get_next(self):
         if self.i >= len(self.batches):
             return None
         self.i += 1
-        return {self.input_name: self.batches[self.i - 1]}
+        batch = self.batches[self.i - 1]
+        return batch if isinstance(batch, dict) else {self.input_name: batch}
+
+
+def _rows(batch: np.ndarray | dict[str, np.ndarray]) -> int:
+    return len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch)
 
     def rewind(self):
         self.i = 0
@@ -62,14 +68,16 @@ def _working_directory(path: str):
         os.chdir(previous)
 
 
-def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike, batches: list[np.ndarray],
+def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike, batches: list,
                          method: str = "minmax", per_channel: bool = True, reduce_range: bool = True,
                          nodes_to_exclude: list[str] | None = None, op_types: list[str] | None = None,
-                         float_outputs_of: list[str] | None = None, only_nodes: list[str] | None = None) -> dict:
-    """Pre-process (shape inference, graph optimization), calibrate on `batches`, write the QDQ INT8 model;
+                         float_outputs_of: list[str] | None = None, only_nodes: list[str] | None = None,
+                         unit: str = "images") -> dict:
+    """Pre-process (shape inference, graph optimization), calibrate on `batches` (arrays for the graph's
+    one input, or dicts of named inputs: a text model's tokens), write the QDQ INT8 model;
     `op_types` limits quantization to those ONNX op types (ONNX Runtime's own list when None), the
     outputs of `float_outputs_of` op types stay float (their consumers read them unquantized), and
-    `only_nodes`, when given, quantizes those nodes and no others.
+    `only_nodes`, when given, quantizes those nodes and no others; `unit` names what a batch's rows are.
 
     Returns the settings used, for the manifest.
     """
@@ -109,7 +117,7 @@ def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLi
             f.write(out_tmp.read_bytes())
     settings = {"format": "QDQ", "activations": "uint8", "weights": "int8", "per_channel": per_channel,
                 "reduce_range": reduce_range, "calibration": method,
-                "calibration_images": int(sum(len(b) for b in batches)), "shape_inference": shapes}
+                f"calibration_{unit}": int(sum(_rows(b) for b in batches)), "shape_inference": shapes}
     if op_types:
         settings["quantized_op_types"] = list(op_types)
     if float_outputs_of:

@@ -84,21 +84,22 @@ def export_text_onnx(module: nn.Module, text: TextInput, output: str, example: n
     return worst
 
 
-def quantize_text_dynamic(fp32_path: Path, out_path: Path) -> dict:
-    """INT8 weights per output channel for every MatMul, activations quantized per batch at run time."""
+def quantize_text_dynamic(fp32_path: Path, out_path: Path, op_types: tuple[str, ...] = ("MatMul",)) -> dict:
+    """INT8 weights per output channel for every MatMul (and every op of `op_types`: a fused graph's
+    Attention, its QKV projection), activations quantized per batch at run time."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with tempfile.TemporaryDirectory() as tmp:
         out_tmp = Path(tmp) / "int8.onnx"
         with contextlib.redirect_stdout(io.StringIO()), root_warnings_muted():
             quantize_dynamic(str(fp32_path), str(out_tmp), weight_type=QuantType.QInt8, per_channel=True,
-                             op_types_to_quantize=["MatMul"],
+                             op_types_to_quantize=list(op_types),
                              # the exporter's shapes are symbolic; its MatMul outputs are float
                              extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         with atomic_write(out_path) as f:
             f.write(out_tmp.read_bytes())
     return {"format": "dynamic", "activations": "uint8, per batch at run time", "weights": "int8",
-            "per_channel": True, "quantized_op_types": ["MatMul"]}
+            "per_channel": True, "quantized_op_types": list(op_types)}
 
 
 def _build_fp32(run: Run) -> None:
