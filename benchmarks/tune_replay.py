@@ -5,10 +5,13 @@ timed from when it was due), and check that p99 stays within 1.2x the objective 
 A closed-loop claim (`tune --concurrency-mode closed`) is replayed with its number of callers.
 A pipeline's folder is replayed against its repository served as `optiserve serve REPOSITORY`
 (each model with the serving.json tune wrote), the pictures of --images uploaded to the pipeline.
+A text model's folder is replayed with the texts it was tuned with (tune.json's `load`, or
+--texts text:FILE), one a request as a text/plain body, as tune sent them.
 
     optiserve tune artifacts/resnet18-digits --slo-p99-ms 50
     python benchmarks/tune_replay.py artifacts/resnet18-digits
     python benchmarks/tune_replay.py models/reader --images scenes/
+    python benchmarks/tune_replay.py artifacts/minilm          (tuned with --texts text:queries.txt)
 
 Needs the [bench] extra (aiohttp). Prints the CPU, the claim, what the replay measured, and the
 verdict; exits 1 when the claim does not hold.
@@ -28,16 +31,19 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from optiserve.bench.payloads import dataset_images, images_from_folder  # noqa: E402
+from optiserve.bench.texts import read_texts  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402
 
 TOLERANCE = 1.2  # the replay's p99 may be this many times the objective
 PNG = {"content-type": "image/png"}
+TEXT = {"content-type": "text/plain; charset=utf-8"}
 
 
 async def replay(base: str, images: list[bytes], seconds: float, rate: float | None = None,
-                 callers: int | None = None, model: str | None = None) -> dict:
-    """Open loop (`rate`): send `rate` requests a second for `seconds` to /predict on schedule,
+                 callers: int | None = None, model: str | None = None, headers: dict = PNG) -> dict:
+    """Open loop (`rate`): send `rate` requests a second for `seconds` to /predict on schedule (each
+    of `images` as the raw body with `headers`: a PNG's, or a text's UTF-8 as text/plain),
     each timed from when it was due. Closed loop (`callers`): that many callers, each sending its
     next request when the last is answered. Returns p50/p99 (ms), answered and failed counts and
     the answered rate."""
@@ -48,8 +54,8 @@ async def replay(base: str, images: list[bytes], seconds: float, rate: float | N
     connector = aiohttp.TCPConnector(limit=1024)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
         async def one(i: int, due: float) -> None:
-            try:  # a raw image body: the cheapest request to send, so the client takes little of the CPU
-                async with session.post(url, data=images[i % len(images)], headers=PNG) as r:
+            try:  # a raw body: the cheapest request to send, so the client takes little of the CPU
+                async with session.post(url, data=images[i % len(images)], headers=headers) as r:
                     await r.read()
                     if r.status == 200:
                         latencies.append(time.perf_counter() - due)
@@ -88,16 +94,22 @@ async def replay(base: str, images: list[bytes], seconds: float, rate: float | N
             "answered_per_s": len(latencies) / took}
 
 
-def check_claim(folder: Path, seconds: float = 20.0, images: list[bytes] | None = None) -> dict:
+def check_claim(folder: Path, seconds: float = 20.0, images: list[bytes] | None = None,
+                texts: str | None = None) -> dict:
     """Serve `folder` with its serving.json (a pipeline's folder: its repository, each model with
     its own) and replay tune.json's claimed rate with `images` (default: random PNGs at the model's
-    input size); the claim, the replay's figures and whether p99 stayed within TOLERANCE x the
+    input size), or for a text model the texts of `texts` (default: those tune.json says it was
+    tuned with); the claim, the replay's figures and whether p99 stayed within TOLERANCE x the
     objective with no failures."""
     tune = json.loads((folder / "tune.json").read_text())
     winner, objective = tune["winner"], tune["objective"]["slo_p99_ms"]
     load = {"callers": int(winner["concurrency"])} if winner["mode"] == "closed" else {"rate": winner["rate"]}
     pipeline = (folder / "pipeline.json").is_file()
-    if images is None:
+    texts = texts or (tune.get("load") or {}).get("texts")
+    if texts is not None:
+        images = [text.encode("utf-8") for text in read_texts(texts)]
+        load["headers"] = TEXT
+    elif images is None:
         if pipeline:
             raise SystemExit("a pipeline is replayed with the pictures it was tuned with: give --images DIR")
         manifest = json.loads((folder / "manifest.json").read_text())
@@ -116,9 +128,11 @@ def main() -> int:
                                      "or a pipeline's folder it tuned")
     p.add_argument("--seconds", type=float, default=20.0, help="how long the claimed rate is replayed (default 20)")
     p.add_argument("--images", default=None, metavar="DIR", help="the pictures sent (a pipeline's are needed)")
+    p.add_argument("--texts", default=None, metavar="text:FILE",
+                   help="a text model's texts (default: those tune.json says it was tuned with)")
     args = p.parse_args()
     images = images_from_folder(args.images) if args.images else None
-    result = check_claim(Path(args.model_dir), args.seconds, images)
+    result = check_claim(Path(args.model_dir), args.seconds, images, args.texts)
     claim, replayed = result["claim"], result["replay"]
     print(f"machine: {cpu_line()}")
     print(f"claim: {claim['rate']:.1f} requests/s at p99 {claim['p99_ms']:.1f} ms with {claim['settings']} "

@@ -142,12 +142,10 @@ def write_manifest(folder: Path, manifest: dict) -> None:
 
 
 def image_model_only(manifest: dict, folder: str | os.PathLike, what: str) -> None:
-    """One line where `what` (serving, tuning, a benchmark) is asked of a text model's folder, which it
-    does not take yet: its variants run through the runtime (optiserve.runtime.load_session)."""
+    """One line where `what` (a pipeline's step) is asked of a text model's folder, which it does not
+    take yet."""
     if (manifest.get("input") or {}).get("kind") == "text":
-        raise UserError(f"{folder} holds a {manifest.get('task', 'text')} model; {what} takes image models for now "
-                        f"(its variants run through optiserve.runtime.load_session, their texts tokenized by "
-                        f"optiserve.text_input.TextTokenizer)")
+        raise UserError(f"{folder} holds a {manifest.get('task', 'text')} model; {what} takes image models for now")
 
 
 def read_manifest(folder: str | os.PathLike, expected_sha256: str | None = None) -> dict:

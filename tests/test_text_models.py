@@ -257,13 +257,6 @@ def test_the_openvino_ir_runs_in_bf16_only_where_the_cpu_has_it(optimized, monke
             load_verified(optimized, bf16, manifest, RuntimeOptions(device="cpu"))
 
 
-def test_tuning_a_text_model_is_one_line_saying_what_runs_it(optimized):
-    for command in (("tune", str(optimized), "--slo-p99-ms", "50"),):  # serving it: tests/test_text_serving.py
-        r = run_cli(*command, timeout=120)
-        assert r.returncode != 0 and "Traceback" not in r.stderr
-        assert "text-embedding model" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-
-
 def test_data_a_text_model_cannot_take_is_one_line():
     r = run_cli("optimize", str(MINILM), "--dataset", "digits", "--out", "unused", timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "a text model takes --dataset text:" in r.stderr

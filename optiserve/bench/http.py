@@ -5,6 +5,7 @@ and turning its /stats into results for `compare`."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from optiserve.artifacts import reported_facts
@@ -12,10 +13,14 @@ from optiserve.bench.loadgen import Load, generate_load
 from optiserve.bench.payloads import image_tensors
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run, make_results
-from optiserve.bench.senders import (PROTOCOLS, BinaryTensorSender, GrpcSender, PipelineBinarySender, PredictSender,
-                                     RawImageSender, Sender)
+from optiserve.bench.senders import (PROTOCOLS, BinaryTensorSender, EmbeddingsSender, GrpcSender,
+                                     PipelineBinarySender, PredictSender, RawImageSender, Sender, TextBinarySender,
+                                     TextGrpcSender, TextPlainSender, TextPredictSender)
+from optiserve.bench.texts import TextLoad, text_load
 from optiserve.errors import UserError
 from optiserve.input_spec import InputSpec
+
+TEXT_SENDERS = {"predict": TextPredictSender, "predict-raw": TextPlainSender, "v2-binary": TextBinarySender}
 
 
 def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0, model: str | None = None) -> dict:
@@ -53,9 +58,19 @@ def server_facts(base_url: str, samples: bool = False, timeout_s: float = 10.0, 
 
 
 def make_sender(protocol: str, base_url: str, images: list[bytes], facts: dict, variant: str | None,
-                grpc_target: str | None = None) -> Sender:
-    """The sender for `protocol` (predict, predict-raw, v2-binary or grpc) to one model of the server `facts` describe."""
+                grpc_target: str | None = None, texts: TextLoad | None = None) -> Sender:
+    """The sender for `protocol` (predict, predict-raw, v2-binary, grpc or, for texts, openai) to one
+    model of the server `facts` describe: `texts` where given, else `images`."""
     model = facts.get("model")
+    if texts is not None:
+        if protocol == "grpc":
+            return TextGrpcSender(grpc_target or default_grpc_target(base_url), texts, model, variant)
+        if protocol == "openai":
+            return EmbeddingsSender(base_url, texts, model)
+        return TEXT_SENDERS[protocol](base_url, texts, model, variant)
+    if protocol == "openai":
+        raise UserError("--protocol openai sends texts to /v1/embeddings; an image model takes predict, predict-raw, "
+                        "v2-binary or grpc")
     if protocol == "predict":
         return PredictSender(base_url, images, model, variant)
     if protocol == "predict-raw":
@@ -81,17 +96,23 @@ def default_grpc_target(base_url: str) -> str:
 def bench_http(base_url: str, images: list[bytes], variants: list[str] | None, concurrency: list[int],
                rates: list[float], duration_s: float, warmup_s: float, timeout_s: float = 60.0,
                progress: bool = True, settings: dict | None = None, model: str | None = None,
-               protocol: str = "predict", grpc_target: str | None = None) -> dict:
+               protocol: str = "predict", grpc_target: str | None = None, texts: str | None = None,
+               texts_per_request: int = 1, tokenizer: str | None = None) -> dict:
     """One closed-loop run per (variant, concurrency) and one open-loop run per (variant, rate),
     over `protocol`: /predict image uploads, or the images' tensors over the Open Inference
     Protocol (HTTP binary tensors, or gRPC at `grpc_target`); facts and readiness come from `base_url`.
+    A text model is sent `texts` (text:FILE, `texts_per_request` a request) instead, its tokens
+    counted with the tokenizer.json in the folder `tokenizer` where one is given.
 
     Without `variants`, requests name no variant and the server's A/B split routes them; the
     records say which variant served each one."""
     if grpc_target and protocol != "grpc":
         raise UserError("--grpc-target applies only with --protocol grpc")
+    if texts is None and (texts_per_request != 1 or tokenizer):
+        raise UserError("--texts-per-request and --tokenizer go with --texts text:FILE (a text model's load)")
     facts = server_facts(base_url, model=model)
     model = facts.get("model")
+    text_payloads = texts_for(facts, texts, texts_per_request, tokenizer, protocol, variants)
     served = list(facts.get("variants", {}))
     for name in variants or []:
         if name not in served:
@@ -108,14 +129,41 @@ def bench_http(base_url: str, images: list[bytes], variants: list[str] | None, c
     if protocol == "grpc":
         check_grpc(grpc_target or default_grpc_target(base_url), timeout_s=10)
     runs = [asyncio.run(generate_load(base_url, images, load, line,
-                                      make_sender(protocol, base_url, images, facts, load.variant, grpc_target)))
+                                      make_sender(protocol, base_url, images, facts, load.variant, grpc_target,
+                                                  text_payloads)))
             for load in loads]
-    settings = {"url": base_url, "protocol": protocol,
+    settings = {"url": base_url, "protocol": protocol, **(text_payloads.settings() if text_payloads else {}),
                 **({"grpc_target": grpc_target or default_grpc_target(base_url)} if protocol == "grpc" else {}),
                 "variants": variants, "concurrency": concurrency, "rates": rates,
                 "duration_s": duration_s, "warmup_s": warmup_s, "timeout_s": timeout_s, "ab": facts.get("ab"),
                 **(settings or {})}
     return make_results("http", runs, settings, **_model_and_variants(facts))
+
+
+def texts_for(facts: dict, texts: str | None, per_request: int, tokenizer: str | None, protocol: str,
+              variants: list[str] | None) -> TextLoad | None:
+    """The text load for the model `facts` describe, or None for an image model (a pipeline takes
+    images too); one line where what is sent is not what the model takes."""
+    name = facts.get("model")
+    takes_texts = (facts.get("input") or {}).get("kind") == "text"
+    if not takes_texts:
+        if texts is not None:
+            raise UserError(f"{name} takes images, not texts: leave out --texts (give --images DIR, or none for "
+                            f"the built-in digits)")
+        return None
+    if texts is None:
+        raise UserError(f"{name} is a text model: give --texts text:FILE (a .txt file, one text a line, or a "
+                        f".tsv/.csv with a `text` column) for its requests")
+    if protocol == "openai" and variants:
+        raise UserError("/v1/embeddings names no variant (the server's A/B split routes it): leave out --variants, "
+                        "or measure variants over --protocol predict, v2-binary or grpc")
+    counter = None
+    if tokenizer is not None:
+        counter = Path(tokenizer) / facts["input"]["tokenizer"]
+        if not counter.is_file():
+            raise UserError(f"--tokenizer {tokenizer}: no {facts['input']['tokenizer']} there; give the model's "
+                            f"folder (the one `optiserve serve` serves), whose tokenizer counts the tokens")
+    return text_load(texts, per_request, counter, facts["input"].get("max_length"))
 
 
 def check_grpc(target: str, timeout_s: float) -> None:

@@ -10,9 +10,10 @@ latency instead of vanishing: this avoids coordinated omission, which makes an o
 server look fast.
 
 Every request is recorded — status, latency, the variant that served it and the server's own
-timing breakdown — and failures (HTTP errors, timeouts, refused connections) are counted, never
-dropped. Requests sent during the warm-up are not recorded. `send_lag_ms` records how late the
-generator itself started each request (an overloaded client machine shows up there).
+timing breakdown, and for texts the tokens it sent — and failures (HTTP errors, timeouts, refused
+connections) are counted, never dropped. Requests sent during the warm-up are not recorded.
+`send_lag_ms` records how late the generator itself started each request (an overloaded client
+machine shows up there).
 """
 
 from __future__ import annotations
@@ -47,15 +48,16 @@ class Load:
 
 
 class _Recorder:
-    def __init__(self, t_measure: float):
+    def __init__(self, t_measure: float, tokens: list[int] | None = None):
         self.t_measure = t_measure
+        self.tokens = tokens  # a text load's tokens per payload: each request's are recorded
         self.columns = {k: [] for k in ("t_s", "latency_ms", "send_lag_ms", "ok", "status", "variant", "server_ms",
-                                        "queue_ms", "compute_ms", "batch", "error")}
+                                        "queue_ms", "compute_ms", "batch", "error", *(("tokens",) if tokens else ()))}
         self.in_flight = 0
         self.last_done = t_measure
 
-    def add(self, t_intended: float, t_started: float, t_done: float, outcome: Outcome) -> None:
-        """One request: intended send time, when the generator got to it (its lag), when answered."""
+    def add(self, t_intended: float, t_started: float, t_done: float, outcome: Outcome, k: int = 0) -> None:
+        """One request (payload `k`): intended send time, when the generator got to it (its lag), when answered."""
         if t_intended < self.t_measure:
             return  # warm-up
         self.last_done = max(self.last_done, t_done)
@@ -72,6 +74,8 @@ class _Recorder:
         c["compute_ms"].append(info.get("compute_ms"))
         c["batch"].append(info.get("batch_size"))
         c["error"].append(None if outcome.ok else outcome.error or f"HTTP {outcome.status}")
+        if self.tokens:
+            c["tokens"].append(self.tokens[k % len(self.tokens)])
 
     def summary(self, now: float) -> str:
         c = self.columns
@@ -109,7 +113,7 @@ async def _generate_load(sender: Sender, load: Load, progress: ProgressLine | No
     loop_start = time.perf_counter()
     t_measure = loop_start + load.warmup_s
     t_end = t_measure + load.duration_s
-    rec = _Recorder(t_measure)
+    rec = _Recorder(t_measure, sender.tokens)
     progress = progress or ProgressLine(False)
     await sender.start(limit, load.timeout_s)
     gate = asyncio.Semaphore(limit)  # open loop: requests beyond the connections wait here (and that counts)
@@ -122,7 +126,7 @@ async def _generate_load(sender: Sender, load: Load, progress: ProgressLine | No
                 outcome = await sender.send(k)
             finally:
                 rec.in_flight -= 1
-        rec.add(t_intended, t_started, time.perf_counter(), outcome)
+        rec.add(t_intended, t_started, time.perf_counter(), outcome, k)
 
     async def closed_client(i: int) -> None:
         k = i
@@ -164,4 +168,4 @@ async def _generate_load(sender: Sender, load: Load, progress: ProgressLine | No
         await sender.stop()
     duration = max(t_end, rec.last_done) - t_measure
     progress.done(f"{load.describe()}: {rec.summary(t_measure + duration)}")
-    return Run(load.mode, load.level, load.variant, duration, 1, rec.columns)
+    return Run(load.mode, load.level, load.variant, duration, sender.per_request, rec.columns)

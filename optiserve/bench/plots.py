@@ -81,7 +81,7 @@ def load_curve(report: dict, path: Path) -> bool:
             yerr = np.array([[e.value - e.low for e in p99], [e.high - e.value for e in p99]])
             axes[1, col].errorbar(x, [e.value for e in p99], yerr=yerr, marker="o", capsize=3, label=name)
         axes[0, col].set_title(f"{mode}: throughput")
-        axes[0, col].set_ylabel("images/s")
+        axes[0, col].set_ylabel(f"{report['unit']}/s")
         axes[1, col].set_title(f"{mode}: p99 latency (95% CI)")
         axes[1, col].set_ylabel("ms")
         levels = sorted({g["level"] for g in groups})
@@ -101,7 +101,7 @@ def load_curve(report: dict, path: Path) -> bool:
 
 
 def batch_sizes(report: dict, path: Path) -> bool:
-    """Images by the size of the batch they ran in, per variant (HTTP and server results only)."""
+    """Images (or texts) by the size of the batch they ran in, per variant (HTTP and server results only)."""
     plt = _pyplot()
     totals: dict[str, dict[int, int]] = {}
     for g in report["groups"]:
@@ -118,7 +118,7 @@ def batch_sizes(report: dict, path: Path) -> bool:
         ax.bar(np.arange(len(sizes)) + i * width, [counts.get(s, 0) / total for s in sizes], width, label=name)
     ax.set_xticks(np.arange(len(sizes)) + width * (len(totals) - 1) / 2, [str(s) for s in sizes])
     ax.set_xlabel("server batch size")
-    ax.set_ylabel("fraction of images")
+    ax.set_ylabel(f"fraction of {report['unit']}")
     ax.set_title("Batch sizes the server formed")
     ax.legend(fontsize=8)
     _save(fig, path)

@@ -77,7 +77,9 @@ def build_report(sources: list[tuple[str, dict]], baseline: str | None = None, r
                                 "verdict_p99": verdict(g["name"], base["name"], ratios["p99"], "p99")})
     shadows = [{**sh, "source": name, **_agreement(sh["agreed"], sh["images"])}
                for name, r in sources for sh in ((r.get("settings") or {}).get("shadow") or [])]
+    texts = any((r.get("settings") or {}).get("texts") for _, r in sources)
     return {"format": REPORT_FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "baseline": baseline,
+            "unit": "texts" if texts else "images", "tokens": any("tokens_per_s" in g for g in groups),
             "shadow": shadows,
             "model": next((r.get("model") for _, r in sources if r.get("model")), {}),
             "sources": [{"name": n, "kind": r.get("kind"), "created": r.get("created"), "settings": r.get("settings"),
@@ -114,11 +116,13 @@ def _size(n) -> str:
     return "" if n is None else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
 
 
-def _group_row(g: dict) -> list[str]:
+def _group_row(g: dict, tokens: bool = False) -> list[str]:
     s = g["stats"]
     top1 = _top1(g["info"])
     row = [g["name"], str(g["requests"]), str(g["errors"]) + (f" {g['statuses']}" if g["errors"] else ""),
            f"{g['throughput_per_s']:.1f}", f"{g['images_per_s']:.1f}"]
+    if tokens:
+        row.append(f"{g['tokens_per_s']:.0f}" if "tokens_per_s" in g else "")
     if s["count"]:
         row += [_ms(s["mean"].value)] + [_with_ci(s[f"p{p}"]) for p in PERCENTILES] + [_ms(s["max"])]
     else:
@@ -131,15 +135,22 @@ def _describe_source(source: dict) -> str:
     st = source.get("settings") or {}
     if source["kind"] == "engine":
         return (f"engine timings, batch sizes {', '.join(map(str, st.get('batch_sizes', [])))}, "
-                f"{st.get('duration_s', '?'):g} s each after warm-up")
+                f"{st.get('duration_s', '?'):g} s each after warm-up"
+                + (f", texts: {st['texts']}" if st.get("texts") else ""))
     if source["kind"] == "http":
+        sent = (f"texts: {st['texts']}, {st.get('texts_per_request', 1)} a request"
+                + ("" if st.get("tokens_counted") else ", tokens not counted (no --tokenizer)")
+                if st.get("texts") else f"images: {st.get('images', '?')}")
         return (f"HTTP load on {st.get('url')}, {st.get('duration_s', '?'):g} s per run after {st.get('warmup_s', 0):g} s "
-                f"warm-up, images: {st.get('images', '?')}")
+                f"warm-up, {sent}")
     return f"the server's own traffic at {st.get('url')} (latency measured inside the server)"
 
 
-GROUP_HEADER = (["variant", "requests", "errors", "req/s", "images/s", "mean ms"]
-                + [f"p{p} ms (95% CI)" for p in PERCENTILES] + ["max ms", "top-1", "size"])
+def group_header(unit: str = "images", tokens: bool = False) -> list[str]:
+    """A report table's columns: throughput in requests, in `unit` (images or texts) and, where a
+    text load's tokens were counted, in tokens."""
+    return (["variant", "requests", "errors", "req/s", f"{unit}/s", *(["tokens/s"] if tokens else []), "mean ms"]
+            + [f"p{p} ms (95% CI)" for p in PERCENTILES] + ["max ms", "top-1", "size"])
 
 
 def report_blocks(report: dict, plots: dict[str, str]) -> list[tuple]:
@@ -159,7 +170,8 @@ def report_blocks(report: dict, plots: dict[str, str]) -> list[tuple]:
         blocks += [("h2", "Verdicts"), ("ul", [f"{c['setting']}: {c['verdict']}" for c in report["comparisons"]])]
     for label in report["settings"]:
         here = [g for g in report["groups"] if g["label"] == label]
-        blocks += [("h2", label[0].upper() + label[1:]), ("table", GROUP_HEADER, [_group_row(g) for g in here])]
+        table = [_group_row(g, report["tokens"]) for g in here]
+        blocks += [("h2", label[0].upper() + label[1:]), ("table", group_header(report["unit"], report["tokens"]), table)]
         comps = [c for c in report["comparisons"] if c["setting"] == label]
         if comps:
             rows = []
@@ -279,11 +291,14 @@ def write_report(report: dict, out: str | Path, plots: bool = True) -> dict[str,
 
 def print_summary(report: dict) -> None:
     """A compact table on stdout: one row per variant and setting, then the verdicts."""
-    header = ["setting", "variant", "requests", "errors", "images/s", "p50 ms (95% CI)", "p99 ms (95% CI)"]
+    tokens = report["tokens"]
+    header = ["setting", "variant", "requests", "errors", f"{report['unit']}/s",
+              *(["tokens/s"] if tokens else []), "p50 ms (95% CI)", "p99 ms (95% CI)"]
     rows = []
     for g in report["groups"]:
         s = g["stats"]
         rows.append([g["label"], g["name"], str(g["requests"]), str(g["errors"]), f"{g['images_per_s']:.1f}",
+                     *([f"{g.get('tokens_per_s', 0):.0f}"] if tokens else []),
                      _with_ci(s["p50"]) if s["count"] else "–", _with_ci(s["p99"]) if s["count"] else "–"])
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     for r in [header] + rows:

@@ -7,6 +7,9 @@
      "runs": [{"mode": "engine" | "closed" | "open", "level": N, "variant": name | null,
                "images_per_request": N, "duration_s": S, "records": {"latency_ms": [...], "ok": [...], ...}}]}
 
+A text load's runs count texts in `images_per_request` (the settings say `texts`), and where its
+tokens were counted each request's are in the records' `tokens`.
+
 A run is one load setting: a batch size (engine), a concurrency (closed loop) or an arrival rate
 (open loop). A run whose `variant` is null was routed by the server's A/B split, and its records
 say which variant served each request.
@@ -169,6 +172,9 @@ def group_runs(results: dict, source: str = "") -> list[dict]:
                  "latency_ms": [rec["latency_ms"][i] for i in ok_rows if rec["latency_ms"][i] is not None],
                  "throughput_per_s": len(ok_rows) / run.duration_s if run.duration_s else 0.0}
             g["images_per_s"] = g["throughput_per_s"] * run.images_per_request
+            if "tokens" in rec:  # a text load's tokens, counted by the model's tokenizer: those answered
+                g["tokens"] = int(sum(rec["tokens"][i] for i in ok_rows))
+                g["tokens_per_s"] = g["tokens"] / run.duration_s if run.duration_s else 0.0
             if run.batch_size_counts is not None:
                 g["batch_size_counts"] = run.batch_size_counts
             elif "batch" in rec:

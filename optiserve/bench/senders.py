@@ -1,6 +1,7 @@
 """How the load generator sends one request, per protocol: `/predict` image uploads, the Open
 Inference Protocol over HTTP with binary tensors, or over gRPC with raw tensors (to a pipeline,
-the image's file as a BYTES tensor). Each sender
+the image's file as a BYTES tensor); to a text model, its texts as /predict's JSON or a text/plain
+body, a BYTES tensor over the protocol (HTTP binary or gRPC), or OpenAI's /v1/embeddings. Each sender
 prepares its payloads once, before the clock starts, so the client spends as little CPU per
 request as it can on the cores it shares with the server, and answers every send with an Outcome
 (never an exception): the load generator records failures, it does not drop them."""
@@ -14,10 +15,12 @@ from typing import Protocol
 
 import numpy as np
 
+from optiserve.bench.texts import TextLoad
+from optiserve.errors import UserError
 from optiserve.serve import VARIANT_HEADER
 
 ERROR_TEXT = 200  # characters of an error body kept per failed request
-PROTOCOLS = ("predict", "predict-raw", "v2-binary", "grpc")
+PROTOCOLS = ("predict", "predict-raw", "v2-binary", "grpc", "openai")
 
 
 @dataclass
@@ -33,9 +36,13 @@ class Outcome:
 
 
 class Sender(Protocol):
-    """What the load generator drives: open `connections` connections, send payload k, close."""
+    """What the load generator drives: open `connections` connections, send payload k, close.
+    `per_request`: the images or texts each payload holds; `tokens`: a text payload's tokens, by k
+    modulo their count (None where not counted)."""
 
     protocol: str
+    per_request: int
+    tokens: list[int] | None
 
     def __len__(self) -> int: ...
     async def start(self, connections: int, timeout_s: float) -> None: ...
@@ -51,6 +58,8 @@ class PredictSender:
     """Multipart PNG uploads to `/predict` (field `file`), as `curl -F file=@x.png` sends them."""
 
     protocol = "predict"
+    per_request = 1
+    tokens = None
 
     def __init__(self, base_url: str, images: list[bytes], model: str | None = None, variant: str | None = None,
                  path: str = "/predict"):
@@ -127,8 +136,7 @@ class BinaryTensorSender(PredictSender):
     protocol = "v2-binary"
 
     def __init__(self, base_url: str, tensors: list[np.ndarray], model: str, variant: str | None = None):
-        path = f"/v2/models/{model}" + (f"/versions/{variant}" if variant else "") + "/infer"
-        super().__init__(base_url, [], None, variant, path)
+        super().__init__(base_url, [], None, variant, infer_path(model, variant))
         self.bodies = []
         for x in tensors:
             head = json.dumps({"inputs": [{"name": "input", "shape": [1, *x.shape], "datatype": "FP32",
@@ -179,6 +187,8 @@ class GrpcSender:
     sends), each request serialized once up front."""
 
     protocol = "grpc"
+    per_request = 1
+    tokens = None
 
     def __init__(self, target: str, tensors: list[np.ndarray], model: str, variant: str | None = None):
         from optiserve.grpc_protocol import pb
@@ -234,6 +244,104 @@ class GrpcSender:
             return Outcome(False, e.code().name, variant=variant, error=f"{e.code().name}: {e.details()}"[:ERROR_TEXT])
         params = {key: v.int64_param for key, v in response.parameters.items()}
         return Outcome(True, "OK", timing_info(params), response.model_version or self.variant)
+
+
+class TextPredictSender(PredictSender):
+    """A text model's `/predict` with JSON `{"texts": [...]}`: one request's texts of a TextLoad."""
+
+    def __init__(self, base_url: str, load: TextLoad, model: str | None = None, variant: str | None = None,
+                 path: str = "/predict"):
+        super().__init__(base_url, [], model, variant, path)
+        self.per_request, self.tokens = load.per_request, load.tokens
+        self.bodies = [self._encode(texts) for texts in load.requests]
+
+    def _encode(self, texts: list[str]) -> tuple[bytes, dict]:
+        return json.dumps({"texts": texts}).encode(), JSON
+
+    def __len__(self) -> int:
+        return len(self.bodies)
+
+    def _body(self, k: int):
+        return self.bodies[k % len(self.bodies)]
+
+
+class TextPlainSender(TextPredictSender):
+    """A text model's `/predict` with a text/plain body, one text (as `curl --data-binary` sends it):
+    the cheapest text request for both ends."""
+
+    protocol = "predict-raw"
+
+    def __init__(self, base_url: str, load: TextLoad, model: str | None = None, variant: str | None = None):
+        if load.per_request != 1:
+            raise UserError(f"a text/plain body is one text; with --texts-per-request {load.per_request} use "
+                            f"--protocol predict (JSON texts)")
+        super().__init__(base_url, load, model, variant)
+
+    def _encode(self, texts: list[str]) -> tuple[bytes, dict]:
+        return texts[0].encode("utf-8"), {"Content-Type": "text/plain; charset=utf-8"}
+
+
+class TextBinarySender(TextPredictSender):
+    """The Open Inference Protocol over HTTP for a text model: one BYTES tensor [N] of UTF-8 texts in
+    binary data (as `tritonclient.http` sends `np.array(texts, dtype=object)`), every output binary."""
+
+    protocol = "v2-binary"
+
+    def __init__(self, base_url: str, load: TextLoad, model: str, variant: str | None = None):
+        super().__init__(base_url, load, None, variant, infer_path(model, variant))
+
+    def _encode(self, texts: list[str]) -> tuple[bytes, dict]:
+        data = bytes_tensor(texts)
+        head = json.dumps({"inputs": [{"name": "text", "shape": [len(texts)], "datatype": "BYTES",
+                                       "parameters": {"binary_data_size": len(data)}}],
+                           "parameters": {"binary_data_output": True}}).encode()
+        return head + data, {"Inference-Header-Content-Length": str(len(head)),
+                             "Content-Type": "application/octet-stream"}
+
+    _outcome = BinaryTensorSender._outcome  # the protocol's answer: its timing in the JSON head's parameters
+
+
+class EmbeddingsSender(TextPredictSender):
+    """OpenAI's `/v1/embeddings` (as the `openai` client sends it): the model named in the body, its
+    texts as `input`. The route names no variant: the server's A/B split routes every request."""
+
+    protocol = "openai"
+
+    def __init__(self, base_url: str, load: TextLoad, model: str):
+        self.model_name = model
+        super().__init__(base_url, load, None, None, "/v1/embeddings")
+
+    def _encode(self, texts: list[str]) -> tuple[bytes, dict]:
+        return json.dumps({"model": self.model_name, "input": texts}).encode(), JSON
+
+
+class TextGrpcSender(GrpcSender):
+    """`ModelInfer` over gRPC for a text model: one BYTES tensor [N] of UTF-8 texts in
+    raw_input_contents (what `tritonclient.grpc` sends), every output asked for."""
+
+    def __init__(self, target: str, load: TextLoad, model: str, variant: str | None = None):
+        from optiserve.grpc_protocol import pb
+
+        super().__init__(target, [], model, variant)
+        self.per_request, self.tokens = load.per_request, load.tokens
+        for texts in load.requests:
+            request = pb.ModelInferRequest(model_name=model, model_version=variant or "")
+            request.inputs.add(name="text", datatype="BYTES", shape=[len(texts)])
+            request.raw_input_contents.append(bytes_tensor(texts))
+            self.requests.append(request.SerializeToString())
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+def infer_path(model: str, variant: str | None) -> str:
+    """The protocol's infer path for `model`, at `variant` where one is named."""
+    return f"/v2/models/{model}" + (f"/versions/{variant}" if variant else "") + "/infer"
+
+
+def bytes_tensor(texts: list[str]) -> bytes:
+    """Texts as a BYTES tensor's binary data: each one's UTF-8 as a bytes_element, in order."""
+    return b"".join(bytes_element(text.encode("utf-8")) for text in texts)
 
 
 def timing_info(params: dict) -> dict:

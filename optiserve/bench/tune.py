@@ -36,11 +36,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from optiserve.artifacts import chosen_accuracy, image_model_only, read_manifest
+from optiserve.artifacts import chosen_accuracy, read_manifest
 from optiserve.bench.loadgen import Load, generate_load
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import environment
-from optiserve.bench.senders import RawImageSender
+from optiserve.bench.senders import RawImageSender, TextPlainSender
+from optiserve.bench.texts import TextLoad
 from optiserve.errors import UserError
 from optiserve.files import atomic_write
 from optiserve.tasks import task_of
@@ -74,6 +75,7 @@ class TuneConfig:
     delays_ms: list[float] | None = None     # None: 1 ms and a tenth of the objective
     instances: list[int] | None = None       # None: 1, and 2 where there are 2 cores or more
     images: list[bytes] = field(default_factory=list)
+    texts: TextLoad | None = None            # a text model's load (its tokens counted), sent instead of images
     confirm_s: float = 20.0                  # the winner's confirming run
     resume: bool = False
     progress: bool = True
@@ -235,7 +237,17 @@ def _summary(run, offered: float | None, window_s: float) -> dict:
     return {"level": run.level, "rps": round(s["rps"], 2), "min_ms": round(s["min"], 2), "p50_ms": round(s["p50"], 2),
             "p99_ms": round(s["p99"], 2),
             "requests": s["requests"], "failed": s["failed"], "window_s": window_s,
-            "drain_s": round(max(0.0, run.duration_s - window_s), 3), **({"offered": offered} if offered else {})}
+            "drain_s": round(max(0.0, run.duration_s - window_s), 3), **({"offered": offered} if offered else {}),
+            **_texts_answered(run)}
+
+
+def _texts_answered(run) -> dict:
+    """A text load's step: the texts and tokens its answered requests carried ({} for images)."""
+    tokens = run.records.get("tokens")
+    if tokens is None:
+        return {}
+    answered = [i for i, ok in enumerate(run.records["ok"]) if ok]
+    return {"texts": len(answered) * run.images_per_request, "tokens": int(sum(tokens[i] for i in answered))}
 
 
 def keeps_up(sent: int, answered: int, window_s: float, drain_s: float) -> bool:
@@ -384,7 +396,6 @@ class Tuner:
 
     def _read_folder(self) -> None:
         self.manifest = read_manifest(self.cfg.folder)
-        image_model_only(self.manifest, self.cfg.folder, "optiserve tune")
         self.model = self.manifest.get("model")
         self.own = own_settings(self.cfg.folder)  # kept in every point's settings, and in what is written
 
@@ -433,7 +444,8 @@ class Tuner:
             incumbent = self.winner()
             ceiling = offline_ceiling(entries[variant])
             if incumbent is not None and ceiling and ceiling < incumbent["rate"]:
-                pruned[variant] = (f"its engine ran at {ceiling:.0f} images/s offline, below the incumbent's "
+                unit = "texts" if cfg.texts is not None else "images"
+                pruned[variant] = (f"its engine ran at {ceiling:.0f} {unit}/s offline, below the incumbent's "
                                    f"{incumbent['rate']:.0f} served")
                 continue
             for n in instances:
@@ -551,7 +563,10 @@ class Tuner:
         load = Load(mode, level, seconds or self.cfg.duration_s,
                     self.cfg.warmup_s if warmup_s is None else warmup_s, point.variant, timeout_s=60,
                     model=self.model)
-        sender = RawImageSender(base, self.cfg.images, self.model, point.variant)
+        if self.cfg.texts is not None:
+            sender = TextPlainSender(base, self.cfg.texts, self.model, point.variant)
+        else:
+            sender = RawImageSender(base, self.cfg.images, self.model, point.variant)
         run = asyncio.run(generate_load(base, self.cfg.images, load, sender=sender))
         step = _summary(run, level if mode == "open" else None, load.duration_s)
         step["meets"] = _meets(step, self.cfg)
@@ -624,6 +639,7 @@ class Tuner:
                   confirmation: dict | None = None) -> dict:
         doc = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": self.model,
                "objective": self.cfg.objective(), "environment": environment(),
+               **({"load": self.cfg.texts.settings()} if self.cfg.texts is not None else {}),
                "points": list(self.points.values())}
         if left_out is not None:
             doc["left_out"], doc["pruned"] = left_out, pruned or {}

@@ -19,6 +19,11 @@ versions), tune.md and tune.html (the table and a plot of each variant's Pareto 
   optiserve tune artifacts/resnet18-digits --slo-p99-ms 50 --max-accuracy-drop 0.5 --duration 20
   optiserve tune artifacts/resnet18-digits --slo-p99-ms 50 --resume      (after an interruption)
 
+A text model's folder is driven with the texts --texts holds (text:FILE, one text a request as a
+text/plain body, in the file's order, cycling; each step's texts and tokens are kept in tune.json).
+
+  optiserve tune artifacts/minilm --slo-p99-ms 50 --texts text:queries.txt
+
 A pipeline's folder in a repository (its pipeline.json) tunes each of its steps' models, one at a
 time, for the most pictures per second the pipeline answers within the objective, driven with the
 pictures --images holds; each model's serving.json is written, and tune.json and the report go into
@@ -80,13 +85,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images", default=None, metavar="DIR",
                    help="images to send (default: random PNGs at the model's input size; a pipeline needs "
                         "pictures like those it will serve)")
+    p.add_argument("--texts", default=None, metavar="text:FILE",
+                   help="a text model's load, needed for one: the texts of FILE (.txt one text a line, or .tsv/.csv "
+                        "read as optimize --dataset text: reads them), one a request")
     p.add_argument("--resume", action="store_true", help="go on from the folder's tune.json, skipping measured points")
     p.add_argument("--quiet", action="store_true", help="no progress line")
 
 
 def run(args: argparse.Namespace) -> int:
-    from optiserve.artifacts import image_model_only, read_manifest
+    from optiserve.artifacts import read_manifest
     from optiserve.bench.payloads import dataset_images, images_from_folder
+    from optiserve.bench.texts import text_load
     from optiserve.bench.tune import TuneConfig, Tuner
     from optiserve.bench.tune_report import write_tune_report
     from optiserve.errors import UserError
@@ -103,17 +112,28 @@ def run(args: argparse.Namespace) -> int:
     if pipeline and not args.images:
         raise UserError(f"tuning the pipeline {folder.name} needs --images DIR: pictures like those it will serve, "
                         f"so its later steps get the boxes they will get")
-    if not pipeline:
-        image_model_only(read_manifest(folder), folder, "optiserve tune")
-    if args.images:
+    given = None if pipeline else read_manifest(folder)["input"]
+    texts, images = None, []
+    if given is not None and given.get("kind") == "text":
+        if not args.texts:
+            raise UserError(f"tuning the text model {folder.name} needs --texts text:FILE: texts like those it "
+                            f"will serve (a .txt file, one text a line, or a .tsv/.csv with a `text` column)")
+        if args.images:
+            raise UserError(f"{folder.name} is a text model: leave out --images (its load is --texts)")
+        texts = text_load(args.texts, 1, folder / given["tokenizer"], given["max_length"])
+    elif args.texts:
+        raise UserError(f"{folder.name} takes images, not texts: leave out --texts"
+                        + (" (a pipeline's load is --images DIR)" if pipeline else ""))
+    elif args.images:
         images = images_from_folder(args.images)
     else:
-        images = dataset_images("synthetic", max(read_manifest(folder)["input"]["shape"][1:]), count=64)
+        images = dataset_images("synthetic", max(given["shape"][1:]), count=64)
     cfg = TuneConfig(folder, args.slo_p99_ms, args.max_accuracy_drop, args.duration,
                      warmup_s=args.warmup, mode=args.concurrency_mode,
                      variants=[v for v in args.variants.split(",") if v] if args.variants else None,
                      batch_sizes=args.batch_sizes, delays_ms=args.delays_ms, instances=args.instances,
-                     images=images, confirm_s=args.confirm_seconds, resume=args.resume, progress=not args.quiet)
+                     images=images, texts=texts, confirm_s=args.confirm_seconds, resume=args.resume,
+                     progress=not args.quiet)
     if pipeline:
         return _tune_pipeline(cfg)
     tuner = Tuner(cfg)
