@@ -48,7 +48,7 @@ def encoder(tmp_path_factory):
     transformers.BertModel(config).eval().save_pretrained(str(model), safe_serialization=True)
     out = work / NAME
     run_optimize(OptimizeConfig(str(model), dataset=f"text:{data}", int8=True, openvino=False, latency_batch=1,
-                                timing_rounds=3, calib_size=16, seq_lengths=(16,), min_cosine=0.0, progress=False,
+                                ort_transformer=False, timing_rounds=3, calib_size=16, seq_lengths=(16,), min_cosine=0.0, progress=False,
                                 out=str(out)))
     ids = reference_tokenizer(out)(texts, truncation=True, max_length=MAX_LENGTH)["input_ids"]
     assert max(len(i) for i in ids) == MAX_LENGTH  # some texts are truncated
