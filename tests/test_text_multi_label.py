@@ -93,8 +93,8 @@ def classifier(tmp_path_factory):
     _fine_tuned(folder, train.texts, train.labels)
     out = work / "artifact"
     done = run_cli_here("optimize", str(folder), "--dataset", f"text:{data}", "--int8", "--no-openvino",
-                        "--no-ort-transformer", "--timing-rounds", "3", "--latency-batch", "1", "--seq-lengths", "16", "--calib-size", "32",
-                        "--out", str(out))
+                        "--no-ort-transformer", "--timing-rounds", "3", "--latency-batch", "1", "--seq-lengths", "16",
+                        "--calib-size", "32", "--out", str(out))
     assert done.returncode == 0, done.stderr
     return folder, data, out
 
