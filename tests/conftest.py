@@ -286,6 +286,16 @@ def polarity_file(folder: Path, rename: dict[str, str] | None = None) -> Path:
     return path
 
 
+def copy_with_config(folder: Path, tmp_path: Path, **config) -> Path:
+    """A copy of the Hugging Face folder `folder` at `tmp_path`/model, its config.json updated with `config`."""
+    copy = tmp_path / "model"
+    shutil.copytree(folder, copy)
+    given = json.loads((copy / "config.json").read_text())
+    given.update(config)
+    (copy / "config.json").write_text(json.dumps(given))
+    return copy
+
+
 def wordpiece_tokenizer(folder: Path, texts: list[str]) -> int:
     """A lower-casing BERT WordPiece tokenizer trained on `texts`, saved as `folder`/tokenizer.json; its
     vocabulary's size."""

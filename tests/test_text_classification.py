@@ -7,14 +7,13 @@ protocol, and refused by /v1/embeddings."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import assert_gated, polarity_file, reference_tokenizer, small_bert_classifier, until
+from conftest import assert_gated, copy_with_config, polarity_file, reference_tokenizer, small_bert_classifier, until
 from optiserve.errors import UserError
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
@@ -141,15 +140,6 @@ def test_labels_that_are_not_the_model_s_classes_judge_by_agreement_with_fp32(cl
     assert fp32["accuracy"]["top1"] is None and fp32["accuracy"]["agreement"] == 1.0
 
 
-def _copy_with(folder: Path, tmp_path: Path, **config) -> Path:
-    copy = tmp_path / "model"
-    shutil.copytree(folder, copy)
-    given = json.loads((copy / "config.json").read_text())
-    given.update(config)
-    (copy / "config.json").write_text(json.dumps(given))
-    return copy
-
-
 @pytest.mark.parametrize("config, says", [
     ({"problem_type": "regression"}, "problem_type is regression: a regressor's scores"),
     ({"id2label": {"0": "score"}, "num_labels": 1}, "1 label: a regressor's scores"),
@@ -158,7 +148,7 @@ def test_a_regressor_is_one_line(classifier, tmp_path, config, says):
     from optiserve.models.text_folder import read_text_folder
 
     with pytest.raises(UserError, match=says):
-        read_text_folder(_copy_with(classifier[0], tmp_path, **config))
+        read_text_folder(copy_with_config(classifier[0], tmp_path, **config))
 
 
 def test_scored_pairs_do_not_judge_a_classifier(classifier, tmp_path):

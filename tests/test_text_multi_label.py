@@ -11,14 +11,14 @@ from __future__ import annotations
 import csv
 import json
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import free_port, polarity_file, reference_tokenizer, run_cli_here, small_bert_classifier, until
+from conftest import (copy_with_config, free_port, polarity_file, reference_tokenizer, run_cli_here,
+                      small_bert_classifier, until)
 from optiserve.errors import UserError
 from optiserve.tasks import GateLimits, get_task
 
@@ -163,26 +163,6 @@ def test_the_per_class_gate_on_validation_decides_each_status(classifier):
     assert "classes agree fp32 [95% CI]" in report and "macro-F1" in report and "(text, class) pairs" in report
 
 
-def _copy_with(folder: Path, tmp_path: Path, **config) -> Path:
-    copy = tmp_path / "model"
-    shutil.copytree(folder, copy)
-    given = json.loads((copy / "config.json").read_text())
-    given.update(config)
-    (copy / "config.json").write_text(json.dumps(given))
-    return copy
-
-
-@pytest.mark.parametrize("config, says", [
-    ({"problem_type": "regression"}, "problem_type is regression: a regressor's scores"),
-    ({"id2label": {"0": "score"}, "num_labels": 1, "problem_type": None}, "1 label: a regressor's scores"),
-])
-def test_a_regressor_is_still_one_line(classifier, tmp_path, config, says):
-    from optiserve.models.text_folder import read_text_folder
-
-    with pytest.raises(UserError, match=says):
-        read_text_folder(_copy_with(classifier[0], tmp_path, **config))
-
-
 def _one_line_refusal(*args: str) -> str:
     done = run_cli_here("optimize", *args, "--no-openvino", "--timing-rounds", "3", "--no-progress")
     assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -197,7 +177,7 @@ def test_a_label_not_in_id2label_is_one_line(classifier, tmp_path):
 
 
 def test_label_sets_do_not_score_a_single_label_classifier(classifier, tmp_path):
-    single = _copy_with(classifier[0], tmp_path, problem_type="single_label_classification")
+    single = copy_with_config(classifier[0], tmp_path, problem_type="single_label_classification")
     said = _one_line_refusal(str(single), "--dataset", f"text:{classifier[1]}", "--out", str(tmp_path / "a"))
     assert "labels texts with sets of classes (a|b)" in said and "reads one softmax" in said
 
