@@ -372,3 +372,38 @@ def optimized(lee_pairs, tmp_path_factory) -> Path:
                          "32", "--no-ort-transformer", "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     return out
+
+
+BERT_MAX_LENGTH = 32  # below many of the polarity sentences' lengths: the tokens counted are the ones the model keeps
+BERT_ENCODER_NAME = "artifact"
+
+
+@pytest.fixture(scope="session")
+def bert_encoder(tmp_path_factory):
+    """A seeded two-layer BERT encoder (max length BERT_MAX_LENGTH, its WordPiece tokenizer trained on
+    the polarity sentences) optimized to onnx-fp32 and onnx-int8: a text model far cheaper to build and
+    serve than MiniLM. (the optimized folder, the texts file, each text's tokens by transformers' tokenizer)."""
+    transformers = pytest.importorskip("transformers", reason="the BERT built here ([text])")
+    import torch
+
+    from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+    work = tmp_path_factory.mktemp("text-bench")
+    texts = [line.split(None, 1)[1].strip() for line in polarity_file(work).read_text().splitlines()]  # unlabelled
+    data = work / "texts.txt"
+    data.write_text("\n".join(texts) + "\n")
+    model = work / "encoder"
+    model.mkdir()
+    vocab_size = wordpiece_tokenizer(model, texts)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=BERT_MAX_LENGTH,
+                                     architectures=["BertModel"])
+    transformers.BertModel(config).eval().save_pretrained(str(model), safe_serialization=True)
+    out = work / BERT_ENCODER_NAME
+    run_optimize(OptimizeConfig(str(model), dataset=f"text:{data}", int8=True, openvino=False, latency_batch=1,
+                                ort_transformer=False, timing_rounds=3, calib_size=16, seq_lengths=(16,),
+                                min_cosine=0.0, progress=False, out=str(out)))
+    ids = reference_tokenizer(out)(texts, truncation=True, max_length=BERT_MAX_LENGTH)["input_ids"]
+    assert max(len(i) for i in ids) == BERT_MAX_LENGTH  # some texts are truncated
+    return out, data, [len(i) for i in ids]

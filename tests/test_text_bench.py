@@ -14,45 +14,15 @@ import shutil
 import httpx
 import pytest
 
-from conftest import free_port, polarity_file, reference_tokenizer, run_cli_here, serving, until, wordpiece_tokenizer
+from conftest import BERT_ENCODER_NAME, BERT_MAX_LENGTH as MAX_LENGTH, free_port, run_cli_here, serving, until
 from optiserve.bench.http import texts_for
 from optiserve.bench.results import load_results
 from optiserve.errors import UserError
 
 pytest.importorskip("onnxruntime")
 
-MAX_LENGTH = 32  # below many of the sentences' lengths: the tokens counted are the ones the model keeps
-NAME = "artifact"
+NAME = BERT_ENCODER_NAME
 PROTOCOLS = [("predict", 3), ("predict-raw", 1), ("v2-binary", 2), ("grpc", 4), ("openai", 2)]  # texts a request
-
-
-@pytest.fixture(scope="module")
-def encoder(tmp_path_factory):
-    """(the optimized folder, the texts file, each text's tokens by transformers' tokenizer)."""
-    transformers = pytest.importorskip("transformers", reason="the BERT built here ([text])")
-    import torch
-
-    from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
-
-    work = tmp_path_factory.mktemp("text-bench")
-    texts = [line.split(None, 1)[1].strip() for line in polarity_file(work).read_text().splitlines()]  # unlabelled
-    data = work / "texts.txt"
-    data.write_text("\n".join(texts) + "\n")
-    model = work / "encoder"
-    model.mkdir()
-    vocab_size = wordpiece_tokenizer(model, texts)
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=MAX_LENGTH,
-                                     architectures=["BertModel"])
-    transformers.BertModel(config).eval().save_pretrained(str(model), safe_serialization=True)
-    out = work / NAME
-    run_optimize(OptimizeConfig(str(model), dataset=f"text:{data}", int8=True, openvino=False, latency_batch=1,
-                                ort_transformer=False, timing_rounds=3, calib_size=16, seq_lengths=(16,), min_cosine=0.0, progress=False,
-                                out=str(out)))
-    ids = reference_tokenizer(out)(texts, truncation=True, max_length=MAX_LENGTH)["input_ids"]
-    assert max(len(i) for i in ids) == MAX_LENGTH  # some texts are truncated
-    return out, data, [len(i) for i in ids]
 
 
 def _served_counts(base: str) -> tuple[int, int]:
@@ -62,9 +32,9 @@ def _served_counts(base: str) -> tuple[int, int]:
     return sum(v["outcomes"].get("ok", 0) for v in variants), sum(v["images"] for v in variants)
 
 
-def test_bench_http_sends_the_files_texts_over_every_protocol_and_counts_them(encoder, tmp_path):
+def test_bench_http_sends_the_files_texts_over_every_protocol_and_counts_them(bert_encoder, tmp_path):
     pytest.importorskip("grpc")
-    folder, data, lengths = encoder
+    folder, data, lengths = bert_encoder
     grpc_port = free_port()
     with serving(folder, "--grpc-port", str(grpc_port)) as (base, _):
         for protocol, per in PROTOCOLS:
@@ -108,16 +78,16 @@ def test_bench_http_sends_the_files_texts_over_every_protocol_and_counts_them(en
     assert "| texts/s | tokens/s |" in md and f"texts: text:{data}, 2 a request" in md
 
 
-def test_texts_to_an_image_model_are_one_line(encoder):
-    _, data, _ = encoder
+def test_texts_to_an_image_model_are_one_line(bert_encoder):
+    _, data, _ = bert_encoder
     image_model = {"model": "digits", "input": {"shape": [1, 28, 28]}}
     with pytest.raises(UserError, match="digits takes images, not texts: leave out --texts"):
         texts_for(image_model, f"text:{data}", 1, None, "predict", None)
     assert texts_for(image_model, None, 1, None, "predict", None) is None
 
 
-def test_bench_engine_times_token_batches_of_the_texts(encoder, tmp_path):
-    folder, data, lengths = encoder
+def test_bench_engine_times_token_batches_of_the_texts(bert_encoder, tmp_path):
+    folder, data, lengths = bert_encoder
     out = tmp_path / "engine.json"
     proc = run_cli_here("bench", "engine", str(folder), "--texts", f"text:{data}", "--batch-sizes", "1,4",
                         "--duration", "0.3", "--out", str(out), "--quiet")
@@ -133,7 +103,7 @@ def test_bench_engine_times_token_batches_of_the_texts(encoder, tmp_path):
     assert "texts/s" in proc.stdout and "tokens/s" in proc.stdout
 
 
-def test_tune_drives_a_text_model_with_its_texts_and_the_claim_replays(encoder, tmp_path):
+def test_tune_drives_a_text_model_with_its_texts_and_the_claim_replays(bert_encoder, tmp_path):
     import sys
 
     from conftest import ROOT
@@ -141,7 +111,7 @@ def test_tune_drives_a_text_model_with_its_texts_and_the_claim_replays(encoder, 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from tune_replay import check_claim
 
-    folder, data, lengths = encoder
+    folder, data, lengths = bert_encoder
     tuned = tmp_path / NAME
     shutil.copytree(folder, tuned)
     proc = run_cli_here("tune", str(tuned), "--slo-p99-ms", "1000", "--texts", f"text:{data}", "--variants",
@@ -162,8 +132,8 @@ def test_tune_drives_a_text_model_with_its_texts_and_the_claim_replays(encoder, 
     assert replay["answered"] > 0 and not {"HTTP 400", "HTTP 413", "HTTP 415"} & set(replay["failures"]), replay
 
 
-def test_tune_refuses_a_load_that_does_not_fit_in_one_line(encoder, tmp_path):
-    folder, data, _ = encoder
+def test_tune_refuses_a_load_that_does_not_fit_in_one_line(bert_encoder, tmp_path):
+    folder, data, _ = bert_encoder
     image = tmp_path / "image-model"
     image.mkdir()
     manifest = json.loads((folder / "manifest.json").read_text())

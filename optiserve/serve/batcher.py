@@ -125,6 +125,7 @@ class BatchRecord:
     queue_s: list[float]
     compute_s: float
     ok: bool
+    tokens: tuple[int, int] | None = None  # a text model's answered batch: (real tokens, rows × its longest row)
 
 
 @dataclass
@@ -158,7 +159,8 @@ class DynamicBatcher:
                  max_batch_size: int = 16, max_delay_ms: float = 5.0, max_queue: int | Sequence[int] = 256,
                  name: str = "", on_batch: Callable[[BatchRecord], None] | None = None,
                  thread_initializer: Callable[[], None] | None = None, row_shape: tuple[int, ...] | None = None,
-                 priority_levels: int = 1, stack: Callable[[list[np.ndarray]], np.ndarray] = stack_rows):
+                 priority_levels: int = 1, stack: Callable[[list[np.ndarray]], np.ndarray] = stack_rows,
+                 count_tokens: Callable[[np.ndarray], tuple[int, int]] | None = None):
         limits = [max_queue] * priority_levels if isinstance(max_queue, int) else list(max_queue)
         runners = [run_batch] if callable(run_batch) else list(run_batch)
         if max_batch_size < 1 or not limits or min(limits) < 1 or max_delay_ms < 0 or not runners:
@@ -166,6 +168,7 @@ class DynamicBatcher:
                              "at least one priority level and one instance")
         self.runners, self.name = runners, name
         self.stack = stack  # rows into one batch: stack_rows (equal shapes), or a text model's padding
+        self.count_tokens = count_tokens  # a text model's batch: (its real tokens, the padded ones it ran)
         self.max_batch_size, self.max_delay = max_batch_size, max_delay_ms / 1000
         self.max_queue = limits  # images each priority level may queue
         self._reserved = [0] * len(limits)  # images admitted at the door (being read and decoded), not yet queued
@@ -363,9 +366,13 @@ class DynamicBatcher:
             tracing.record_batch(links, cut, started, time.perf_counter(),
                                  {"optiserve.variant": self.name, "optiserve.batch_size": len(live)}, error)
 
-    def _stack_and_run(self, instance: int, images: list[np.ndarray]) -> list[np.ndarray]:
-        out = self.runners[instance](self.stack(images))
-        return [out] if isinstance(out, np.ndarray) else list(out)
+    def _stack_and_run(self, instance: int, images: list[np.ndarray]) -> tuple[list[np.ndarray],
+                                                                               tuple[int, int] | None]:
+        """The batch's outputs, and for a text model its tokens (counted here, off the event loop)."""
+        batch = self.stack(images)
+        out = self.runners[instance](batch)
+        tokens = self.count_tokens(batch) if self.count_tokens is not None else None
+        return ([out] if isinstance(out, np.ndarray) else list(out)), tokens
 
     async def _run(self, batch: list[_Row], instance: int = 0) -> None:
         """Drop rows whose caller gave up or whose deadline passed, run the rest, hand out the rows."""
@@ -385,7 +392,7 @@ class DynamicBatcher:
         self._running[instance] = live
         try:
             # joined into one array on the inference thread: megabytes of copying kept off the event loop
-            outputs = await asyncio.get_running_loop().run_in_executor(
+            outputs, tokens = await asyncio.get_running_loop().run_in_executor(
                 self._executors[instance], self._stack_and_run, instance, [r.image for r in live])
             rows = {len(o) for o in outputs}
             if rows != {len(live)}:
@@ -398,7 +405,7 @@ class DynamicBatcher:
                     r.future.set_exception(BatchFailed(f"{type(e).__name__}: {e}"))
             return
         compute = time.perf_counter() - t0
-        self.on_batch(BatchRecord(len(live), waits, compute, True))
+        self.on_batch(BatchRecord(len(live), waits, compute, True, tokens))
         self._trace(live, now, t0)
         for i, (r, wait) in enumerate(zip(live, waits)):
             if not r.future.done():

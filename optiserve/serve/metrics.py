@@ -1,6 +1,6 @@
 """Prometheus metrics per model and variant: requests by outcome, end-to-end / queue / compute latency,
-batch sizes and queue depth. Each app has its own registry, so several apps in one process
-(tests, workers) never share counters."""
+batch sizes and queue depth, and a text model's tokens (real and padded). Each app has its own
+registry, so several apps in one process (tests, workers) never share counters."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ class ServerMetrics:
         self.requests = Counter("optiserve_requests", "Inference requests by variant and outcome",
                                 ["model", "variant", "outcome"], registry=r)
         self.images = Counter("optiserve_images", "Images inferred, by variant", ["model", "variant"], registry=r)
+        # a text model's only: an image model has no series of these, rather than zeros
+        self.tokens = Counter("optiserve_tokens", "Real (non-padding) tokens of the texts a text model answered, "
+                              "after truncation at its max length, by variant", ["model", "variant"], registry=r)
+        self.padded_tokens = Counter("optiserve_padded_tokens", "Tokens a text model's batches ran: each batch's "
+                                     "rows times its longest row, padding included", ["model", "variant"], registry=r)
         self.latency = Histogram("optiserve_request_latency_seconds", "End-to-end server latency of a request",
                                  ["model", "variant"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("optiserve_queue_latency_seconds", "Time an image waited for its batch",
@@ -72,22 +77,33 @@ class ServerMetrics:
         return children
 
     def record_request(self, model: str, variant: str, outcome: str, seconds: float | None = None,
-                       images: int = 0) -> None:
+                       images: int = 0, tokens: int = 0) -> None:
         children = self._children(model, variant)
         (children["ok"] if outcome == "ok" else self.requests.labels(model, variant, outcome)).inc()
         if seconds is not None:
             children["latency"].observe(seconds)
         if images:
             children["images"].inc(images)
+        if tokens:
+            self._text_child(children, "tokens", model, variant).inc(tokens)
 
     def record_batch(self, model: str, variant: str, size: int, queue_seconds: list[float],
-                     compute_seconds: float) -> None:
+                     compute_seconds: float, padded_tokens: int = 0) -> None:
         children = self._children(model, variant)
         children["batch_size"].observe(size)
+        if padded_tokens:
+            self._text_child(children, "padded_tokens", model, variant).inc(padded_tokens)
         children["compute"].observe(compute_seconds)
         queue = children["queue"]
         for q in queue_seconds:
             queue.observe(q)
+
+    def _text_child(self, children: dict, counter: str, model: str, variant: str):
+        """A text model's token series, made on its first tokens (an image model never has one)."""
+        child = children.get(counter)
+        if child is None:
+            child = children[counter] = getattr(self, counter).labels(model, variant)
+        return child
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -138,11 +138,12 @@ class ServedModel:
                         await loop.run_in_executor(loader, warm_up, loaded, self.manifest["input"]["shape"],
                                                    batching.sizes)
                     instances.append(loaded)
-                stats = VariantStats()
+                stats = VariantStats(texts=self.texts is not None)
 
                 def on_batch(rec: BatchRecord, stats=stats, model=self.name, variant=entry["name"]):
-                    stats.record_batch(rec.size)
-                    metrics.record_batch(model, variant, rec.size, rec.queue_s, rec.compute_s)
+                    stats.record_batch(rec.size, rec.tokens)
+                    metrics.record_batch(model, variant, rec.size, rec.queue_s, rec.compute_s,
+                                         rec.tokens[1] if rec.tokens else 0)
 
                 runners = [i.session.run_outputs if self.extra_outputs else i.session.run for i in instances]
                 batcher = DynamicBatcher(runners, batching.max_batch_size, batching.max_delay_ms,
@@ -160,9 +161,10 @@ class ServedModel:
 
     def _rows(self) -> dict:
         """How the batcher joins this model's rows: images of one shape, decoded into staging rows
-        (serve/staging.py); token rows of different lengths, padded to the longest (no staging)."""
+        (serve/staging.py); token rows of different lengths, padded to the longest (no staging), each
+        batch's real and padded tokens counted."""
         if self.texts is not None:
-            return {"stack": self.texts.stack}
+            return {"stack": self.texts.stack, "count_tokens": self.texts.batch_tokens}
         return {"row_shape": tuple(self.spec.shape)}
 
     def sample_batch(self, n: int) -> np.ndarray:

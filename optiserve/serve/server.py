@@ -371,16 +371,18 @@ class Server:
         if tracing.enabled():
             tracing.record_span("queue", queued, queued + result.queue_s,
                                 {"optiserve.variant": variant.name, "optiserve.batch_size": result.batch_size})
-        self._record(model, variant, "ok", seconds, len(images))
+        # a text model's real tokens, once per answered request on every transport (a shadow run is not a caller's)
+        tokens = model.texts.real_tokens(images) if model.texts is not None else 0
+        self._record(model, variant, "ok", seconds, len(images), tokens)
         return result.outputs, {"server_ms": 1000 * seconds, "queue_ms": 1000 * result.queue_s,
                                "compute_ms": 1000 * result.compute_s, "batch_size": result.batch_size,
                                "batch_sizes": result.batch_sizes}
 
     def _record(self, model: ServedModel, variant: ServedVariant, outcome: str, seconds: float | None = None,
-                images: int = 0) -> None:
+                images: int = 0, tokens: int = 0) -> None:
         """One request's outcome, into both /stats and /metrics."""
-        variant.stats.record_request(outcome, None if seconds is None else 1000 * seconds, images)
-        self.metrics.record_request(model.name, variant.name, outcome, seconds, images)
+        variant.stats.record_request(outcome, None if seconds is None else 1000 * seconds, images, tokens)
+        self.metrics.record_request(model.name, variant.name, outcome, seconds, images, tokens)
 
 
 def http_priority(request: Request) -> tuple[str | None, str]:

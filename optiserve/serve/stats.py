@@ -1,4 +1,5 @@
-"""Per-variant latency statistics for /stats: outcomes, a window of recent latencies, batch sizes."""
+"""Per-variant latency statistics for /stats: outcomes, a window of recent latencies, batch sizes, and
+for a text model its tokens (the requests' real ones, and the padded ones its batches ran)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,36 @@ WINDOW = 20_000  # most recent requests kept for percentiles
 
 
 class VariantStats:
-    def __init__(self):
+    """One variant's counts; `texts`: a text model's, which also counts tokens (an image model's
+    snapshot has no token fields at all, rather than zeros that would read as "no text sent")."""
+
+    def __init__(self, texts: bool = False):
+        self.texts = texts
         self.started = time.time()
         self._lock = threading.Lock()
         self.latencies_ms: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.images = 0
         self.batch_sizes: collections.Counter[int] = collections.Counter()
+        self.tokens = 0  # real tokens of the texts answered (padding not counted)
+        self.batched_tokens = 0  # real tokens of the rows the batches ran (shadow rows included)
+        self.padded_tokens = 0  # tokens the batches ran: rows × each batch's longest row
 
-    def record_request(self, outcome: str, latency_ms: float | None = None, images: int = 0) -> None:
+    def record_request(self, outcome: str, latency_ms: float | None = None, images: int = 0, tokens: int = 0) -> None:
         with self._lock:
             self.outcomes[outcome] += 1
             if latency_ms is not None:
                 self.latencies_ms.append(latency_ms)
             self.images += images
+            self.tokens += tokens
 
-    def record_batch(self, size: int) -> None:
+    def record_batch(self, size: int, tokens: tuple[int, int] | None = None) -> None:
+        """An executed batch: its rows, and a text model's (real, padded) tokens where it answered."""
         with self._lock:
             self.batch_sizes[size] += 1
+            if tokens is not None:
+                self.batched_tokens += tokens[0]
+                self.padded_tokens += tokens[1]
 
     def snapshot(self, samples: bool = False) -> dict:
         """Counts, throughput and percentiles; with `samples`, the window's raw latencies too."""
@@ -43,6 +56,11 @@ class VariantStats:
                    "mean_batch_size": batched_images / batches if batches else None,
                    "batch_size_counts": {str(k): n for k, n in sorted(self.batch_sizes.items())},
                    "elapsed_s": elapsed}
+            if self.texts:
+                out.update({"tokens": self.tokens, "throughput_tokens_per_s": self.tokens / elapsed,
+                            "padded_tokens": self.padded_tokens,
+                            "padding_share": (1 - self.batched_tokens / self.padded_tokens
+                                              if self.padded_tokens else None)})
             if samples:
                 out["latency_ms_samples"] = list(self.latencies_ms)
         if len(lat):

@@ -19,7 +19,7 @@ from optiserve.serve.binary import BinaryFormatError, split_body
 from optiserve.serve.envelope import (InferRequest, TooManyImages, id_field, name_field, object_field, parse_json,
                                       requested_outputs, top_k)
 from optiserve.serve.preprocess import BadInput
-from optiserve.text_input import IDS, TextInput, TextTokenizer, Tokens
+from optiserve.text_input import IDS, MASK, TextInput, TextTokenizer, Tokens
 
 MAX_TEXT_BYTES = 64 << 10  # one text's UTF-8 bytes: far more than any model keeps (it truncates at max_length)
 MAX_TOP_K = 1 << 20  # top_k is parsed before the model's classes are at hand; the answer clips it to them
@@ -154,6 +154,17 @@ class TextRequests:
         for out, row in zip(batch, rows):
             out[:, :row.shape[1]] = row
         return batch
+
+    @staticmethod
+    def real_tokens(batch: np.ndarray) -> int:
+        """The tokens a token batch's texts carry (special tokens included, padding not: its mask's
+        ones), as the model keeps them after truncation at max_length."""
+        return int(np.count_nonzero(batch[:, MASK]))
+
+    @staticmethod
+    def batch_tokens(batch: np.ndarray) -> tuple[int, int]:
+        """A stacked batch's tokens: (the real ones, the ones the engine runs: rows × its longest row)."""
+        return TextRequests.real_tokens(batch), batch.shape[0] * batch.shape[2]
 
     def sample(self, n: int, long: bool = False) -> np.ndarray:
         """A token batch of `n` real texts: a short sentence, or (`long`) one truncated at max_length."""
