@@ -655,6 +655,19 @@ def test_a_well_formed_protocol_request_to_a_pipeline_gives_the_pixels_it_carrie
     assert np.array_equal(np.asarray(picture), rgb) and [n for n, _ in given.outputs] == list(OUTPUT_NAMES)
 
 
+def test_a_pipeline_s_binary_bytes_tensor_holds_one_image_or_is_one_bad_input():
+    from optiserve.serve.preprocess import BadInput
+
+    png = _png(Image.fromarray(np.zeros((2, 2, 3), dtype=np.uint8)))
+    element = len(png).to_bytes(4, "little") + png
+    for tail, says in ((element * 2, "the BYTES data holds 2 elements; a pipeline takes one image"),
+                       (element[:-1], "BYTES element 0 says"), (b"\x01\x00", "ends inside an element's 4-byte length")):
+        body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                            "parameters": {"binary_data_size": len(tail)}}]}
+        with pytest.raises(BadInput, match=says):
+            _read(body, tail, "exact")
+
+
 @settings(max_examples=300, deadline=None, database=None, derandomize=True)
 @given(body=_bodies, tail=_tails, header=st.sampled_from([None, "exact", "junk", "99999"]))
 def test_whatever_a_protocol_request_to_a_pipeline_holds_it_becomes_an_image_or_one_bad_input(body, tail, header):

@@ -156,6 +156,21 @@ def test_binary_bytes_elements_that_are_not_utf8_or_cut_short_are_one_line(repo)
         assert r.status_code == 400 and says in r.json()["error"], r.text
 
 
+def test_the_one_bytes_reader_reads_what_tritonclient_writes():
+    """serve/binary.py's reader, which texts and pipeline images both go through, against tritonclient's
+    own serializer: the same elements back, empty and non-ASCII ones included."""
+    utils = pytest.importorskip("tritonclient.utils", reason="tritonclient is in the [dev] extra")
+    from optiserve.serve.binary import BinaryFormatError, bytes_elements
+
+    elements = [b"a cat", b"", "é ünïcödé".encode(), bytes(range(256)), b"\x00" * 5]
+    written = utils.serialize_byte_tensor(np.array(elements, dtype=np.object_)).item()
+    assert bytes_elements(written) == elements
+    assert bytes_elements(b"") == []
+    for cut in (written[:2], written[:-1]):
+        with pytest.raises(BinaryFormatError):
+            bytes_elements(cut)
+
+
 # --- real servers, unmodified clients --------------------------------------------------------------
 
 @pytest.fixture(scope="module")

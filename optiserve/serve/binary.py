@@ -9,6 +9,7 @@ bytes, in order. Outputs asked for with `parameters.binary_data` (or all of them
 from __future__ import annotations
 
 import json
+import struct
 
 import numpy as np
 
@@ -31,6 +32,22 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     if n > len(body):
         raise BinaryFormatError(f"{HEADER} is {n} but the body has {len(body)} bytes")
     return body[:n], body[n:]
+
+
+def bytes_elements(data: bytes) -> list[bytes]:
+    """A BYTES tensor's binary data split into its elements, each a 4-byte little-endian length, then
+    its bytes (how tritonclient writes strings and images); the one reader of that form."""
+    elements, at = [], 0
+    while at < len(data):
+        if at + 4 > len(data):
+            raise BinaryFormatError("BYTES tensor data ends inside an element's 4-byte length")
+        (n,) = struct.unpack_from("<I", data, at)
+        at += 4
+        if at + n > len(data):
+            raise BinaryFormatError(f"BYTES element {len(elements)} says {n:,} bytes but {len(data) - at:,} are left")
+        elements.append(data[at:at + n])
+        at += n
+    return elements
 
 
 def encode_response(response: dict, binary: list[tuple[dict, np.ndarray]]) -> tuple[bytes, int | None]:

@@ -17,14 +17,13 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-import struct
 from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
 
 from optiserve.serve import oip
-from optiserve.serve.binary import BinaryFormatError, split_body
+from optiserve.serve.binary import BinaryFormatError, bytes_elements, split_body
 from optiserve.serve.envelope import (OTHER_FIELDS_COMMAS, PYTHON_NUMBER_BYTES, TooManyValues,
                                       id_field, name_field, object_field, parse_json, requested_outputs)
 from optiserve.serve.model import ServedModel
@@ -191,14 +190,14 @@ def binary_image(tail, datatype: str, shape: list[int], count: int) -> bytes | n
 
 
 def _length_prefixed(data: bytes) -> bytes:
-    """A BYTES tensor's one element in the protocol's binary form: its length (4 bytes, little-endian), then it."""
-    if len(data) < 4:
-        raise BadInput("a BYTES tensor's binary data starts with its element's length (4 bytes)")
-    (length,) = struct.unpack_from("<I", data)
-    if length != len(data) - 4:
-        raise BadInput(f"the BYTES element says {length:,} bytes, but {len(data) - 4:,} follow its length; "
-                       f"a pipeline takes one image")
-    return data[4:]
+    """A BYTES tensor's one element in the protocol's binary form (serve/binary.py reads it): the image."""
+    try:
+        elements = bytes_elements(data)
+    except BinaryFormatError as e:
+        raise BadInput(str(e)) from None
+    if len(elements) != 1:
+        raise BadInput(f"the BYTES data holds {len(elements)} elements; a pipeline takes one image")
+    return elements[0]
 
 
 def check_image_tensor(shape, datatype, limits: ImageLimits) -> int:

@@ -6,7 +6,6 @@ with the same words. Parsers here run on the decode threads, never on the event 
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -15,6 +14,7 @@ import numpy as np
 
 from optiserve.runtime import get_backend
 from optiserve.runtime.variants import LoadedVariant
+from optiserve.serve import binary
 from optiserve.serve.binary import BinaryFormatError, split_body
 from optiserve.serve.envelope import (InferRequest, TooManyImages, id_field, name_field, object_field, parse_json,
                                       requested_outputs, top_k)
@@ -200,15 +200,9 @@ def utf8(data: bytes, what: str) -> str:
 
 
 def bytes_elements(data: bytes) -> list[str]:
-    """A BYTES tensor's binary data as texts: each element a 4-byte little-endian length, then its bytes."""
-    texts, at = [], 0
-    while at < len(data):
-        if at + 4 > len(data):
-            raise BadInput("BYTES tensor data ends inside an element's 4-byte length")
-        (n,) = struct.unpack_from("<I", data, at)
-        at += 4
-        if at + n > len(data):
-            raise BadInput(f"BYTES element {len(texts)} says {n:,} bytes but {len(data) - at:,} are left")
-        texts.append(utf8(data[at:at + n], f"BYTES element {len(texts)}"))
-        at += n
-    return texts
+    """A BYTES tensor's binary data as texts (serve/binary.py reads the elements), each UTF-8."""
+    try:
+        elements = binary.bytes_elements(data)
+    except BinaryFormatError as e:
+        raise BadInput(str(e)) from None
+    return [utf8(element, f"BYTES element {i}") for i, element in enumerate(elements)]
