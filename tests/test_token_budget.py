@@ -2,7 +2,8 @@
 encoder's session and its tokenizer's rows, never runs a batch past the budget in padded tokens
 (rows × the longest row), keeps long and short texts apart when the budget is one long text, still
 runs a row over the budget alone, and hands each caller its own rows (each checked against the row
-run alone); served, /stats counts the batches the budget cut; bad values are one line."""
+run alone); served, /stats counts the batches the budget cut; the warm-up's full-length batch keeps to the
+budget; bad values are one line."""
 
 from __future__ import annotations
 
@@ -174,3 +175,23 @@ def test_a_bad_budget_in_serving_json_is_one_line(tmp_path):
     (tmp_path / "serving.json").write_text(json.dumps({"max_batch_tokens": "many"}))
     with pytest.raises(UserError, match="max_batch_tokens must be a whole number of at least 1"):
         read_settings_file(tmp_path)
+
+
+def test_warm_up_runs_full_length_batches_only_as_large_as_the_budget_allows(encoder, bert_encoder):
+    from optiserve.runtime.variants import LoadedVariant
+
+    session, texts, _ = encoder
+    entry = next(v for v in read_manifest(bert_encoder[0])["variants"] if v["name"] == "onnx-fp32")
+    shapes, run = _recording(session)
+
+    class Recorded:  # the real session, its batches' shapes recorded
+        device = session.device
+
+        def run(self, batch):
+            return run(batch)
+
+    texts.warm_up(LoadedVariant("onnx-fp32", entry, Recorded()), [1, 2, 4, 8], 3 * BERT_MAX_LENGTH)
+    assert max(rows for rows, longest in shapes if longest == BERT_MAX_LENGTH) == 3
+    shapes.clear()
+    texts.warm_up(LoadedVariant("onnx-fp32", entry, Recorded()), [1, 2, 4, 8])
+    assert max(rows for rows, longest in shapes if longest == BERT_MAX_LENGTH) == 8
