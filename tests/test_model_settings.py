@@ -38,7 +38,8 @@ def test_a_models_serving_json_overrides_the_flags_for_that_model_only(repositor
         until(lambda: c.get("/v2/health/ready").status_code == 200)
         tuned = c.get("/v2/models/tuned/config").json()
         settings = {k: (v["value"], v["source"]) for k, v in tuned["settings"].items()}
-        assert settings == {"max_batch_size": (1, "file"), "max_delay_ms": (0, "file"),
+        assert settings == {"max_batch_size": (1, "file"), "max_batch_tokens": (None, "default"),
+                            "max_delay_ms": (0, "file"),
                             "max_queue": ([8, 32], "file"), "max_queue_bytes": (2 << 20, "file"),
                             "timeout_ms": (5000, "file"), "instances": ({"onnx-fp32": 2}, "file"),
                             "priority_levels": (2, "file"), "default_priority": (2, "default"),

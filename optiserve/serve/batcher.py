@@ -7,6 +7,9 @@ Rows are taken highest priority first (1 is the highest, as in Triton), and each
 has a queue limit of its own, so a flood at a low priority cannot take the room of a higher one.
 The event loop only queues and answers; inference runs on one dedicated thread per instance (a
 session of its own): batches are cut one at a time and run on whichever instance is free.
+A batch may also have a cost budget (`max_batch_cost`, measured by the caller's `batch_cost`, e.g. a
+text model's padded tokens): a row that would take the batch past it closes the batch and leads the
+next one, and a first row over the budget on its own still runs alone, so no row waits forever.
 """
 
 from __future__ import annotations
@@ -151,6 +154,9 @@ class DynamicBatcher:
     instance, each run on a thread of its own — which returns one array of rows or a list of them
     (a model with several outputs, the one the task reads first).
 
+    `batch_cost(rows)` with `max_batch_cost` caps what a batch may cost besides its `max_batch_size`
+    rows (a text model: rows × the longest row, its padded tokens); both or neither.
+
     `max_queue` is the images each priority level may queue: one number for every level, or one
     per level (their count is the number of levels; 1 is the highest priority)."""
 
@@ -160,15 +166,20 @@ class DynamicBatcher:
                  name: str = "", on_batch: Callable[[BatchRecord], None] | None = None,
                  thread_initializer: Callable[[], None] | None = None, row_shape: tuple[int, ...] | None = None,
                  priority_levels: int = 1, stack: Callable[[list[np.ndarray]], np.ndarray] = stack_rows,
-                 count_tokens: Callable[[np.ndarray], tuple[int, int]] | None = None):
+                 count_tokens: Callable[[np.ndarray], tuple[int, int]] | None = None,
+                 batch_cost: Callable[[list[np.ndarray]], int] | None = None, max_batch_cost: int | None = None):
         limits = [max_queue] * priority_levels if isinstance(max_queue, int) else list(max_queue)
         runners = [run_batch] if callable(run_batch) else list(run_batch)
         if max_batch_size < 1 or not limits or min(limits) < 1 or max_delay_ms < 0 or not runners:
             raise ValueError("max_batch_size and max_queue must be >= 1, max_delay_ms >= 0, and there must be "
                              "at least one priority level and one instance")
+        if (batch_cost is None) != (max_batch_cost is None) or (max_batch_cost is not None and max_batch_cost < 1):
+            raise ValueError("batch_cost and max_batch_cost go together, and max_batch_cost must be >= 1")
         self.runners, self.name = runners, name
         self.stack = stack  # rows into one batch: stack_rows (equal shapes), or a text model's padding
         self.count_tokens = count_tokens  # a text model's batch: (its real tokens, the padded ones it ran)
+        # what a batch of these rows would cost (a text model's: rows × the longest), and the most a batch may
+        self.batch_cost, self.max_batch_cost = batch_cost, max_batch_cost
         self.max_batch_size, self.max_delay = max_batch_size, max_delay_ms / 1000
         self.max_queue = limits  # images each priority level may queue
         self._reserved = [0] * len(limits)  # images admitted at the door (being read and decoded), not yet queued
@@ -323,25 +334,35 @@ class DynamicBatcher:
     async def _next_batch(self) -> list[_Row]:
         """The next batch: its first row is the highest-priority, longest-waiting one queued, and the
         batch fills, highest priorities first, until it is full or that row has waited `max_delay`."""
-        first = self._take(await self._queue.get())
+        first = self._take(await self._queue.get())  # over the cost budget alone, it still runs (alone)
         batch = [first]
         cutoff = first.enqueued + self.max_delay
         while len(batch) < self.max_batch_size:
             try:
-                batch.append(self._take(self._queue.get_nowait()))
-                continue
+                item = self._queue.get_nowait()
             except asyncio.QueueEmpty:
-                pass
-            remaining = cutoff - time.perf_counter()
-            if remaining <= 0:
+                remaining = cutoff - time.perf_counter()
+                if remaining <= 0:
+                    break
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            if not self._fits(batch, item[2]):  # the batch is full by its cost: the row leads the next one
+                self._queue.put_nowait(item)  # same (priority, arrival): back in its place
+                self._queue.task_done()  # the put counted it twice: it is done once, with the batch that takes it
                 break
-            try:
-                batch.append(self._take(await asyncio.wait_for(self._queue.get(), remaining)))
-            except asyncio.TimeoutError:
-                break
+            batch.append(self._take(item))
         if self.staging is not None and self._queue.empty():
             self.staging.start_block()  # nothing waiting behind this batch: the next rows line up anew
         return batch
+
+    def _fits(self, batch: list[_Row], row: _Row) -> bool:
+        """Whether `row` joins `batch` within the cost budget (rows whose caller gave up cost nothing)."""
+        if self.batch_cost is None or row.future.done():
+            return True
+        live = [r.image for r in batch if not r.future.done()]
+        return self.batch_cost([*live, row.image]) <= self.max_batch_cost
 
     async def _loop(self, instance: int) -> None:
         """One instance's loop: wait its turn to cut a batch, then run it on its own thread."""

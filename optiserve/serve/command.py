@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"time, take the recommendation whatever machine it came from)")
     p.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size, metavar="N",
                    help=f"largest batch the batcher forms (default {DEFAULTS.max_batch_size}; 1 turns batching off)")
+    p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
+                   help="text models: a batch holds at most N padded tokens (rows x its longest row), at least a "
+                        "model's max length; a text that would take a batch past it starts the next one "
+                        "(default: no cap, only --max-batch-size)")
     p.add_argument("--max-delay-ms", type=float, default=DEFAULTS.max_delay_ms, metavar="T",
                    help=f"longest the oldest queued image waits for a fuller batch (default {DEFAULTS.max_delay_ms:g})")
     p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue, metavar="N",
@@ -149,7 +153,8 @@ def _true_or_false(text: str) -> bool:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig that `optiserve serve ARGS` runs with (also what the Ray deployment parses)."""
     return ServeConfig(artifact_dir=args.artifact_dir, variants=args.variants, ab=args.ab,
-                      max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
+                      max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                      max_delay_ms=args.max_delay_ms,
                       max_queue=args.max_queue, max_queue_bytes=args.max_queue_bytes, timeout_ms=args.timeout_ms,
                       threads=args.threads, instances=args.instances, priority_levels=args.priority_levels,
                       default_priority=args.default_priority,

@@ -23,6 +23,7 @@ class ServeConfig:
     ab: str | None = None
     max_batch_size: int = 16
     max_delay_ms: float = 5.0
+    max_batch_tokens: int | None = None  # a text model's batch: at most this many padded tokens; None: no cap
     max_queue: int = 256
     timeout_ms: float = 30_000
     threads: int | None = None        # intra-op threads per variant; None: the runtime's default (all cores)
@@ -105,6 +106,7 @@ class ServeConfig:
 
     def validate(self) -> None:
         for name, value in (("--max-batch-size", self.max_batch_size), ("--max-queue", self.max_queue),
+                            ("--max-batch-tokens", self.max_batch_tokens),
                             ("--max-image-pixels", self.max_image_pixels), ("--decode-threads", self.decode_threads),
                             ("--workers", self.workers)):
             if value is not None and value < 1:

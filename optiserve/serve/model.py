@@ -60,6 +60,7 @@ class BatchingConfig:
     max_delay_ms: float
     max_queue: int | list[int]  # images each priority level may queue: one for all, or one per level
     thread_initializer: Callable[[], None] | None = None
+    max_batch_tokens: int | None = None  # a text model's batches: at most this many padded tokens
 
     @property
     def sizes(self) -> list[int]:
@@ -94,6 +95,7 @@ class ServedModel:
         # optimize adapted it), or texts (its tokenizer, loaded once: serve/text_requests.py)
         text = text_input_of(self.manifest)
         self.texts = TextRequests(self.folder, text, settings.max_images) if text is not None else None
+        settings.check_batch_tokens(text.max_length if text is not None else None)
         self.spec = InputSpec.from_dict(self.manifest["input"]) if text is None else None
         self.protocol_input = ProtocolInput.of(self.manifest, self.spec) if text is None else None
         self.classes: list[str] = self.manifest["classes"]
@@ -133,7 +135,8 @@ class ServedModel:
                 for _ in range(count):  # one session each: engines' sessions are not run from two threads at once
                     loaded = await loop.run_in_executor(loader, load_verified, self.folder, entry, self.manifest, own)
                     if self.texts is not None:
-                        await loop.run_in_executor(loader, self.texts.warm_up, loaded, batching.sizes)
+                        await loop.run_in_executor(loader, self.texts.warm_up, loaded, batching.sizes,
+                                                   batching.max_batch_tokens)
                     else:
                         await loop.run_in_executor(loader, warm_up, loaded, self.manifest["input"]["shape"],
                                                    batching.sizes)
@@ -149,7 +152,7 @@ class ServedModel:
                 batcher = DynamicBatcher(runners, batching.max_batch_size, batching.max_delay_ms,
                                          batching.max_queue, name=f"{self.name}/{entry['name']}", on_batch=on_batch,
                                          thread_initializer=batching.thread_initializer,
-                                         **self._rows())
+                                         **self._rows(batching.max_batch_tokens))
                 batcher.start()
                 self.variants[entry["name"]] = ServedVariant(instances[0], batcher, stats)
                 log.info("model %s: variant %s (%s, %s) loaded and warmed up%s", self.name, entry["name"],
@@ -159,12 +162,14 @@ class ServedModel:
             await self.close(0)
             raise
 
-    def _rows(self) -> dict:
+    def _rows(self, max_batch_tokens: int | None) -> dict:
         """How the batcher joins this model's rows: images of one shape, decoded into staging rows
         (serve/staging.py); token rows of different lengths, padded to the longest (no staging), each
-        batch's real and padded tokens counted."""
+        batch's real and padded tokens counted, and with `max_batch_tokens` its padded tokens capped."""
         if self.texts is not None:
-            return {"stack": self.texts.stack, "count_tokens": self.texts.batch_tokens}
+            budget = {"batch_cost": self.texts.padded_tokens, "max_batch_cost": max_batch_tokens} \
+                if max_batch_tokens is not None else {}
+            return {"stack": self.texts.stack, "count_tokens": self.texts.batch_tokens, **budget}
         return {"row_shape": tuple(self.spec.shape)}
 
     def sample_batch(self, n: int) -> np.ndarray:

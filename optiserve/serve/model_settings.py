@@ -69,6 +69,7 @@ def _weights(value):
 # must be, or None)
 KEYS = {
     "max_batch_size": ("--max-batch-size", "max_batch_size", _count(1)),
+    "max_batch_tokens": ("--max-batch-tokens", "max_batch_tokens", _count(1)),
     "max_delay_ms": ("--max-delay-ms", "max_delay_ms", _number(0, inclusive=True)),
     "max_queue": ("--max-queue", "max_queue", _queue_limit),
     "max_queue_bytes": ("--max-queue-bytes", "max_queue_bytes", _count(1 << 20)),
@@ -96,6 +97,7 @@ class ModelSettings:
     default_priority: int         # a request's priority when it names none
     variants: list[str] | None
     traffic: dict[str, float] | str | None  # from the file: weights; from the flag: --ab as given
+    max_batch_tokens: int | None = None  # a text model's batches: at most this many padded tokens (None: no cap)
     sources: dict[str, str] = field(default_factory=dict)  # key -> file, flag or default
 
     @property
@@ -132,9 +134,24 @@ class ModelSettings:
         return ",".join(f"{k}={w!r}" for k, w in self.traffic.items()) if self.traffic else None
 
     def batching(self, server_wide):
-        """The server's BatchingConfig with this model's batch size, delay, queue limits and priority levels."""
-        return replace(server_wide, max_batch_size=self.max_batch_size, max_delay_ms=self.max_delay_ms,
-                       max_queue=self.queue_limits)
+        """The server's BatchingConfig with this model's batch size, token budget, delay, queue limits
+        and priority levels."""
+        return replace(server_wide, max_batch_size=self.max_batch_size, max_batch_tokens=self.max_batch_tokens,
+                       max_delay_ms=self.max_delay_ms, max_queue=self.queue_limits)
+
+    def check_batch_tokens(self, max_length: int | None) -> None:
+        """A UserError when max_batch_tokens is set for an image model (`max_length` None) or below a
+        text model's max length: one full-length text must fit a batch."""
+        if self.max_batch_tokens is None:
+            return
+        where = f"{SETTINGS_FILE} max_batch_tokens" if self.sources["max_batch_tokens"] == "file" \
+            else "--max-batch-tokens"
+        if max_length is None:
+            raise UserError(f"{where} applies to text models only; this model takes images (cap its batches with "
+                            f"max_batch_size)")
+        if self.max_batch_tokens < max_length:
+            raise UserError(f"{where} is {self.max_batch_tokens}, below the model's max length {max_length}: give at "
+                            f"least {max_length}, so that one full-length text fits a batch")
 
     def check_variants(self, served: list[str]) -> None:
         """A UserError when the instances name a variant that is not served."""

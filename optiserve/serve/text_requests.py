@@ -162,6 +162,12 @@ class TextRequests:
         return int(np.count_nonzero(batch[:, MASK]))
 
     @staticmethod
+    def padded_tokens(rows: list[np.ndarray]) -> int:
+        """The tokens `stack` would make of token rows: rows × the longest (a batch's cost under a
+        token budget, known before the rows are joined)."""
+        return len(rows) * max(r.shape[1] for r in rows)
+
+    @staticmethod
     def batch_tokens(batch: np.ndarray) -> tuple[int, int]:
         """A stacked batch's tokens: (the real ones, the ones the engine runs: rows × its longest row)."""
         return TextRequests.real_tokens(batch), batch.shape[0] * batch.shape[2]
@@ -171,14 +177,21 @@ class TextRequests:
         text = SAMPLE_TEXT * (self.input.max_length if long else 1)
         return self.tokenizer.encode([text] * n).batch
 
-    def warm_up(self, variant: LoadedVariant, batch_sizes: list[int]) -> None:
-        """Run each batch size the server forms at a short length, and the largest once at max_length,
-        as many times as the backend needs: the sequence axis is dynamic, so the first long batch
-        would otherwise pay for the engine's first run at that shape."""
+    def long_rows(self, max_batch_size: int, max_batch_tokens: int | None) -> int:
+        """The most full-length texts one batch holds: `max_batch_size`, fewer under a token budget."""
+        if max_batch_tokens is None:
+            return max_batch_size
+        return max(1, min(max_batch_size, max_batch_tokens // self.input.max_length))
+
+    def warm_up(self, variant: LoadedVariant, batch_sizes: list[int], max_batch_tokens: int | None = None) -> None:
+        """Run each batch size the server forms at a short length, and the largest once at max_length
+        (the most full-length rows `max_batch_tokens` lets a batch hold, where it is set), as many
+        times as the backend needs: the sequence axis is dynamic, so the first long batch would
+        otherwise pay for the engine's first run at that shape."""
         backend = get_backend(variant.entry["backend"])
         short = self.tokenizer.encode([SAMPLE_TEXT]).batch[:, :, :WARM_LENGTH]
         batches = [np.repeat(short, b, axis=0) for b in backend.warm_sizes(list(batch_sizes), variant.session.device)]
-        batches.append(self.sample(max(batch_sizes), long=True))
+        batches.append(self.sample(self.long_rows(max(batch_sizes), max_batch_tokens), long=True))
         for batch in batches:
             for _ in range(backend.warm_up_runs):
                 variant.session.run(batch)

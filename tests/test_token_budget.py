@@ -1,0 +1,197 @@
+"""A text model's batches under a token budget (max_batch_tokens): the batcher, given a real BERT
+encoder's session and its tokenizer's rows, never runs a batch past the budget in padded tokens
+(rows × the longest row), keeps long and short texts apart when the budget is one long text, still
+runs a row over the budget alone, and hands each caller its own rows (each checked against the row
+run alone); served, /stats counts the batches the budget cut; the warm-up's full-length batch keeps to the
+budget; bad values are one line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import BERT_MAX_LENGTH, run_cli_here, until
+from optiserve.artifacts import read_manifest
+from optiserve.errors import UserError
+from optiserve.serve.batcher import DynamicBatcher
+from optiserve.serve.config import ServeConfig
+from optiserve.serve.model_settings import model_settings, read_settings_file
+from optiserve.serve.text_requests import TextRequests
+from optiserve.text_input import text_input_of
+
+pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def encoder(bert_encoder):
+    """(the encoder's onnx-fp32 session, its TextRequests, its texts)."""
+    from optiserve.runtime import load_session
+
+    folder, data, _ = bert_encoder
+    manifest = read_manifest(folder)
+    entry = next(v for v in manifest["variants"] if v["name"] == "onnx-fp32")
+    texts = TextRequests(folder, text_input_of(manifest), 256)
+    return load_session(folder / entry["file"], entry, manifest), texts, data.read_text().splitlines()
+
+
+def _recording(session):
+    """The session's run, recording each batch's (rows, longest row)."""
+    shapes: list[tuple[int, int]] = []
+
+    def run(batch):
+        shapes.append((batch.shape[0], batch.shape[2]))
+        return session.run(batch)
+
+    return shapes, run
+
+
+def _serve(session, texts, requests, **options):
+    """Submit every request (token rows [k, 3, L]) at once; (their outputs, the batches' shapes)."""
+    shapes, run = _recording(session)
+
+    async def main():
+        b = DynamicBatcher(run, stack=texts.stack, count_tokens=texts.batch_tokens, max_delay_ms=20, **options)
+        b.start()
+        results = await asyncio.gather(*(b.submit(r) for r in requests))
+        await b.close()
+        return [r.logits for r in results]
+
+    return asyncio.run(main()), shapes
+
+
+def _alone(session, rows) -> np.ndarray:
+    """Each row's output run on its own (as long as its request made it)."""
+    return np.concatenate([session.run(row[None]) for row in rows])
+
+
+def test_batches_never_exceed_the_token_budget_and_each_caller_gets_its_own_rows(encoder):
+    session, texts, corpus = encoder
+    rng = np.random.default_rng(0)
+    # requests of 1-3 texts, some long (truncated at max_length), some a few words
+    requests = []
+    for i in range(24):
+        picked = [corpus[j] if rng.random() < 0.5 else " ".join(corpus[j].split()[:3])
+                  for j in rng.integers(0, len(corpus), rng.integers(1, 4))]
+        requests.append(texts.tokens(picked).batch)
+    budget = 3 * BERT_MAX_LENGTH
+    outputs, shapes = _serve(session, texts, requests, max_batch_size=6, batch_cost=texts.padded_tokens,
+                             max_batch_cost=budget)
+    assert all(rows * longest <= budget and rows <= 6 for rows, longest in shapes), shapes
+    assert any(rows > 1 for rows, _ in shapes)  # the budget still lets batches form
+    assert sum(rows for rows, _ in shapes) == sum(len(r) for r in requests)
+    for request, got in zip(requests, outputs):
+        np.testing.assert_allclose(got, _alone(session, request), atol=1e-4)
+
+
+def test_a_budget_of_one_long_text_runs_long_texts_alone_and_short_ones_together(encoder):
+    session, texts, corpus = encoder
+    long_texts = [t for t in corpus if len(texts.tokenizer.encode([t]).batch[0, 0]) == BERT_MAX_LENGTH][:4]
+    assert len(long_texts) == 4
+    short = [texts.tokens([" ".join(t.split()[:2])]).batch for t in corpus[:8]]
+    long = [texts.tokens([t]).batch for t in long_texts]
+    # in arrival order (no grouping by length): short ones, long ones, short ones
+    requests = [*short[:4], *long, *long, *short[4:]]
+    outputs, shapes = _serve(session, texts, requests, max_batch_size=8, batch_cost=texts.padded_tokens,
+                             max_batch_cost=BERT_MAX_LENGTH)
+    assert all(rows == 1 for rows, longest in shapes if longest == BERT_MAX_LENGTH), shapes
+    assert all(longest < BERT_MAX_LENGTH for rows, longest in shapes if rows > 1), shapes
+    assert any(rows > 1 for rows, _ in shapes), shapes  # the short ones did batch
+    for request, got in zip(requests, outputs):
+        np.testing.assert_allclose(got, _alone(session, request), atol=1e-4)
+
+
+def test_a_row_over_the_budget_on_its_own_still_runs_alone(encoder):
+    session, texts, corpus = encoder
+    requests = [texts.tokens(corpus[i:i + 2]).batch for i in range(0, 8, 2)]
+    outputs, shapes = _serve(session, texts, requests, max_batch_size=8, batch_cost=texts.padded_tokens,
+                             max_batch_cost=2)
+    assert [rows for rows, _ in shapes] == [1] * 8
+    for request, got in zip(requests, outputs):
+        np.testing.assert_allclose(got, _alone(session, request), atol=1e-4)
+
+
+def test_a_cost_without_a_budget_is_refused(encoder):
+    session, texts, _ = encoder
+    with pytest.raises(ValueError, match="go together"):
+        DynamicBatcher(session.run, batch_cost=texts.padded_tokens)
+    with pytest.raises(ValueError, match="max_batch_cost must be >= 1"):
+        DynamicBatcher(session.run, batch_cost=texts.padded_tokens, max_batch_cost=0)
+
+
+def test_served_batches_keep_to_the_budget_in_stats(bert_encoder):
+    from optiserve.serve.app import create_app
+
+    folder, data, lengths = bert_encoder
+    corpus = data.read_text().splitlines()
+    long_text = next(t for t, n in zip(corpus, lengths) if n == BERT_MAX_LENGTH)  # truncated at max_length
+    shorts = [" ".join(t.split()[:1]) for t in corpus[:8]]
+    cfg = ServeConfig(str(folder), variants=["onnx-fp32"], max_batch_size=8, max_batch_tokens=2 * BERT_MAX_LENGTH)
+    with TestClient(create_app(cfg)) as client:
+        until(lambda: client.get("/v2/health/ready").status_code == 200, seconds=120)
+        # one request of 8 texts, one of them long: every row is max_length long, so 2 a batch
+        r = client.post("/predict", json={"texts": [long_text, *shorts[:7]]})
+        assert r.status_code == 200, r.text
+        stats = client.get("/stats").json()
+        variant, = (m["variants"]["onnx-fp32"] for m in stats["models"].values())
+        assert variant["batch_size_counts"] == {"2": 4}
+        assert variant["padded_tokens"] == 8 * BERT_MAX_LENGTH
+        # 8 one-word texts: 8 rows of a few tokens fit the budget in one batch
+        r = client.post("/predict", json={"texts": shorts})
+        assert r.status_code == 200, r.text
+        stats = client.get("/stats").json()
+        variant, = (m["variants"]["onnx-fp32"] for m in stats["models"].values())
+        assert variant["batch_size_counts"] == {"2": 4, "8": 1}
+        assert variant["padded_tokens"] - 8 * BERT_MAX_LENGTH <= 2 * BERT_MAX_LENGTH
+        name, = stats["models"]
+        setting = client.get(f"/v2/models/{name}/config").json()["settings"]["max_batch_tokens"]
+        assert setting == {"value": 2 * BERT_MAX_LENGTH, "source": "flag", "flag": "--max-batch-tokens"}
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--max-batch-tokens", "0"], "--max-batch-tokens must be at least 1, got 0"),
+    (["--max-batch-tokens", "16"], f"--max-batch-tokens is 16, below the model's max length {BERT_MAX_LENGTH}"),
+])
+def test_bad_budgets_are_one_line(bert_encoder, args, says):
+    done = run_cli_here("serve", str(bert_encoder[0]), *args)
+    assert done.returncode != 0 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_budget_for_an_image_model_is_one_line(tmp_path):
+    """What ServedModel checks with an image model's (no) max length, from serving.json and the flag."""
+    (tmp_path / "serving.json").write_text(json.dumps({"max_batch_tokens": 64}))
+    with pytest.raises(UserError, match=r"^serving.json max_batch_tokens applies to text models only; this model "
+                                        r"takes images \(cap its batches with max_batch_size\)$"):
+        model_settings(tmp_path, ServeConfig(str(tmp_path))).check_batch_tokens(None)
+    (tmp_path / "serving.json").unlink()
+    with pytest.raises(UserError, match="^--max-batch-tokens applies to text models only"):
+        model_settings(tmp_path, ServeConfig(str(tmp_path), max_batch_tokens=64)).check_batch_tokens(None)
+
+
+def test_a_bad_budget_in_serving_json_is_one_line(tmp_path):
+    (tmp_path / "serving.json").write_text(json.dumps({"max_batch_tokens": "many"}))
+    with pytest.raises(UserError, match="max_batch_tokens must be a whole number of at least 1"):
+        read_settings_file(tmp_path)
+
+
+def test_warm_up_runs_full_length_batches_only_as_large_as_the_budget_allows(encoder, bert_encoder):
+    from optiserve.runtime.variants import LoadedVariant
+
+    session, texts, _ = encoder
+    entry = next(v for v in read_manifest(bert_encoder[0])["variants"] if v["name"] == "onnx-fp32")
+    shapes, run = _recording(session)
+
+    class Recorded:  # the real session, its batches' shapes recorded
+        device = session.device
+
+        def run(self, batch):
+            return run(batch)
+
+    texts.warm_up(LoadedVariant("onnx-fp32", entry, Recorded()), [1, 2, 4, 8], 3 * BERT_MAX_LENGTH)
+    assert max(rows for rows, longest in shapes if longest == BERT_MAX_LENGTH) == 3
+    shapes.clear()
+    texts.warm_up(LoadedVariant("onnx-fp32", entry, Recorded()), [1, 2, 4, 8])
+    assert max(rows for rows, longest in shapes if longest == BERT_MAX_LENGTH) == 8
