@@ -103,7 +103,7 @@ def test_bench_engine_times_token_batches_of_the_texts(bert_encoder, tmp_path):
     assert "texts/s" in proc.stdout and "tokens/s" in proc.stdout
 
 
-def test_tune_drives_a_text_model_with_its_texts_and_the_claim_replays(bert_encoder, tmp_path):
+def test_tune_drives_a_text_model_with_its_texts_and_its_token_budget_and_the_claim_replays(bert_encoder, tmp_path):
     import sys
 
     from conftest import ROOT
@@ -114,13 +114,32 @@ def test_tune_drives_a_text_model_with_its_texts_and_the_claim_replays(bert_enco
     folder, data, lengths = bert_encoder
     tuned = tmp_path / NAME
     shutil.copytree(folder, tuned)
-    proc = run_cli_here("tune", str(tuned), "--slo-p99-ms", "1000", "--texts", f"text:{data}", "--variants",
-                        "onnx-int8", "--batch-sizes", "2", "--delays-ms", "2", "--instances", "1", "--duration", "1",
-                        "--warmup", "0.5", "--confirm-seconds", "3", "--quiet")
+    budget = 2 * MAX_LENGTH  # two full-length texts a batch, though four short ones fit
+    args = ("tune", str(tuned), "--slo-p99-ms", "1000", "--texts", f"text:{data}", "--variants", "onnx-int8",
+            "--batch-sizes", "4", "--batch-tokens", str(budget), "--delays-ms", "2", "--instances", "1",
+            "--duration", "1", "--warmup", "0.5", "--confirm-seconds", "3", "--quiet")
+    proc = run_cli_here(*args)
     assert proc.returncode == 0, proc.stderr
+    assert f"max batch 4, at most {budget} padded tokens a batch" in proc.stdout
     settings = json.loads((tuned / "serving.json").read_text())
-    assert settings["variants"] == ["onnx-int8"] and settings["max_batch_size"] == 2
+    assert settings["variants"] == ["onnx-int8"] and settings["max_batch_size"] == 4
+    assert settings["max_batch_tokens"] == budget
     doc = json.loads((tuned / "tune.json").read_text())
+    assert [p["max_batch_tokens"] for p in doc["points"]] == [budget]
+    assert doc["winner"]["settings"]["max_batch_tokens"] == budget
+    md = (tuned / "tune.md").read_text()
+    assert "| max batch tokens |" in md and f"| 4 | {budget} |" in md
+    # a server started from the folder serves with the budget tune wrote
+    with serving(tuned) as (base, _):
+        name, = httpx.get(f"{base}/stats").json()["models"]
+        setting = httpx.get(f"{base}/v2/models/{name}/config").json()["settings"]["max_batch_tokens"]
+        assert setting["value"] == budget and setting["source"] == "file", setting
+    # resumed with the same search, the budget is part of the point measured and the winner confirmed:
+    # nothing is measured or confirmed again
+    proc = run_cli_here(*args, "--resume")
+    assert proc.returncode == 0, proc.stderr
+    again = json.loads((tuned / "tune.json").read_text())
+    assert again["points"] == doc["points"] and again["winner"]["confirmation"] == doc["winner"]["confirmation"]
     assert doc["load"] == {"texts": f"text:{data}", "texts_per_request": 1, "tokens_counted": True}
     steps = [s for p in doc["points"] for s in p["steps"]] + doc["winner"]["confirmation"]["tries"]
     for step in steps:  # one text a request, each of the file's texts' tokens
@@ -141,6 +160,9 @@ def test_tune_refuses_a_load_that_does_not_fit_in_one_line(bert_encoder, tmp_pat
     for target, args, says in [(folder, (), f"tuning the text model {NAME} needs --texts text:FILE"),
                                (folder, ("--texts", f"text:{data}", "--images", str(tmp_path)),
                                 "is a text model: leave out --images"),
-                               (image, ("--texts", f"text:{data}"), "takes images, not texts: leave out --texts")]:
+                               (image, ("--texts", f"text:{data}"), "takes images, not texts: leave out --texts"),
+                               (folder, ("--texts", f"text:{data}", "--batch-tokens", f"{MAX_LENGTH - 1},{MAX_LENGTH}"),
+                                f"--batch-tokens {MAX_LENGTH - 1}: below {NAME}'s max length {MAX_LENGTH}"),
+                               (image, ("--batch-tokens", "64"), "image-model takes images: leave it out")]:
         proc = run_cli_here("tune", str(target), "--slo-p99-ms", "50", *args)
         assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

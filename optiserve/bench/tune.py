@@ -1,5 +1,5 @@
-"""`optiserve tune`: the variant and serving settings (max batch size, batching delay, instances)
-with the highest throughput whose p99 latency meets an objective, measured with the project's own
+"""`optiserve tune`: the variant and serving settings (max batch size, batching delay, instances,
+and a text model's padded-token budget a batch where --batch-tokens asks) with the highest throughput whose p99 latency meets an objective, measured with the project's own
 load generator against real `optiserve serve` processes — so the rate it claims is one a server
 started with the `serving.json` it writes has sustained here.
 
@@ -74,6 +74,7 @@ class TuneConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     delays_ms: list[float] | None = None     # None: 1 ms and a tenth of the objective
     instances: list[int] | None = None       # None: 1, and 2 where there are 2 cores or more
+    batch_tokens: list[int] | None = None    # a text model's max_batch_tokens tried; None: not searched (the folder's kept)
     images: list[bytes] = field(default_factory=list)
     texts: TextLoad | None = None            # a text model's load (its tokens counted), sent instead of images
     confirm_s: float = 20.0                  # the winner's confirming run
@@ -93,20 +94,24 @@ class Point:
     max_batch_size: int
     max_delay_ms: float
     instances: int
+    max_batch_tokens: int | None = None  # a text model's padded-token budget a batch; None: not tuned
 
     @classmethod
     def of(cls, measured: dict) -> "Point":
         """The point a measured result (a tune.json point, or the winner) was measured at."""
-        return cls(measured["variant"], measured["max_batch_size"], measured["max_delay_ms"], measured["instances"])
+        return cls(measured["variant"], measured["max_batch_size"], measured["max_delay_ms"], measured["instances"],
+                   measured.get("max_batch_tokens"))
 
     @property
     def key(self) -> str:
-        return f"{self.variant} b{self.max_batch_size} d{self.max_delay_ms:g} i{self.instances}"
+        tokens = "" if self.max_batch_tokens is None else f" t{self.max_batch_tokens}"
+        return f"{self.variant} b{self.max_batch_size} d{self.max_delay_ms:g} i{self.instances}{tokens}"
 
     def settings(self) -> dict:
-        """The serving.json keys that serve this point."""
+        """The serving.json keys that serve this point (max_batch_tokens only where it was tuned)."""
         return {"variants": [self.variant], "max_batch_size": self.max_batch_size,
-                "max_delay_ms": self.max_delay_ms, "instances": self.instances}
+                "max_delay_ms": self.max_delay_ms, "instances": self.instances,
+                **({} if self.max_batch_tokens is None else {"max_batch_tokens": self.max_batch_tokens})}
 
 
 def candidates(manifest: dict, cfg: TuneConfig) -> tuple[list[str], dict[str, str]]:
@@ -334,7 +339,8 @@ def is_point(point, variants: set[str]) -> bool:
 
     return isinstance(point, dict) and {"variant", "max_batch_size", "max_delay_ms", "instances"} <= set(point) and \
         point["variant"] in variants and whole(point["max_batch_size"]) and whole(point["instances"]) and \
-        isinstance(point["max_delay_ms"], (int, float)) and not isinstance(point["max_delay_ms"], bool)
+        isinstance(point["max_delay_ms"], (int, float)) and not isinstance(point["max_delay_ms"], bool) and \
+        (point.get("max_batch_tokens") is None or whole(point["max_batch_tokens"]))
 
 
 def is_result(point) -> bool:
@@ -432,13 +438,15 @@ class Tuner:
 
     def _search(self, stage: Path) -> tuple[dict[str, str], dict[str, str]]:
         """Measure the points worth measuring: each variant (fastest offline first, skipped where its
-        engine cannot beat the incumbent), instances, batch sizes doubling while doubling pays, and
-        the delays. Returns the variants left out and those pruned, each with why."""
+        engine cannot beat the incumbent), instances, a text model's token budgets, batch sizes
+        doubling while doubling pays, and the delays. Returns the variants left out and those pruned, each with why."""
         cfg = self.cfg
         names, left_out = candidates(self.manifest, cfg)
         entries = {e["name"]: e for e in self.manifest["variants"]}
         instances = instance_counts(cfg)
-        self.total = len(names) * len(instances) * sum(1 if b == 1 else len(delays_ms(cfg)) for b in cfg.batch_sizes)
+        budgets = cfg.batch_tokens or [None]
+        self.total = len(names) * len(instances) * len(budgets) * \
+            sum(1 if b == 1 else len(delays_ms(cfg)) for b in cfg.batch_sizes)
         pruned: dict[str, str] = {}
         for variant in names:
             incumbent = self.winner()
@@ -449,7 +457,8 @@ class Tuner:
                                    f"{incumbent['rate']:.0f} served")
                 continue
             for n in instances:
-                self._batch_sizes(stage, lambda b, d: Point(variant, b, d, n))
+                for t in budgets:
+                    self._batch_sizes(stage, lambda b, d: Point(variant, b, d, n, t))
         return left_out, pruned
 
     def _batch_sizes(self, stage: Path, point_at) -> None:

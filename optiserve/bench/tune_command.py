@@ -23,6 +23,10 @@ A text model's folder is driven with the texts --texts holds (text:FILE, one tex
 text/plain body, in the file's order, cycling; each step's texts and tokens are kept in tune.json).
 
   optiserve tune artifacts/minilm --slo-p99-ms 50 --texts text:queries.txt
+  optiserve tune artifacts/minilm --slo-p99-ms 50 --texts text:queries.txt --batch-tokens 512,2048
+
+--batch-tokens also searches a text model's max_batch_tokens (a batch closed before rows x its
+longest row passes it), each at least the model's max length; without it the folder's own is kept.
 
 A pipeline's folder in a repository (its pipeline.json) tunes each of its steps' models, one at a
 time, for the most pictures per second the pipeline answers within the objective, driven with the
@@ -82,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="batching delays tried above batch size 1 (default: 1 ms and a tenth of the objective)")
     p.add_argument("--instances", type=_ints, default=None, metavar="1,2",
                    help="instances per variant tried (default: 1, and 2 with 2 cores or more)")
+    p.add_argument("--batch-tokens", type=_ints, default=None, metavar="512,2048",
+                   help="a text model's max_batch_tokens tried, each at least its max length (default: not "
+                        "searched; the folder's serving.json budget, or none, is kept)")
     p.add_argument("--images", default=None, metavar="DIR",
                    help="images to send (default: random PNGs at the model's input size; a pipeline needs "
                         "pictures like those it will serve)")
@@ -97,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from optiserve.bench.payloads import dataset_images, images_from_folder
     from optiserve.bench.texts import text_load
     from optiserve.bench.tune import TuneConfig, Tuner
-    from optiserve.bench.tune_report import write_tune_report
+    from optiserve.bench.tune_report import settings_text, write_tune_report
     from optiserve.errors import UserError
     from optiserve.pipeline_file import is_pipeline_folder
 
@@ -121,6 +128,14 @@ def run(args: argparse.Namespace) -> int:
         if args.images:
             raise UserError(f"{folder.name} is a text model: leave out --images (its load is --texts)")
         texts = text_load(args.texts, 1, folder / given["tokenizer"], given["max_length"])
+        short = [t for t in args.batch_tokens or [] if t < given["max_length"]]
+        if short:
+            raise UserError(f"--batch-tokens {','.join(map(str, short))}: below {folder.name}'s max length "
+                            f"{given['max_length']}, so its longest text would fit in no batch; give at least "
+                            f"{given['max_length']}")
+    elif args.batch_tokens:
+        raise UserError(f"--batch-tokens budgets a text model's padded tokens; {folder.name} takes images: leave it "
+                        f"out (its batches are bounded by --batch-sizes)")
     elif args.texts:
         raise UserError(f"{folder.name} takes images, not texts: leave out --texts"
                         + (" (a pipeline's load is --images DIR)" if pipeline else ""))
@@ -132,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
                      warmup_s=args.warmup, mode=args.concurrency_mode,
                      variants=[v for v in args.variants.split(",") if v] if args.variants else None,
                      batch_sizes=args.batch_sizes, delays_ms=args.delays_ms, instances=args.instances,
+                     batch_tokens=args.batch_tokens,
                      images=images, texts=texts, confirm_s=args.confirm_seconds, resume=args.resume,
                      progress=not args.quiet)
     if pipeline:
@@ -140,9 +156,7 @@ def run(args: argparse.Namespace) -> int:
     doc = tuner.run()
     files = write_tune_report(doc, tuner.manifest, folder)
     w = doc["winner"]
-    s = w["settings"]
-    print(f"winner: {s['variants'][0]}, max batch {s['max_batch_size']}, delay {s['max_delay_ms']:g} ms, "
-          f"{s['instances']} instance(s): {w['rate']:.1f} requests/s at p99 {w['p99_ms']:.1f} ms "
+    print(f"winner: {settings_text(w['settings'])}: {w['rate']:.1f} requests/s at p99 {w['p99_ms']:.1f} ms "
           f"held for {w['confirmation']['seconds']:g} s (objective {args.slo_p99_ms:g} ms)")
     print(f"wrote {folder / 'serving.json'}, {folder / 'tune.json'}, {files['md']}, {files['html']}")
     return 0

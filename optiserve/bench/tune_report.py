@@ -68,7 +68,8 @@ def _objective(doc: dict) -> tuple:
 
 def settings_text(s: dict) -> str:
     """One model's tuned serving settings in words."""
-    return (f"{s['variants'][0]}, max batch {s['max_batch_size']}, delay {s['max_delay_ms']:g} ms, "
+    tokens = f", at most {s['max_batch_tokens']} padded tokens a batch" if s.get("max_batch_tokens") else ""
+    return (f"{s['variants'][0]}, max batch {s['max_batch_size']}{tokens}, delay {s['max_delay_ms']:g} ms, "
             f"{s['instances']} instance{'s' if s['instances'] > 1 else ''}")
 
 
@@ -91,12 +92,15 @@ def tune_blocks(doc: dict, manifest: dict, plotted: bool) -> list[tuple]:
                             f"{winner['p99_ms']:.1f} ms (written to serving.json)."))
         blocks.append(_confirmation(doc, "requests"))
     slo = doc["objective"]["slo_p99_ms"]
-    rows = [[p["variant"], str(p["max_batch_size"]), f"{p['max_delay_ms']:g}", str(p["instances"]),
+    budgets = any(p.get("max_batch_tokens") for p in doc["points"])  # a column only where a text model's was tuned
+    rows = [[p["variant"], str(p["max_batch_size"]), *([str(p.get("max_batch_tokens") or "—")] if budgets else []),
+             f"{p['max_delay_ms']:g}", str(p["instances"]),
              f"{p['rate']:.1f}" if p["meets"] else "—", f"{p['p99_ms']:.1f}" if p["meets"] else "—",
              f"failed: {p['failed']}" if p.get("failed") else str(len(p["steps"])), point_missed(p, slo)]
             for p in sorted(doc["points"], key=lambda p: -p["rate"])]
     blocks += [("h2", "Points measured"),
-               ("table", ["variant", "max batch", "delay ms", "instances", "requests/s meeting the objective",
+               ("table", ["variant", "max batch", *(["max batch tokens"] if budgets else []), "delay ms", "instances",
+                          "requests/s meeting the objective",
                           "its p99 ms", "load steps", "missed at its lowest load"], rows)]
     entries = {e["name"]: e for e in manifest.get("variants", [])}
     measured = {p["variant"] for p in doc["points"]}
