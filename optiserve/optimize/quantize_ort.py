@@ -37,12 +37,13 @@ class _BatchReader:
         batch = self.batches[self.i - 1]
         return batch if isinstance(batch, dict) else {self.input_name: batch}
 
-
-def _rows(batch: np.ndarray | dict[str, np.ndarray]) -> int:
-    return len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch)
-
     def rewind(self):
         self.i = 0
+
+
+def _rows(batch: np.ndarray | dict[str, np.ndarray]) -> int:
+    """A calibration batch's rows: an image batch's, or a text batch's named inputs' (all alike)."""
+    return len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch)
 
 
 @contextlib.contextmanager
