@@ -22,13 +22,12 @@ from optiserve.bench.results import Run, make_results, variant_facts
 from optiserve.bench.texts import read_texts
 from optiserve.errors import UserError
 from optiserve.artifacts import read_manifest
-from optiserve.runtime import RuntimeOptions, get_backend
+from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.timing import interleaved_times
-from optiserve.runtime.variants import load_verified, select_variants, warm_up
-from optiserve.text_input import MASK, TextTokenizer, text_input_of
+from optiserve.runtime.variants import load_verified, select_variants, warm_up, warm_up_on
+from optiserve.text_input import MASK, SAMPLE_TEXT, TextTokenizer, text_input_of
 
 ROUNDS = 5  # each variant's time per batch size is spread over this many interleaved turns
-SAMPLE_TEXT = "A short sentence, about as long as the ones a search box or a chat message sends."
 
 
 def bench_engine(folder: str | Path, variants: list[str] | None, batch_sizes: list[int], duration_s: float,
@@ -57,9 +56,7 @@ def bench_engine(folder: str | Path, variants: list[str] | None, batch_sizes: li
         if batches is None:
             warm_up(v, shape, batch_sizes)
         else:  # every batch size's own sequence length: each is a new shape to the engine
-            for x in batches.values():
-                for _ in range(get_backend(v.entry["backend"]).warm_up_runs):
-                    v.session.run(x)
+            warm_up_on(v, list(batches.values()))
     sessions = {v.name: v.session for v in loaded}
     unit = "images" if batches is None else "texts"
     runs = []

@@ -1,7 +1,8 @@
 """`optiserve tune`: the variant and serving settings (max batch size, batching delay, instances,
-and a text model's padded-token budget a batch where --batch-tokens asks) with the highest throughput whose p99 latency meets an objective, measured with the project's own
-load generator against real `optiserve serve` processes — so the rate it claims is one a server
-started with the `serving.json` it writes has sustained here.
+and a text model's padded-token budget a batch where --batch-tokens asks) with the highest
+throughput whose p99 latency meets an objective, measured with the project's own load generator
+against real `optiserve serve` processes — so the rate it claims is one a server started with
+the `serving.json` it writes has sustained here.
 
 Open loop (the default): a point's throughput is the highest request rate whose p99 stays within
 the objective with every request answered and no backlog (the answered rate keeps up with the

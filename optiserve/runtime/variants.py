@@ -105,7 +105,12 @@ def warm_up(variant: LoadedVariant, shape: list[int], batch_sizes: list[int]) ->
     backend = get_backend(variant.entry["backend"])
     batch_sizes = backend.warm_sizes(list(batch_sizes), variant.session.device)
     rng = np.random.default_rng(0)
-    for b in batch_sizes:
-        x = rng.standard_normal((b, *shape), dtype=np.float32)
-        for _ in range(backend.warm_up_runs):
+    warm_up_on(variant, [rng.standard_normal((b, *shape), dtype=np.float32) for b in batch_sizes])
+
+
+def warm_up_on(variant: LoadedVariant, batches: list[np.ndarray]) -> None:
+    """Run each of `batches` as many times as the variant's backend needs before it is warm at that
+    shape (a text model's token batches, whose sequence length is a shape of its own, too)."""
+    for x in batches:
+        for _ in range(get_backend(variant.entry["backend"]).warm_up_runs):
             variant.session.run(x)

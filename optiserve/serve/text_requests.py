@@ -13,18 +13,17 @@ from typing import Callable
 import numpy as np
 
 from optiserve.runtime import get_backend
-from optiserve.runtime.variants import LoadedVariant
+from optiserve.runtime.variants import LoadedVariant, warm_up_on
 from optiserve.serve import binary
 from optiserve.serve.binary import BinaryFormatError, split_body
 from optiserve.serve.envelope import (InferRequest, TooManyImages, id_field, name_field, object_field, parse_json,
                                       requested_outputs, top_k)
 from optiserve.serve.preprocess import BadInput
-from optiserve.text_input import IDS, MASK, TextInput, TextTokenizer, Tokens
+from optiserve.text_input import IDS, MASK, SAMPLE_TEXT, TextInput, TextTokenizer, Tokens
 
 MAX_TEXT_BYTES = 64 << 10  # one text's UTF-8 bytes: far more than any model keeps (it truncates at max_length)
 MAX_TOP_K = 1 << 20  # top_k is parsed before the model's classes are at hand; the answer clips it to them
 WARM_LENGTH = 16  # the short length every batch size is warmed up at (a long one is warmed once)
-SAMPLE_TEXT = "A short sentence, about as long as the ones a search box or a chat message sends."
 
 
 class TooManyTexts(TooManyImages):
@@ -192,9 +191,7 @@ class TextRequests:
         short = self.tokenizer.encode([SAMPLE_TEXT]).batch[:, :, :WARM_LENGTH]
         batches = [np.repeat(short, b, axis=0) for b in backend.warm_sizes(list(batch_sizes), variant.session.device)]
         batches.append(self.sample(self.long_rows(max(batch_sizes), max_batch_tokens), long=True))
-        for batch in batches:
-            for _ in range(backend.warm_up_runs):
-                variant.session.run(batch)
+        warm_up_on(variant, batches)
 
 
 def _token_ids(value) -> bool:
