@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(1200)
 SLO_MS = 150.0
 READER = {"steps": [{"model": "finder"}, {"model": "digits", "crops": {"min_score": 0.5, "max_crops": 8}}]}
 SEARCH = ("--variants", "digits:onnx-int8,digits:onnx-fp32", "--batch-sizes", "2", "--delays-ms", "2",
-          "--instances", "1", "--duration", "2", "--warmup", "0.5", "--confirm-seconds", "5", "--quiet")
+          "--instances", "1", "--duration", "2", "--confirm-seconds", "5", "--quiet")
 
 
 @pytest.fixture(scope="module")
