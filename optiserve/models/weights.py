@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torchvision
 from torch import nn
 
 from optiserve.checkpoint import NotACheckpoint, read_checkpoint
@@ -489,6 +488,8 @@ def _load_imagenet(entry, num_classes, input_spec) -> LoadedModel:
     if num_classes not in (None, entry.num_classes) or input_spec not in (None, entry.input):
         raise UserError(f"ImageNet weights for {entry.name} need {entry.num_classes} classes and input "
                         f"{list(entry.input.shape)}; train on your dataset and pass --weights PATH instead")
+    import torchvision  # here: it brings torch._dynamo, which a registered small model never needs
+
     w = torchvision.models.get_weight(entry.imagenet_weights)
     cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(w.url)
     _check_cached_hash(cached)  # torch.hub checks the hash only when it downloads, not a file already cached

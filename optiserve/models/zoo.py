@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torchvision
 from torch import nn
 
 from optiserve.input_spec import IMAGENET_MEAN, IMAGENET_STD, InputSpec
@@ -25,6 +24,8 @@ def _replace_first_conv(model: nn.Module, in_channels: int) -> None:
 
 def _torchvision_builder(arch: str):
     def build(num_classes: int, spec: InputSpec) -> nn.Module:
+        import torchvision  # here, not at import: it brings torch._dynamo, seconds a small_cnn run never needs
+
         model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
         _replace_first_conv(model, spec.channels)
         return model
@@ -35,6 +36,8 @@ def _torchvision_builder(arch: str):
 def build_resnet18(num_classes: int, spec: InputSpec) -> nn.Module:
     """torchvision ResNet-18; for small images (side <= 64) the small-input variant:
     a 3x3 stride-1 stem and no max-pool, so an 16x16 or 32x32 image keeps enough resolution."""
+    import torchvision
+
     model = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     if max(spec.size) <= SMALL_INPUT_MAX_SIDE:
         model.conv1 = nn.Conv2d(spec.channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
