@@ -204,3 +204,15 @@ def test_embeddings_refuse_a_classifier(client):
     r = client.post("/v1/embeddings", json={"model": "model", "input": ["a"]})
     assert r.status_code == 400
     assert "is a text-classification model; /v1/embeddings serves text-embedding models" in r.json()["error"], r.text
+
+
+def test_bench_refuses_to_send_a_classifier_openai_embeddings_requests_up_front(client, tmp_path):
+    from optiserve.bench.http import texts_for
+
+    facts = client.get("/stats").json()["models"]["model"]
+    assert facts["task"] == "text-classification"
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    with pytest.raises(UserError, match="is a text-classification model; --protocol openai sends /v1/embeddings"):
+        texts_for(facts, f"text:{texts}", 1, None, "openai", None)
+    assert texts_for(facts, f"text:{texts}", 1, None, "predict", None) is not None

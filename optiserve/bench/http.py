@@ -154,6 +154,9 @@ def texts_for(facts: dict, texts: str | None, per_request: int, tokenizer: str |
     if texts is None:
         raise UserError(f"{name} is a text model: give --texts text:FILE (a .txt file, one text a line, or a "
                         f".tsv/.csv with a `text` column) for its requests")
+    if protocol == "openai" and facts.get("task") not in (None, "text-embedding"):
+        raise UserError(f"{name} is a {facts['task']} model; --protocol openai sends /v1/embeddings, which serves "
+                        f"text-embedding models: measure it over --protocol predict, predict-raw, v2-binary or grpc")
     if protocol == "openai" and variants:
         raise UserError("/v1/embeddings names no variant (the server's A/B split routes it): leave out --variants, "
                         "or measure variants over --protocol predict, v2-binary or grpc")

@@ -18,7 +18,7 @@ def model_stats(model: ServedModel, samples: bool) -> dict:
                        "computes_in": v.loaded.session.computes_in()}
                 for name, v in list(model.variants.items())}
     shadow = {name: s.snapshot() for name, s in model.shadow_stats.items()}
-    return {"model": model.name, "version": model.version[:12], "input": model.manifest["input"],
+    return {"model": model.name, "version": model.version[:12], "task": model.task.name, "input": model.manifest["input"],
             "ab": model.router.shares, "traffic": model.traffic(), "default_choice": model.choice,
             "variants": variants, "shadow": shadow}
 
