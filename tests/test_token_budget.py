@@ -1,9 +1,10 @@
 """A text model's batches under a token budget (max_batch_tokens): the batcher, given a real BERT
 encoder's session and its tokenizer's rows, never runs a batch past the budget in padded tokens
-(rows × the longest row), keeps long and short texts apart when the budget is one long text, still
-runs a row over the budget alone, and hands each caller its own rows (each checked against the row
-run alone); served, /stats counts the batches the budget cut; the warm-up's full-length batch keeps to the
-budget; bad values are one line."""
+(rows × the longest text), keeps long and short texts apart when the budget is one long text, still
+runs a row over the budget alone, groups queued texts by length (less padding than arrival order, the
+oldest row still leading), counts a request's short texts at their own length, and hands each caller
+its own rows (each checked against the row run alone); served, /stats counts the batches the budget
+cut; the warm-up's full-length batch keeps to the budget; bad values are one line."""
 
 from __future__ import annotations
 
@@ -114,6 +115,36 @@ def test_a_row_over_the_budget_on_its_own_still_runs_alone(encoder):
         np.testing.assert_allclose(got, _alone(session, request), atol=1e-4)
 
 
+def test_queued_texts_are_grouped_by_length_so_batches_pad_less_than_in_arrival_order(encoder):
+    session, texts, corpus = encoder
+    long_texts = [t for t in corpus if texts.row_length(texts.tokens([t]).batch[0]) == BERT_MAX_LENGTH][:8]
+    short = [texts.tokens([" ".join(t.split()[:2])]).batch for t in corpus[:8]]
+    long = [texts.tokens([t]).batch for t in long_texts]
+    requests = [r for pair in zip(short, long) for r in pair]  # short, long, short, long...
+    grouped, shapes = _serve(session, texts, requests, max_batch_size=8, row_length=texts.row_length)
+    _, arrival = _serve(session, texts, requests, max_batch_size=8)
+    shortest = max(texts.row_length(r[0]) for r in short)
+    # the oldest row (a short one) leads with the seven other short ones; the long ones run together
+    assert sorted(shapes) == [(8, shortest), (8, BERT_MAX_LENGTH)], shapes
+    assert sum(rows * n for rows, n in shapes) < sum(rows * n for rows, n in arrival) == 16 * BERT_MAX_LENGTH, arrival
+    for request, got in zip(requests, grouped):
+        np.testing.assert_allclose(got, _alone(session, request), atol=1e-4)
+    # the oldest row always leads its batch, however unlike the rows behind it
+    _, shapes = _serve(session, texts, [long[0], *short], max_batch_size=4, row_length=texts.row_length)
+    assert shapes[0] == (4, BERT_MAX_LENGTH), shapes
+
+
+def test_a_request_s_short_texts_cost_their_own_length_not_its_longest(encoder):
+    session, texts, corpus = encoder
+    long_text = next(t for t in corpus if texts.row_length(texts.tokens([t]).batch[0]) == BERT_MAX_LENGTH)
+    request = texts.tokens([long_text, *(" ".join(t.split()[:1]) for t in corpus[:7])]).batch
+    assert request.shape[2] == BERT_MAX_LENGTH  # the request's rows are padded to its long text
+    (got,), shapes = _serve(session, texts, [request], max_batch_size=8, row_length=texts.row_length,
+                            batch_cost=texts.padded_tokens, max_batch_cost=2 * BERT_MAX_LENGTH)
+    assert shapes[0] == (2, BERT_MAX_LENGTH) and shapes[1][0] == 6 and shapes[1][1] < 8, shapes
+    np.testing.assert_allclose(got, _alone(session, request), atol=1e-4)
+
+
 def test_a_cost_without_a_budget_is_refused(encoder):
     session, texts, _ = encoder
     with pytest.raises(ValueError, match="go together"):
@@ -132,20 +163,22 @@ def test_served_batches_keep_to_the_budget_in_stats(bert_encoder):
     cfg = ServeConfig(str(folder), variants=["onnx-fp32"], max_batch_size=8, max_batch_tokens=2 * BERT_MAX_LENGTH)
     with TestClient(create_app(cfg)) as client:
         until(lambda: client.get("/v2/health/ready").status_code == 200, seconds=120)
-        # one request of 8 texts, one of them long: every row is max_length long, so 2 a batch
+        # one request of 8 texts, one of them long: the long one leads a batch of 2 (the budget), the
+        # six short ones left fit in one batch at their own length
         r = client.post("/predict", json={"texts": [long_text, *shorts[:7]]})
         assert r.status_code == 200, r.text
         stats = client.get("/stats").json()
         variant, = (m["variants"]["onnx-fp32"] for m in stats["models"].values())
-        assert variant["batch_size_counts"] == {"2": 4}
-        assert variant["padded_tokens"] == 8 * BERT_MAX_LENGTH
+        assert variant["batch_size_counts"] == {"2": 1, "6": 1}
+        first = variant["padded_tokens"]
+        assert 2 * BERT_MAX_LENGTH < first < 3 * BERT_MAX_LENGTH
         # 8 one-word texts: 8 rows of a few tokens fit the budget in one batch
         r = client.post("/predict", json={"texts": shorts})
         assert r.status_code == 200, r.text
         stats = client.get("/stats").json()
         variant, = (m["variants"]["onnx-fp32"] for m in stats["models"].values())
-        assert variant["batch_size_counts"] == {"2": 4, "8": 1}
-        assert variant["padded_tokens"] - 8 * BERT_MAX_LENGTH <= 2 * BERT_MAX_LENGTH
+        assert variant["batch_size_counts"] == {"2": 1, "6": 1, "8": 1}
+        assert variant["padded_tokens"] - first <= 2 * BERT_MAX_LENGTH
         name, = stats["models"]
         setting = client.get(f"/v2/models/{name}/config").json()["settings"]["max_batch_tokens"]
         assert setting == {"value": 2 * BERT_MAX_LENGTH, "source": "flag", "flag": "--max-batch-tokens"}

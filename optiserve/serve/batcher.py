@@ -10,6 +10,9 @@ session of its own): batches are cut one at a time and run on whichever instance
 A batch may also have a cost budget (`max_batch_cost`, measured by the caller's `batch_cost`, e.g. a
 text model's padded tokens): a row that would take the batch past it closes the batch and leads the
 next one, and a first row over the budget on its own still runs alone, so no row waits forever.
+Rows of different lengths (a text model's, `row_length`) are grouped by length: a batch is led by
+the oldest row, as always, and filled with the queued rows closest to it in length, so it pads
+little; the others keep their places, and each leads a batch of its own once it is the oldest.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ class _Row:
     enqueued: float
     deadline: float | None
     priority: int = 1
+    length: int = 0           # its length along the axis a batch pads (`row_length`; 0 where not grouped)
     taken: bool = False       # popped from the queue by the batch loop
     abandoned: bool = False   # its caller gave up while it was still queued
     trace: object = None      # its request's span context, for the batch's span to link to (when tracing)
@@ -155,7 +159,8 @@ class DynamicBatcher:
     (a model with several outputs, the one the task reads first).
 
     `batch_cost(rows)` with `max_batch_cost` caps what a batch may cost besides its `max_batch_size`
-    rows (a text model: rows × the longest row, its padded tokens); both or neither.
+    rows (a text model: rows × the longest row, its padded tokens); both or neither. `row_length(row)`
+    (a text model's tokens in a row) groups the rows a batch takes by length.
 
     `max_queue` is the images each priority level may queue: one number for every level, or one
     per level (their count is the number of levels; 1 is the highest priority)."""
@@ -167,7 +172,8 @@ class DynamicBatcher:
                  thread_initializer: Callable[[], None] | None = None, row_shape: tuple[int, ...] | None = None,
                  priority_levels: int = 1, stack: Callable[[list[np.ndarray]], np.ndarray] = stack_rows,
                  count_tokens: Callable[[np.ndarray], tuple[int, int]] | None = None,
-                 batch_cost: Callable[[list[np.ndarray]], int] | None = None, max_batch_cost: int | None = None):
+                 batch_cost: Callable[[list[np.ndarray]], int] | None = None, max_batch_cost: int | None = None,
+                 row_length: Callable[[np.ndarray], int] | None = None):
         limits = [max_queue] * priority_levels if isinstance(max_queue, int) else list(max_queue)
         runners = [run_batch] if callable(run_batch) else list(run_batch)
         if max_batch_size < 1 or not limits or min(limits) < 1 or max_delay_ms < 0 or not runners:
@@ -180,6 +186,7 @@ class DynamicBatcher:
         self.count_tokens = count_tokens  # a text model's batch: (its real tokens, the padded ones it ran)
         # what a batch of these rows would cost (a text model's: rows × the longest), and the most a batch may
         self.batch_cost, self.max_batch_cost = batch_cost, max_batch_cost
+        self.row_length = row_length  # a row's length, where rows of different lengths are grouped by it
         self.max_batch_size, self.max_delay = max_batch_size, max_delay_ms / 1000
         self.max_queue = limits  # images each priority level may queue
         self._reserved = [0] * len(limits)  # images admitted at the door (being read and decoded), not yet queued
@@ -269,7 +276,8 @@ class DynamicBatcher:
         now = time.perf_counter()
         deadline = now + timeout if timeout else None
         trace = tracing.current_span_context()
-        rows = [_Row(img, loop.create_future(), now, deadline, priority, trace=trace) for img in images]
+        length = self.row_length or (lambda image: 0)
+        rows = [_Row(img, loop.create_future(), now, deadline, priority, length(img), trace=trace) for img in images]
         for row in rows:
             self._queue.put_nowait((priority, next(self._arrivals), row))
         self._queued[priority - 1] += k
@@ -337,6 +345,9 @@ class DynamicBatcher:
         first = self._take(await self._queue.get())  # over the cost budget alone, it still runs (alone)
         batch = [first]
         cutoff = first.enqueued + self.max_delay
+        if self.row_length is not None:
+            await self._fill_by_length(batch, cutoff)
+            return batch
         while len(batch) < self.max_batch_size:
             try:
                 item = self._queue.get_nowait()
@@ -356,6 +367,39 @@ class DynamicBatcher:
         if self.staging is not None and self._queue.empty():
             self.staging.start_block()  # nothing waiting behind this batch: the next rows line up anew
         return batch
+
+    async def _fill_by_length(self, batch: list[_Row], cutoff: float) -> None:
+        """Fill `batch` (its first row the oldest) until it is full, its cost budget turns a row away,
+        or `cutoff` passes: from every row queued meanwhile, highest priority first, then those
+        closest in length to the first row, then the oldest. The rows not taken go back in their
+        places (the same priority and arrival)."""
+        target = batch[0].length
+        pool: list[tuple[int, int, _Row]] = []
+        try:
+            while True:
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    while True:
+                        pool.append(self._queue.get_nowait())
+                pool.sort(key=lambda item: (item[0], abs(item[2].length - target), item[1]))
+                kept, turned_away = [], False
+                for item in pool:
+                    if len(batch) < self.max_batch_size and self._fits(batch, item[2]):
+                        batch.append(self._take(item))
+                    else:
+                        turned_away |= len(batch) < self.max_batch_size
+                        kept.append(item)
+                pool = kept
+                remaining = cutoff - time.perf_counter()
+                if len(batch) >= self.max_batch_size or turned_away or remaining <= 0:
+                    return
+                try:
+                    pool.append(await asyncio.wait_for(self._queue.get(), remaining))
+                except asyncio.TimeoutError:
+                    return
+        finally:
+            for item in pool:
+                self._queue.put_nowait(item)
+                self._queue.task_done()  # the put counted it twice: it is done once, with the batch that takes it
 
     def _fits(self, batch: list[_Row], row: _Row) -> bool:
         """Whether `row` joins `batch` within the cost budget (rows whose caller gave up cost nothing)."""

@@ -164,12 +164,14 @@ class ServedModel:
 
     def _rows(self, max_batch_tokens: int | None) -> dict:
         """How the batcher joins this model's rows: images of one shape, decoded into staging rows
-        (serve/staging.py); token rows of different lengths, padded to the longest (no staging), each
-        batch's real and padded tokens counted, and with `max_batch_tokens` its padded tokens capped."""
+        (serve/staging.py); token rows of different lengths, grouped by length and padded to the
+        longest (no staging), each batch's real and padded tokens counted, and with
+        `max_batch_tokens` its padded tokens capped."""
         if self.texts is not None:
             budget = {"batch_cost": self.texts.padded_tokens, "max_batch_cost": max_batch_tokens} \
                 if max_batch_tokens is not None else {}
-            return {"stack": self.texts.stack, "count_tokens": self.texts.batch_tokens, **budget}
+            return {"stack": self.texts.stack, "count_tokens": self.texts.batch_tokens,
+                    "row_length": self.texts.row_length, **budget}
         return {"row_shape": tuple(self.spec.shape)}
 
     def sample_batch(self, n: int) -> np.ndarray:

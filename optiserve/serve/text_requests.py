@@ -145,14 +145,19 @@ class TextRequests:
     # ---- batches -----------------------------------------------------------------------------------
     def stack(self, rows: list[np.ndarray]) -> np.ndarray:
         """Token rows [3, L_i] (each request's padded to its own longest text) as one batch [N, 3, L],
-        padded to the longest: ids with the tokenizer's pad id, mask and type ids with 0, which leaves
-        every text's vector as it is alone."""
-        longest = max(r.shape[1] for r in rows)
-        batch = np.zeros((len(rows), 3, longest), dtype=np.int64)
+        L the longest text's own tokens (not a request's padding): ids padded with the tokenizer's pad
+        id, mask and type ids with 0, which leaves every text's vector as it is alone."""
+        lengths = [self.row_length(r) for r in rows]
+        batch = np.zeros((len(rows), 3, max(lengths)), dtype=np.int64)
         batch[:, IDS] = self.tokenizer.pad_id
-        for out, row in zip(batch, rows):
-            out[:, :row.shape[1]] = row
+        for out, row, n in zip(batch, rows, lengths):
+            out[:, :n] = row[:, :n]
         return batch
+
+    @staticmethod
+    def row_length(row: np.ndarray) -> int:
+        """A token row's own tokens (its mask's ones: special tokens in, padding out; at least 1)."""
+        return max(int(np.count_nonzero(row[MASK])), 1)
 
     @staticmethod
     def real_tokens(batch: np.ndarray) -> int:
@@ -162,9 +167,9 @@ class TextRequests:
 
     @staticmethod
     def padded_tokens(rows: list[np.ndarray]) -> int:
-        """The tokens `stack` would make of token rows: rows × the longest (a batch's cost under a
-        token budget, known before the rows are joined)."""
-        return len(rows) * max(r.shape[1] for r in rows)
+        """The tokens `stack` would make of token rows: rows × the longest text (a batch's cost under
+        a token budget, known before the rows are joined)."""
+        return len(rows) * max(TextRequests.row_length(r) for r in rows)
 
     @staticmethod
     def batch_tokens(batch: np.ndarray) -> tuple[int, int]:
