@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from optiserve.serve.batcher import DynamicBatcher
 from optiserve.serve.config import ServeConfig
 from optiserve.serve.model_settings import model_settings, read_settings_file
 from optiserve.serve.text_requests import TextRequests
-from optiserve.text_input import text_input_of
+from optiserve.text_input import MASK, text_input_of
 
 pytest.importorskip("onnxruntime")
 
@@ -132,6 +133,37 @@ def test_queued_texts_are_grouped_by_length_so_batches_pad_less_than_in_arrival_
     # the oldest row always leads its batch, however unlike the rows behind it
     _, shapes = _serve(session, texts, [long[0], *short], max_batch_size=4, row_length=texts.row_length)
     assert shapes[0] == (4, BERT_MAX_LENGTH), shapes
+
+
+def test_grouping_by_length_still_takes_higher_priorities_first(encoder):
+    session, texts, corpus = encoder
+    long_texts = [t for t in corpus if texts.row_length(texts.tokens([t]).batch[0]) == BERT_MAX_LENGTH][:3]
+    short = [texts.tokens([" ".join(t.split()[:2])]).batch for t in corpus[:2]]
+    gate, batches = threading.Event(), []
+
+    def held(batch):  # the first batch waits at the gate while the others queue behind it
+        gate.wait(5)
+        batches.append(sorted(int(n) for n in batch[:, MASK].sum(axis=1)))
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher(held, stack=texts.stack, row_length=texts.row_length, max_batch_size=2, max_delay_ms=0,
+                           priority_levels=2)
+        b.start()
+        waiting = [asyncio.ensure_future(b.submit(short[0], priority=2))]
+        await asyncio.sleep(0.1)
+        for text, priority in ((long_texts[0], 2), (long_texts[1], 2), (long_texts[2], 1)):
+            waiting.append(asyncio.ensure_future(b.submit(texts.tokens([text]).batch, priority=priority)))
+        waiting.append(asyncio.ensure_future(b.submit(short[1], priority=1)))
+        await asyncio.sleep(0.1)
+        gate.set()
+        await asyncio.gather(*waiting)
+        await b.close()
+
+    asyncio.run(main())
+    short_length = texts.row_length(short[1][0])
+    # the high-priority long text leads, and the high-priority short one joins it ahead of the long low ones
+    assert batches[1:] == [[short_length, BERT_MAX_LENGTH], [BERT_MAX_LENGTH, BERT_MAX_LENGTH]], batches
 
 
 def test_a_request_s_short_texts_cost_their_own_length_not_its_longest(encoder):
