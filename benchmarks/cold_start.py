@@ -74,10 +74,10 @@ def png(size: int, channels: int) -> bytes:
     return buf.getvalue()
 
 
-def start_and_measure(command: list[str], ready_url: str, predict_url: str, image: bytes,
-                      within_s: float = 180) -> tuple[float, int]:
+def start_and_measure(command: list[str], ready_url: str, predict_url: str, image: bytes | None,
+                      within_s: float = 180, body: dict | None = None) -> tuple[float, int]:
     """Seconds from start to the first 200 from `ready_url`, and the resident bytes after REQUESTS
-    answered uploads to `predict_url`; the process is stopped afterwards."""
+    answered uploads of `image` (or JSON `body`s) to `predict_url`; the process is stopped afterwards."""
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.perf_counter()
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -95,7 +95,8 @@ def start_and_measure(command: list[str], ready_url: str, predict_url: str, imag
                     time.sleep(POLL_S)
                 ready_s = time.perf_counter() - t0
                 for _ in range(REQUESTS):
-                    r = client.post(predict_url, files={"file": ("x.png", image, "image/png")})
+                    r = client.post(predict_url, json=body) if body is not None else \
+                        client.post(predict_url, files={"file": ("x.png", image, "image/png")})
                     r.raise_for_status()
             return ready_s, rss_bytes(proc.pid)
         finally:

@@ -4,7 +4,7 @@ encoder's session and its tokenizer's rows, never runs a batch past the budget i
 runs a row over the budget alone, groups queued texts by length (less padding than arrival order, the
 oldest row still leading), counts a request's short texts at their own length, and hands each caller
 its own rows (each checked against the row run alone); served, /stats counts the batches the budget
-cut; the warm-up's full-length batch keeps to the budget; bad values are one line."""
+cut; the warm-up runs short batches only; bad values are one line."""
 
 from __future__ import annotations
 
@@ -242,8 +242,10 @@ def test_a_bad_budget_in_serving_json_is_one_line(tmp_path):
         read_settings_file(tmp_path)
 
 
-def test_warm_up_runs_full_length_batches_only_as_large_as_the_budget_allows(encoder, bert_encoder):
+def test_warm_up_runs_the_batch_sizes_the_backend_needs_warm_at_a_short_length_only(encoder, bert_encoder):
+    from optiserve.runtime.registry import get_backend
     from optiserve.runtime.variants import LoadedVariant
+    from optiserve.serve.text_requests import WARM_LENGTH
 
     session, texts, _ = encoder
     entry = next(v for v in read_manifest(bert_encoder[0])["variants"] if v["name"] == "onnx-fp32")
@@ -255,8 +257,8 @@ def test_warm_up_runs_full_length_batches_only_as_large_as_the_budget_allows(enc
         def run(self, batch):
             return run(batch)
 
-    texts.warm_up(LoadedVariant("onnx-fp32", entry, Recorded()), [1, 2, 4, 8], 3 * BERT_MAX_LENGTH)
-    assert max(rows for rows, longest in shapes if longest == BERT_MAX_LENGTH) == 3
-    shapes.clear()
     texts.warm_up(LoadedVariant("onnx-fp32", entry, Recorded()), [1, 2, 4, 8])
-    assert max(rows for rows, longest in shapes if longest == BERT_MAX_LENGTH) == 8
+    backend = get_backend("onnxruntime")
+    assert sorted(rows for rows, _ in shapes) == sorted(backend.warm_sizes([1, 2, 4, 8], session.device)
+                                                        * backend.warm_up_runs)
+    assert all(longest <= WARM_LENGTH for _, longest in shapes), shapes  # no full-length batch

@@ -135,8 +135,7 @@ class ServedModel:
                 for _ in range(count):  # one session each: engines' sessions are not run from two threads at once
                     loaded = await loop.run_in_executor(loader, load_verified, self.folder, entry, self.manifest, own)
                     if self.texts is not None:
-                        await loop.run_in_executor(loader, self.texts.warm_up, loaded, batching.sizes,
-                                                   batching.max_batch_tokens)
+                        await loop.run_in_executor(loader, self.texts.warm_up, loaded, batching.sizes)
                     else:
                         await loop.run_in_executor(loader, warm_up, loaded, self.manifest["input"]["shape"],
                                                    batching.sizes)

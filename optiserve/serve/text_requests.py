@@ -23,7 +23,7 @@ from optiserve.text_input import IDS, MASK, SAMPLE_TEXT, TextInput, TextTokenize
 
 MAX_TEXT_BYTES = 64 << 10  # one text's UTF-8 bytes: far more than any model keeps (it truncates at max_length)
 MAX_TOP_K = 1 << 20  # top_k is parsed before the model's classes are at hand; the answer clips it to them
-WARM_LENGTH = 16  # the short length every batch size is warmed up at (a long one is warmed once)
+WARM_LENGTH = 16  # the short length every batch size is warmed up at
 
 
 class TooManyTexts(TooManyImages):
@@ -176,27 +176,19 @@ class TextRequests:
         """A stacked batch's tokens: (the real ones, the ones the engine runs: rows × its longest row)."""
         return TextRequests.real_tokens(batch), batch.shape[0] * batch.shape[2]
 
-    def sample(self, n: int, long: bool = False) -> np.ndarray:
-        """A token batch of `n` real texts: a short sentence, or (`long`) one truncated at max_length."""
-        text = SAMPLE_TEXT * (self.input.max_length if long else 1)
-        return self.tokenizer.encode([text] * n).batch
+    def sample(self, n: int) -> np.ndarray:
+        """A token batch of `n` real texts: a short sentence each."""
+        return self.tokenizer.encode([SAMPLE_TEXT] * n).batch
 
-    def long_rows(self, max_batch_size: int, max_batch_tokens: int | None) -> int:
-        """The most full-length texts one batch holds: `max_batch_size`, fewer under a token budget."""
-        if max_batch_tokens is None:
-            return max_batch_size
-        return max(1, min(max_batch_size, max_batch_tokens // self.input.max_length))
-
-    def warm_up(self, variant: LoadedVariant, batch_sizes: list[int], max_batch_tokens: int | None = None) -> None:
-        """Run each batch size the server forms at a short length, and the largest once at max_length
-        (the most full-length rows `max_batch_tokens` lets a batch hold, where it is set), as many
-        times as the backend needs: the sequence axis is dynamic, so the first long batch would
-        otherwise pay for the engine's first run at that shape."""
+    def warm_up(self, variant: LoadedVariant, batch_sizes: list[int]) -> None:
+        """Run each batch size the server forms that the backend needs warm, at a short length, as many
+        times as it needs. No full-length batch: both text engines take a new sequence length without
+        a first run's cost (their sequence axis is dynamic), so one would only cost start-up time and
+        the memory of its activations."""
         backend = get_backend(variant.entry["backend"])
         short = self.tokenizer.encode([SAMPLE_TEXT]).batch[:, :, :WARM_LENGTH]
-        batches = [np.repeat(short, b, axis=0) for b in backend.warm_sizes(list(batch_sizes), variant.session.device)]
-        batches.append(self.sample(self.long_rows(max(batch_sizes), max_batch_tokens), long=True))
-        warm_up_on(variant, batches)
+        warm_up_on(variant, [np.repeat(short, b, axis=0)
+                             for b in backend.warm_sizes(list(batch_sizes), variant.session.device)])
 
 
 def _token_ids(value) -> bool:
