@@ -27,6 +27,7 @@ from optiserve.runtime.fastest import Choice, choose_fastest
 from optiserve.runtime.timing import interleaved_times
 from optiserve.tasks import get_task
 from optiserve.tasks.output_kinds import get_output_kind, holds, kinds_matching, list_output_kinds
+from optiserve.text_input import TextInput
 
 if TYPE_CHECKING:  # the passes use this module; it reads only their Variant's fields
     from optiserve.optimize.passes.registry import Variant
@@ -154,12 +155,14 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
     entries, sessions, reference, baseline, reading, row_names = {}, {}, None, {}, {}, {}
     task, limits = get_task(loaded.task), cfg.gate_limits
     files = {v.name: [stage / f for f in (v.file, *get_backend(v.backend).companions(v.file))] for v in variants}
-    compressed = compressed_sizes(f for paths in files.values() for f in paths)
+    # what zeros save compressed, where a variant can hold them (pruned weights); a text model's
+    # variants hold none, and compressing hundreds of megabytes of them would say nothing new
+    compressed = {} if isinstance(loaded.input, TextInput) else compressed_sizes(f for paths in files.values() for f in paths)
     for v in sorted(variants, key=lambda v: v.name != baseline_name):
         companions = get_backend(v.backend).companions(v.file)
         entry = {"name": v.name, "file": v.file, "backend": v.backend, "precision": v.precision,
                  **artifacts.file_facts(stage / v.file),
-                 "size_compressed_bytes": sum(compressed[f] for f in files[v.name]),
+                 "size_compressed_bytes": sum(compressed[f] for f in files[v.name]) if compressed else None,
                  "settings": v.settings}
         if companions:
             entry["companions"] = {f: artifacts.file_facts(stage / f) for f in companions}

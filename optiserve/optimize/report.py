@@ -160,7 +160,9 @@ def _noun(manifest: dict) -> str:
     return "texts" if (manifest.get("input") or {}).get("kind") == "text" else "images"
 
 
-def _size(n: int) -> str:
+def _size(n: int | None) -> str:
+    if n is None:
+        return "—"
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
 
 
