@@ -2,8 +2,9 @@
 of 32, seeded random weights, its WordPiece tokenizer trained here on the polarity sentences) optimized
 with --int8. onnx-fused holds ONNX Runtime's fused operators (read from the ONNX graph) and answers as
 onnx-fp32 does through the runtime; onnx-int8-static is QDQ with its LayerNorm in float, calibrated on
-the training texts; both, and onnx-fused-int8, are judged and recorded with their settings; a graph the
-optimizer does not recognise gets a `not built` row with the reason."""
+the training texts; both, and onnx-fused-int8, are judged and recorded with their settings; a static
+INT8 model that misses its gate on the validation texts keeps its most sensitive layers in float; a graph
+the optimizer does not recognise gets a `not built` row with the reason."""
 
 from __future__ import annotations
 
@@ -158,3 +159,60 @@ def test_a_graph_the_optimizer_does_not_recognise_is_a_row_with_the_reason(tmp_p
     reason = {s["name"]: s["reason"] for s in manifest["skipped"]}["onnx-fused"]
     assert "fused nothing" in reason and "not an encoder whose attention and LayerNorm it recognises" in reason
     assert not (out / "model_fused.onnx").exists()
+
+
+def test_static_int8_that_misses_its_gate_keeps_its_most_sensitive_layers_in_float(tmp_path):
+    """A small BERT encoder with one channel of each layer's attention values 300 times larger and the
+    attention output's weights on it 300 times smaller: the same function in float, but that channel
+    sets the range static INT8 quantizes the attention's activations with, leaving the others a few
+    levels; a strict cosine minimum makes the loss a miss."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from optiserve.data.text import load_text_splits
+
+    data = polarity_file(tmp_path)
+    texts = load_text_splits(str(data)).train.texts
+    folder = tmp_path / "encoder"
+    folder.mkdir()
+    vocab_size = wordpiece_tokenizer(folder, texts)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=MAX_LENGTH, architectures=["BertModel"])
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(5, vocab_size, (4, 12))
+    before = model(input_ids=ids).last_hidden_state
+    with torch.no_grad():
+        for layer in model.encoder.layer:
+            layer.attention.self.value.weight[0] *= 300
+            layer.attention.self.value.bias[0] *= 300
+            layer.attention.output.dense.weight[:, 0] /= 300
+    torch.testing.assert_close(model(input_ids=ids).last_hidden_state, before, rtol=1e-4, atol=1e-4)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    common = dict(dataset=f"text:{data}", int8=True, openvino=False, latency_batch=2, timing_rounds=3,
+                  seq_lengths=(16,), calib_size=24, min_cosine=0.9999, max_float_layers=4, progress=False)
+    plain = run_optimize(OptimizeConfig(str(folder), accuracy_aware=False, out=str(tmp_path / "plain"), **common))
+    plain_static = _variants(plain)["onnx-int8-static"]
+    plain_cosine = plain_static["validation"]["accuracy"]["cosine_mean"]
+    assert plain_static["status"] == "rejected" and plain_cosine < 0.9999  # a real miss, by the cosine to fp32
+    aware = run_optimize(OptimizeConfig(str(folder), out=str(tmp_path / "aware"), **common))
+    static = _variants(aware)["onnx-int8-static"]
+    settings = static["settings"]["accuracy_aware"]
+    cosine = static["validation"]["accuracy"]["cosine_mean"]
+    # the fallback and its gate read the validation texts, as every choice does
+    assert settings["plain_int8"]["cosine_mean"] == pytest.approx(plain_cosine)
+    assert "cosine" in settings["plain_int8"]["reason"]
+    ranking = [r["node"] for r in settings["sensitivity"]["ranking"]]
+    assert settings["float_layers"] == ranking[:len(settings["float_layers"])]  # the most sensitive first
+    assert "attention" in settings["float_layers"][0]  # where the outsized channel is read
+    tries = settings["tries"]
+    assert [t["float_layers"] for t in tries] == list(range(1, len(tries) + 1)) and len(tries) <= 4
+    assert tries[-1] == {"float_layers": len(settings["float_layers"]), "cosine_mean": cosine,
+                         "status": static["status"]}
+    assert all(t["status"] == "rejected" for t in tries[:-1])  # it stops at the first that passes
+    assert cosine > plain_cosine and static["status"] == ("accepted" if cosine >= 0.9999 else "rejected")
+    # the layers kept in float read no dequantized INT8
+    graph = _graph(tmp_path / "aware" / static["file"])
+    dequantized = {o for node in graph.node if node.op_type == "DequantizeLinear" for o in node.output}
+    kept = [n for n in graph.node if n.name in settings["float_layers"]]
+    assert len(kept) == len(settings["float_layers"]) and not any(dequantized & set(n.input) for n in kept)

@@ -1,8 +1,8 @@
 """Accuracy-aware INT8: when the quantized model misses its task's gate, keep its most sensitive
 layers in floating point, one at a time, until it passes or a limit is reached.
 
-A layer's sensitivity and the gate are both measured on validation images (the test images only
-report, after every choice): the model is quantized with only that layer in INT8 (its inputs,
+A layer's sensitivity and the gate are both measured on validation images or texts (the test ones
+only report, after every choice): the model is quantized with only that layer in INT8 (its inputs,
 weights and output), and the further its outputs then stray from fp32's (mean squared difference:
 logits, vectors, per-pixel scores), the more sensitive it is. Measured this way, every layer that quantizes a badly-scaled tensor shows it
 (a producer, a pass-through pooling, the consumer); leaving one layer at a time in float would not,
@@ -18,7 +18,13 @@ from typing import Callable
 import numpy as np
 import onnx
 
+from optiserve.optimize.config import OptimizeConfig
+from optiserve.optimize.judge import KIND_IMAGES, output_kind, session_manifest
+from optiserve.optimize.parity import sensitivity
 from optiserve.optimize.quantize_ort import quantize_onnx_static
+from optiserve.optimize.validate import EvalSet, predict
+from optiserve.runtime import RuntimeOptions, load_session
+from optiserve.tasks import get_task
 
 Gate = Callable[[Path], tuple[str, str | None, dict]]  # int8 file -> (status, reason, {measure: value})
 Logits = Callable[[Path, np.ndarray], np.ndarray]                # model file, images -> logits
@@ -90,3 +96,41 @@ def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: li
         "float_layers": kept, "tries": tries, "max_float_layers": max_float_layers,
         "sensitivity": {"images": "validation split", "metric": f"{error_name} with only that layer quantized",
                         "ranking": [{"node": n, "error": e} for n, e in ranked]}}}
+
+
+def validation_fallback(stage: Path, loaded, valset: EvalSet, batches, cfg: OptimizeConfig, why_not: str, log):
+    """fp32 file, int8 file, settings -> settings: re-quantizes a static ONNX INT8 model (an image
+    model's onnx-int8, a text model's onnx-int8-static) that misses its task's gate on the validation
+    images or texts with its most sensitive layers (measured on the same ones) kept in float, calibrated
+    on `batches` as the plain one was: the test ones only report, after every choice."""
+    if not cfg.accuracy_aware or why_not:
+        return lambda fp32, int8, settings: settings
+    base_manifest = session_manifest(loaded)
+    options = RuntimeOptions(device="cpu", extra={"spin": False})
+
+    def logits(path: Path, images: np.ndarray, keep=None) -> np.ndarray:
+        session = load_session(path, {"name": path.name, "backend": "onnxruntime"}, base_manifest, options)
+        return predict(session, images, keep=keep)
+
+    def run(fp32: str, int8: str, settings: dict) -> dict:
+        reading = output_kind(loaded, cfg, logits(stage / fp32, valset.images[:KIND_IMAGES]))
+        task = get_task(loaded.task, reading.get("output_kind"))
+        reduce = lambda raw: task.reduce(raw, reading)  # noqa: E731
+        reference = logits(stage / fp32, valset.images, reduce)
+        baseline = task.metrics(reference, reference, valset.labels)
+
+        def gate_on_validation(path: Path):  # the same gate validate applies, on the same validation images
+            accuracy = task.metrics(logits(path, valset.images, reduce), reference, valset.labels)
+            return (*task.gate(accuracy, baseline, cfg.gate_limits, ""), task.headline(accuracy))
+
+        out = keep_sensitive_layers_in_float(stage / fp32, stage / int8, batches, cfg.calib_method,
+                                             lambda: valset.images,
+                                             logits, gate_on_validation, settings, cfg.max_float_layers,
+                                             **sensitivity(loaded))
+        if "accuracy_aware" in out:
+            kept = out["accuracy_aware"]["float_layers"]
+            log.note(f"{int8}: plain INT8 missed the accuracy gate ({out['accuracy_aware']['plain_int8']['reason']}); "
+                     f"kept {len(kept)} most sensitive layer(s) in float: {', '.join(kept)}")
+        return out
+
+    return run

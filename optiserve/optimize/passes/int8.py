@@ -6,24 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from optiserve.errors import failure_reason, first_line
 from optiserve.models.onnx_opset import INT8_OPSET, at_least_opset
-from optiserve.optimize.accuracy_aware import keep_sensitive_layers_in_float
+from optiserve.optimize.accuracy_aware import validation_fallback
 from optiserve.optimize.architecture import QuantRecipe, recipe_for_module, recipe_for_onnx
 from optiserve.optimize.attempts import INT8_PREPARATION, Attempts
 from optiserve.optimize.calibrate import calibration_batches
 from optiserve.optimize.config import OptimizeConfig
-from optiserve.optimize.judge import KIND_IMAGES, output_kind, session_manifest
-from optiserve.optimize.parity import sensitivity
 from optiserve.optimize.passes.registry import BOTH, TORCH, Pass, Run, Variant, register_pass
 from optiserve.optimize.quantize_ort import quantize_onnx_static
 from optiserve.optimize.quantize_torch import NothingQuantized, quantize_torch_dynamic, quantize_torch_fx
 from optiserve.optimize.trace import save_torchscript
-from optiserve.optimize.validate import EvalSet, predict
-from optiserve.runtime import RuntimeOptions, load_session
-from optiserve.tasks import get_task
 
 
 def _prepare_int8(run: Run) -> None:
@@ -45,7 +38,7 @@ def _prepare_int8_inputs(run: Run) -> None:
         run.recipe = recipe_for_module(run.fused, cfg.int8_recipe)
     run.notes += _recipe_note(run.recipe, cfg.int8_recipe != "auto")
     run.batches = calibration_batches(run.data.calibration_set(), cfg.calib_size)
-    run.accuracy_aware = _accuracy_aware(stage, run.loaded, run.valset, run.batches, cfg, run.why_not,
+    run.accuracy_aware = validation_fallback(stage, run.loaded, run.valset, run.batches, cfg, run.why_not,
                                          run.log)
 
 
@@ -77,43 +70,6 @@ def _recipe_note(recipe: QuantRecipe, asked: bool) -> list[str]:
     tail = (f"; torch-int8 is dynamic quantization of nn.Linear, openvino-int8 NNCF's model_type="
             f"{recipe.nncf_model_type}" if recipe.torch_mode == "dynamic" else "")
     return [f"INT8 recipe for a {recipe.architecture} ({why}): {recipe.description}{tail}"]
-
-
-def _accuracy_aware(stage: Path, loaded, valset: EvalSet, batches, cfg: OptimizeConfig, why_not: str, log):
-    """fp32 file, int8 file, settings -> settings: re-quantizes an ONNX INT8 model that misses its
-    task's gate on the validation images with its most sensitive layers (measured on the same
-    images) kept in float: the test images only report, after every choice."""
-    if not cfg.accuracy_aware or why_not:
-        return lambda fp32, int8, settings: settings
-    base_manifest = session_manifest(loaded)
-    options = RuntimeOptions(device="cpu", extra={"spin": False})
-
-    def logits(path: Path, images: np.ndarray, keep=None) -> np.ndarray:
-        session = load_session(path, {"name": path.name, "backend": "onnxruntime"}, base_manifest, options)
-        return predict(session, images, keep=keep)
-
-    def run(fp32: str, int8: str, settings: dict) -> dict:
-        reading = output_kind(loaded, cfg, logits(stage / fp32, valset.images[:KIND_IMAGES]))
-        task = get_task(loaded.task, reading.get("output_kind"))
-        reduce = lambda raw: task.reduce(raw, reading)  # noqa: E731
-        reference = logits(stage / fp32, valset.images, reduce)
-        baseline = task.metrics(reference, reference, valset.labels)
-
-        def gate_on_validation(path: Path):  # the same gate validate applies, on the same validation images
-            accuracy = task.metrics(logits(path, valset.images, reduce), reference, valset.labels)
-            return (*task.gate(accuracy, baseline, cfg.gate_limits, ""), task.headline(accuracy))
-
-        out = keep_sensitive_layers_in_float(stage / fp32, stage / int8, batches, cfg.calib_method,
-                                             lambda: valset.images,
-                                             logits, gate_on_validation, settings, cfg.max_float_layers,
-                                             **sensitivity(loaded))
-        if "accuracy_aware" in out:
-            kept = out["accuracy_aware"]["float_layers"]
-            log.note(f"{int8}: plain INT8 missed the accuracy gate ({out['accuracy_aware']['plain_int8']['reason']}); "
-                     f"kept {len(kept)} most sensitive layer(s) in float: {', '.join(kept)}")
-        return out
-
-    return run
 
 
 def _build_onnx_int8(run: Run) -> None:

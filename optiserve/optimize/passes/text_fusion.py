@@ -12,6 +12,7 @@ from optiserve.optimize.architecture import recipe_for_onnx
 from optiserve.optimize.fuse_text import MODEL_TYPE, NotFusable, attention_heads, fuse_text_onnx, fusion_unavailable
 from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
 from optiserve.optimize.passes.text import calibration_feeds, quantize_text_dynamic
+from optiserve.optimize.accuracy_aware import validation_fallback
 from optiserve.optimize.quantize_ort import quantize_onnx_static
 
 FUSED, FUSED_INT8, STATIC = "model_fused.onnx", "model_fused_int8.onnx", "model_int8_static.onnx"
@@ -53,11 +54,14 @@ def _build_static(run: Run) -> None:
         return
     with run.attempts.attempt(title, "onnx-int8-static"):
         recipe = recipe_for_onnx(run.stage / "model.onnx", cfg.int8_recipe)
-        settings = quantize_onnx_static(run.stage / "model.onnx", run.stage / STATIC, calibration_feeds(run),
-                                        cfg.calib_method, op_types=recipe.onnx_op_types,
+        feeds = calibration_feeds(run)
+        settings = quantize_onnx_static(run.stage / "model.onnx", run.stage / STATIC, feeds, cfg.calib_method,
+                                        op_types=recipe.onnx_op_types,
                                         float_outputs_of=list(recipe.onnx_float_outputs_of), unit="texts")
-        run.variants.append(Variant("onnx-int8-static", STATIC, "onnxruntime", "int8",
-                                    {**settings, **recipe.settings(), "from": "onnx-fp32"}))
+        # missing the gate on the validation texts, its most sensitive layers are kept in float
+        fallback = validation_fallback(run.stage, run.loaded, run.valset, feeds, cfg, run.why_not, run.log)
+        settings = fallback("model.onnx", STATIC, {**settings, **recipe.settings(), "from": "onnx-fp32"})
+        run.variants.append(Variant("onnx-int8-static", STATIC, "onnxruntime", "int8", settings))
 
 
 register_pass(Pass("text-ort-fusion", TEXT, _build_fused, asked=lambda cfg: cfg.ort_transformer,
