@@ -103,6 +103,20 @@ def start_and_measure(command: list[str], ready_url: str, predict_url: str, imag
             stop(proc, 30)
 
 
+def print_table(results: dict[str, list[tuple[float, int]]]) -> None:
+    """Each server's median ready time and resident memory, and their ratios to the first's (the peer)."""
+    peer = next(iter(results.values()))
+    peer_ready = statistics.median(r for r, _ in peer)
+    peer_rss = statistics.median(m for _, m in peer)
+    print()
+    print("| server | ready s (median) | × peer | RSS MB after 20 requests | × peer |")
+    print("|---|---|---|---|---|")
+    for name, runs in results.items():
+        ready = statistics.median(r for r, _ in runs)
+        rss = statistics.median(m for _, m in runs)
+        print(f"| {name} | {ready:.2f} | {ready / peer_ready:.2f}× | {rss / 1e6:.0f} | {rss / peer_rss:.2f}× |")
+
+
 def optiserve_command(folder: Path, port: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "optiserve", "serve", str(folder), "--port", str(port), "--drain-seconds", "0", *args]
 
@@ -181,16 +195,7 @@ def main() -> None:
                 results[name].append(start_and_measure(command, base + ready_path, base + "/predict", image))
             print(f"round {round_ + 1}/{args.rounds} done", flush=True)
 
-        peer = next(iter(configs))
-        peer_ready = statistics.median(r for r, _ in results[peer])
-        peer_rss = statistics.median(m for _, m in results[peer])
-        print()
-        print("| server | ready s (median) | × peer | RSS MB after 20 requests | × peer |")
-        print("|---|---|---|---|---|")
-        for name, runs in results.items():
-            ready = statistics.median(r for r, _ in runs)
-            rss = statistics.median(m for _, m in runs)
-            print(f"| {name} | {ready:.2f} | {ready / peer_ready:.2f}× | {rss / 1e6:.0f} | {rss / peer_rss:.2f}× |")
+        print_table(results)
         print(f"\nDigits folder variants: {', '.join(all_digits)}")
         print("\nImport time of the serving path (optiserve.serve.app) by top-level package (s):")
         times = import_times()

@@ -20,14 +20,13 @@ with the ratios to the peer (bar: ready <= 1.5x, memory <= 2x).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from cold_start import optiserve_command, start_and_measure  # noqa: E402
+from cold_start import optiserve_command, print_table, start_and_measure  # noqa: E402
 from text_batching import artifact  # noqa: E402
 
 from optiserve.artifacts import read_manifest  # noqa: E402
@@ -75,15 +74,7 @@ def main() -> int:
             results[name].append(start_and_measure(command, base + ready_path, base + "/predict", None, body=BODY))
         print(f"round {round_ + 1}/{args.rounds} done", flush=True)
 
-    peer = next(iter(configs))
-    peer_ready = statistics.median(r for r, _ in results[peer])
-    peer_rss = statistics.median(m for _, m in results[peer])
-    print("\n| server | ready s (median) | × peer | RSS MB after 20 requests | × peer |")
-    print("|---|---|---|---|---|")
-    for name, runs in results.items():
-        ready = statistics.median(r for r, _ in runs)
-        rss = statistics.median(m for _, m in runs)
-        print(f"| {name} | {ready:.2f} | {ready / peer_ready:.2f}× | {rss / 1e6:.0f} | {rss / peer_rss:.2f}× |")
+    print_table(results)
     return 0
 
 
