@@ -103,15 +103,15 @@ def cut_off_run(tmp_path_factory):
         yield out, pool.submit(_cut_off_scenario, out)
 
 
+CUT_OFF_TEST = "test_with_nnodes_1_to_2_the_first_node_finishes_alone_when_the_second_one_is_cut_off"
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _cut_off_starts_with_the_module(request):
     """Start the cut-off scenario with the module's first test when its test is among those run."""
     if REASON is None and any(getattr(item, "originalname", None) == CUT_OFF_TEST and item.module is request.module
                               for item in request.session.items):
         request.getfixturevalue("cut_off_run")
-
-
-CUT_OFF_TEST = "test_with_nnodes_1_to_2_the_first_node_finishes_alone_when_the_second_one_is_cut_off"
 
 
 LATE_STARTER = """
