@@ -41,12 +41,13 @@ def unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def two_nodes(subnet: int = 77, host_link: bool = False) -> Iterator[tuple[Node, Node]]:
+def two_nodes(subnet: int = 77, host_link: bool = False, tag: str = "") -> Iterator[tuple[Node, Node]]:
     """Namespaces a and b, 10.<subnet>.<n>.1 and .2 on a veth pair; every process left inside them is
     killed and both are deleted afterwards. With `host_link`, this (the test's) namespace gets a
     veth of its own to a, and a route to a's address, so the test can call what listens on node a
-    (nothing is forwarded to b)."""
-    tag = f"{os.getpid() % 100000}"
+    (nothing is forwarded to b). Pairs open at once in one process need their own `tag` (a letter or
+    two: it goes into interface names, 15 characters at most)."""
+    tag = f"{tag}{os.getpid() % 100000}"
     n = os.getpid() % 250 + 1
     a = Node(f"osa{tag}", f"10.{subnet}.{n}.1", f"vosa{tag}")
     b = Node(f"osb{tag}", f"10.{subnet}.{n}.2", f"vosb{tag}")

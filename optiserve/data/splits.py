@@ -1,4 +1,7 @@
-"""What every dataset provides: train/val/test splits, class names and the input spec they are prepared for."""
+"""What every dataset provides: train/val/test splits, class names and the input spec they are prepared for.
+
+scikit-learn (a second of imports) is imported by the splits that stratify, not with DatasetSplits, which
+the trainer, the optimizer and their spawned workers import whatever their data."""
 
 from __future__ import annotations
 
@@ -6,7 +9,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset
 
 from optiserve.input_spec import InputSpec
@@ -52,6 +54,8 @@ def random_split(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def stratified_split(labels: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Deterministic stratified train/val/test indices in SPLIT_FRACTIONS proportions."""
+    from sklearn.model_selection import train_test_split
+
     idx = np.arange(len(labels))
     train_f, val_f, test_f = SPLIT_FRACTIONS
     rest, test = train_test_split(idx, test_size=test_f, stratify=labels, random_state=seed)
@@ -63,6 +67,8 @@ def stratified_split(labels: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.
 def split_in_halves(labels: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic (validation, test) halves of one held-out folder, stratified by class where every
     class has two images: the first chooses, the second only reports."""
+    from sklearn.model_selection import train_test_split
+
     idx = np.arange(len(labels))
     stratify = labels if np.unique(labels, return_counts=True)[1].min() >= 2 else None
     choose, report = train_test_split(idx, test_size=0.5, stratify=stratify, random_state=seed)
