@@ -114,7 +114,9 @@ def _train(model: torch.nn.Module, digit_images: Path, epochs: int = 15) -> torc
 def served_here(folder: Path, *args: str):
     """The artifact served as `optiserve serve FOLDER ARGS` serves it (the command's own parsing and
     app), on loopback in this process: the same routes over HTTP without a fresh interpreter's seconds
-    of imports. Yields the base URL once the server reports ready."""
+    of imports. Yields the base URL once the server reports ready. Its inference threads keep this
+    process's priority (--inference-nice 0): the thread pools they start outlive the server here, and
+    niced they would slow every test after it."""
     import argparse
 
     from optiserve.serve.app import create_app
@@ -122,7 +124,7 @@ def served_here(folder: Path, *args: str):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    cfg = config_from_args(parser.parse_args([str(folder), *args]))
+    cfg = config_from_args(parser.parse_args([str(folder), "--inference-nice", "0", *args]))
     cfg.validate()
     app = create_app(cfg)
     with in_process_server(app, lambda: app.state.server.reports_ready) as port:
