@@ -133,7 +133,7 @@ def test_random_weights_on_synthetic_data_are_unvalidated_but_still_compared(tmp
     # (tests/test_cpu_flags.py builds and judges those)
     monkeypatch.setenv(CPU_FLAGS_ENV, "-avx512_bf16,-amx_bf16")
     manifest = run_optimize(OptimizeConfig("small_cnn", weights="random", dataset="synthetic", openvino=False,
-                                           latency_batch=1, out=str(tmp_path / "r"),
+                                           latency_batch=1, timing_rounds=3, out=str(tmp_path / "r"),
                                            progress=False))  # torch and ONNX Runtime say it
     assert not manifest["accuracy_meaningful"] and "random weights" in manifest["accuracy_note"]
     for v in manifest["variants"]:
@@ -179,7 +179,7 @@ def test_a_crash_between_the_two_renames_of_a_publish_is_repaired_by_the_next_pu
 def test_without_a_checkpoint_it_trains_one_first_and_says_so(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # through the CLI's entry point in this process: torch is imported already
     monkeypatch.setenv(CPU_FLAGS_ENV, "-avx512_bf16,-amx_bf16")  # no bf16 copy: not what this is about
-    run = run_cli_here("optimize", "small_cnn", "--no-onnx", "--latency-batch", "1")
+    run = run_cli_here("optimize", "small_cnn", "--no-onnx", "--latency-batch", "1", "--timing-rounds", "3")
     code, stdout, stderr = run.returncode, run.stdout, run.stderr
     assert code == 0, stderr[-2000:]
     assert "no trained checkpoint at checkpoints/small_cnn-digits.pt: training small_cnn" in stderr
@@ -239,11 +239,12 @@ def test_image_folder_classes_are_matched_to_imagenet_categories_by_name(tmp_pat
 
     assert class_mapping(weights.meta["categories"], ["tench", "goldfish"]) == [0, 1]
     assert class_mapping(weights.meta["categories"], ["tench", "not_a_category"]) is None
-    # the name matching is what is tested: fp32 and its TorchScript copy are scored, timed at batch 1; a bf16
-    # copy (tests/test_cpu_flags.py builds and judges those) is left out where the CPU has bf16
+    # the name matching is what is tested: fp32 and its TorchScript copy are scored, timed at batch 1 in a few
+    # rounds; a bf16 copy (tests/test_cpu_flags.py builds and judges those) is left out where the CPU has bf16
     monkeypatch.setenv(CPU_FLAGS_ENV, "-avx512_bf16,-amx_bf16")
     manifest = run_optimize(OptimizeConfig("resnet18", weights="imagenet", dataset=f"imagefolder:{tmp_path / 'images'}",
-                                           onnx=False, out=str(tmp_path / "art"), progress=False, latency_batch=1))
+                                           onnx=False, out=str(tmp_path / "art"), progress=False, latency_batch=1,
+                                           timing_rounds=3))
     assert manifest["accuracy_meaningful"] and manifest["input"]["shape"] == [3, 224, 224]
     assert all(v["status"] in ("accepted", "rejected") and v["accuracy"]["top1"] is not None
                for v in manifest["variants"])
@@ -289,14 +290,19 @@ def test_the_manifest_recommends_the_fastest_accepted_variant_and_names_the_cpu_
                    if r[0] not in (rec["latency"], rec["throughput"]))
 
 
-def test_the_progress_line_counts_the_passes_a_run_asks_for_and_ends_at_its_total(tmp_path):
+def test_the_progress_line_counts_the_passes_a_run_asks_for_and_ends_at_its_total(tmp_path, monkeypatch):
     """Each pass says how many steps it reports, so the count is right whatever the flags: a torch
     model with INT8 and pruning, then its ONNX export given as the model (fewer passes apply)."""
     import re
 
+    # only the count is read: timed at batch 1 in a few rounds, calibrated on a few images, and the bf16
+    # pass counted but not run (tests/test_cpu_flags.py builds and judges bf16 copies)
+    monkeypatch.setenv(CPU_FLAGS_ENV, "-avx512_bf16,-amx_bf16")
+
     def steps(*args: str) -> list[tuple[int, int]]:
         # through the CLI's entry point in this process (no torch import each): the lines it writes to stderr
-        run = run_cli_here("optimize", *args, "--dataset", "synthetic", "--int8", "--no-openvino")
+        run = run_cli_here("optimize", *args, "--dataset", "synthetic", "--int8", "--no-openvino",
+                           "--latency-batch", "1", "--timing-rounds", "3", "--calib-size", "16")
         code, stderr = run.returncode, run.stderr
         assert code == 0, stderr
         return [(int(a), int(b)) for a, b in re.findall(r"^\[(\d+)/(\d+)\]", stderr, re.M)]
