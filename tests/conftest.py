@@ -204,7 +204,6 @@ def cache_imagenet_weights(torch_home: Path, monkeypatch, state: dict, name_hash
     import torchvision
 
     from optiserve.models import get_model_entry
-    from optiserve.models import weights as weights_module
 
     monkeypatch.setenv("TORCH_HOME", str(torch_home))
     real = torchvision.models.get_weight(get_model_entry("resnet18").imagenet_weights)
@@ -212,7 +211,7 @@ def cache_imagenet_weights(torch_home: Path, monkeypatch, state: dict, name_hash
     torch.save(state, buf)
     prefix = name_hash or hashlib.sha256(buf.getvalue()).hexdigest()[:8]
     url = f"https://download.pytorch.org/models/resnet18-{prefix}.pth"
-    monkeypatch.setattr(weights_module.torchvision.models, "get_weight",
+    monkeypatch.setattr(torchvision.models, "get_weight",
                         lambda name: SimpleNamespace(url=url, meta=real.meta))
     cached = torch_home / "hub" / "checkpoints" / url.rsplit("/", 1)[1]
     cached.parent.mkdir(parents=True)
