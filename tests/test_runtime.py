@@ -95,11 +95,10 @@ def test_the_optimizer_and_bench_engine_load_sessions_that_do_not_spin_when_idle
     monkeypatch.setattr(variants, "load_session", spy)
     engine.bench_engine(small_artifact, ["onnx-int8", "torch-int8"], [1], 0.05, progress=False)
     assert seen == [False, False]
-    from optiserve.optimize import judge, pipeline
-    from optiserve.optimize.passes import int8 as int8_pass
+    from optiserve.optimize import accuracy_aware, judge, pipeline
     seen.clear()
     monkeypatch.setattr(judge, "load_session", spy)
-    monkeypatch.setattr(int8_pass, "load_session", spy)
+    monkeypatch.setattr(accuracy_aware, "load_session", spy)
     pipeline.run_optimize(pipeline.OptimizeConfig("small_cnn", weights="random", dataset="synthetic",
                                                   openvino=False, out=str(small_artifact.parent / "spin"),
                                                   progress=False, latency_batch=2, timing_rounds=3))
