@@ -12,7 +12,10 @@ Closed loop: --concurrency clients each send one text at a time, drawn from a mi
 a short review sentence, 1 in 4 a news passage cut at a random length; gensim's wheel carries both
 corpora), so a batch formed in arrival order pads its short texts to a long one's length. Grouping
 can only choose when more texts wait than a batch holds: the defaults are the server's batch of 16
-under 32 clients (with as many clients as a batch holds, every batch takes every text queued). The
+under 32 clients (with as many clients as a batch holds, every batch takes every text queued). Then
+an open loop: texts arriving at --rate a second (Poisson), above what arrival order can run, so
+that texts queue beyond a batch under every policy (a queue of OPEN_QUEUE texts; arrivals past it
+are refused and counted). The
 policies alternate in each of --rounds rounds; the table gives medians over rounds of texts/s,
 real tokens/s, the padding's share of the tokens the engine ran, the mean batch, and the latency
 p50/p99 a text saw in the batcher (queue and compute; no HTTP or tokenizing, the same for all).
@@ -37,12 +40,13 @@ sys.path.insert(0, str(ROOT))
 from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.runtime import load_session  # noqa: E402
-from optiserve.serve.batcher import DynamicBatcher  # noqa: E402
+from optiserve.serve.batcher import DynamicBatcher, QueueFull  # noqa: E402
 from optiserve.serve.text_requests import TextRequests  # noqa: E402
 from optiserve.text_input import text_input_of  # noqa: E402
 
 POLICIES = ("arrival", "sorted", "budget", "budget+sorted")
 DEFAULT_ARTIFACT = ROOT / "artifacts" / "minilm-polarity"
+OPEN_QUEUE = 1024  # an open loop's queue limit (texts): past it, arrivals are refused and counted
 
 
 def corpora() -> tuple[list[str], list[str]]:
@@ -92,14 +96,17 @@ def artifact(path: str | None) -> Path:
     return folder
 
 
-async def window(session, texts: TextRequests, rows: list[np.ndarray], policy: str, args) -> dict:
-    """One policy's closed-loop window: its texts/s, tokens, padding, batches and latencies."""
-    batches: list[tuple[int, int, int]] = []  # (rows, real tokens, padded tokens)
+async def window(session, texts: TextRequests, rows: list[np.ndarray], policy: str, args, rate: float | None) -> dict:
+    """One policy's window, closed loop (`rate` None: --concurrency clients, one text each at a time)
+    or open loop (texts arriving at `rate` a second, Poisson): its texts/s, tokens, padding, batches and
+    latencies, counted over the batches that completed within the measured seconds."""
+    batches: list[tuple[float, int, int, int]] = []  # (completed at, rows, real tokens, padded tokens)
 
     def run(batch):
         real, padded = texts.batch_tokens(batch)
-        batches.append((len(batch), real, padded))
-        return session.run(batch)
+        out = session.run(batch)
+        batches.append((time.perf_counter(), len(batch), real, padded))
+        return out
 
     options = {}
     if "sorted" in policy:
@@ -107,37 +114,46 @@ async def window(session, texts: TextRequests, rows: list[np.ndarray], policy: s
     if "budget" in policy:
         options.update(batch_cost=texts.padded_tokens, max_batch_cost=args.max_batch_tokens)
     batcher = DynamicBatcher(run, max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
-                             max_queue=4 * args.concurrency, stack=texts.stack, **options)
+                             max_queue=OPEN_QUEUE if rate else 4 * args.concurrency, stack=texts.stack, **options)
     batcher.start()
     latencies: list[float] = []
-    stop = time.perf_counter() + args.warmup + args.duration
+    rejected = 0
     measuring_from = time.perf_counter() + args.warmup
+    stop = measuring_from + args.duration
     counter = iter(range(10**9))
+
+    async def one(sent: float) -> None:
+        nonlocal rejected
+        try:
+            await batcher.submit(rows[next(counter) % len(rows)][None])
+        except QueueFull:
+            rejected += sent >= measuring_from
+            return
+        if sent >= measuring_from:
+            latencies.append(time.perf_counter() - sent)
 
     async def client():
         while (now := time.perf_counter()) < stop:
-            row = rows[next(counter) % len(rows)]
-            await batcher.submit(row[None])
-            if now >= measuring_from:
-                latencies.append(time.perf_counter() - now)
+            await one(now)
 
-    await asyncio.sleep(0)
-    start_count = None
+    async def arrivals():
+        rng, due, sent = np.random.default_rng(0), time.perf_counter(), []
+        while due < stop:
+            due += rng.exponential(1 / rate)
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            sent.append(asyncio.ensure_future(one(due)))
+        await asyncio.gather(*sent)
 
-    async def mark():
-        nonlocal start_count
-        await asyncio.sleep(args.warmup)
-        start_count = len(batches)
-
-    await asyncio.gather(mark(), *(client() for _ in range(args.concurrency)))
+    await asyncio.gather(arrivals()) if rate else await asyncio.gather(*(client() for _ in range(args.concurrency)))
     await batcher.close()
-    measured = batches[start_count:]
-    texts_done = sum(b[0] for b in measured)
-    real = sum(b[1] for b in measured)
-    padded = sum(b[2] for b in measured)
+    measured = [b for b in batches if measuring_from <= b[0] <= stop]
+    texts_done = sum(b[1] for b in measured)
+    real = sum(b[2] for b in measured)
+    padded = sum(b[3] for b in measured)
     return {"texts_s": texts_done / args.duration, "tokens_s": real / args.duration,
             "padding": 1 - real / padded if padded else 0.0, "batch": texts_done / max(len(measured), 1),
-            "p50": 1000 * float(np.percentile(latencies, 50)), "p99": 1000 * float(np.percentile(latencies, 99))}
+            "p50": 1000 * float(np.percentile(latencies, 50)), "p99": 1000 * float(np.percentile(latencies, 99)),
+            "rejected": rejected}
 
 
 def main() -> int:
@@ -151,6 +167,8 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=8.0, help="measured seconds per window")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of each window before it is measured")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each running every policy once")
+    p.add_argument("--rate", type=float, default=150.0, help="then an open loop: texts arriving at this rate a "
+                                                            "second, Poisson (0: closed loop only)")
     args = p.parse_args()
 
     folder = artifact(args.artifact)
@@ -177,21 +195,26 @@ def main() -> int:
     for batch in (1, args.max_batch_size):  # the engine warm at the batch sizes and lengths it will see
         session.run(texts.sample(batch))
         session.run(texts.tokenizer.encode([" ".join(stream(50)[:50])] * batch).batch)  # full length
-    results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
-    for r in range(args.rounds):
-        for policy in POLICIES:
-            got = asyncio.run(window(session, texts, rows, policy, args))
-            results[policy].append(got)
-            print(f"round {r + 1} {policy:<14} {got['texts_s']:7.1f} texts/s, {got['tokens_s']:8.0f} tokens/s, "
-                  f"padding {100 * got['padding']:4.1f}%, batch {got['batch']:4.1f}, p50 {got['p50']:6.1f} ms, "
-                  f"p99 {got['p99']:6.1f} ms")
-    med = {policy: {k: statistics.median(g[k] for g in runs) for k in runs[0]} for policy, runs in results.items()}
-    base = med["arrival"]["texts_s"]
-    print("\n| policy | texts/s | × arrival | tokens/s | padding share | mean batch | p50 ms | p99 ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for policy, m in med.items():
-        print(f"| {policy} | {m['texts_s']:.1f} | {m['texts_s'] / base:.2f}× | {m['tokens_s']:.0f} | "
-              f"{100 * m['padding']:.1f}% | {m['batch']:.1f} | {m['p50']:.1f} | {m['p99']:.1f} |")
+    loads = [("closed loop", None)] + ([(f"open loop, {args.rate:g} texts/s", args.rate)] if args.rate else [])
+    for load, rate in loads:
+        results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
+        print(f"== {load}")
+        for r in range(args.rounds):
+            for policy in POLICIES:
+                got = asyncio.run(window(session, texts, rows, policy, args, rate))
+                results[policy].append(got)
+                print(f"round {r + 1} {policy:<14} {got['texts_s']:7.1f} texts/s, {got['tokens_s']:8.0f} tokens/s, "
+                      f"padding {100 * got['padding']:4.1f}%, batch {got['batch']:4.1f}, p50 {got['p50']:7.1f} ms, "
+                      f"p99 {got['p99']:7.1f} ms, {got['rejected']} refused", flush=True)
+        med = {policy: {k: statistics.median(g[k] for g in runs) for k in runs[0]} for policy, runs in results.items()}
+        base = med["arrival"]["texts_s"]
+        print(f"\n{load}:\n")
+        print("| policy | texts/s | × arrival | tokens/s | padding share | mean batch | p50 ms | p99 ms | refused |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for policy, m in med.items():
+            print(f"| {policy} | {m['texts_s']:.1f} | {m['texts_s'] / base:.2f}× | {m['tokens_s']:.0f} | "
+                  f"{100 * m['padding']:.1f}% | {m['batch']:.1f} | {m['p50']:.1f} | {m['p99']:.1f} | {m['rejected']:.0f} |")
+        print()
     return 0
 
 
