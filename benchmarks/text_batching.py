@@ -42,7 +42,7 @@ from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.runtime import load_session  # noqa: E402
 from optiserve.serve.batcher import DynamicBatcher, QueueFull  # noqa: E402
 from optiserve.serve.text_requests import TextRequests  # noqa: E402
-from optiserve.text_input import text_input_of  # noqa: E402
+from optiserve.text_input import TextInput, text_input_of  # noqa: E402
 
 POLICIES = ("arrival", "sorted", "budget", "budget+sorted")
 DEFAULT_ARTIFACT = ROOT / "artifacts" / "minilm-polarity"
@@ -73,6 +73,17 @@ def stream(n: int, seed: int = 0) -> list[str]:
             words = passages[rng.integers(len(passages))].split()
             out.append(" ".join(words[:rng.integers(40, 251)]))
     return out
+
+
+def text_artifact(path: str | None) -> tuple[Path, dict, TextInput]:
+    """A text model's artifact folder (`path`, or the default MiniLM one, built if missing), its
+    manifest and its input; one line where it is not a text model's."""
+    folder = artifact(path)
+    manifest = read_manifest(folder)
+    text_input = text_input_of(manifest)
+    if text_input is None:
+        raise SystemExit(f"{folder} holds an image model; give a text model's artifact folder")
+    return folder, manifest, text_input
 
 
 def artifact(path: str | None) -> Path:
@@ -108,11 +119,8 @@ async def window(session, texts: TextRequests, rows: list[np.ndarray], policy: s
         batches.append((time.perf_counter(), len(batch), real, padded))
         return out
 
-    options = {}
-    if "sorted" in policy:
-        options["row_length"] = texts.row_length
-    if "budget" in policy:
-        options.update(batch_cost=texts.padded_tokens, max_batch_cost=args.max_batch_tokens)
+    options = {"row_length": texts.row_length, "group_by_length": "sorted" in policy,
+               "max_padded_size": args.max_batch_tokens if "budget" in policy else None}
     batcher = DynamicBatcher(run, max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
                              max_queue=OPEN_QUEUE if rate else 4 * args.concurrency, stack=texts.stack, **options)
     batcher.start()
@@ -171,11 +179,7 @@ def main() -> int:
                                                             "second, Poisson (0: closed loop only)")
     args = p.parse_args()
 
-    folder = artifact(args.artifact)
-    manifest = read_manifest(folder)
-    text_input = text_input_of(manifest)
-    if text_input is None:
-        raise SystemExit(f"{folder} holds an image model; give a text model's artifact folder")
+    folder, manifest, text_input = text_artifact(args.artifact)
     name = args.variant or (manifest.get("recommended") or {}).get("throughput") or "onnx-fp32"
     entry = next((v for v in manifest["variants"] if v["name"] == name), None)
     if entry is None:

@@ -27,12 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from cold_start import optiserve_command, print_table, start_and_measure  # noqa: E402
-from text_batching import artifact  # noqa: E402
+from text_batching import text_artifact  # noqa: E402
 
-from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.serve.launch import free_port  # noqa: E402
-from optiserve.text_input import text_input_of  # noqa: E402
 
 BODY = {"texts": ["A short sentence, as a search box sends.",
                   "Another one, a little longer than the first, about the weather and the trains.",
@@ -46,10 +44,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
 
-    folder = artifact(args.artifact)
-    manifest = read_manifest(folder)
-    text_input = text_input_of(manifest)
-    if text_input is None or manifest.get("task") != "text-embedding":
+    folder, manifest, text_input = text_artifact(args.artifact)
+    if manifest.get("task") != "text-embedding":
         raise SystemExit(f"{folder} is not a text encoder's artifact folder")
     variants = {v["name"]: v for v in manifest["variants"]}
     if "onnx-int8" not in variants:

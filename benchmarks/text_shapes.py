@@ -26,15 +26,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from text_batching import artifact, stream  # noqa: E402
+from text_batching import stream, text_artifact  # noqa: E402
 
-from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.runtime import load_session  # noqa: E402
 from optiserve.runtime.openvino_backend import PRECISIONS, core  # noqa: E402
 from optiserve.runtime.timing import interleaved_median_ms  # noqa: E402
 from optiserve.serve.text_requests import TextRequests  # noqa: E402
-from optiserve.text_input import IDS, text_input_of  # noqa: E402
+from optiserve.text_input import IDS  # noqa: E402
 
 
 class StaticBuckets:
@@ -84,11 +83,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
 
-    folder = artifact(args.artifact)
-    manifest = read_manifest(folder)
-    text_input = text_input_of(manifest)
+    folder, manifest, text_input = text_artifact(args.artifact)
     entry = next((v for v in manifest["variants"] if v["name"] == args.variant), None)
-    if text_input is None or entry is None or entry["backend"] != "openvino":
+    if entry is None or entry["backend"] != "openvino":
         raise SystemExit(f"{folder} has no OpenVINO text variant {args.variant!r}")
     max_length = text_input.max_length
     buckets = sorted({b for b in map(int, args.buckets.split(",")) if b < max_length} | {max_length})

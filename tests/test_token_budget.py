@@ -80,8 +80,8 @@ def test_batches_never_exceed_the_token_budget_and_each_caller_gets_its_own_rows
                   for j in rng.integers(0, len(corpus), rng.integers(1, 4))]
         requests.append(texts.tokens(picked).batch)
     budget = 3 * BERT_MAX_LENGTH
-    outputs, shapes = _serve(session, texts, requests, max_batch_size=6, batch_cost=texts.padded_tokens,
-                             max_batch_cost=budget)
+    outputs, shapes = _serve(session, texts, requests, max_batch_size=6, row_length=texts.row_length,
+                             group_by_length=False, max_padded_size=budget)
     assert all(rows * longest <= budget and rows <= 6 for rows, longest in shapes), shapes
     assert any(rows > 1 for rows, _ in shapes)  # the budget still lets batches form
     assert sum(rows for rows, _ in shapes) == sum(len(r) for r in requests)
@@ -97,8 +97,8 @@ def test_a_budget_of_one_long_text_runs_long_texts_alone_and_short_ones_together
     long = [texts.tokens([t]).batch for t in long_texts]
     # in arrival order (no grouping by length): short ones, long ones, short ones
     requests = [*short[:4], *long, *long, *short[4:]]
-    outputs, shapes = _serve(session, texts, requests, max_batch_size=8, batch_cost=texts.padded_tokens,
-                             max_batch_cost=BERT_MAX_LENGTH)
+    outputs, shapes = _serve(session, texts, requests, max_batch_size=8, row_length=texts.row_length,
+                             group_by_length=False, max_padded_size=BERT_MAX_LENGTH)
     assert all(rows == 1 for rows, longest in shapes if longest == BERT_MAX_LENGTH), shapes
     assert all(longest < BERT_MAX_LENGTH for rows, longest in shapes if rows > 1), shapes
     assert any(rows > 1 for rows, _ in shapes), shapes  # the short ones did batch
@@ -109,8 +109,8 @@ def test_a_budget_of_one_long_text_runs_long_texts_alone_and_short_ones_together
 def test_a_row_over_the_budget_on_its_own_still_runs_alone(encoder):
     session, texts, corpus = encoder
     requests = [texts.tokens(corpus[i:i + 2]).batch for i in range(0, 8, 2)]
-    outputs, shapes = _serve(session, texts, requests, max_batch_size=8, batch_cost=texts.padded_tokens,
-                             max_batch_cost=2)
+    outputs, shapes = _serve(session, texts, requests, max_batch_size=8, row_length=texts.row_length,
+                             group_by_length=False, max_padded_size=2)
     assert [rows for rows, _ in shapes] == [1] * 8
     for request, got in zip(requests, outputs):
         np.testing.assert_allclose(got, _alone(session, request), atol=1e-4)
@@ -172,17 +172,17 @@ def test_a_request_s_short_texts_cost_their_own_length_not_its_longest(encoder):
     request = texts.tokens([long_text, *(" ".join(t.split()[:1]) for t in corpus[:7])]).batch
     assert request.shape[2] == BERT_MAX_LENGTH  # the request's rows are padded to its long text
     (got,), shapes = _serve(session, texts, [request], max_batch_size=8, row_length=texts.row_length,
-                            batch_cost=texts.padded_tokens, max_batch_cost=2 * BERT_MAX_LENGTH)
+                            max_padded_size=2 * BERT_MAX_LENGTH)
     assert shapes[0] == (2, BERT_MAX_LENGTH) and shapes[1][0] == 6 and shapes[1][1] < 8, shapes
     np.testing.assert_allclose(got, _alone(session, request), atol=1e-4)
 
 
-def test_a_cost_without_a_budget_is_refused(encoder):
+def test_a_padded_size_budget_without_row_lengths_or_below_one_is_refused(encoder):
     session, texts, _ = encoder
-    with pytest.raises(ValueError, match="go together"):
-        DynamicBatcher(session.run, batch_cost=texts.padded_tokens)
-    with pytest.raises(ValueError, match="max_batch_cost must be >= 1"):
-        DynamicBatcher(session.run, batch_cost=texts.padded_tokens, max_batch_cost=0)
+    with pytest.raises(ValueError, match="max_padded_size needs row_length"):
+        DynamicBatcher(session.run, max_padded_size=64)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        DynamicBatcher(session.run, row_length=texts.row_length, max_padded_size=0)
 
 
 def test_served_batches_keep_to_the_budget_in_stats(bert_encoder):

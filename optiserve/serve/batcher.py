@@ -7,12 +7,12 @@ Rows are taken highest priority first (1 is the highest, as in Triton), and each
 has a queue limit of its own, so a flood at a low priority cannot take the room of a higher one.
 The event loop only queues and answers; inference runs on one dedicated thread per instance (a
 session of its own): batches are cut one at a time and run on whichever instance is free.
-A batch may also have a cost budget (`max_batch_cost`, measured by the caller's `batch_cost`, e.g. a
-text model's padded tokens): a row that would take the batch past it closes the batch and leads the
-next one, and a first row over the budget on its own still runs alone, so no row waits forever.
-Rows of different lengths (a text model's, `row_length`) are grouped by length: a batch is led by
-the oldest row, as always, and filled with the queued rows closest to it in length, so it pads
-little; the others keep their places, and each leads a batch of its own once it is the oldest.
+Rows of different lengths (a text model's, measured once each by `row_length`) are grouped by
+length: a batch is led by the oldest row, as always, and filled with the queued rows closest to it
+in length, so it pads little; the others keep their places, and each leads a batch of its own once
+it is the oldest. Such a batch may also have a budget in padded size (`max_padded_size`: its rows ×
+its longest row, e.g. a text model's padded tokens): a row that would take the batch past it is left
+for a later batch, and a first row over the budget on its own still runs alone, so no row waits forever.
 """
 
 from __future__ import annotations
@@ -158,9 +158,9 @@ class DynamicBatcher:
     instance, each run on a thread of its own — which returns one array of rows or a list of them
     (a model with several outputs, the one the task reads first).
 
-    `batch_cost(rows)` with `max_batch_cost` caps what a batch may cost besides its `max_batch_size`
-    rows (a text model: rows × the longest row, its padded tokens); both or neither. `row_length(row)`
-    (a text model's tokens in a row) groups the rows a batch takes by length.
+    `row_length(row)` (a text model's tokens in a row) groups the rows a batch takes by length (unless
+    `group_by_length` is False: arrival order), and with `max_padded_size` caps a batch's rows × its
+    longest row besides its `max_batch_size` rows.
 
     `max_queue` is the images each priority level may queue: one number for every level, or one
     per level (their count is the number of levels; 1 is the highest priority)."""
@@ -172,21 +172,21 @@ class DynamicBatcher:
                  thread_initializer: Callable[[], None] | None = None, row_shape: tuple[int, ...] | None = None,
                  priority_levels: int = 1, stack: Callable[[list[np.ndarray]], np.ndarray] = stack_rows,
                  count_tokens: Callable[[np.ndarray], tuple[int, int]] | None = None,
-                 batch_cost: Callable[[list[np.ndarray]], int] | None = None, max_batch_cost: int | None = None,
-                 row_length: Callable[[np.ndarray], int] | None = None):
+                 row_length: Callable[[np.ndarray], int] | None = None, group_by_length: bool = True,
+                 max_padded_size: int | None = None):
         limits = [max_queue] * priority_levels if isinstance(max_queue, int) else list(max_queue)
         runners = [run_batch] if callable(run_batch) else list(run_batch)
         if max_batch_size < 1 or not limits or min(limits) < 1 or max_delay_ms < 0 or not runners:
             raise ValueError("max_batch_size and max_queue must be >= 1, max_delay_ms >= 0, and there must be "
                              "at least one priority level and one instance")
-        if (batch_cost is None) != (max_batch_cost is None) or (max_batch_cost is not None and max_batch_cost < 1):
-            raise ValueError("batch_cost and max_batch_cost go together, and max_batch_cost must be >= 1")
+        if max_padded_size is not None and (row_length is None or max_padded_size < 1):
+            raise ValueError("max_padded_size needs row_length, and must be >= 1")
         self.runners, self.name = runners, name
         self.stack = stack  # rows into one batch: stack_rows (equal shapes), or a text model's padding
         self.count_tokens = count_tokens  # a text model's batch: (its real tokens, the padded ones it ran)
-        # what a batch of these rows would cost (a text model's: rows × the longest), and the most a batch may
-        self.batch_cost, self.max_batch_cost = batch_cost, max_batch_cost
-        self.row_length = row_length  # a row's length, where rows of different lengths are grouped by it
+        self.row_length = row_length  # a row's length, where rows differ in it (measured once, at submit)
+        self.group_by_length = row_length is not None and group_by_length
+        self.max_padded_size = max_padded_size  # the most a batch's rows × its longest row may be (None: no cap)
         self.max_batch_size, self.max_delay = max_batch_size, max_delay_ms / 1000
         self.max_queue = limits  # images each priority level may queue
         self._reserved = [0] * len(limits)  # images admitted at the door (being read and decoded), not yet queued
@@ -345,7 +345,7 @@ class DynamicBatcher:
         first = self._take(await self._queue.get())  # over the cost budget alone, it still runs (alone)
         batch = [first]
         cutoff = first.enqueued + self.max_delay
-        if self.row_length is not None:
+        if self.group_by_length:
             await self._fill_by_length(batch, cutoff)
             return batch
         while len(batch) < self.max_batch_size:
@@ -402,11 +402,12 @@ class DynamicBatcher:
                 self._queue.task_done()  # the put counted it twice: it is done once, with the batch that takes it
 
     def _fits(self, batch: list[_Row], row: _Row) -> bool:
-        """Whether `row` joins `batch` within the cost budget (rows whose caller gave up cost nothing)."""
-        if self.batch_cost is None or row.future.done():
+        """Whether `row` joins `batch` within its padded size (rows whose caller gave up take no room),
+        from the lengths measured at submit."""
+        if self.max_padded_size is None or row.future.done():
             return True
-        live = [r.image for r in batch if not r.future.done()]
-        return self.batch_cost([*live, row.image]) <= self.max_batch_cost
+        live = [r.length for r in batch if not r.future.done()]
+        return (len(live) + 1) * max([*live, row.length]) <= self.max_padded_size
 
     async def _loop(self, instance: int) -> None:
         """One instance's loop: wait its turn to cut a batch, then run it on its own thread."""

@@ -167,10 +167,8 @@ class ServedModel:
         longest (no staging), each batch's real and padded tokens counted, and with
         `max_batch_tokens` its padded tokens capped."""
         if self.texts is not None:
-            budget = {"batch_cost": self.texts.padded_tokens, "max_batch_cost": max_batch_tokens} \
-                if max_batch_tokens is not None else {}
             return {"stack": self.texts.stack, "count_tokens": self.texts.batch_tokens,
-                    "row_length": self.texts.row_length, **budget}
+                    "row_length": self.texts.row_length, "max_padded_size": max_batch_tokens}
         return {"row_shape": tuple(self.spec.shape)}
 
     def sample_batch(self, n: int) -> np.ndarray:

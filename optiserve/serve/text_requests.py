@@ -166,12 +166,6 @@ class TextRequests:
         return int(np.count_nonzero(batch[:, MASK]))
 
     @staticmethod
-    def padded_tokens(rows: list[np.ndarray]) -> int:
-        """The tokens `stack` would make of token rows: rows × the longest text (a batch's cost under
-        a token budget, known before the rows are joined)."""
-        return len(rows) * max(TextRequests.row_length(r) for r in rows)
-
-    @staticmethod
     def batch_tokens(batch: np.ndarray) -> tuple[int, int]:
         """A stacked batch's tokens: (the real ones, the ones the engine runs: rows × its longest row)."""
         return TextRequests.real_tokens(batch), batch.shape[0] * batch.shape[2]
