@@ -134,11 +134,11 @@ def test_search_options_that_cannot_work_are_one_line(options, message):
 
 def test_an_interrupted_search_resumes_from_the_candidates_it_had_recovered(small_cnn_checkpoint, tmp_path,
                                                                             monkeypatch):
-    from optiserve.optimize.passes import pruning
+    from optiserve.optimize import recovery
     from optiserve.optimize.search_cache import cache_folder
 
     monkeypatch.setenv(CPU_FLAGS_ENV, NO_BF16)
-    recovered, real = [], pruning.recover
+    recovered, real = [], recovery.recover
 
     def interrupted_in_the_second(*args, **kwargs):
         recovered.append(kwargs.get("deadline"))
@@ -146,7 +146,7 @@ def test_an_interrupted_search_resumes_from_the_candidates_it_had_recovered(smal
             raise KeyboardInterrupt  # Ctrl-C while the second ratio recovers
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pruning, "recover", interrupted_in_the_second)
+    monkeypatch.setattr(recovery, "recover", interrupted_in_the_second)
     out = tmp_path / "a"
     options = dict(weights=str(small_cnn_checkpoint), search="on", search_ratios=(0.5, 0.7), openvino=False,
                    latency_batch=1, timing_rounds=3, out=str(out), progress=False)

@@ -210,6 +210,22 @@ def test_a_folder_with_only_train_and_val_halves_val_by_label_into_choosing_and_
     assert load_text_splits(str(tmp_path / "reviews"), seed=1).val.texts != splits.val.texts
 
 
+def test_unlabelled_training_texts_fit_beside_scored_pairs_that_choose_and_report(gensim_data, tmp_path):
+    pairs = _lee_pairs(gensim_data)[:60]
+    folder = tmp_path / "lee"
+    folder.mkdir()
+    (folder / "train.tsv").write_text("text\n" + "".join(f"{a}\n" for a, _, _ in pairs[:30]), encoding="utf-8")
+    _write_table(folder / "val.tsv", ["text1", "text2", "score"], pairs[30:45], "\t")
+    _write_table(folder / "test.tsv", ["text1", "text2", "score"], pairs[45:], "\t")
+    splits = load_text_splits(str(folder))
+    assert splits.kind == "pairs" and splits.train.scores is None and len(splits.train) == 30
+    assert list(splits.val.scores) == [score for _, _, score in pairs[30:45]]
+    assert "train.tsv (30 texts) fits" in splits.how
+    (folder / "train.tsv").write_text("text\tlabel\na\tpos\n", encoding="utf-8")  # labelled texts do not fit pairs
+    with pytest.raises(UserError, match="only scored pairs may be held out beside unlabelled training texts"):
+        load_text_splits(str(folder))
+
+
 # --- what is refused, in one line that names the fix ----------------------------------------------
 
 

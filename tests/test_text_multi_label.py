@@ -94,7 +94,7 @@ def classifier(tmp_path_factory):
     out = work / "artifact"
     done = run_cli_here("optimize", str(folder), "--dataset", f"text:{data}", "--int8", "--no-openvino",
                         "--no-ort-transformer", "--timing-rounds", "3", "--latency-batch", "1", "--seq-lengths", "16",
-                        "--calib-size", "32", "--out", str(out))
+                        "--calib-size", "32", "--no-search", "--out", str(out))
     assert done.returncode == 0, done.stderr
     return folder, data, out
 

@@ -273,21 +273,25 @@ def _given_splits(root: Path, seed: int) -> TextSplits:
     if any(file.kind == "multilabelled" for file in files.values()):
         files = {role: _as_sets(file) for role, file in files.items()}
     train = files["train"]
+    held_out = [role for role in ("val", "test") if role in files]
+    # unlabelled texts may fit (calibration, distillation) where scored pairs choose and report
+    kind = "pairs" if train.kind == "texts" and all(files[r].kind == "pairs" for r in held_out) else train.kind
     for role, file in files.items():
-        if file.kind != train.kind:
+        if file.kind != train.kind and not (role != "train" and kind == "pairs"):
             raise UserError(f"{paths[role]} holds {file.kind} but {paths['train'].name} holds {train.kind}; "
-                            f"write every file with the same columns")
+                            f"write every file with the same columns (only scored pairs may be held out beside "
+                            f"unlabelled training texts)")
     classes = sorted(_class_names(train))
     for role, file in files.items():
         unknown = sorted(_class_names(file) - set(classes))
         if unknown:
             raise UserError(f"{paths[role]} has labels {paths['train'].name} has not ({', '.join(unknown[:8])}); "
                             f"label every file with the same names")
-    noun = "pairs" if train.kind == "pairs" else "texts"
-    held_out = [role for role in ("val", "test") if role in files]
+    noun = "pairs" if kind == "pairs" else "texts"
     if len(held_out) == 2:
         val, test = _examples(files["val"], classes), _examples(files["test"], classes)
-        how = (f"{root.name}'s own files, as given: {paths['train'].name} ({len(train)} {noun}) fits, "
+        how = (f"{root.name}'s own files, as given: {paths['train'].name} ({len(train)} "
+               f"{'pairs' if train.kind == 'pairs' else 'texts'}) fits, "
                f"{paths['val'].name} ({len(files['val'])}) chooses and {paths['test'].name} ({len(files['test'])}) "
                f"reports")
     else:
@@ -303,7 +307,7 @@ def _given_splits(root: Path, seed: int) -> TextSplits:
         how = (f"{root.name} has {paths['train'].name} and {name} only: {name}'s {len(file)} {noun} were split "
                f"{by}(seed {seed}) into {len(choose)} validation {noun} that choose and "
                f"{len(report)} test {noun} that report; {paths['train'].name} ({len(train)}) fits")
-    return TextSplits(f"text:{root}", _examples(train, classes), val, test, classes, train.kind, how)
+    return TextSplits(f"text:{root}", _examples(train, classes), val, test, classes, kind, how)
 
 
 def load_text_splits(path: str, seed: int = 0) -> TextSplits:

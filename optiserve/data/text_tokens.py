@@ -74,7 +74,7 @@ def _tokenized(examples: TextExamples, tokenizer: TextTokenizer, kind: str,
                classes: int) -> tuple[TensorDataset, int]:
     texts = list(examples.texts) + list(examples.second or [])
     tokens = tokenizer.encode(texts)
-    if kind == "pairs":
+    if kind == "pairs" and examples.scores is not None:  # unlabelled training texts beside pairs: no scores
         labels = torch.from_numpy(np.concatenate([examples.scores, examples.scores]).astype(np.float64))
     elif kind == "multilabelled":
         labels = torch.zeros((len(texts), classes), dtype=torch.int64)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from optiserve.errors import UserError, first_line
-from optiserve.text_input import TOKEN_INPUTS, TextInput
+from optiserve.text_input import MASK, TOKEN_INPUTS, TextInput
 
 CONFIG, WEIGHTS, TOKENIZER, MODULES = "config.json", "model.safetensors", "tokenizer.json", "modules.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "model.pt", "model.pth")
@@ -225,7 +225,10 @@ class TextModule(nn.Module):
         self.multi_label = folder.multi_label
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.run(*(tokens[:, i] for i in self.inputs))
+        """The output of a token batch [N, 3, L], run at its longest text's length (rows taken from
+        a dataset are padded to the longest of them all; padding is masked, so cutting it changes nothing)."""
+        longest = int(tokens[:, MASK].sum(dim=1).max()) if len(tokens) else 1
+        return self.run(*(tokens[:, i, :max(longest, 1)] for i in self.inputs))
 
     def run(self, *inputs: torch.Tensor) -> torch.Tensor:
         """The output from the graph's own inputs (`names`, in order): what ONNX exports."""

@@ -71,8 +71,12 @@ class TorchSession:
 
     @torch.inference_mode()
     def run_outputs(self, batch: np.ndarray) -> list[np.ndarray]:
-        """Every tensor the module returns (one, a tuple or list, or a dict's values), in its order."""
-        x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self._device, self.dtype)
+        """Every tensor the module returns (one, a tuple or list, or a dict's values), in its order.
+        Images are cast to the session's dtype; a text model's token ids stay int64."""
+        if batch.dtype == np.int64:  # token ids (int64 [N, 3, L]); images arrive as floats or bytes
+            x = torch.from_numpy(np.ascontiguousarray(batch)).to(self._device)
+        else:
+            x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self._device, self.dtype)
         out = self.module(x)
         tensors = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else (out,)
         return [(t.float() if t.is_floating_point() else t).cpu().numpy() for t in tensors]

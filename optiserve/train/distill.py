@@ -161,27 +161,30 @@ def recalibrate_batchnorm(model: nn.Module, dataset, device, batch_size: int) ->
     model.eval()
 
 
-def recovery_optimizer(model: nn.Module, batch_size: int = 64) -> torch.optim.Optimizer:
+def recovery_optimizer(model: nn.Module, batch_size: int = 64, lr: float | None = None) -> torch.optim.Optimizer:
     """As such networks are trained: AdamW for a network normalised by LayerNorm alone (a
     transformer, ConvNeXt), SGD with momentum for the others (BatchNorm's ResNets and MobileNets).
     SGD at the rate that suits a ResNet undoes a pruned ViT's recovery; AdamW's steps, as large
-    whatever the gradient, unsettle a small convolutional network that pruning left nearly right."""
+    whatever the gradient, unsettle a small convolutional network that pruning left nearly right.
+    `lr`: AdamW's rate where the caller knows its network's (a pretrained text encoder's is lower)."""
     layer_norm = any(isinstance(m, nn.LayerNorm) for m in model.modules())
     batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     if layer_norm and not batch_norm:
-        return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        return torch.optim.AdamW(model.parameters(), lr=lr or 1e-3, weight_decay=0.01)
     return torch.optim.SGD(model.parameters(), lr=scaled_lr(0.1, batch_size), momentum=0.9, weight_decay=5e-4)
 
 
 def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: str, epochs: int,
             label_mapping: np.ndarray | None = None, batch_size: int = 64, device: str = "auto", seed: int = 0,
-            progress: bool = True, deadline: float | None = None, output_kind: str | None = None) -> dict:
+            progress: bool = True, deadline: float | None = None, output_kind: str | None = None,
+            lr: float | None = None) -> dict:
     """Train `student` in place for `epochs` on `data.train` to match `teacher`'s outputs (`match`:
     "class-scores" or "vectors"); where `label_mapping` is given (the model's class of each of the
     data's labels), its cross-entropy with the true class is added. Class scores are read as
     `output_kind`, what the optimizer read from the model; without it, as the most specific kind the
     teacher's outputs on a validation batch match. Stops early, after a step, once
-    time.monotonic() passes `deadline`. Returns the validation distillation loss before and after."""
+    time.monotonic() passes `deadline`. `lr`: a LayerNorm network's AdamW rate, where not the default.
+    Returns the validation distillation loss before and after."""
     torch.manual_seed(seed)
     dev = resolve_device(device, 0)
     student.to(dev)
@@ -196,7 +199,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     g = torch.Generator().manual_seed(seed)
     loader = make_loader(data.train, batch_size, dev, workers=default_workers(data.in_memory),
                          sampler=RandomSampler(data.train, generator=g), drop_last=True)
-    optimizer = recovery_optimizer(student, batch_size)
+    optimizer = recovery_optimizer(student, batch_size, lr)
     scheduler = warmup_cosine(optimizer, max(1, epochs * len(loader)), warmup_steps=0)
     bar = tqdm(total=epochs * len(loader), desc="distill", unit="step", leave=False,
                disable=None if progress else True)
@@ -224,7 +227,8 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
             break
     bar.close()
     after = _val_loss(student, teacher, data.val, loss_of, dev, 2 * batch_size)
-    kept = {name: buffer.clone() for name, buffer in student.named_buffers()}
+    saved = student.state_dict()  # a buffer outside it (a transformer's position ids) is not the statistics'
+    kept = {name: buffer.clone() for name, buffer in student.named_buffers() if name in saved}
     recalibrate_batchnorm(student, data.calibration_set(), dev, batch_size)
     recalibrated = _val_loss(student, teacher, data.val, loss_of, dev, 2 * batch_size)
     if recalibrated < after:  # kept where it brings the student closer to the teacher

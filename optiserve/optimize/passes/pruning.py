@@ -3,9 +3,6 @@ that shrinks the network, recovered by distillation, with its INT8 and OpenVINO 
 
 from __future__ import annotations
 
-import time
-from typing import Callable
-
 import torch
 
 from optiserve.optimize.attempts import INT8_PREPARATION
@@ -18,13 +15,11 @@ from optiserve.optimize.passes.openvino import NNCF_SUFFIX
 from optiserve.optimize.passes.registry import TORCH, Pass, Run, Variant, register_pass
 from optiserve.optimize.prune import prune_unstructured
 from optiserve.optimize.prune_channels import CannotPrune, count_flops, prune_channels
+from optiserve.optimize.search import Candidate, run_search
 from optiserve.optimize.search_cache import GATE, SearchCache
 from optiserve.optimize.quantize_ort import quantize_onnx_static
-from optiserve.optimize.judge import KIND_IMAGES, output_kind
-from optiserve.optimize.validate import EvalSet, predict
-from optiserve.runtime.torch_backends import TorchSession
-from optiserve.tasks import get_task, unmatched_answers
-from optiserve.train.distill import recover
+from optiserve.optimize.recovery import recover_and_judge
+from optiserve.tasks import unmatched_answers
 
 
 def _build_sparse(run: Run) -> None:
@@ -58,13 +53,10 @@ def _variant_names(ratio: float, cfg: OptimizeConfig) -> list[list[str]]:
 
 
 def _build_pruned_channels(run: Run) -> None:
-    """Structured pruning at each ratio, recovered, with its INT8 variants. The search (no
-    --prune-channels) goes from light to heavy and stops at the first ratio whose recovered model
-    fails the task's gate; each ratio's recovery gets an even share of what is left of
-    --search-minutes."""
+    """Structured pruning at each ratio, recovered, with its INT8 variants; without --prune-channels,
+    the search over --search-ratios (optimize/search.py)."""
     cfg, ratios = run.cfg, pruning_ratios(run.cfg)
     searching = cfg.prune_channels is None
-    run.searched = searching
     why_not = ""
     if searching and run.why_not:
         why_not = f"the search needs accuracy it can measure ({run.why_not})"
@@ -74,48 +66,12 @@ def _build_pruned_channels(run: Run) -> None:
         why_not = "the model returns several outputs; recovery matches one"
     elif searching and not cfg.onnx:
         why_not = "its candidates are ONNX files, and --no-onnx builds none"
-    if why_not and searching and cfg.search == "auto":  # where it does not apply, said once, not as rows
-        run.searched = False
-        run.notes.append(f"no pruning search: {why_not}")
-        for names in (names for ratio in ratios for names in _variant_names(ratio, cfg)):
-            run.log.passed_over(f"{names[0]} (structured pruning search)", why_not)
-        return
-    cache = None
-    if searching and not why_not:
-        run.log.note(f"search: channels pruned at {', '.join(f'{r:.0%}' for r in ratios)} (light to heavy), each "
-                     f"recovered by distillation, within {cfg.search_minutes:g} minutes")
-        cache = SearchCache(cfg.out_path, _made_of(run), cfg.resume)
-        if cfg.resume and not cache.kept():
-            run.log.note(f"--resume: no candidate of an interrupted search is kept in {cache.folder}; searching afresh")
-    end = time.monotonic() + 60 * cfg.search_minutes
-    for i, ratio in enumerate(ratios):
-        if why_not:
-            for names in _variant_names(ratio, cfg):
-                run.attempts.skip(f"{names[0]} (structured pruning search)", why_not, *names)
-            continue
-        deadline = time.monotonic() + (end - time.monotonic()) / (len(ratios) - i) if searching else None
-        gate = _pruned_channel_variants(run, ratio, deadline, cache)
-        if searching:  # the search's candidates: those off its frontier leave the folder (optimize/frontier.py)
-            built = {name for names in _variant_names(ratio, cfg) for name in names}
-            for variant in run.variants:
-                if variant.name in built:
-                    variant.settings["search"] = {"ratio": ratio}
-        if searching and gate is not None and gate[0] == "rejected":
-            why_not = (f"not tried: pruned{round(100 * ratio)}, with fewer channels removed, failed the gate once "
-                       f"recovered ({gate[1]})")
-        if searching and i + 1 < len(ratios) and not why_not:
-            left = max(0.0, end - time.monotonic()) / 60
-            run.log.note(f"search: {i + 1} of {len(ratios)} ratios done, {left:.1f} of {cfg.search_minutes:g} "
-                         f"minutes left")
-
-
-def _made_of(run: Run) -> dict:
-    """What decides a recovered candidate besides its ratio: a kept one is taken only where all match."""
-    cfg = run.cfg
-    return {"model": run.loaded.name, "source": run.loaded.source, "input": run.loaded.input.to_dict(),
-            "task": run.loaded.task, "dataset": run.data.name, "labels": run.label_mapping is not None,
-            "epochs": cfg.finetune_epochs, "gate": vars(cfg.gate_limits), "device": cfg.device,
-            "evaluated_on": len(run.valset.images)}
+    candidates = [Candidate(f"pruned{round(100 * r)}", _variant_names(r, cfg), {"ratio": r}) for r in ratios]
+    plan = (f"search: channels pruned at {', '.join(f'{r:.0%}' for r in ratios)} (light to heavy), each recovered "
+            f"by distillation, within {cfg.search_minutes:g} minutes")
+    run_search(run, "structured pruning", candidates,
+               lambda c, deadline, cache: _pruned_channel_variants(run, c.search["ratio"], deadline, cache),
+               why_not, plan, "with fewer channels removed", "channels", searching)
 
 
 def _pruned_channel_variants(run: Run, ratio: float, deadline: float | None,
@@ -192,69 +148,16 @@ def _build_pruned(run: Run, ratio: float, deadline: float | None, name: str,
     return settings, (settings[GATE]["status"], settings[GATE]["reason"])
 
 
-MIN_CHECK_IMAGES = 20  # fewer validation images than this: recovery runs one round, unchecked
-
-
 def _prune_channels(run: Run, ratio: float, deadline: float | None) -> tuple[torch.nn.Module, dict]:
-    """Structured pruning of the unfused model, judged on the validation images by the task's gate
-    right after pruning and after recovery (distillation from the unpruned model on the train images,
-    with the labels where the data has the model's classes, in rounds while that gate fails, until
-    `deadline`), then fused. The test images are not read here: they report, after every choice."""
-    loaded, cfg, example = run.loaded, run.cfg, run.example
+    """Structured pruning of the unfused model, recovered and judged on the validation images
+    (optimize/recovery.py), then fused. The test images are not read here: they report, after every choice."""
+    loaded, example = run.loaded, run.example
     pruned, info = prune_channels(loaded.model, ratio, example)
     flops_before, flops_after = count_flops(loaded.model, example[:1]), count_flops(pruned, example[:1])
     settings = {"method": "structured L1 channel pruning (torch-pruning's dependency graph)", **info,
                 "macs_before": flops_before, "macs_after": flops_after}
-    task = get_task(loaded.task)
-    measured = _judge_against_unpruned(run, run.valset)
-    settings["validation_before_recovery"] = task.headline(measured(pruned)[0])
-    if run.why_not or cfg.finetune_epochs == 0:
-        settings["recovery"] = None
-        run.log.note(f"no recovery after pruning ({run.why_not or '--finetune-epochs 0'})")
-    else:
-        labels = "" if run.label_mapping is None else " and its labels"
-        run.log.note(f"recovering for {cfg.finetune_epochs} epochs (more, in rounds, while the validation images "
-                     f"say it is not there yet): distillation from the unpruned model on {run.data.name}'s train "
-                     f"images{labels}")
-        check = None
-        if len(run.valset.images) >= MIN_CHECK_IMAGES:
-            check = lambda model: task.gate(*measured(model), cfg.gate_limits)[0] == "accepted"  # noqa: E731
-        kind = output_kind(loaded, cfg, run.unpruned_outputs[:KIND_IMAGES]).get("output_kind")
-        settings["recovery"] = recover(pruned, loaded.model, run.data, task.distills, cfg.finetune_epochs,
-                                       good_enough=check, label_mapping=run.label_mapping, device=cfg.device,
-                                       progress=cfg.progress, deadline=deadline, output_kind=kind)
-        run.log.note(_recovery_line(settings["recovery"]))
-    after, baseline = measured(pruned)
-    settings["validation_after_recovery"] = task.headline(after)
-    status, reason = task.gate(after, baseline, cfg.gate_limits, run.why_not)
-    settings[GATE] = {"status": status, "reason": reason}
+    settings.update(recover_and_judge(run, pruned, deadline, "unpruned", "images"))
     return fuse_conv_bn(pruned), settings
-
-
-def _recovery_line(report: dict) -> str:
-    rounds = "+".join(str(e) for e in report["rounds"])
-    check = {True: "the validation images pass the gate", False: "the validation images still fail the gate",
-             None: "too few validation images to check"}[report["good_enough"]]
-    why = (" (its last round brought it no closer, undone)" if report["undone_round"]
-           else " (at its share of the time)" if report["stopped_at_deadline"] else "")
-    return f"recovered for {rounds} epochs{why}: {check}"
-
-
-def _judge_against_unpruned(run: Run, images: EvalSet) -> Callable[[torch.nn.Module], tuple[dict, dict]]:
-    """model -> (its task's metrics on `images` against the unpruned model's, the unpruned model's own),
-    the unpruned model's outputs computed once for every ratio."""
-    task = get_task(run.loaded.task)
-
-    def outputs(model):
-        return predict(TorchSession(model.eval(), "torch", torch.device("cpu"), None), images.images)
-
-    if run.unpruned_outputs is None:
-        run.unpruned_outputs = outputs(run.loaded.model)
-    reference = run.unpruned_outputs
-    reading = output_kind(run.loaded, run.cfg, reference[:KIND_IMAGES])
-    reference = task.reduce(reference, reading)
-    baseline = task.metrics(reference, reference, images.labels)
-    return lambda model: (task.metrics(task.reduce(outputs(model), reading), reference, images.labels), baseline)
 
 
 def _pruning_note(name: str, s: dict) -> str:

@@ -1,0 +1,92 @@
+"""The search's loop, shared by every network transform it tries (channels pruned, layers dropped):
+candidates from light to heavy, each given an even share of what is left of --search-minutes to
+recover in, kept for --resume once recovered; the search stops at the first candidate whose
+recovered model fails the task's gate on the validation data, and each candidate's variants are
+marked as the search's, so those off its frontier leave the folder (optimize/frontier.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from optiserve.optimize.passes.registry import Run
+from optiserve.optimize.search_cache import SearchCache
+
+
+@dataclass
+class Candidate:
+    """One network the search may build: `steps` are the variants each of its progress steps builds
+    (the recovered model first), `search` what its variants' settings record of it."""
+
+    name: str
+    steps: list[list[str]]
+    search: dict
+    same_as: str | None = None     # an earlier candidate that is this same network: counted, not built again
+
+    @property
+    def names(self) -> set[str]:
+        return {name for names in self.steps for name in names}
+
+
+Gate = tuple[str, "str | None"]  # a recovered model's gate on the validation data: (status, reason)
+
+
+def made_of(run: Run, transform: str) -> dict:
+    """What decides a recovered candidate besides its ratio: a kept one is taken only where all match."""
+    cfg = run.cfg
+    return {"transform": transform, "model": run.loaded.name, "source": run.loaded.source,
+            "input": run.loaded.input.to_dict(), "task": run.loaded.task, "dataset": run.data.name,
+            "labels": run.label_mapping is not None, "epochs": cfg.finetune_epochs, "gate": vars(cfg.gate_limits),
+            "device": cfg.device, "evaluated_on": len(run.valset.images)}
+
+
+def run_search(run: Run, what: str, candidates: list[Candidate],
+               build: Callable[[Candidate, float | None, SearchCache | None], Gate | None], why_not: str, plan: str,
+               lighter: str, transform: str, searching: bool = True) -> None:
+    """Build `candidates` in order with `build(candidate, deadline, cache)`, which returns the
+    recovered model's gate (or None where it was not built). `what` names the search in rows and
+    notes ("structured pruning"), `plan` is the line that starts it, `lighter` says what the earlier
+    candidates did less of ("with fewer channels removed"). Where `why_not`, nothing is built: each
+    candidate's variants are rows saying why, or, where the search was not asked for (--search
+    auto), one note. Not `searching` (one candidate the options named): built without a deadline,
+    a cache or the search's marks."""
+    cfg = run.cfg
+    run.searched = searching
+    if why_not and searching and cfg.search == "auto":  # where it does not apply, said once, not as rows
+        run.searched = False
+        run.notes.append(f"no {what} search: {why_not}")
+        for names in (names for candidate in candidates for names in candidate.steps):
+            run.log.passed_over(f"{names[0]} ({what} search)", why_not)
+        return
+    cache = None
+    if searching and not why_not:
+        run.log.note(plan)
+        cache = SearchCache(cfg.out_path, made_of(run, transform), cfg.resume)
+        if cfg.resume and not cache.kept():
+            run.log.note(f"--resume: no candidate of an interrupted search is kept in {cache.folder}; searching afresh")
+    end = time.monotonic() + 60 * cfg.search_minutes
+    built = [c for c in candidates if c.same_as is None]
+    for candidate in candidates:
+        if candidate.same_as:  # counted in the progress, no row: it is not a network of its own
+            for names in candidate.steps:
+                run.log.passed_over(f"{candidate.name} ({what} search)", f"the same network as {candidate.same_as}")
+            continue
+        if why_not:
+            for names in candidate.steps:
+                run.attempts.skip(f"{names[0]} ({what} search)", why_not, *names)
+            continue
+        i = built.index(candidate)
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(built) - i) if searching else None
+        gate = build(candidate, deadline, cache)
+        if not searching:
+            continue
+        for variant in run.variants:
+            if variant.name in candidate.names:
+                variant.settings["search"] = dict(candidate.search)
+        if gate is not None and gate[0] == "rejected":
+            why_not = f"not tried: {candidate.name}, {lighter}, failed the gate once recovered ({gate[1]})"
+        elif i + 1 < len(built):
+            left = max(0.0, end - time.monotonic()) / 60
+            run.log.note(f"search: {i + 1} of {len(built)} candidates done, {left:.1f} of {cfg.search_minutes:g} "
+                         f"minutes left")
