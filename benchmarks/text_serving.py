@@ -13,8 +13,9 @@ The servers, each started alone in turn, one at a time (an idle server is not al
             calibrated here on the polarity sentences (the texts optiserve's default artifact is
             calibrated on) from a local folder, since its default calibration set (glue/sst2) is on
             the Hugging Face Hub, which this machine cannot reach. With `model.encode` alone in one
-            process (one pass, outside this script), the OpenVINO file ran 165 sentences/s 8 at a time and 34 passages/s, the ONNX one
-            110 and 18 (at one sentence a call, about 100/s each); but the openvino backend cannot
+            process (one pass, outside this script), the OpenVINO file ran 165 sentences/s 8 at a
+            time and 34 passages/s, the ONNX one 110 and 18 (at one sentence a call, about 100/s
+            each); but the openvino backend cannot
             encode two requests at once (its model holds one OpenVINO infer request: "RuntimeError:
             Infer Request is busy", a 500 for all but one of 32 concurrent requests), so that peer
             encodes one request at a time under a lock, as its users must, where ONNX Runtime runs
