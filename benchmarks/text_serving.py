@@ -29,8 +29,8 @@ The servers, each started alone in turn, one at a time (an idle server is not al
             absolute path (`onnx/...` under the folder) and hands that path to optimum, which matches
             it against the files' bare names and raises FileNotFoundError ("Could not find any ONNX
             files with target file name /.../onnx/model.onnx"); on the package's folder, which holds
-            no ONNX file, it raises "No onnx files found". It runs from a folder holding the model's files and one ONNX file
-            named model_quantized.onnx at its top (its CPU default prefers a file whose name says
+            no ONNX file, it raises "No onnx files found". It runs from a folder holding the model's
+            files and one ONNX file named model_quantized.onnx at its top (its CPU default prefers a file whose name says
             "quantize"), given as `--model-id .` from inside it: the script builds that folder from
             links. Its optimum engine pools by the CLS token unless told `--pooling-method mean`
             (its default, "auto", is read as CLS there, whatever 1_Pooling/config.json says: cosine 0.47
