@@ -55,7 +55,7 @@ def test_an_int8_model_that_misses_the_gate_keeps_its_most_sensitive_layers_in_f
     assert 1 <= len(kept) <= 20 and aware["tries"][-1]["status"] == "accepted"
     ranking = [r["node"] for r in aware["sensitivity"]["ranking"]]
     assert kept == ranking[:len(kept)]  # most sensitive first
-    assert aware["sensitivity"]["images"] == "validation split"
+    assert aware["sensitivity"]["images"] == "validation split (up to 256, spread over it)"
     assert set(ranking) == set(quantized_nodes(tmp_path / "plain" / "model.int8.onnx"))
     # in the published file the kept conv/linear layers have float weights; the others stay INT8
     graph = onnx.load(str(out / "model.int8.onnx")).graph
@@ -63,3 +63,31 @@ def test_an_int8_model_that_misses_the_gate_keeps_its_most_sensitive_layers_in_f
     weighted = {n.name: n.input[1] for n in graph.node if n.op_type in ("Conv", "Gemm")}
     assert {n for n in kept if n in weighted} and all(weighted[n] in float_weights for n in kept if n in weighted)
     assert any(weighted[n] not in float_weights for n in weighted if n not in kept)
+
+
+def test_a_calibration_kept_in_a_file_quantizes_as_calibrating_again(tmp_path):
+    """The fallback calibrates once for every layer it tries: the ranges read back from the kept file
+    give the same INT8 model as ONNX Runtime calibrating afresh."""
+    import numpy as np
+
+    from optiserve.optimize.quantize_ort import _caches_calibration, quantize_onnx_static
+
+    if not _caches_calibration():
+        pytest.skip("this ONNX Runtime's quantize_static keeps no calibration file (1.24 and later do)")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3)).eval()
+    fp32 = tmp_path / "model.onnx"
+    torch.onnx.export(model, (torch.randn(1, 3, 12, 12),), str(fp32), input_names=["x"], dynamo=False,
+                      dynamic_axes={"x": {0: "n"}})
+    batches = [np.random.default_rng(i).normal(size=(4, 3, 12, 12)).astype(np.float32) for i in range(3)]
+    cache = tmp_path / "calibration.json"
+    quantize_onnx_static(fp32, tmp_path / "plain.onnx", batches)
+    first, second = quantized_nodes(tmp_path / "plain.onnx")[:2]
+    quantize_onnx_static(fp32, tmp_path / "afresh.onnx", batches, only_nodes=[second])
+    quantize_onnx_static(fp32, tmp_path / "writes.onnx", batches, only_nodes=[first], calibration_cache=cache)
+    assert cache.is_file()
+    quantize_onnx_static(fp32, tmp_path / "reads.onnx", [b * 0 for b in batches], only_nodes=[second],
+                         calibration_cache=cache)  # batches that would calibrate otherwise: the file decides
+    afresh, reads = onnx.load(str(tmp_path / "afresh.onnx")), onnx.load(str(tmp_path / "reads.onnx"))
+    assert {i.name: onnx.numpy_helper.to_array(i).tolist() for i in afresh.graph.initializer} == \
+           {i.name: onnx.numpy_helper.to_array(i).tolist() for i in reads.graph.initializer}

@@ -186,3 +186,18 @@ def test_a_layernorm_network_recovers_with_adamw_and_a_batchnorm_one_with_sgd(di
     transformer = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
     assert isinstance(recovery_optimizer(transformer), torch.optim.AdamW)
     assert isinstance(recovery_optimizer(teacher), torch.optim.SGD)
+
+
+def test_a_first_round_that_brings_the_student_no_closer_is_undone(digits):
+    """A student that already answers as its teacher (a copy): training can only move it away, so the
+    round is undone and the student is the copy it was."""
+    import copy
+
+    teacher, data, test = digits
+    student = copy.deepcopy(teacher)
+    report = recover(student, teacher, _few(data), "class-scores", 1, good_enough=lambda model: True, progress=False)
+    assert report["undone_round"] and report["rounds"] == [1] and report["epochs"] == 0 and report["steps"] == 0
+    assert report["good_enough"] is True
+    assert report["val_distillation_loss_after"] == report["val_distillation_loss_before"]
+    for mine, theirs in zip(student.state_dict().values(), teacher.state_dict().values()):
+        assert torch.equal(mine, theirs)

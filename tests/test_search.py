@@ -96,7 +96,7 @@ def test_the_report_shows_the_frontier_with_every_candidate(searched, unrecovere
     assert "dropped: rejected: top-1 fell" in rejected
     out, manifest = searched
     report = (out / "report.md").read_text()
-    assert "## Search: speed against accuracy (channels pruned at 50%, 98%, 99%" in report
+    assert "## Search: speed against accuracy (channels pruned, at 50%, 98%, 99%" in report
     section = report.split("## Search", 1)[1]
     for name in _all_candidates(manifest):
         assert f"| {name} |" in section

@@ -1,20 +1,25 @@
-"""The search for a smaller transformer: layers dropped at several ratios, light to heavy, each
-recovered by distillation from the full model on the training texts, judged on the validation texts,
-exported to ONNX with its INT8 copy, and put in the same frontier as the full model's variants."""
+"""The search for a smaller transformer: layers dropped, and every layer's heads and feed-forward
+channels pruned, each at several ratios, light to heavy, each candidate recovered by distillation
+from the full model on the training texts, judged on the validation texts, exported to ONNX with its
+INT8 copy, and put in the same frontier as the full model's variants."""
 
 from __future__ import annotations
 
+import copy
+import csv
 import json
+from pathlib import Path
 
 import numpy as np
 
 import onnx
 import pytest
 
-from conftest import lee_pairs, wordpiece_tokenizer  # noqa: F401  (lee_pairs: a session fixture)
+from conftest import wordpiece_tokenizer
 from optiserve.models.text_folder import build_text_module, read_text_folder
 from optiserve.optimize.drop_layers import CannotDrop, drop_layers, encoder_layers, evenly_spaced, layers_kept
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+from optiserve.optimize.prune_heads import CannotNarrow, narrow_layers
 
 transformers = pytest.importorskip("transformers", reason="the BERT built here ([text])")
 torch = pytest.importorskip("torch")
@@ -74,6 +79,41 @@ def test_a_model_with_layers_dropped_answers_as_transformers_own_model_of_that_d
     assert student.model.config.num_hidden_layers == 2 and len(encoder_layers(module.model)[2]) == LAYERS  # a copy
 
 
+def test_a_narrowed_model_answers_as_the_full_one_with_the_removed_heads_and_channels_silenced(encoder):
+    """The reference is transformers' own full-width model whose removed heads and channels write
+    nothing: their columns of the attention output and feed-forward output projections zeroed."""
+    module = build_text_module(read_text_folder(encoder))
+    student, kept = narrow_layers(module, "model", 0.5)
+    reference = copy.deepcopy(module.model)
+    size = reference.encoder.layer[0].attention.self.attention_head_size
+    for block, heads, channels in zip(reference.encoder.layer, kept["heads"], student.model.encoder.layer):
+        removed = [h for h in range(block.attention.self.num_attention_heads) if h not in heads]
+        with torch.no_grad():
+            for h in removed:
+                block.attention.output.dense.weight[:, h * size:(h + 1) * size] = 0
+            up = block.intermediate.dense.weight
+            kept_rows = {tuple(row.tolist()) for row in channels.intermediate.dense.weight}
+            for c in range(up.shape[0]):
+                if tuple(up[c].tolist()) not in kept_rows:
+                    block.output.dense.weight[:, c] = 0
+    assert all(len(h) == 1 for h in kept["heads"]) and kept["ffn_channels"] == [32] * LAYERS
+    ids = torch.randint(5, 100, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[2, 5:] = 0
+    with torch.no_grad():
+        want = reference.eval()(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = student.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, want)
+    assert module.model.encoder.layer[0].intermediate.dense.out_features == 64  # the full model is a copy's source
+
+
+def test_a_model_whose_layers_are_not_berts_cannot_be_narrowed(encoder):
+    module = build_text_module(read_text_folder(encoder))
+    del module.model.encoder.layer[1].intermediate.dense
+    with pytest.raises(CannotNarrow, match="no intermediate.dense projection"):
+        narrow_layers(module, "model", 0.5)
+
+
 def test_the_kept_layers_spread_from_the_first_to_the_last():
     assert [layers_kept(6, r) for r in (0.3, 0.5, 0.7, 0.99)] == [4, 3, 2, 1]
     assert evenly_spaced(6, 3) == [0, 2, 5] and evenly_spaced(6, 2) == [0, 5] and evenly_spaced(6, 1) == [0]
@@ -100,8 +140,9 @@ def test_each_candidate_is_recovered_towards_the_full_model_and_its_graph_has_it
     for kept in (3, 2, 1):
         name = f"layers{kept}of{LAYERS}"
         settings = candidates[name]["settings"]
-        assert settings["layers_after"] == kept and settings["search"] == {"ratio": {3: 0.25, 2: 0.5, 1: 0.75}[kept],
-                                                                           "layers": kept, "of": LAYERS}
+        assert settings["layers_after"] == kept
+        assert settings["search"] == {"transform": "layers", "ratio": {3: 0.25, 2: 0.5, 1: 0.75}[kept], "layers": kept,
+                                      "of": LAYERS}
         recovery = settings["recovery"]
         assert recovery["matched"] == "vectors"
         assert recovery["val_distillation_loss_after"] < recovery["val_distillation_loss_before"]
@@ -111,6 +152,21 @@ def test_each_candidate_is_recovered_towards_the_full_model_and_its_graph_has_it
         if name in {v["name"] for v in manifest["variants"]}:  # published: its graph has its layers' attentions
             graph = onnx.load(str(out / candidates[name]["file"])).graph
             assert sum(node.op_type == "Softmax" for node in graph.node) == kept
+
+
+def test_each_narrowed_candidate_keeps_its_share_of_heads_and_channels_and_is_recovered(searched):
+    _, manifest = searched
+    candidates = _candidates(manifest)
+    for ratio, heads, channels in ((0.25, 2, 48), (0.5, 1, 32), (0.75, 1, 16)):  # of 2 heads and 64 channels
+        settings = candidates[f"pruned{round(100 * ratio)}"]["settings"]
+        assert settings["search"] == {"transform": "width", "ratio": ratio}
+        assert [len(h) for h in settings["kept_heads"]] == [heads] * LAYERS
+        assert settings["ffn_channels_after"] == [channels] * LAYERS
+        assert settings["parameters_after"] < settings["parameters_before"]
+        recovery = settings["recovery"]
+        assert recovery["val_distillation_loss_after"] <= recovery["val_distillation_loss_before"]  # never further
+        if heads == 1:  # a head of two removed: far from the full model, and brought back towards it
+            assert recovery["val_distillation_loss_after"] < recovery["val_distillation_loss_before"]
 
 
 def test_the_candidates_share_one_frontier_with_the_full_model_and_those_off_it_leave(searched):
@@ -123,7 +179,11 @@ def test_the_candidates_share_one_frontier_with_the_full_model_and_those_off_it_
     assert {p.name for p in out.glob("model*")} == {f for f in published if f.startswith("model")}
     assert manifest["recommended"]["latency"] in {v["name"] for v in manifest["variants"]}
     kept = json.loads((out / "manifest.json").read_text())["search"]
-    assert kept == json.loads(json.dumps(search))
+    assert kept == json.loads(json.dumps(search)) and search["transforms"] == ["layers", "width"]
+    report = (out / "report.md").read_text()
+    assert ("## Search: speed against accuracy (layers dropped, and attention heads and feed-forward channels "
+            "pruned, at 25%, 50%, 75%") in report and "texts/s b4" in report
+    assert "texts/s (log scale)" in (out / "frontier.svg").read_text()
 
 
 def test_the_search_stops_at_the_first_candidate_the_validation_texts_reject(encoder, lee_pairs, tmp_path):
@@ -143,12 +203,13 @@ def test_ratios_that_keep_the_same_layers_build_one_candidate(encoder, lee_pairs
                                            min_cosine=0.0, progress=False, out=str(tmp_path / "same")))
     names = set(_candidates(manifest))
     assert {"layers2of4"} <= names and not any(n.startswith("layers4of4") for n in names)
-    assert sum(n.startswith("layers2of4") for n in names) == 1
+    built = [note for note in manifest["notes"] if note.startswith("layers")]  # a note for every network built
+    assert [note.split(":")[0] for note in built] == ["layers2of4"]
 
 
 def test_a_text_model_given_as_an_onnx_file_is_not_searched_and_the_note_says_what_to_give(onnx_file_optimized):
-    assert "no layer dropping search: layers are dropped from the model's weights: give its Hugging Face folder, " \
-           "not an ONNX file" in onnx_file_optimized["notes"]
+    assert "no smaller transformer search: a smaller network is made from the model's weights: give its Hugging " \
+           "Face folder, not an ONNX file" in onnx_file_optimized["notes"]
     assert "search" not in onnx_file_optimized and not onnx_file_optimized["skipped"]
 
 
@@ -162,29 +223,44 @@ def onnx_file_optimized(searched, encoder, lee_pairs, tmp_path):
                                        min_cosine=0.0, progress=False, out=str(tmp_path / "from-file")))
 
 
-def _role_folder(lee_pairs, folder, shuffle_test_scores: bool):
-    """The Lee pairs' texts, unlabelled, as train.tsv (fit), and their pairs as val.tsv (choose) and
-    test.tsv (report); with the test pairs' scores shuffled where asked."""
-    header, *rows = lee_pairs.read_text(encoding="utf-8").splitlines()
+def _role_folder(folder, shuffle_test_scores: bool):
+    """No text in two roles: the polarity sentences, unlabelled, as train.tsv (fit); pairs of half of
+    Lee's 50 rated documents as val.tsv (choose) and pairs of the other half as test.tsv (report),
+    with the test pairs' scores shuffled where asked."""
+    from gensim.test.utils import datapath
+
+    data = Path(datapath("lee.cor")).parent
+    docs = [line.strip() for line in (data / "lee.cor").read_bytes().decode("latin-1").splitlines()]
+    ratings = np.loadtxt(data / "similarities0-1.txt")
+    halves = np.array_split(np.random.default_rng(0).permutation(len(docs)), 2)
     folder.mkdir()
-    texts = sorted({field for row in rows[:100] for field in row.split("\t")[:2]})
-    (folder / "train.tsv").write_text("\n".join(["text", *texts]) + "\n", encoding="utf-8")
-    roles = {"val": rows[100:130], "test": rows[130:]}
-    if shuffle_test_scores:
-        scores = [row.rsplit("\t", 1)[1] for row in roles["test"]]
-        order = np.random.default_rng(0).permutation(len(scores))
-        roles["test"] = [row.rsplit("\t", 1)[0] + "\t" + scores[i] for row, i in zip(roles["test"], order)]
-    for role, lines in roles.items():
-        (folder / f"{role}.tsv").write_text("\n".join([header, *lines]) + "\n", encoding="utf-8")
+    sentences = [line.split(None, 1)[1].strip() for line in
+                 (data / "pang_lee_polarity.cor").read_bytes().decode("cp1252").splitlines() if line.strip()]
+    _write(folder / "train.tsv", ["text"], [[t] for t in sentences])
+    for role, half in zip(("val", "test"), halves):
+        pairs = [(a, b) for x, a in enumerate(half) for b in half[x + 1:]][:60]
+        scores = [ratings[a, b] for a, b in pairs]
+        if role == "test" and shuffle_test_scores:
+            scores = list(np.random.default_rng(0).permutation(scores))
+        _write(folder / f"{role}.tsv", ["text1", "text2", "score"],
+               [[docs[a], docs[b], score] for (a, b), score in zip(pairs, scores)])
     return folder
 
 
-def test_the_validation_pairs_choose_and_the_test_pairs_only_report(encoder, lee_pairs, tmp_path):
+def _write(path, header, rows):
+    with path.open("w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f, delimiter="\t")
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+def test_the_validation_pairs_choose_and_the_test_pairs_only_report(encoder, tmp_path):
     """Candidates recovered on unlabelled texts; the test pairs' scores shuffled: every candidate, its
     recovery and its gate are the same; only what is reported on the test pairs moves."""
+    pytest.importorskip("gensim", reason="gensim's bundled corpora are the real texts this test reads ([dev])")
     runs = []
     for shuffled in (False, True):
-        data = _role_folder(lee_pairs, tmp_path / f"data-{shuffled}", shuffled)
+        data = _role_folder(tmp_path / f"data-{shuffled}", shuffled)
         runs.append(run_optimize(OptimizeConfig(str(encoder), dataset=f"text:{data}", int8=False, openvino=False,
                                                 ort_transformer=False, search="on", search_ratios=(0.5, 0.75),
                                                 finetune_epochs=1, latency_batch=2, timing_rounds=3, seq_lengths=(32,),

@@ -225,10 +225,11 @@ class TextModule(nn.Module):
         self.multi_label = folder.multi_label
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The output of a token batch [N, 3, L], run at its longest text's length (rows taken from
-        a dataset are padded to the longest of them all; padding is masked, so cutting it changes nothing)."""
-        longest = int(tokens[:, MASK].sum(dim=1).max()) if len(tokens) else 1
-        return self.run(*(tokens[:, i, :max(longest, 1)] for i in self.inputs))
+        """The output of a token batch [N, 3, L], run up to its last column any text fills (rows taken
+        from a dataset are padded to the longest of them all; padding is masked, so cutting it changes nothing)."""
+        filled = tokens[:, MASK].any(dim=0).nonzero()
+        end = int(filled.max()) + 1 if len(filled) else tokens.shape[2]
+        return self.run(*(tokens[:, i, :end] for i in self.inputs))
 
     def run(self, *inputs: torch.Tensor) -> torch.Tensor:
         """The output from the graph's own inputs (`names`, in order): what ONNX exports."""

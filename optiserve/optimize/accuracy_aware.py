@@ -6,8 +6,9 @@ only report, after every choice): the model is quantized with only that layer in
 weights and output), and the further its outputs then stray from fp32's (mean squared difference:
 logits, vectors, per-pixel scores), the more sensitive it is. Measured this way, every layer that quantizes a badly-scaled tensor shows it
 (a producer, a pass-through pooling, the consumer); leaving one layer at a time in float would not,
-as its neighbours still quantize the same tensor. This takes one quantization per layer, so it runs
-only for a variant that failed.
+as its neighbours still quantize the same tensor. This takes one quantization per layer (calibrated
+once: the activation ranges are the same whichever nodes are quantized), ranked on SENSITIVITY_ROWS
+validation examples spread over the set (the gate reads them all), so it runs only for a variant that failed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from optiserve.optimize.quantize_ort import quantize_onnx_static
 from optiserve.optimize.validate import EvalSet, predict
 from optiserve.runtime import RuntimeOptions, load_session
 from optiserve.tasks import get_task
+
+SENSITIVITY_ROWS = 256  # validation images or texts, spread over the set, a layer's sensitivity is ranked on
+CALIBRATION = "calibration.json"  # the activation ranges, calibrated once for every layer's quantization
 
 Gate = Callable[[Path], tuple[str, str | None, dict]]  # int8 file -> (status, reason, {measure: value})
 Logits = Callable[[Path, np.ndarray], np.ndarray]                # model file, images -> logits
@@ -46,12 +50,13 @@ def layer_sensitivity(fp32_path: Path, int8_path: Path, batches: list[np.ndarray
     error) first; the error (`error(out, reference)`, default the mean squared output difference)
     from fp32 on `val_images`."""
     error = error or (lambda out, ref: float(np.mean((out - ref) ** 2)))
+    val_images = val_images[np.unique(np.linspace(0, len(val_images) - 1, SENSITIVITY_ROWS).round().astype(int))]
     reference = logits(fp32_path, val_images)
     out = []
     for node in quantized_nodes(int8_path):
         trial = work / "sensitivity.onnx"
         quantize_onnx_static(fp32_path, trial, batches, method, only_nodes=[node], op_types=op_types,
-                             float_outputs_of=float_outputs_of)
+                             float_outputs_of=float_outputs_of, calibration_cache=work / CALIBRATION)
         out.append((node, float(error(logits(trial, val_images), reference))))
     return sorted(out, key=lambda item: -item[1])
 
@@ -81,7 +86,7 @@ def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: li
             kept.append(node)
             trial = work / "trial.onnx"
             quantize_onnx_static(fp32_path, trial, batches, method, nodes_to_exclude=kept, op_types=op_types,
-                                 float_outputs_of=float_outputs_of)
+                                 float_outputs_of=float_outputs_of, calibration_cache=work / CALIBRATION)
             t_status, _, t_measure = gate(trial)
             tries.append({"float_layers": len(kept), **t_measure, "status": t_status})
             trial.replace(int8_path)
@@ -94,7 +99,8 @@ def keep_sensitive_layers_in_float(fp32_path: Path, int8_path: Path, batches: li
     return {**settings, "accuracy_aware": {
         "plain_int8": {**measure, "reason": reason},
         "float_layers": kept, "tries": tries, "max_float_layers": max_float_layers,
-        "sensitivity": {"images": "validation split", "metric": f"{error_name} with only that layer quantized",
+        "sensitivity": {"images": f"validation split (up to {SENSITIVITY_ROWS}, spread over it)",
+                        "metric": f"{error_name} with only that layer quantized",
                         "ranking": [{"node": n, "error": e} for n, e in ranked]}}}
 
 

@@ -107,19 +107,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prune", type=float, default=None, metavar="SPARSITY",
                    help="add an unstructured-pruned variant (global L1) with this fraction of weights zeroed")
     p.add_argument("--search", action=argparse.BooleanOptionalAction, default=None,
-                   help="search for the fastest model that passes: prune channels (a text model: drop layers) "
-                        "at several ratios (light to heavy, stopping at the first that fails the gate), recover each "
+                   help="search for the fastest model that passes: prune channels (a text model: drop layers, "
+                        "and prune heads and feed-forward channels) at several ratios (light to heavy, stopping at the first that fails the gate), recover each "
                         "by distillation, build their INT8 variants, keep the speed/accuracy frontier (default: on "
                         "where the data can judge a torch model's or a text model folder's accuracy and "
                         "--prune-channels is not given)")
     p.add_argument("--search-minutes", type=float, default=DEFAULTS.search_minutes, metavar="M",
-                   help=f"the search's time for recovery, shared among its ratios (default "
+                   help=f"the search's time for recovery, shared among its candidates (default "
                         f"{DEFAULTS.search_minutes:g})")
     p.add_argument("--resume", action="store_true",
                    help="take the candidates an interrupted search already pruned and recovered (kept beside the "
                         "artifact folder until it is published) instead of recovering them again")
     p.add_argument("--search-ratios", type=_floats, default=DEFAULTS.search_ratios, metavar="R,R,...",
-                   help="the fractions of channels (a text model: of layers) the search removes, light to heavy "
+                   help="the fractions of channels (a text model: of layers, and of heads and feed-forward "
+                        "channels) the search removes, light to heavy "
                         "(default "
                         f"{','.join(f'{r:g}' for r in DEFAULTS.search_ratios)})")
     p.add_argument("--prune-channels", type=float, default=None, metavar="RATIO",

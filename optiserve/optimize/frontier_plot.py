@@ -1,5 +1,5 @@
-"""The search's frontier as a picture: images/s at the throughput batch against the task's measure,
-each variant a point with its 95% interval against the baseline (named on hover), the frontier
+"""The search's frontier as a picture: images (or texts) per second at the throughput batch against
+the task's measure, each variant a point with its 95% interval against the baseline (named on hover), the frontier
 joined by a line and named.
 Written as SVG by hand, so the optimizer needs no plotting library."""
 
@@ -40,6 +40,7 @@ def render_frontier(manifest: dict) -> str:
     points = _points(manifest)
     task = task_of(manifest)
     measure = next(iter(task.headline(chosen_accuracy(manifest["variants"][0]))))
+    noun = "texts" if (manifest.get("input") or {}).get("kind") == "text" else "images"
     xs = [math.log10(p["x"]) for p in points]
     ys = [v for p in points for v in (p["low"], p["high"])]
     x0, x1 = min(xs) - 0.05, max(xs) + 0.3  # room for the fastest one's name
@@ -58,7 +59,7 @@ def render_frontier(manifest: dict) -> str:
            f'against {escape(measure)} (batch {manifest["latency_batch"]}, 95% intervals against the baseline)</text>',
            f'<line x1="{MARGIN}" y1="{HEIGHT - MARGIN}" x2="{WIDTH - MARGIN}" y2="{HEIGHT - MARGIN}" stroke="black"/>',
            f'<line x1="{MARGIN}" y1="{MARGIN}" x2="{MARGIN}" y2="{HEIGHT - MARGIN}" stroke="black"/>',
-           f'<text x="{WIDTH / 2}" y="{HEIGHT - 20}" text-anchor="middle">images/s (log scale)</text>',
+           f'<text x="{WIDTH / 2}" y="{HEIGHT - 20}" text-anchor="middle">{noun}/s (log scale)</text>',
            f'<text x="16" y="{HEIGHT / 2}" transform="rotate(-90 16 {HEIGHT / 2})" text-anchor="middle">'
            f'validation {escape(measure)} (%)</text>']
     for tick in range(math.floor(x0), math.ceil(x1) + 1):

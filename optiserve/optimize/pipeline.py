@@ -294,6 +294,7 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             if run.searched:
                 n = str(cfg.latency_batch)
                 manifest["search"] = {"ratios": list(pruning_ratios(cfg)), "minutes": cfg.search_minutes,
+                                      "transforms": run.search_transforms,
                                       "frontier": [e["name"] for e in sorted(entries, key=lambda e: e["latency_ms"][n])
                                                    if e["frontier"]["on"]],
                                       "dropped": dropped}

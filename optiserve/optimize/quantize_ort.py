@@ -69,16 +69,27 @@ def _working_directory(path: str):
         os.chdir(previous)
 
 
+def _caches_calibration() -> bool:
+    """Whether this ONNX Runtime's quantize_static keeps activation ranges in a file (1.24 and later)."""
+    import inspect
+
+    from onnxruntime.quantization import quantize_static
+
+    return "calibration_cache_path" in inspect.signature(quantize_static).parameters
+
+
 def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLike, batches: list,
                          method: str = "minmax", per_channel: bool = True, reduce_range: bool = True,
                          nodes_to_exclude: list[str] | None = None, op_types: list[str] | None = None,
                          float_outputs_of: list[str] | None = None, only_nodes: list[str] | None = None,
-                         unit: str = "images") -> dict:
+                         unit: str = "images", calibration_cache: Path | None = None) -> dict:
     """Pre-process (shape inference, graph optimization), calibrate on `batches` (arrays for the graph's
     one input, or dicts of named inputs: a text model's tokens), write the QDQ INT8 model;
     `op_types` limits quantization to those ONNX op types (ONNX Runtime's own list when None), the
     outputs of `float_outputs_of` op types stay float (their consumers read them unquantized), and
     `only_nodes`, when given, quantizes those nodes and no others; `unit` names what a batch's rows are.
+    `calibration_cache`: a file the activation ranges are kept in and read from, so that quantizing
+    the same model and batches again, other nodes chosen, skips calibration (where ONNX Runtime has it).
 
     Returns the settings used, for the manifest.
     """
@@ -113,6 +124,8 @@ def quantize_onnx_static(fp32_path: str | os.PathLike, out_path: str | os.PathLi
                                "OpTypesToExcludeOutputQuantization": list(float_outputs_of or [])},
                 nodes_to_exclude=nodes_to_exclude or [], nodes_to_quantize=list(only_nodes or []),
                 op_types_to_quantize=list(op_types) if op_types else None,
+                **({"calibration_cache_path": str(Path(calibration_cache).resolve())}
+                   if calibration_cache is not None and _caches_calibration() else {}),
             )
         with atomic_write(out_path) as f:
             f.write(out_tmp.read_bytes())

@@ -56,6 +56,10 @@ def recover_and_judge(run: Run, student: torch.nn.Module, deadline: float | None
 def recovery_line(report: dict, unit: str = "images") -> str:
     """One line of what a recovery did and where the check left it."""
     rounds = "+".join(str(e) for e in report["rounds"])
+    if report["epochs"] == 0:
+        return (f"recovery undone: {rounds} epochs brought it no closer to the original model; kept as it was"
+                + ("" if report["good_enough"] is None else
+                   f" ({'passes' if report['good_enough'] else 'fails'} the gate on the validation {unit})"))
     check = {True: f"the validation {unit} pass the gate", False: f"the validation {unit} still fail the gate",
              None: f"too few validation {unit} to check"}[report["good_enough"]]
     why = (" (its last round brought it no closer, undone)" if report["undone_round"]

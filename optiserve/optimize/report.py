@@ -128,12 +128,14 @@ def search_lines(manifest: dict) -> list[str]:
             for v in manifest["variants"]]
     rows += [(d, f"dropped: {d['dropped']}") for d in search["dropped"]]
     rows.sort(key=lambda row: row[0]["latency_ms"][n])
-    header = ["variant", f"p50 ms b{n}", f"images/s b{n}", *task.columns(), "frontier"]
-    lines = ["", f"## Search: speed against accuracy (channels pruned at {', '.join(f'{r:.0%}' for r in search['ratios'])}, "
-                 f"each recovered by distillation)", "",
+    noun = _noun(manifest)
+    header = ["variant", f"p50 ms b{n}", f"{noun}/s b{n}", *task.columns(), "frontier"]
+    ratios = ", ".join(f"{r:.0%}" for r in search["ratios"])
+    transforms = ", and ".join(SEARCH_TRANSFORMS.get(t, t) for t in search.get("transforms") or ["channels"])
+    lines = ["", f"## Search: speed against accuracy ({transforms}, at {ratios}, each recovered by distillation)", "",
              f"Fastest first at batch {n}. A variant is on the frontier when no other servable one is both at "
-             f"least as fast and at least as accurate on the validation images (the accuracy shown here: the "
-             f"frontier is a choice, so the test images do not draw it); the search's own candidates off it are "
+             f"least as fast and at least as accurate on the validation {noun} (the accuracy shown here: the "
+             f"frontier is a choice, so the test {noun} do not draw it); the search's own candidates off it are "
              f"not published. "
              f"Dropped candidates keep their row in `manifest.json` (`search.dropped`).", "",
              "![speed against accuracy](frontier.svg)", "",
@@ -153,6 +155,10 @@ def _data_roles(dataset: dict, noun: str = "images") -> str:
     split = f" ({dataset['split_note']})" if dataset.get("split_note") else ""
     return (f"{test}; every variant was accepted or rejected, and the search and the recommendation made, on "
             f"{dataset['choose_images']} validation {noun}{split}.")
+
+
+SEARCH_TRANSFORMS = {"channels": "channels pruned", "layers": "layers dropped",
+                     "width": "attention heads and feed-forward channels pruned"}  # by what the search made networks smaller
 
 
 def _noun(manifest: dict) -> str:

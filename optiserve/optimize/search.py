@@ -43,34 +43,39 @@ def made_of(run: Run, transform: str) -> dict:
 
 def run_search(run: Run, what: str, candidates: list[Candidate],
                build: Callable[[Candidate, float | None, SearchCache | None], Gate | None], why_not: str, plan: str,
-               lighter: str, transform: str, searching: bool = True) -> None:
+               lighter: str, transform: str, searching: bool = True, fraction: float = 1.0) -> None:
     """Build `candidates` in order with `build(candidate, deadline, cache)`, which returns the
     recovered model's gate (or None where it was not built). `what` names the search in rows and
     notes ("structured pruning"), `plan` is the line that starts it, `lighter` says what the earlier
     candidates did less of ("with fewer channels removed"). Where `why_not`, nothing is built: each
     candidate's variants are rows saying why, or, where the search was not asked for (--search
     auto), one note. Not `searching` (one candidate the options named): built without a deadline,
-    a cache or the search's marks."""
+    a cache or the search's marks. `fraction`: the share of what is left of --search-minutes this
+    search may take (a half, where another search follows it in the run)."""
     cfg = run.cfg
-    run.searched = searching
     if why_not and searching and cfg.search == "auto":  # where it does not apply, said once, not as rows
-        run.searched = False
         run.notes.append(f"no {what} search: {why_not}")
         for names in (names for candidate in candidates for names in candidate.steps):
             run.log.passed_over(f"{names[0]} ({what} search)", why_not)
         return
+    run.searched = run.searched or searching
+    if searching and transform not in run.search_transforms:
+        run.search_transforms.append(transform)
     cache = None
     if searching and not why_not:
         run.log.note(plan)
         cache = SearchCache(cfg.out_path, made_of(run, transform), cfg.resume)
         if cfg.resume and not cache.kept():
             run.log.note(f"--resume: no candidate of an interrupted search is kept in {cache.folder}; searching afresh")
-    end = time.monotonic() + 60 * cfg.search_minutes
+    if run.search_ends is None:
+        run.search_ends = time.monotonic() + 60 * cfg.search_minutes
+    end = time.monotonic() + (run.search_ends - time.monotonic()) * fraction
     built = [c for c in candidates if c.same_as is None]
     for candidate in candidates:
         if candidate.same_as:  # counted in the progress, no row: it is not a network of its own
             for names in candidate.steps:
-                run.log.passed_over(f"{candidate.name} ({what} search)", f"the same network as {candidate.same_as}")
+                run.log.passed_over(f"{names[0]} at ratio {candidate.search['ratio']:g} ({what} search)",
+                                    f"the same network as {candidate.same_as}")
             continue
         if why_not:
             for names in candidate.steps:
@@ -78,6 +83,11 @@ def run_search(run: Run, what: str, candidates: list[Candidate],
             continue
         i = built.index(candidate)
         deadline = time.monotonic() + (end - time.monotonic()) / (len(built) - i) if searching else None
+        if deadline is not None and deadline <= time.monotonic():  # building the earlier ones took its time
+            for names in candidate.steps:
+                run.attempts.skip(f"{names[0]} ({what} search)", f"not tried: --search-minutes "
+                                  f"{cfg.search_minutes:g} ran out before it", *names)
+            continue
         gate = build(candidate, deadline, cache)
         if not searching:
             continue
@@ -87,6 +97,6 @@ def run_search(run: Run, what: str, candidates: list[Candidate],
         if gate is not None and gate[0] == "rejected":
             why_not = f"not tried: {candidate.name}, {lighter}, failed the gate once recovered ({gate[1]})"
         elif i + 1 < len(built):
-            left = max(0.0, end - time.monotonic()) / 60
-            run.log.note(f"search: {i + 1} of {len(built)} candidates done, {left:.1f} of {cfg.search_minutes:g} "
-                         f"minutes left")
+            left = max(0.0, run.search_ends - time.monotonic()) / 60
+            run.log.note(f"search: {i + 1} of {len(built)} {what} candidates done, {left:.1f} of "
+                         f"{cfg.search_minutes:g} minutes left")

@@ -252,17 +252,21 @@ def recover(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     trained on a few hundred images needs many more epochs than a large one on thousands, and
     only the check tells which this is. Rounds stop after `max_rounds`, where the next one would
     not fit before `deadline` (at the pace of the last), or where a round brought the student no
-    closer to the teacher (that round is undone). Returns the first round's report with the
+    closer to the teacher (that round is undone: the first one too, so recovery never leaves a
+    student further from its teacher than it started). Returns the first round's report with the
     rounds' epochs, steps and whether the check passed."""
     rounds: list[dict] = []
     passed = None
     while True:
-        kept = copy.deepcopy(student.state_dict()) if rounds else None
+        kept = copy.deepcopy(student.state_dict())
         started = time.monotonic()
         report = distill(student, teacher, data, match, epochs, deadline=deadline, seed=len(rounds), **options)
-        if rounds and report["val_distillation_loss_after"] >= rounds[-1]["val_distillation_loss_after"]:
+        closest = rounds[-1]["val_distillation_loss_after"] if rounds else report["val_distillation_loss_before"]
+        if report["val_distillation_loss_after"] >= closest:
             student.load_state_dict(kept)
             rounds.append({**report, "undone": True})
+            if len(rounds) == 1:
+                passed = good_enough(student) if good_enough is not None else None
             break
         rounds.append(report)
         passed = good_enough(student) if good_enough is not None else None
@@ -277,5 +281,6 @@ def recover(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
             "steps": sum(r["steps"] for r in kept_rounds), "rounds": [r["epochs"] for r in rounds],
             "undone_round": bool(rounds[-1].get("undone")), "good_enough": passed,
             "stopped_at_deadline": any(r["stopped_at_deadline"] for r in rounds),
-            "batchnorm_recalibrated": kept_rounds[-1]["batchnorm_recalibrated"],
-            "val_distillation_loss_after": kept_rounds[-1]["val_distillation_loss_after"]}
+            "batchnorm_recalibrated": bool(kept_rounds) and kept_rounds[-1]["batchnorm_recalibrated"],
+            "val_distillation_loss_after": (kept_rounds[-1]["val_distillation_loss_after"] if kept_rounds
+                                            else rounds[0]["val_distillation_loss_before"])}

@@ -166,7 +166,8 @@ def _pruning_note(name: str, s: dict) -> str:
     (measure, before), after = next(iter(s["validation_before_recovery"].items())), s["validation_after_recovery"]
     if before is not None:
         text += (f"; validation {measure} {100 * before:.2f}% right after pruning, {100 * after[measure]:.2f}% after "
-                 + (f"{s['recovery']['epochs']} epochs of recovery" if s['recovery'] else "pruning alone"))
+                 + (f"{s['recovery']['epochs']} epochs of recovery" if s['recovery'] and s['recovery']['epochs']
+                    else "recovery, undone" if s['recovery'] else "pruning alone"))
     return text
 
 

@@ -56,7 +56,9 @@ class Run:
     int8_source: str = "model.onnx"    # the file the INT8 passes quantize (an opset-converted copy of an old file)
     conversion: dict = field(default_factory=dict)  # the settings that say int8_source was converted
     label_mapping: object = None       # the model's class of each of the data's labels; None: no labels to learn from
-    searched: bool = False             # whether the pruning search ran (its candidates off the frontier are dropped)
+    searched: bool = False             # whether a search ran (its candidates off the frontier are dropped)
+    search_ends: float | None = None   # when --search-minutes runs out (time.monotonic()), once a search starts
+    search_transforms: list = field(default_factory=list)  # how the searches made networks smaller: channels, layers, width
     unpruned_outputs: object = None    # the unpruned model's outputs on the validation images, once for every ratio
     read_as: str | None = None         # what its scores hold as the graph or --output-kind say before anything runs
 

@@ -1,16 +1,20 @@
-"""The search for a smaller transformer (text models given as a Hugging Face folder): layers
-dropped at each --search-ratios fraction (the kept ones spread evenly over the depth, as DistilBERT
-starts its student), each recovered by distillation from the full model on the training texts (the
-vectors' cosine for an encoder, the class distribution for a classifier), judged on the validation
-texts and exported to ONNX (layers<K>of<N>), with --int8 its ONNX Runtime dynamic INT8 and, with
-OpenVINO, NNCF's INT8 by the transformer scheme: the same recipes as the full model's, so the search
-and the engines are one frontier. The search stops at the first candidate its gate rejects."""
+"""The search for a smaller transformer (text models given as a Hugging Face folder), by two
+transforms, each its own path light to heavy over --search-ratios, with half of --search-minutes:
+layers dropped (layers<K>of<N>: the kept ones spread evenly over the depth, as DistilBERT starts its
+student), and every layer narrowed (pruned<R>: R of its attention heads and of its feed-forward
+channels removed, those of least weight). Each candidate is recovered by distillation from the full
+model on the training texts (the vectors' cosine for an encoder, the class distribution for a
+classifier), judged on the validation texts and exported to ONNX, with --int8 its ONNX Runtime
+dynamic INT8 and, with OpenVINO, NNCF's INT8 by the transformer scheme: the same recipes as the
+full model's, so the search and the engines are one frontier. A path stops at the first candidate
+its gate rejects."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from optiserve.optimize.drop_layers import CannotDrop, drop_layers, encoder_layers, evenly_spaced, layers_kept
+from optiserve.optimize.prune_heads import CannotNarrow, bert_layers, narrow_layers
 from optiserve.optimize.export_openvino import quantize_openvino_nncf
 from optiserve.optimize.passes.pruning import pruning_ratios
 from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
@@ -35,59 +39,103 @@ def _steps(name: str, cfg: OptimizeConfig) -> list[list[str]]:
     return steps
 
 
-def _candidates(run: Run) -> tuple[list[Candidate], str]:
-    """The layer counts the ratios keep, light to heavy (a ratio that keeps as many layers as an
-    earlier one, or all of them, counted but not built); and why none can be built, or ""."""
-    cfg, ratios = run.cfg, pruning_ratios(run.cfg)
-    why_not, total = "", None
+def _why_not(run: Run) -> str:
+    """Why no candidate can be built from this run's model, or ""."""
     if run.why_not:
-        why_not = f"the search needs accuracy it can measure ({run.why_not})"
-    elif run.loaded.from_file:
-        why_not = "layers are dropped from the model's weights: give its Hugging Face folder, not an ONNX file"
-    elif (unmatched := unmatched_answers(run.loaded.task, run.read_as)):
-        why_not = f"{unmatched} cannot be matched one to one while it recovers"
-    else:
+        return f"the search needs accuracy it can measure ({run.why_not})"
+    if run.loaded.from_file:
+        return "a smaller network is made from the model's weights: give its Hugging Face folder, not an ONNX file"
+    if (unmatched := unmatched_answers(run.loaded.task, run.read_as)):
+        return f"{unmatched} cannot be matched one to one while it recovers"
+    return ""
+
+
+def _layer_candidates(run: Run, why_not: str) -> tuple[list[Candidate], str]:
+    """The layer counts the ratios keep, light to heavy (a ratio that keeps as many layers as an
+    earlier one, or all of them, counted but not built)."""
+    cfg, total = run.cfg, None
+    if not why_not:
         try:
             total = len(encoder_layers(run.loaded.model.model)[2])
         except CannotDrop as e:
             why_not = f"its layers cannot be dropped: {e}"
     candidates, seen = [], {}
-    for ratio in ratios:
+    for ratio in pruning_ratios(cfg):
         kept = layers_kept(total, ratio) if total else 0
         name = f"layers{kept}of{total}" if total else f"dropped{round(100 * ratio)}"
-        same = seen.get(kept) or ("the full model" if total and kept == total else None)
-        candidates.append(Candidate(name if not same else f"{name} at ratio {ratio:g}", _steps(name, cfg),
-                                    {"ratio": ratio, "layers": kept, "of": total}, same_as=same))
+        same = (seen.get(kept) or ("the full model" if kept == total else None)) if total else None
+        candidates.append(Candidate(name, _steps(name, cfg),
+                                    {"transform": "layers", "ratio": ratio, "layers": kept, "of": total},
+                                    same_as=same))
         seen.setdefault(kept, name)
     return candidates, why_not
 
 
+def _width_candidates(run: Run) -> list[Candidate]:
+    return [Candidate(f"pruned{round(100 * r)}", _steps(f"pruned{round(100 * r)}", run.cfg),
+                      {"transform": "width", "ratio": r}) for r in pruning_ratios(run.cfg)]
+
+
 def _build_search(run: Run) -> None:
     cfg = run.cfg
-    candidates, why_not = _candidates(run)
-    plan = (f"search: {', '.join(c.name for c in candidates if not c.same_as)} (layers dropped, light to heavy), "
-            f"each recovered by distillation, within {cfg.search_minutes:g} minutes")
-    run_search(run, "layer dropping", candidates, lambda c, deadline, cache: _candidate(run, c, deadline, cache),
-               why_not, plan, "with more layers kept", "layers")
+    why_not = _why_not(run)
+    layers, layers_why_not = _layer_candidates(run, why_not)
+    width = _width_candidates(run)
+    if why_not and cfg.search == "auto":  # neither path applies: one note
+        run_search(run, "smaller transformer", layers + width, lambda *_: None, why_not, "", "", "")
+        return
+    plan = (f"search: {', '.join(c.name for c in layers if not c.same_as)} (layers dropped, light to heavy), "
+            f"each recovered by distillation, within {cfg.search_minutes / 2:g} minutes")
+    run_search(run, "layer dropping", layers, lambda c, deadline, cache: _candidate(run, c, deadline, cache),
+               layers_why_not, plan, "with more layers kept", "layers", fraction=0.5)
+    width_why_not = why_not
+    if not why_not:
+        try:
+            bert_layers(run.loaded.model.model)
+        except CannotNarrow as e:
+            width_why_not = f"its heads and channels cannot be pruned: {e}"
+    plan = (f"search: {', '.join(c.name for c in width)} (attention heads and feed-forward channels removed, light "
+            f"to heavy), each recovered by distillation, within what is left of {cfg.search_minutes:g} minutes")
+    run_search(run, "head and channel pruning", width, lambda c, deadline, cache: _candidate(run, c, deadline, cache),
+               width_why_not, plan, "with fewer heads and channels removed", "width")
+
+
+def _smaller(run: Run, candidate: Candidate) -> tuple[object, dict]:
+    """The candidate's network, made from the full model, and what its settings record of how."""
+    search = candidate.search
+    if search["transform"] == "layers":
+        keep = evenly_spaced(search["of"], search["layers"])
+        return drop_layers(run.loaded.model, "model", keep), {
+            "method": "layer dropping, recovered by distillation", "kept_layers": keep,
+            "layers_before": search["of"], "layers_after": len(keep)}
+    student, kept = narrow_layers(run.loaded.model, "model", search["ratio"])
+    return student, {"method": "attention heads and feed-forward channels of least weight removed in every layer, "
+                               "recovered by distillation", "kept_heads": kept["heads"],
+                     "ffn_channels_after": kept["ffn_channels"]}
+
+
+def _title(run: Run, candidate: Candidate) -> str:
+    search = candidate.search
+    if search["transform"] == "layers":
+        keep = evenly_spaced(search["of"], search["layers"])
+        return f"drop layers to {len(keep)} of {search['of']} (keeping {keep}), recover -> {candidate.name} (ONNX)"
+    return (f"remove {search['ratio']:.0%} of each layer's attention heads and feed-forward channels, recover -> "
+            f"{candidate.name} (ONNX)")
 
 
 def _candidate(run: Run, candidate: Candidate, deadline: float | None, cache: SearchCache) -> Gate | None:
-    """layers<K>of<N>, recovered (or, with --resume, taken from the interrupted search's cache), and
-    its INT8 variants; the recovered model's gate."""
+    """The candidate's network, recovered (or, with --resume, taken from the interrupted search's
+    cache), and its INT8 variants; the recovered model's gate."""
     name, stage, attempts, ratio = candidate.name, run.stage, run.attempts, candidate.search["ratio"]
     onnx = f"model.{name}.onnx"
     gate = None
-    keep = evenly_spaced(candidate.search["of"], candidate.search["layers"])
-    with attempts.attempt(f"drop layers to {len(keep)} of {candidate.search['of']} (keeping {keep}), recover "
-                          f"-> {name} (ONNX)", name):
+    with attempts.attempt(_title(run, candidate), name):
         settings = cache.take(ratio, stage / onnx)
         if settings is not None:
             run.log.note(f"{name}: taken from the interrupted search, kept in {cache.folder}")
         else:
-            student = drop_layers(run.loaded.model, "model", keep)
-            settings = {"method": "layer dropping, recovered by distillation", "kept_layers": keep,
-                        "layers_before": candidate.search["of"], "layers_after": len(keep),
-                        "parameters_before": _parameters(run.loaded.model), "parameters_after": _parameters(student)}
+            student, settings = _smaller(run, candidate)
+            settings.update(parameters_before=_parameters(run.loaded.model), parameters_after=_parameters(student))
             settings.update(recover_and_judge(run, student, deadline, "full", "texts", lr=RECOVERY_LR,
                                               batch_size=RECOVERY_BATCH))
             output = run.loaded.outputs[0]["name"]
@@ -126,11 +174,14 @@ def _parameters(module) -> int:
 
 
 def _note(name: str, s: dict) -> str:
-    text = f"{name}: {s['layers_after']} of {s['layers_before']} layers, {s['parameters_after'] / s['parameters_before']:.0%} of the parameters"
+    shape = (f"{s['layers_after']} of {s['layers_before']} layers" if "layers_after" in s
+             else f"{len(s['kept_heads'][0])} heads and {s['ffn_channels_after'][0]} feed-forward channels a layer")
+    text = f"{name}: {shape}, {s['parameters_after'] / s['parameters_before']:.0%} of the parameters"
     (measure, before), after = next(iter(s["validation_before_recovery"].items())), s["validation_after_recovery"]
     if before is not None:
-        text += (f"; validation {measure} {before:.4f} right after dropping, {after[measure]:.4f} after "
-                 + (f"{s['recovery']['epochs']} epochs of recovery" if s["recovery"] else "dropping alone"))
+        text += (f"; validation {measure} {before:.4f} right after, {after[measure]:.4f} after "
+                 + (f"{s['recovery']['epochs']} epochs of recovery" if s["recovery"] and s["recovery"]["epochs"]
+                    else "recovery, undone" if s["recovery"] else "no recovery"))
     return text
 
 
@@ -140,7 +191,7 @@ def _asked(cfg: OptimizeConfig) -> bool:
 
 
 def _step_count(cfg: OptimizeConfig) -> int:
-    return len(pruning_ratios(cfg)) * len(_steps("", cfg))
+    return 2 * len(pruning_ratios(cfg)) * len(_steps("", cfg))  # two transforms
 
 
 register_pass(Pass("text-layer-search", TEXT, _build_search, asked=_asked, steps=_step_count))
