@@ -63,7 +63,8 @@ def recovery_line(report: dict, unit: str = "images") -> str:
     check = {True: f"the validation {unit} pass the gate", False: f"the validation {unit} still fail the gate",
              None: f"too few validation {unit} to check"}[report["good_enough"]]
     why = (" (its last round brought it no closer, undone)" if report["undone_round"]
-           else " (at its share of the time)" if report["stopped_at_deadline"] else "")
+           else f" (stopped at its share of the time, after {report['steps']} steps)" if report["stopped_at_deadline"]
+           else "")
     return f"recovered for {rounds} epochs{why}: {check}"
 
 
