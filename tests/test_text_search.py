@@ -216,11 +216,16 @@ def test_a_text_model_given_as_an_onnx_file_is_not_searched_and_the_note_says_wh
 @pytest.fixture
 def onnx_file_optimized(searched, encoder, lee_pairs, tmp_path):
     """The searched folder's onnx-fp32 given back as an ONNX file with the encoder's tokenizer, the
-    search left to where it applies (the default)."""
+    search left to where it applies (the default), on 30 of the Lee documents (the note is the subject)."""
     out, _ = searched
-    return run_optimize(OptimizeConfig(str(out / "model.onnx"), tokenizer=str(encoder), dataset=f"text:{lee_pairs}",
-                                       int8=False, openvino=False, ort_transformer=False, search="auto", latency_batch=2, timing_rounds=3, seq_lengths=(32,),
-                                       min_cosine=0.0, progress=False, out=str(tmp_path / "from-file")))
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(sorted({line.split("\t")[0] for line in
+                                        lee_pairs.read_text(encoding="utf-8").splitlines()[1:]})[:30]) + "\n",
+                     encoding="utf-8")
+    return run_optimize(OptimizeConfig(str(out / "model.onnx"), tokenizer=str(encoder), dataset=f"text:{texts}",
+                                       int8=False, openvino=False, ort_transformer=False, search="auto",
+                                       latency_batch=2, timing_rounds=3, seq_lengths=(32,), min_cosine=0.0,
+                                       progress=False, out=str(tmp_path / "from-file")))
 
 
 def _role_folder(folder, shuffle_test_scores: bool):
@@ -262,7 +267,7 @@ def test_the_validation_pairs_choose_and_the_test_pairs_only_report(encoder, tmp
     for shuffled in (False, True):
         data = _role_folder(tmp_path / f"data-{shuffled}", shuffled)
         runs.append(run_optimize(OptimizeConfig(str(encoder), dataset=f"text:{data}", int8=False, openvino=False,
-                                                ort_transformer=False, search="on", search_ratios=(0.5, 0.75),
+                                                ort_transformer=False, search="on", search_ratios=(0.5,),
                                                 finetune_epochs=1, latency_batch=2, timing_rounds=3, seq_lengths=(32,),
                                                 min_cosine=0.9, progress=False, out=str(tmp_path / f"out-{shuffled}"))))
     chosen = [{n: (c["status"], c["settings"].get("validation_after_recovery")) for n, c in _candidates(m).items()}
