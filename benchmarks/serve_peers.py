@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import importlib.util
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -57,7 +56,7 @@ from optiserve.models import InputSpec  # noqa: E402
 from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
 from optiserve.runtime.timing import timed_calls  # noqa: E402
 from optiserve.bench.results import Run  # noqa: E402
-from optiserve.serve.launch import free_port, served, wait_until_ready  # noqa: E402
+from optiserve.serve.launch import free_port, served, stop_group, wait_until_ready  # noqa: E402
 from optiserve.serve.priority import INFERENCE_THREAD  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -156,15 +155,7 @@ def peer(script: str, model_file: Path, *extra: str):
             wait_until_ready(base, 120, proc, output, path="/health")
             yield base, proc
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-            time.sleep(1)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived their parent
+            stop_group(proc, 30, settle_s=1)  # LitServe's workers outlive their parent a moment
 
 
 def window(sender, pid: int, args) -> dict:

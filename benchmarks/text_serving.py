@@ -99,7 +99,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -119,7 +118,7 @@ from text_batching import corpora, text_artifact  # noqa: E402
 
 from optiserve.intervals import mean_interval, paired_bootstrap_difference  # noqa: E402
 from optiserve.machine import cpu_facts, cpu_line  # noqa: E402
-from optiserve.serve.launch import free_port, wait_until_ready  # noqa: E402
+from optiserve.serve.launch import free_port, stop_group, wait_until_ready  # noqa: E402
 from optiserve.tasks.text_embedding import spearman  # noqa: E402
 
 SERVERS = ("st-onnx", "st-openvino", "infinity-torch", "infinity-optimum", "optiserve")
@@ -385,15 +384,7 @@ def running(server: Server):
             wait_until_ready(base, READY_WITHIN_S, proc, output, path=server.ready_path)
             yield base
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # anything that outlived its parent
+            stop_group(proc, 30)
 
 
 # ---------------------------------------------------------------- load

@@ -62,6 +62,17 @@ def _candidates(manifest: dict) -> dict:
     return {**{v["name"]: v for v in manifest["variants"]}, **{d["name"]: d for d in manifest["search"]["dropped"]}}
 
 
+def _assert_same_token_vectors(model, reference, padded_row: int, from_token: int) -> None:
+    """`model` and `reference` give the same token vectors for a batch of random ids, one row padded."""
+    ids = torch.randint(5, 100, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[padded_row, from_token:] = 0
+    with torch.no_grad():
+        want = reference.eval()(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, want)
+
+
 def test_a_model_with_layers_dropped_answers_as_transformers_own_model_of_that_depth(encoder):
     module = build_text_module(read_text_folder(encoder))
     student = drop_layers(module, "model", [0, 3])
@@ -69,13 +80,7 @@ def test_a_model_with_layers_dropped_answers_as_transformers_own_model_of_that_d
     renamed = {k.replace("encoder.layer.3.", "encoder.layer.1."): v for k, v in module.model.state_dict().items()
                if not k.startswith(("encoder.layer.1.", "encoder.layer.2."))}
     reference.load_state_dict(renamed)
-    ids = torch.randint(5, 100, (3, 12))
-    mask = torch.ones_like(ids)
-    mask[1, 8:] = 0
-    with torch.no_grad():
-        want = reference.eval()(input_ids=ids, attention_mask=mask).last_hidden_state
-        got = student.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    torch.testing.assert_close(got, want)
+    _assert_same_token_vectors(student.model, reference, padded_row=1, from_token=8)
     assert student.model.config.num_hidden_layers == 2 and len(encoder_layers(module.model)[2]) == LAYERS  # a copy
 
 
@@ -97,13 +102,7 @@ def test_a_narrowed_model_answers_as_the_full_one_with_the_removed_heads_and_cha
                 if tuple(up[c].tolist()) not in kept_rows:
                     block.output.dense.weight[:, c] = 0
     assert all(len(h) == 1 for h in kept["heads"]) and kept["ffn_channels"] == [32] * LAYERS
-    ids = torch.randint(5, 100, (3, 12))
-    mask = torch.ones_like(ids)
-    mask[2, 5:] = 0
-    with torch.no_grad():
-        want = reference.eval()(input_ids=ids, attention_mask=mask).last_hidden_state
-        got = student.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    torch.testing.assert_close(got, want)
+    _assert_same_token_vectors(student.model, reference, padded_row=2, from_token=5)
     assert module.model.encoder.layer[0].intermediate.dense.out_features == 64  # the full model is a copy's source
 
 

@@ -53,6 +53,21 @@ def recover_and_judge(run: Run, student: torch.nn.Module, deadline: float | None
     return settings
 
 
+def validation_change(settings: dict, made: str, percent: bool) -> str:
+    """"; validation <measure> <before> right after <made>, <after> after <recovery>" of a candidate's
+    settings (as `recover_and_judge` wrote them), or "" where the measure was not taken; `percent`:
+    the measure shown as a percentage (top-1), else as it is (a cosine)."""
+    (measure, before), after = next(iter(settings["validation_before_recovery"].items())), \
+        settings["validation_after_recovery"]
+    if before is None:
+        return ""
+    show = (lambda v: f"{100 * v:.2f}%") if percent else (lambda v: f"{v:.4f}")  # noqa: E731
+    recovery = settings["recovery"]
+    how = (f"{recovery['epochs']} epochs of recovery" if recovery and recovery["epochs"]
+           else "recovery, undone" if recovery else f"{made} alone")
+    return f"; validation {measure} {show(before)} right after {made}, {show(after[measure])} after {how}"
+
+
 def recovery_line(report: dict, unit: str = "images") -> str:
     """One line of what a recovery did and where the check left it."""
     rounds = "+".join(str(e) for e in report["rounds"])

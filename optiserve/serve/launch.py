@@ -4,6 +4,8 @@ benchmarks and the tests do before they measure or call it."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -50,6 +52,22 @@ def stop(proc: subprocess.Popen, within_s: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def stop_group(proc: subprocess.Popen, within_s: float, settle_s: float = 0.0) -> None:
+    """SIGTERM the process group `proc` leads (started with start_new_session), SIGKILL it if `proc`
+    has not exited within `within_s`, and after `settle_s` SIGKILL whatever of the group outlived it
+    (a server's workers)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    time.sleep(settle_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from optiserve.optimize.prune_channels import CannotPrune, count_flops, prune_ch
 from optiserve.optimize.search import Candidate, run_search
 from optiserve.optimize.search_cache import GATE, SearchCache
 from optiserve.optimize.quantize_ort import quantize_onnx_static
-from optiserve.optimize.recovery import recover_and_judge
+from optiserve.optimize.recovery import recover_and_judge, validation_change
 from optiserve.tasks import unmatched_answers
 
 
@@ -161,14 +161,9 @@ def _prune_channels(run: Run, ratio: float, deadline: float | None) -> tuple[tor
 
 
 def _pruning_note(name: str, s: dict) -> str:
-    text = (f"{name}: {s['parameters_after'] / s['parameters_before']:.0%} of the parameters and "
-            f"{s['macs_after'] / s['macs_before']:.0%} of the multiply-adds remain")
-    (measure, before), after = next(iter(s["validation_before_recovery"].items())), s["validation_after_recovery"]
-    if before is not None:
-        text += (f"; validation {measure} {100 * before:.2f}% right after pruning, {100 * after[measure]:.2f}% after "
-                 + (f"{s['recovery']['epochs']} epochs of recovery" if s['recovery'] and s['recovery']['epochs']
-                    else "recovery, undone" if s['recovery'] else "pruning alone"))
-    return text
+    return (f"{name}: {s['parameters_after'] / s['parameters_before']:.0%} of the parameters and "
+            f"{s['macs_after'] / s['macs_before']:.0%} of the multiply-adds remain"
+            + validation_change(s, "pruning", percent=True))
 
 
 register_pass(Pass("sparse", TORCH, _build_sparse, asked=lambda cfg: cfg.prune is not None))

@@ -19,7 +19,7 @@ from optiserve.optimize.export_openvino import quantize_openvino_nncf
 from optiserve.optimize.passes.pruning import pruning_ratios
 from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
 from optiserve.optimize.passes.text import calibration_feeds, export_text_onnx, quantize_text_dynamic
-from optiserve.optimize.recovery import recover_and_judge
+from optiserve.optimize.recovery import recover_and_judge, validation_change
 from optiserve.optimize.search import Candidate, Gate, run_search
 from optiserve.optimize.search_cache import GATE, SearchCache
 from optiserve.optimize.config import OptimizeConfig
@@ -176,13 +176,9 @@ def _parameters(module) -> int:
 def _note(name: str, s: dict) -> str:
     shape = (f"{s['layers_after']} of {s['layers_before']} layers" if "layers_after" in s
              else f"{len(s['kept_heads'][0])} heads and {s['ffn_channels_after'][0]} feed-forward channels a layer")
-    text = f"{name}: {shape}, {s['parameters_after'] / s['parameters_before']:.0%} of the parameters"
-    (measure, before), after = next(iter(s["validation_before_recovery"].items())), s["validation_after_recovery"]
-    if before is not None:
-        text += (f"; validation {measure} {before:.4f} right after, {after[measure]:.4f} after "
-                 + (f"{s['recovery']['epochs']} epochs of recovery" if s["recovery"] and s["recovery"]["epochs"]
-                    else "recovery, undone" if s["recovery"] else "no recovery"))
-    return text
+    made = "dropping" if "layers_after" in s else "pruning"
+    return (f"{name}: {shape}, {s['parameters_after'] / s['parameters_before']:.0%} of the parameters"
+            + validation_change(s, made, percent=False))
 
 
 def _asked(cfg: OptimizeConfig) -> bool:
