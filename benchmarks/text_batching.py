@@ -171,7 +171,9 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-batch-size", type=int, default=16, help="as the server's default")
     p.add_argument("--max-batch-tokens", type=int, default=2048)
-    p.add_argument("--max-delay-ms", type=float, default=5.0, help="as the server's default")
+    p.add_argument("--max-delay-ms", type=float, default=5.0,
+                   help="the batching window (the image models' default; a text model's is 0, which the "
+                        "server's figures in text_serving.py measure)")
     p.add_argument("--duration", type=float, default=8.0, help="measured seconds per window")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of each window before it is measured")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each running every policy once")

@@ -123,6 +123,17 @@ def test_padding_to_a_batch_s_longest_text_leaves_each_vector_as_it_is_alone(opt
         assert _cosine(both["embedding"], one["embedding"][:1]).min() >= 0.9999
 
 
+def test_a_text_model_cuts_its_batches_as_soon_as_an_instance_is_free_unless_told_to_wait(repo, optimized):
+    client, _ = repo
+    window = lambda model: client.get(f"/v2/models/{model}/config").json()["settings"]["max_delay_ms"]
+    assert window("minilm") == {"value": 0, "source": "default", "flag": "--max-delay-ms"}
+    assert window("digits") == {"value": 5, "source": "default", "flag": "--max-delay-ms"}  # an image model waits
+    # a window asked for, even the images' own, holds for texts too
+    from optiserve.serve.model_settings import model_settings
+    asked = model_settings(optimized, ServeConfig(str(optimized), max_delay_ms=5)).for_texts()
+    assert (asked.max_delay_ms, asked.sources["max_delay_ms"]) == (5, "flag")
+
+
 # --- the Open Inference Protocol ------------------------------------------------------------------
 
 def test_protocol_metadata_declares_a_bytes_input_and_the_vectors(repo):

@@ -132,6 +132,16 @@ def test_the_floor_is_a_lone_request_s_answer_above_the_objective():
     assert not below_the_floor({"min_ms": 4.0, "p99_ms": 9.0}, 3.0)  # closed loop: no rate to lower
 
 
+def test_a_text_model_s_search_tries_cutting_batches_at_once_beside_the_windows():
+    from optiserve.bench.texts import TextLoad
+    from optiserve.bench.tune import TuneConfig, delays_ms
+    images = TuneConfig(Path("."), slo_p99_ms=50)
+    texts = TuneConfig(Path("."), slo_p99_ms=50, texts=TextLoad("texts.txt", [["a review"]]))
+    assert delays_ms(images) == [1.0, 5.0]
+    assert delays_ms(texts) == [0.0, 1.0, 5.0]
+    assert delays_ms(TuneConfig(Path("."), slo_p99_ms=50, delays_ms=[2.0], texts=texts.texts)) == [2.0]  # as asked
+
+
 def test_a_point_whose_server_does_not_start_is_a_recorded_failure_and_none_starting_is_one_line(small_artifact,
                                                                                                tmp_path):
     folder = tmp_path / "digits"

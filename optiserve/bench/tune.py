@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from optiserve.artifacts import chosen_accuracy, read_manifest
+from optiserve.batch_window import TEXT_MAX_DELAY_MS
 from optiserve.bench.loadgen import Load, generate_load
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import environment
@@ -178,8 +179,10 @@ def instance_counts(cfg: TuneConfig) -> list[int]:
 
 
 def delays_ms(cfg: TuneConfig) -> list[float]:
-    """The batching delays tried above batch size 1: as asked, else 1 ms and a tenth of the objective."""
-    return cfg.delays_ms or sorted({1.0, round(cfg.slo_p99_ms / 10, 1)})
+    """The batching delays tried above batch size 1: as asked, else 1 ms and a tenth of the objective,
+    and for a text model its own default too (a batch cut as soon as an instance is free)."""
+    own = [TEXT_MAX_DELAY_MS] if cfg.texts is not None else []
+    return cfg.delays_ms or sorted({*own, 1.0, round(cfg.slo_p99_ms / 10, 1)})
 
 
 def server_failure(e: RuntimeError) -> str:

@@ -9,6 +9,7 @@ import signal
 import socket
 import time
 
+from optiserve.batch_window import IMAGE_MAX_DELAY_MS, TEXT_MAX_DELAY_MS
 from optiserve.errors import UserError
 from optiserve.serve.config import ServeConfig
 
@@ -54,8 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="text models: a batch holds at most N padded tokens (rows x its longest row), at least a "
                         "model's max length; a text that would take a batch past it starts the next one "
                         "(default: no cap, only --max-batch-size)")
-    p.add_argument("--max-delay-ms", type=float, default=DEFAULTS.max_delay_ms, metavar="T",
-                   help=f"longest the oldest queued image waits for a fuller batch (default {DEFAULTS.max_delay_ms:g})")
+    p.add_argument("--max-delay-ms", type=float, default=None, metavar="T",
+                   help=f"longest the oldest queued image waits for a fuller batch (default {IMAGE_MAX_DELAY_MS:g}; "
+                        f"text models {TEXT_MAX_DELAY_MS:g}: a batch is cut as soon as an instance is free)")
     p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue, metavar="N",
                    help=f"queued images per variant (and per priority level) beyond which requests get 429 "
                         f"(default {DEFAULTS.max_queue})")

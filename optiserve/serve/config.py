@@ -22,7 +22,7 @@ class ServeConfig:
     variants: list[str] | None = None
     ab: str | None = None
     max_batch_size: int = 16
-    max_delay_ms: float = 5.0
+    max_delay_ms: float | None = None  # a batch's window; None: each model's kind's own (model_settings)
     max_batch_tokens: int | None = None  # a text model's batch: at most this many padded tokens; None: no cap
     max_queue: int = 256
     timeout_ms: float = 30_000
@@ -122,7 +122,7 @@ class ServeConfig:
                             f"(--priority-levels), got {self.default_priority}")
         if self.max_queue_bytes is not None and self.max_queue_bytes < 1 << 20:
             raise UserError(f"--max-queue-bytes must be at least 1 MiB (1048576), got {self.max_queue_bytes}")
-        if self.max_delay_ms < 0 or self.timeout_ms <= 0:
+        if (self.max_delay_ms is not None and self.max_delay_ms < 0) or self.timeout_ms <= 0:
             raise UserError("--max-delay-ms must be >= 0 and --timeout-ms > 0")
         if self.body_timeout_s <= 0 or self.shutdown_timeout_s < 0 or self.drain_seconds < 0:
             raise UserError("--body-timeout-s must be > 0, --shutdown-timeout-s and --drain-seconds >= 0")

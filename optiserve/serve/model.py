@@ -57,7 +57,7 @@ class BatchingConfig:
     """What every model's batchers are built with (from the server's options)."""
 
     max_batch_size: int
-    max_delay_ms: float
+    max_delay_ms: float | None  # the server's --max-delay-ms; each model's settings give its own
     max_queue: int | list[int]  # images each priority level may queue: one for all, or one per level
     thread_initializer: Callable[[], None] | None = None
     max_batch_tokens: int | None = None  # a text model's batches: at most this many padded tokens
@@ -94,6 +94,8 @@ class ServedModel:
         # what the model takes: images (an InputSpec, and the protocol's input: the file's own, where
         # optimize adapted it), or texts (its tokenizer, loaded once: serve/text_requests.py)
         text = text_input_of(self.manifest)
+        if text is not None:
+            self.settings = settings = settings.for_texts()
         self.texts = TextRequests(self.folder, text, settings.max_images) if text is not None else None
         settings.check_batch_tokens(text.max_length if text is not None else None)
         self.spec = InputSpec.from_dict(self.manifest["input"]) if text is None else None

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from optiserve.batch_window import IMAGE_MAX_DELAY_MS, TEXT_MAX_DELAY_MS
 from optiserve.errors import UserError
 from optiserve.files import read_small_json
 from optiserve.serve.config import ServeConfig
@@ -139,6 +140,12 @@ class ModelSettings:
         return replace(server_wide, max_batch_size=self.max_batch_size, max_batch_tokens=self.max_batch_tokens,
                        max_delay_ms=self.max_delay_ms, max_queue=self.queue_limits)
 
+    def for_texts(self) -> "ModelSettings":
+        """These settings for a model that takes texts: its window TEXT_MAX_DELAY_MS where nothing set it."""
+        if self.sources["max_delay_ms"] != "default":
+            return self
+        return replace(self, max_delay_ms=TEXT_MAX_DELAY_MS)
+
     def check_batch_tokens(self, max_length: int | None) -> None:
         """A UserError when max_batch_tokens is set for an image model (`max_length` None) or below a
         text model's max length: one full-length text must fit a batch."""
@@ -200,6 +207,8 @@ def model_settings(folder: str | Path, cfg: ServeConfig) -> ModelSettings:
         else:
             values[key] = getattr(cfg, attribute)
             sources[key] = "default" if values[key] == getattr(_DEFAULTS, attribute) else "flag"
+    if values["max_delay_ms"] is None:  # an image model's; a text model's is its own (ModelSettings.for_texts)
+        values["max_delay_ms"] = IMAGE_MAX_DELAY_MS
     if values["max_queue_bytes"] is None:
         values["max_queue_bytes"] = cfg.queue_bytes()
     levels = values["priority_levels"]
