@@ -38,6 +38,12 @@ MIN_WORDS = 5  # a background sentence shorter than this is a heading or a fragm
 HELD_OUT = ("val", "test")  # the rated documents, halved (seeded): each half's pairs are one role's
 
 
+def rated_halves(documents: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Which of Lee's rated documents choose (val) and which report (test): halves of a seeded shuffle."""
+    order = np.random.default_rng(seed).permutation(documents)
+    return dict(zip(HELD_OUT, np.array_split(order, len(HELD_OUT))))
+
+
 def write_roles(folder: Path, seed: int = 0) -> dict[str, int]:
     """train.tsv (unlabelled background texts), val.tsv and test.tsv (disjoint scored pairs of Lee's
     50 documents, none of which is a background text); how many rows each holds."""
@@ -53,8 +59,7 @@ def write_roles(folder: Path, seed: int = 0) -> dict[str, int]:
     if set(docs) & set(background):
         raise SystemExit("the rated documents overlap the background texts; the roles would mix")
     ratings = np.loadtxt(data / "similarities0-1.txt")
-    order = np.random.default_rng(seed).permutation(len(docs))
-    halves = dict(zip(HELD_OUT, np.array_split(order, len(HELD_OUT))))
+    halves = rated_halves(len(docs), seed)
     folder.mkdir(parents=True, exist_ok=True)
     with (folder / "train.tsv").open("w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f, delimiter="\t")
@@ -88,13 +93,22 @@ def rows(manifest: dict, batch: int) -> list[list[str]]:
         recovery = s.get("recovery") or {}
         source = next((c["settings"] for c in entries if c["name"] == s.get("from")), s)  # an INT8 copy's model
         out.append([e["name"], _shape(s), f"{source.get('parameters_after', 1) / source.get('parameters_before', 1):.0%}",
-                    str(recovery.get("epochs", "—")),
+                    _recovered(recovery),
                     "—" if before is None else f"{before:.4f}",
                     _f(val.get("cosine_mean")), _f(val.get("spearman")), _f(test.get("spearman")),
                     e["status"] + (" (left the folder)" if e.get("dropped") else ""),
                     _f(latency.get("1"), ".2f"), _f(latency.get(n), ".2f"),
                     _ratio(base, e, n), _ratio(fastest_int8, e, n) if fastest_int8 else "—"])
     return out
+
+
+def _recovered(recovery: dict) -> str:
+    """How much recovery a candidate had: its epochs, or its steps where its share of the time ran out."""
+    if not recovery:
+        return "—"
+    if recovery.get("stopped_at_deadline"):
+        return f"{recovery['steps']} steps"
+    return str(recovery.get("epochs", "—"))
 
 
 def _shape(settings: dict) -> str:
@@ -160,7 +174,7 @@ def main() -> int:
 
 
 def print_table(manifest: dict, batch: int) -> None:
-    header = ["variant", "kept", "params", "recovery epochs", "val cosine before recovery", "val cosine", "val Spearman", "test Spearman",
+    header = ["variant", "kept", "params", "recovery", "val cosine before recovery", "val cosine", "val Spearman", "test Spearman",
               "status", "p50 ms b1", f"p50 ms b{batch}", f"vs onnx-fp32 b{batch}", f"vs fastest full INT8 b{batch}"]
     table = [header, *rows(manifest, batch)]
     widths = [max(len(r[c]) for r in table) for c in range(len(header))]

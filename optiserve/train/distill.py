@@ -20,6 +20,7 @@ from torch.utils.data import RandomSampler
 from tqdm import tqdm
 
 from optiserve.data import DatasetSplits, default_workers, make_loader
+from optiserve.data.length_grouped import LengthGroupedSampler, token_lengths
 from optiserve.registry import Registry
 from optiserve.tasks.output_kinds import get_output_kind, kinds_matching
 from optiserve.train.distributed import resolve_device
@@ -197,8 +198,11 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     to_model_class = torch.as_tensor(label_mapping, device=dev) if label_mapping is not None else None
     before = _val_loss(student, teacher, data.val, loss_of, dev, 2 * batch_size)
     g = torch.Generator().manual_seed(seed)
-    loader = make_loader(data.train, batch_size, dev, workers=default_workers(data.in_memory),
-                         sampler=RandomSampler(data.train, generator=g), drop_last=True)
+    lengths = token_lengths(data.train)  # texts: batches of about one length, each padded to its longest
+    sampler = RandomSampler(data.train, generator=g) if lengths is None else \
+        LengthGroupedSampler(lengths, batch_size, generator=g)
+    loader = make_loader(data.train, batch_size, dev, workers=default_workers(data.in_memory), sampler=sampler,
+                         drop_last=True)
     optimizer = recovery_optimizer(student, batch_size, lr)
     scheduler = warmup_cosine(optimizer, max(1, epochs * len(loader)), warmup_steps=0)
     bar = tqdm(total=epochs * len(loader), desc="distill", unit="step", leave=False,
