@@ -70,7 +70,8 @@ pairs, with the paired 95% bootstrap interval of the difference (resampled by pa
     python benchmarks/text_serving.py --duration 3 --rounds 1 --servers st-onnx,optiserve
     python benchmarks/text_serving.py --artifact artifacts/minilm-polarity --variant onnx-int8 --max-batch-tokens 4096
     python benchmarks/text_serving.py --servers optiserve --texts-per-request 1 --max-delay-ms 5   # the images' window
-    python benchmarks/text_serving.py --artifact artifacts/minilm-search --pairs test   # text_search.py's folder
+    python benchmarks/text_search.py --min-cosine 0.8 --search-minutes 12 --out artifacts/minilm-search08
+    python benchmarks/text_serving.py --artifact artifacts/minilm-search08 --pairs test   # its 3-layer model
 
 The default run (st-onnx, st-openvino, infinity-optimum and optiserve; 8 cells each, 3 rounds) is
 meant to take about 15 minutes on 2 cores; it prints each server's time a round and its own at the

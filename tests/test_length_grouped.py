@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -18,7 +19,9 @@ from optiserve.text_input import TextTokenizer
 BATCH = 32
 
 
-def lee_training_rows() -> TensorDataset:
+@pytest.fixture(scope="module")
+def rows() -> TensorDataset:
+    pytest.importorskip("gensim", reason="gensim's bundled corpora are the real texts these tests read ([dev])")
     from gensim.test.utils import datapath
 
     docs = [line.strip() for line in Path(datapath("lee_background.cor")).read_bytes().decode("latin-1").splitlines()
@@ -35,8 +38,7 @@ def padded_tokens(dataset: TensorDataset, sampler) -> int:
     return sum(len(batch) * int(lengths[batch.numpy()].max()) for batch in loader)
 
 
-def test_batches_of_one_length_pad_a_fraction_of_what_random_batches_pad_and_see_every_row_once():
-    rows = lee_training_rows()
+def test_batches_of_one_length_pad_a_fraction_of_what_random_batches_pad_and_see_every_row_once(rows):
     lengths = token_lengths(rows)
     assert np.array_equal(lengths, rows.tensors[0][:, 1].sum(1).numpy()) and lengths.max() == 256
     grouped = LengthGroupedSampler(lengths, BATCH, torch.Generator().manual_seed(0))
@@ -49,8 +51,8 @@ def test_batches_of_one_length_pad_a_fraction_of_what_random_batches_pad_and_see
     assert padded_tokens(rows, grouped) < padded_tokens(rows, random) / 3
 
 
-def test_the_order_is_random_but_seeded():
-    lengths = token_lengths(lee_training_rows())
+def test_the_order_is_random_but_seeded(rows):
+    lengths = token_lengths(rows)
     first, again, other = (list(LengthGroupedSampler(lengths, BATCH, torch.Generator().manual_seed(s)))
                            for s in (0, 0, 1))
     assert first == again and first != other
