@@ -78,6 +78,8 @@ def write_roles(folder: Path, seed: int = 0) -> dict[str, int]:
 
 def rows(manifest: dict, batch: int) -> list[list[str]]:
     """One row per variant and per dropped candidate, fastest at `batch` first."""
+    from optiserve.optimize.recovery import recovery_length
+
     n = str(batch)
     entries = [*manifest["variants"], *manifest.get("search", {}).get("dropped", [])]
     full_int8 = [e for e in manifest["variants"] if e["precision"] == "int8" and "search" not in e["settings"]
@@ -93,22 +95,13 @@ def rows(manifest: dict, batch: int) -> list[list[str]]:
         recovery = s.get("recovery") or {}
         source = next((c["settings"] for c in entries if c["name"] == s.get("from")), s)  # an INT8 copy's model
         out.append([e["name"], _shape(s), f"{source.get('parameters_after', 1) / source.get('parameters_before', 1):.0%}",
-                    _recovered(recovery),
+                    recovery_length(recovery) if recovery else "—",
                     "—" if before is None else f"{before:.4f}",
                     _f(val.get("cosine_mean")), _f(val.get("spearman")), _f(test.get("spearman")),
                     e["status"] + (" (left the folder)" if e.get("dropped") else ""),
                     _f(latency.get("1"), ".2f"), _f(latency.get(n), ".2f"),
                     _ratio(base, e, n), _ratio(fastest_int8, e, n) if fastest_int8 else "—"])
     return out
-
-
-def _recovered(recovery: dict) -> str:
-    """How much recovery a candidate had: its epochs, or its steps where its share of the time ran out."""
-    if not recovery:
-        return "—"
-    if recovery.get("stopped_at_deadline"):
-        return f"{recovery['steps']} steps"
-    return str(recovery.get("epochs", "—"))
 
 
 def _shape(settings: dict) -> str:

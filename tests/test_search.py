@@ -178,3 +178,19 @@ def test_a_kept_candidate_whose_settings_were_damaged_is_built_again_not_a_faile
     (kept,) = cache.folder.glob("*.json")
     kept.write_text(damaged)  # edited by hand, or cut short
     assert cache.take(0.5, tmp_path / "again.onnx") is None and not (tmp_path / "again.onnx").exists()
+
+
+def test_a_candidate_whose_share_of_the_time_ran_out_is_described_by_its_steps_not_its_planned_epochs():
+    from optiserve.optimize.recovery import recovery_line, validation_change
+
+    report = {"epochs": 5, "steps": 25, "rounds": [5], "stopped_at_deadline": True, "undone_round": False,
+              "good_enough": True}
+    settings = {"validation_before_recovery": {"cosine_mean": 0.555}, "validation_after_recovery": {"cosine_mean": 0.8},
+                "recovery": report}
+    assert recovery_line(report, "texts") == ("recovered for 25 steps of the 5 epochs planned (its share of the time "
+                                              "ran out): the validation texts pass the gate")
+    assert validation_change(settings, "dropping", percent=False).endswith("0.8000 after 25 steps of recovery")
+    finished = {**report, "stopped_at_deadline": False}
+    assert recovery_line(finished, "texts") == "recovered for 5 epochs: the validation texts pass the gate"
+    assert validation_change({**settings, "recovery": finished}, "dropping", percent=False) == \
+        "; validation cosine_mean 0.5550 right after dropping, 0.8000 after 5 epochs of recovery"

@@ -63,9 +63,15 @@ def validation_change(settings: dict, made: str, percent: bool) -> str:
         return ""
     show = (lambda v: f"{100 * v:.2f}%") if percent else (lambda v: f"{v:.4f}")  # noqa: E731
     recovery = settings["recovery"]
-    how = (f"{recovery['epochs']} epochs of recovery" if recovery and recovery["epochs"]
+    how = (f"{recovery_length(recovery)} of recovery" if recovery and recovery["epochs"]
            else "recovery, undone" if recovery else f"{made} alone")
     return f"; validation {measure} {show(before)} right after {made}, {show(after[measure])} after {how}"
+
+
+def recovery_length(report: dict) -> str:
+    """How much recovery a candidate had: its epochs, or its steps where its share of the time ran out
+    (the epochs it was planned say nothing then)."""
+    return f"{report['steps']} steps" if report["stopped_at_deadline"] else f"{report['epochs']} epochs"
 
 
 def recovery_line(report: dict, unit: str = "images") -> str:
@@ -78,7 +84,7 @@ def recovery_line(report: dict, unit: str = "images") -> str:
     check = {True: f"the validation {unit} pass the gate", False: f"the validation {unit} still fail the gate",
              None: f"too few validation {unit} to check"}[report["good_enough"]]
     if report["stopped_at_deadline"]:  # how far it got, not the epochs it was given
-        return f"recovered for {report['steps']} steps of the {rounds} epochs planned (its share of the time ran out): {check}"
+        return f"recovered for {recovery_length(report)} of the {rounds} epochs planned (its share of the time ran out): {check}"
     why = " (its last round brought it no closer, undone)" if report["undone_round"] else ""
     return f"recovered for {rounds} epochs{why}: {check}"
 
