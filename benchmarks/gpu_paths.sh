@@ -7,7 +7,7 @@
 # fails is reported and the next one still runs; the exit status counts the failed steps.
 #
 # Then a model repository on CUDA: load/unload cycles (GPU memory must come back), the measured
-# default variant, and the reload and shadow benchmarks.
+# default variant, the reload benchmark and where a reload's stall comes from, and the shadow benchmark.
 #
 #   bash benchmarks/gpu_paths.sh [WORKDIR]       (default: gpu-out; logs land there)
 #   STEPS='train-cuda|optimize-cuda-int8|serve-cuda-repository' bash benchmarks/gpu_paths.sh   (only those)
@@ -131,6 +131,7 @@ with served(repo, "--device", "cuda", "--model-control", "explicit", "--load-mod
     print("index:", httpx.post(f"{base}/v2/repository/index", headers=auth).json())
 EOF
 step serve-reload-cuda $PY benchmarks/serve_reload.py --artifact "$W/art-int8" --duration 8 --rounds 1
+step reload-stalls-cuda $PY benchmarks/reload_stalls.py --artifact "$W/art-int8" --device cuda
 step serve-shadow-cuda $PY benchmarks/serve_shadow.py --artifact "$W/art-int8" --shadow torch-int8 --duration 6 --rounds 1
 
 echo "== results"

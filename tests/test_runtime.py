@@ -128,3 +128,31 @@ def test_warm_up_runs_the_batch_sizes_each_engine_needs_on_its_device():
         ran[backend, device] = session.runs
     assert ran == {("onnxruntime", "cpu"): [1], ("onnxruntime", "cuda"): [1, 16], ("openvino", "cpu"): sizes,
                    ("torchscript", "cpu"): [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]}
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_paths.sh)")
+def test_on_cuda_the_loading_thread_runs_a_session_on_its_own_stream_and_batchers_on_the_default_one():
+    # A version loaded and warmed up beside a served one must not queue its copies and kernels
+    # behind the served batches; the batchers stay on the default stream so that the caching
+    # allocator's freed blocks are reused across reloads.
+    import threading
+
+    import torch
+
+    from optiserve.runtime.torch_backends import TorchSession
+
+    streams = []
+
+    class Records(torch.nn.Module):
+        def forward(self, x):
+            streams.append(torch.cuda.current_stream())
+            return x * 2
+
+    session = TorchSession(Records().cuda(), "torch", torch.device("cuda"), None)
+    x = np.ones((2, 3), np.float32)
+    np.testing.assert_array_equal(session.run(x), 2 * x)
+    served = threading.Thread(target=session.run, args=(x,))
+    served.start()
+    served.join()
+    assert streams[0] != torch.cuda.default_stream()
+    assert streams[1] == torch.cuda.default_stream()

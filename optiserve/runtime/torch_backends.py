@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import threading
 import warnings
 from pathlib import Path
 
@@ -35,9 +36,33 @@ def torch_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+_streams = threading.local()
+
+
+@contextlib.contextmanager
+def own_stream(device: torch.device):
+    """On CUDA, run the block on the calling thread's own stream (one per thread and device, kept for
+    the thread's life); elsewhere, nothing. A version loaded and warmed up beside a served one goes on
+    its loading thread's stream: on the one default stream its weight copies and warm-up kernels
+    queued behind the served batches (and theirs behind it), with the GIL held through the copies."""
+    if device.type != "cuda":
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    streams = _streams.__dict__.setdefault("cuda", {})
+    if index not in streams:
+        streams[index] = torch.cuda.Stream(index)
+    with torch.cuda.stream(streams[index]):
+        yield
+
+
 class TorchSession:
     """Runs an nn.Module or ScriptModule under inference_mode; the batch crosses to the device once,
-    cast to the module's input dtype (float32, or bfloat16/float16 for reduced-precision variants)."""
+    cast to the module's input dtype (float32, or bfloat16/float16 for reduced-precision variants).
+    On CUDA the thread that loaded it runs it (its warm-up, its timing) on that thread's own stream
+    (own_stream); every other thread, the server's batchers, on the default stream. Not a stream per
+    batcher: the caching allocator keeps each stream's freed blocks for that stream alone, and a
+    reload starts new batcher threads, so GPU memory grew with every load and unload."""
 
     def __init__(self, module: nn.Module, backend: str, device: torch.device, threads: int | None,
                  dtype: torch.dtype = torch.float32):
@@ -46,6 +71,7 @@ class TorchSession:
         self.module, self.backend, self.device = module, backend, str(device)
         self._device, self.dtype = device, dtype
         self._computes_in = None
+        self._loaded_by = threading.get_ident()
 
     def computes_in(self) -> dict:
         """int8 where the TorchScript graph calls quantized kernels; else the dtype of the module's
@@ -73,6 +99,12 @@ class TorchSession:
     def run_outputs(self, batch: np.ndarray) -> list[np.ndarray]:
         """Every tensor the module returns (one, a tuple or list, or a dict's values), in its order.
         Images are cast to the session's dtype; a text model's token ids stay int64."""
+        if threading.get_ident() != self._loaded_by:
+            return self._run_outputs(batch)
+        with own_stream(self._device):
+            return self._run_outputs(batch)
+
+    def _run_outputs(self, batch: np.ndarray) -> list[np.ndarray]:
         if batch.dtype == np.int64:  # token ids (int64 [N, 3, L]); images arrive as floats or bytes
             x = torch.from_numpy(np.ascontiguousarray(batch)).to(self._device)
         else:
@@ -105,7 +137,10 @@ def _load_eager(path: Path, variant: dict, manifest: dict, options: RuntimeOptio
     device = torch_device(options.device)
     model = create_model(manifest["model"], len(manifest["classes"]), InputSpec.from_dict(manifest["input"]))
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
-    return TorchSession(model.eval().to(device), "torch", device, options.threads)
+    with own_stream(device):
+        model = model.eval().to(device)
+    synchronize(device)
+    return TorchSession(model, "torch", device, options.threads)
 
 
 def _load_torchscript(path: Path, variant: dict, manifest: dict, options: RuntimeOptions) -> TorchSession:
@@ -116,7 +151,7 @@ def _load_torchscript(path: Path, variant: dict, manifest: dict, options: Runtim
         # Those kernels (x86/fbgemm, qnnpack) exist on the CPU only: moved to CUDA the module
         # crashes the process (docs/performance.md, "On a GPU"), so it stays on the CPU there too.
         device = torch.device("cpu")
-    with jit_quietly():
+    with jit_quietly(), own_stream(device):
         try:
             module = torch.jit.load(str(path), map_location=device).eval()
         except RuntimeError as e:
@@ -131,10 +166,19 @@ def _load_torchscript(path: Path, variant: dict, manifest: dict, options: Runtim
             # Saved frozen: a module after optimize_for_inference does not reload from disk (torch 2.14),
             # so the optimization is applied here, once, at load time.
             module = torch.jit.optimize_for_inference(module)
+    synchronize(device)
     dtype = getattr(torch, variant.get("settings", {}).get("input_dtype", "float32"))
     if dtype == torch.bfloat16 and (why := bf16_unavailable(device)):
         raise UserError(f"variant {variant['name']!r} runs in bf16, which cannot run here: {why}")
     return TorchSession(module, "torchscript", device, options.threads, dtype)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until this thread's work on the device is done: a module loaded on its own stream is
+    complete before another thread's stream reads its weights."""
+    if device.type == "cuda":
+        with own_stream(device):
+            torch.cuda.current_stream(device).synchronize()
 
 
 def bf16_unavailable(device: torch.device) -> str | None:
