@@ -138,6 +138,20 @@ def repository_of(artifact: Path, root: Path, names: tuple[str, ...]) -> Path:
     return root
 
 
+def replayed_claim(check, tries: int = 2) -> dict:
+    """A tuned claim replayed (`check()`: tune_replay.check_claim on the folder) until it holds, at most
+    `tries` times, each replay in a server of its own. A few seconds' replay on a shared 2-core VM
+    misses its p99 on one stall of the host: 150 ms at 500 requests/s is more than the 1% a p99
+    allows. A claim that does not hold misses every time; the misses are kept under "misses"."""
+    misses = []
+    for _ in range(tries):
+        result = check()
+        if result["holds"]:
+            break
+        misses.append(result["replay"])
+    return {**result, "misses": misses}
+
+
 def until(condition, seconds: float = 60.0, step: float = 0.05) -> None:
     """Wait for `condition()` to hold, failing the test after `seconds`."""
     deadline = time.monotonic() + seconds
