@@ -214,6 +214,28 @@ def test_a_variant_surely_worse_on_the_pairs_is_rejected_and_noise_is_not(senten
         assert task.gate(metrics, baseline, limits)[0] == status, (scale, metrics["spearman_vs_fp32"])
 
 
+def test_a_variant_far_from_fp32_is_rejected_on_its_drop_even_where_few_pairs_cannot_confirm_it(
+        sentence_transformer, lee_pairs):
+    # A search takes the fastest of many candidates: one whose interval is only too wide to convict it
+    # must not pass. A near copy of fp32's vectors keeps the allowance for rank noise.
+    from optiserve.data.text import read_text_file
+    from optiserve.tasks import GateLimits, get_task
+
+    pairs = read_text_file(lee_pairs)
+    n = 24  # a few dozen pairs: wide intervals
+    vectors = sentence_transformer.encode(pairs.texts[:n] + pairs.second[:n])
+    scores = np.concatenate([pairs.scores[:n], pairs.scores[:n]])
+    task = get_task("text-embedding")
+    baseline = task.metrics(vectors, vectors, scores)
+    limits = GateLimits(min_cosine=0.0)  # a stated cosine that holds nothing: the pairs decide
+    far = vectors + 0.04 * np.random.default_rng(0).normal(size=vectors.shape).astype(np.float32)
+    metrics = task.metrics(far, vectors, scores)
+    drop, vs = metrics["spearman_fp32"] - metrics["spearman"], metrics["spearman_vs_fp32"]
+    assert metrics["cosine_mean"] < 0.99 and drop > 0.01 and not vs["significant"], (metrics["cosine_mean"], vs)
+    status, reason = task.gate(metrics, baseline, limits)
+    assert status == "rejected" and "not a near copy" in reason
+
+
 @pytest.mark.parametrize("variant", ["onnx-fp32", "openvino-fp32"])
 def test_an_fp32_variant_run_through_the_runtime_equals_sentence_transformers(optimized, sentence_transformer,
                                                                               variant):
