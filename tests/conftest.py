@@ -248,7 +248,7 @@ def small_artifact(small_cnn_checkpoint, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("served") / "small_cnn-digits"
     run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True, out=str(out),
-                                search="off", progress=False, latency_batch=4))
+                                search="off", progress=False, latency_batch=4, timing_rounds=3))
     return out
 
 

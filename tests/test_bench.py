@@ -41,7 +41,7 @@ def test_bench_engine_times_every_variant_and_batch_size_and_writes_results_and_
 def test_bench_http_drives_a_real_server_closed_and_open_loop_and_compare_writes_the_report(small_artifact, tmp_path):
     out = tmp_path / "http.json"
     with serving(small_artifact, "--variants", "fp32,onnx-int8", "--ab", "fp32=0.5,onnx-int8=0.5") as (base, _):
-        proc = run_cli("bench", "http", base, "--concurrency", "2", "--rate", "40", "--duration", "2",
+        proc = run_cli_here("bench", "http", base, "--concurrency", "2", "--rate", "40", "--duration", "2",
                        "--warmup", "0.5", "--out", str(out), "--quiet")
     assert proc.returncode == 0, proc.stderr
     results = load_results(out)

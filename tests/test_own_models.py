@@ -148,7 +148,7 @@ def assert_served_as_its_framework(folder: Path, reference, digit_images: Path, 
     with torch.no_grad():
         expected = reference(torch.from_numpy(images)).numpy()
         own = reference(torch.from_numpy(image_to_input(Image.open(png), spec)[None])).numpy()[0]
-    variants = ("--variants", "fp32,onnx-int8")
+    variants = ("--variants", "fp32,onnx-int8", "--choose-seconds", "0")  # every request names its variant
     with (serving(folder, *variants) if own_process else served_here(folder, *variants)) as server:
         base = server[0] if own_process else server
         client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
@@ -237,7 +237,7 @@ def test_the_served_user_model_answers_as_the_users_own_module(user_model_artifa
     images = np.random.default_rng(0).standard_normal((4, 3, 16, 16), dtype=np.float32)
     with torch.no_grad():
         expected = reference(torch.from_numpy(images)).numpy()
-    with serving(user_model_artifact, "--variants", "fp32,onnx-int8") as (base, _):
+    with serving(user_model_artifact, "--variants", "fp32,onnx-int8", "--choose-seconds", "0") as (base, _):
         client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
         infer_input = httpclient.InferInput("input", list(images.shape), "FP32")
         infer_input.set_data_from_numpy(images)
@@ -436,7 +436,7 @@ def test_a_served_embedding_model_answers_vectors(embedding_artifact, user_code,
     images = np.random.default_rng(3).standard_normal((3, 3, 16, 16), dtype=np.float32)
     with torch.no_grad():
         expected = reference(torch.from_numpy(images)).numpy()
-    with serving(embedding_artifact, "--variants", "fp32,onnx-int8") as (base, _):
+    with serving(embedding_artifact, "--variants", "fp32,onnx-int8", "--choose-seconds", "0") as (base, _):
         client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
         metadata = client.get_model_metadata("embed_net-build")
         assert metadata["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, 32]}]
@@ -526,7 +526,7 @@ def test_a_torch_model_that_returns_several_tensors_serves_every_one(user_code, 
         np.testing.assert_allclose(features, want["features"].numpy(), rtol=1e-4, atol=1e-4)
     int8 = by_name["torch-int8"]
     int8_features = load_session(out / int8["file"], int8, manifest).run_outputs(images)[1]
-    with serving(out, "--variants", "fp32,torch-int8") as (base, _):
+    with serving(out, "--variants", "fp32,torch-int8", "--choose-seconds", "0") as (base, _):
         def infer(variant):
             body = {"inputs": [{"name": "input", "shape": list(images.shape), "datatype": "FP32",
                                 "data": images.ravel().tolist()}]}

@@ -406,14 +406,14 @@ def test_a_pipeline_whose_step_names_another_pipeline_is_refused_and_a_cycle_nam
 
 
 def test_a_pipeline_named_at_start_up_loads_its_steps_models_and_no_other(repository):
-    app = create_app(ServeConfig(str(repository), model_control="explicit", load_models=["reader"]))
+    app = create_app(ServeConfig(str(repository), model_control="explicit", load_models=["reader"], choose_seconds=0))
     with in_process_server(app, lambda: app.state.server.reports_ready):
         server = app.state.server
         assert set(server.models) == {"finder", "digits"}
         assert server.repository.pipeline_not_ready_reason("reader") is None
         assert server.repository.pipeline_not_ready_reason("waits").startswith("not loaded (POST /v2/repository")
     with pytest.raises(UserError, match="--load-model names 'nothing', not in .*pipelines: branches, cats, reader, waits"):
-        create_app(ServeConfig(str(repository), model_control="explicit", load_models=["nothing"]))
+        create_app(ServeConfig(str(repository), model_control="explicit", load_models=["nothing"], choose_seconds=0))
 
 
 SECONDS_PER_CROP = 0.1
@@ -437,7 +437,7 @@ def _slow_digits(app) -> list[int]:
 def test_a_pipeline_request_whose_client_hangs_up_runs_none_of_its_queued_crops(repository):
     """In-process, the classifier made slow (one crop at a time, SECONDS_PER_CROP each): ten clients
     each send a scene of three digits and hang up while their crops are queued."""
-    app = create_app(ServeConfig(str(repository), max_batch_size=1, max_delay_ms=0, max_queue=64))
+    app = create_app(ServeConfig(str(repository), max_batch_size=1, max_delay_ms=0, max_queue=64, choose_seconds=0))
     with in_process_server(app, lambda: app.state.server.reports_ready) as port:
         ran = _slow_digits(app)
         png = _png(scene(np.random.default_rng(4), 3, range(TRAIN_DIGITS, 1797)).image)
@@ -458,7 +458,7 @@ def test_a_pipeline_request_whose_client_hangs_up_runs_none_of_its_queued_crops(
 
 def test_a_branch_that_fails_fails_the_request_and_drops_the_other_branch_s_queued_crops(repository):
     """In-process: `best` fails at once, `digits` is slow (one crop at a time, SECONDS_PER_CROP each)."""
-    app = create_app(ServeConfig(str(repository), max_batch_size=1, max_delay_ms=0, max_queue=64))
+    app = create_app(ServeConfig(str(repository), max_batch_size=1, max_delay_ms=0, max_queue=64, choose_seconds=0))
     with in_process_server(app, lambda: app.state.server.reports_ready) as port:
         ran = _slow_digits(app)
         for variant in app.state.server.models["best"].variants.values():
@@ -494,7 +494,7 @@ def test_crops_count_against_the_byte_budget_413_when_they_never_fit_429_while_o
     large, small = _png(small.resize((10 * SIDE, 10 * SIDE), Image.NEAREST)), _png(small)
     budget = _held_before_crops(large) + CROP_BYTES // 2
     assert budget >= 1 << 20
-    app = create_app(ServeConfig(str(repository), max_queue_bytes=budget))
+    app = create_app(ServeConfig(str(repository), max_queue_bytes=budget, choose_seconds=0))
     with in_process_server(app, lambda: app.state.server.reports_ready) as port, \
             httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
         def predict(png: bytes) -> httpx.Response:

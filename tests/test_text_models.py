@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import minilm_folder, run_cli
+from conftest import minilm_folder, run_cli_here
 from optiserve.errors import UserError
 from optiserve.models.text_folder import build_text_module, read_text_folder
 from optiserve.text_input import TextInput, TextTokenizer
@@ -280,7 +280,7 @@ def test_the_openvino_ir_runs_in_bf16_only_where_the_cpu_has_it(optimized, monke
 
 
 def test_data_a_text_model_cannot_take_is_one_line():
-    r = run_cli("optimize", str(MINILM), "--dataset", "digits", "--out", "unused", timeout=120)
+    r = run_cli_here("optimize", str(MINILM), "--dataset", "digits", "--out", "unused")
     assert r.returncode != 0 and "Traceback" not in r.stderr and "a text model takes --dataset text:" in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("optiserve optimize: error:"), r.stderr[-2000:]
 
