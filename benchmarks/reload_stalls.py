@@ -27,6 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from optiserve.artifacts import read_manifest  # noqa: E402
+from optiserve.errors import UserError  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.runtime import RuntimeOptions  # noqa: E402
 from optiserve.runtime.variants import load_verified, select_variants, warm_up  # noqa: E402
@@ -141,4 +142,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except UserError as e:  # a folder that is not an artifact, a variant it lacks, no GPU for --device cuda
+        sys.exit(f"reload_stalls.py: {e}")
