@@ -5,11 +5,16 @@ request from /proc — all of it, its event-loop thread's, and its threads outsi
 `os-infer` by this checkout's server; the column stays empty for a checkout that does not name them).
 
 A small model (digits small_cnn, 16x16) makes the request path most of the cost; ResNet-18 at
-224x224 shows what is left of it beside real inference.
+224x224 shows what is left of it beside real inference. With `--texts` the artifact is a text model
+and each request is JSON `{"texts": [one sentence]}` (`optiserve bench http`'s text load): what the
+request path costs beside a sentence's inference. `--texts lee` sends the sentences of gensim's Lee
+background passages (split at sentence ends, in order); `--texts text:FILE` one line of FILE each.
 
     git worktree add /tmp/base 67d2e1b                 # the code before the request-path rework
     python benchmarks/serve_request_path.py ARTIFACT_DIR --baseline /tmp/base
     python benchmarks/serve_request_path.py ARTIFACT_DIR --baseline /tmp/base --rounds 3 --duration 10
+    python benchmarks/serve_request_path.py artifacts/minilm-search08 --variant openvino-layers3of6-int8 \
+        --texts lee --baseline /tmp/base
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,13 +33,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from optiserve.bench.loadgen import Load  # noqa: E402
 from optiserve.bench.payloads import dataset_images  # noqa: E402
-from optiserve.bench.senders import PredictSender  # noqa: E402
+from optiserve.bench.senders import PredictSender, TextPredictSender  # noqa: E402
+from optiserve.bench.texts import TextLoad, text_load  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402
 from serve_peers import inference_cpu_s, measured_load, stat_cpu, tree_cpu_s  # noqa: E402
 
 
-def window(checkout: Path, folder: str, variant: str, images: list[bytes], args) -> dict:
+def window(checkout: Path, folder: str, variant: str, sender, args) -> dict:
     """Serve `folder` from `checkout` (its own package comes first from its own folder), load it, stop it."""
     with served(folder, "--variants", variant, "--max-queue", "1024", ready_within_s=300,
                 env={**os.environ, "PYTHONPATH": str(checkout)}, cwd=checkout) as (base, proc):
@@ -42,7 +50,7 @@ def window(checkout: Path, folder: str, variant: str, images: list[bytes], args)
             return tree_cpu_s(pid), stat_cpu(f"/proc/{pid}/task/{pid}/stat")[2], inference_cpu_s(pid)
 
         load = Load("closed", args.concurrency, args.duration, args.warmup)
-        run, start, end = measured_load(load, PredictSender(base, images), probe)
+        run, start, end = measured_load(load, sender(base), probe)
     n = max(1, sum(run.records["ok"]))
     total, loop, inference = (1000 * (e - s) / n for s, e in zip(start, end))
     summary = run.window_summary()
@@ -59,21 +67,35 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--texts", metavar="lee|text:FILE",
+                   help="a text model's load: one sentence a request, of the Lee passages or one line of FILE each")
     args = p.parse_args()
-    side = json.loads((Path(args.artifact_dir) / "manifest.json").read_text())["input"]["shape"][1]
-    images = dataset_images("digits" if side <= 64 else "synthetic", side, count=64)
+    args.artifact_dir = str(Path(args.artifact_dir).resolve())  # each server runs in its own checkout
+    if args.texts:
+        texts = TextLoad("lee", [[t] for t in lee_sentences()]) if args.texts == "lee" else text_load(args.texts)
+        unit, what = "texts", f"one sentence a request from {args.texts} (JSON)"
+
+        def sender(base):
+            return TextPredictSender(base, texts)
+    else:
+        side = json.loads((Path(args.artifact_dir) / "manifest.json").read_text())["input"]["shape"][1]
+        images = dataset_images("digits" if side <= 64 else "synthetic", side, count=64)
+        unit, what = "img", f"{side}x{side} PNG uploads"
+
+        def sender(base):
+            return PredictSender(base, images)
     checkouts = {"baseline": Path(args.baseline).resolve(), "this checkout": ROOT}
     rows: dict[str, list[dict]] = {name: [] for name in checkouts}
     for r in range(args.rounds):
         for name, checkout in checkouts.items():
-            rows[name].append(window(checkout, args.artifact_dir, args.variant, images, args))
+            rows[name].append(window(checkout, args.artifact_dir, args.variant, sender, args))
             w = rows[name][-1]
-            print(f"round {r + 1} {name}: {w['rps']:.1f} img/s, p99 {w['p99']:.1f} ms, server "
+            print(f"round {r + 1} {name}: {w['rps']:.1f} {unit}/s, p99 {w['p99']:.1f} ms, server "
                   f"{w['server']:.3f} core-ms/request (event loop {w['loop']:.3f})", file=sys.stderr, flush=True)
     print(f"\nmachine: {cpu_line()}")
-    print(f"\n{args.artifact_dir} {args.variant}, {side}x{side} PNG uploads to /predict, {args.concurrency} closed-loop "
+    print(f"\n{args.artifact_dir} {args.variant}, {what} to /predict, {args.concurrency} closed-loop "
           f"clients, {args.duration:g} s windows, {args.rounds} alternating rounds, medians\n")
-    print("| server | images/s | p99 ms | server core-ms / request | event loop | outside inference threads | failed |")
+    print(f"| server | {'images' if unit == 'img' else unit}/s | p99 ms | server core-ms / request | event loop | outside inference threads | failed |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     medians = {}
     for name, windows in rows.items():
@@ -85,9 +107,54 @@ def main() -> int:
               f"{m['loop']:.3f} | {_ms(m['outside'])} | "
               f"{sum(w['failed'] for w in windows)} |")
     a, b = medians["baseline"], medians["this checkout"]
-    print(f"\nthis checkout / baseline: {b['rps'] / a['rps']:.2f}x images/s, server CPU per request "
+    print(f"\nthis checkout / baseline: {b['rps'] / a['rps']:.2f}x {unit}/s, server CPU per request "
           f"{b['server'] / a['server']:.2f}x, event loop {b['loop'] / a['loop']:.2f}x")
+    if args.texts:
+        offline_texts(Path(args.artifact_dir), args.variant, [r[0] for r in texts.requests[:OFFLINE_TEXTS]])
     return 0
+
+
+OFFLINE_TEXTS = 1024
+
+
+def offline_texts(folder: Path, variant: str, items: list[str], passes: int = 3) -> None:
+    """The same variant's texts/s and CPU per text outside any server (this checkout's runtime, the
+    server's runtime options), on the first texts of the stream, pre-tokenized: in batches as they
+    arrive, and after sorting them all by length (what no server can do with texts yet to come)."""
+    import numpy as np
+    from optiserve.runtime import RuntimeOptions, load_session
+    from optiserve.serve.text_requests import TextRequests
+    from optiserve.text_input import text_input_of
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    entry = next(v for v in manifest["variants"] if v["name"] == variant)
+    session = load_session(folder / entry["file"], entry, manifest, RuntimeOptions(extra={"spin": False}))
+    texts = TextRequests(folder, text_input_of(manifest), len(items))
+    lengths = texts.tokenizer.encode(items).lengths
+    ordered = [items[i] for i in np.argsort(-lengths, kind="stable")]
+    print(f"\noffline, {len(items)} texts (mean {lengths.mean():.1f} tokens), pre-tokenized, median of {passes} "
+          f"passes after a warm one\n")
+    print("| order | batch | texts/s | core-ms / text |")
+    print("|---|---:|---:|---:|")
+    for order, stream in (("as they arrive", items), ("sorted by length", ordered)):
+        for batch in (16, 32):
+            batches = [texts.tokens(stream[i:i + batch]).batch for i in range(0, len(stream), batch)]
+            walls, cpus = [], []
+            for _ in range(passes + 1):
+                wall, cpu = time.perf_counter(), time.process_time()
+                for tokens in batches:
+                    session.run(tokens)
+                walls.append(time.perf_counter() - wall)
+                cpus.append(time.process_time() - cpu)
+            print(f"| {order} | {batch} | {len(items) / statistics.median(walls[1:]):.1f} | "
+                  f"{1000 * statistics.median(cpus[1:]) / len(items):.2f} |")
+
+
+def lee_sentences() -> list[str]:
+    """The sentences of gensim's Lee background passages (news text), split where a sentence ends."""
+    from gensim.test.utils import datapath
+    text = Path(datapath("lee_background.cor")).read_text(encoding="utf-8", errors="replace")
+    return [s for passage in text.splitlines() for s in re.split(r"(?<=[.!?])\s+", passage.strip()) if s]
 
 
 def _ms(value: float) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -15,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from conftest import free_port, minilm_folder, pipeline_repository, serving, until
 from optiserve.serve.app import ServeConfig, create_app
+from optiserve.serve.server import INLINE_TEXT_BYTES
 from optiserve.text_input import TextTokenizer
 
 MINILM = minilm_folder()
@@ -75,6 +77,32 @@ def test_predict_answers_texts_with_sentence_transformers_vectors(repo, referenc
     # the body's own "variant" routes too
     assert client.post("/predict?model=minilm", json={"texts": ["x"], "variant": "onnx-int8"}).json()["variant"] \
         == "onnx-int8"
+
+
+def test_a_small_body_is_tokenized_on_the_event_loop_and_a_large_one_on_the_decode_threads(repo, reference):
+    """A sentence costs less to tokenize than two thread hand-offs, so it stays on the loop; many texts
+    go to the decode threads, so that they never stop it. The answers are the same either way."""
+    client, _ = repo
+    texts = client.app.state.server.model("minilm").texts
+    seen = []
+    original = texts.tokens
+
+    def tokens(batch):
+        seen.append(threading.current_thread().name)
+        return original(batch)
+
+    texts.tokens = tokens
+    try:
+        small = client.post("/predict?model=minilm", json={"texts": TEXTS[:1]})
+        large = client.post("/predict?model=minilm", json={"texts": TEXTS[:1] * 8 + [LONG]})
+    finally:
+        del texts.tokens
+    assert small.status_code == 200 and large.status_code == 200, small.text + large.text
+    assert len(json.dumps({"texts": TEXTS[:1]})) <= INLINE_TEXT_BYTES < len(json.dumps({"texts": [LONG]}))
+    loop_thread = client.portal.call(threading.current_thread).name  # the thread the server's loop runs on
+    assert seen[0] == loop_thread and seen[1].startswith("decode") and seen[1] != loop_thread, seen
+    np.testing.assert_allclose(large.json()["embedding"][0], small.json()["embedding"][0], atol=1e-5)
+    assert _cosine(large.json()["embedding"], reference(TEXTS[:1] * 8 + [LONG])).min() >= 0.999
 
 
 @pytest.mark.parametrize("send, status, says", [

@@ -194,8 +194,9 @@ class InferCodec(ProtocolChecks):
         self.context.set_trailing_metadata(((VARIANT_KEY, admission.variant.name),))
         model = admission.model
         admission.held.grow(message.size, "its message")  # held by the request until it ends, as a body
-        if model.texts is not None:  # a BYTES tensor of texts, tokenized on the decode threads
-            self.parsed = await server.decode(parse_text_infer, message, model.texts, model.protocol_outputs)
+        if model.texts is not None:  # a BYTES tensor of texts
+            self.parsed = await server.decode_texts(message.size, parse_text_infer, message, model.texts,
+                                                    model.protocol_outputs)
             return self.parsed.images
         args = (message, admission.model.protocol_input, admission.model.settings.max_images,
                 admission.model.protocol_outputs)

@@ -26,14 +26,15 @@ ENCODINGS = ("float", "base64")
 
 def add_openai_routes(app: ServingApp, server: Server) -> None:
     async def embeddings(request: Request):
-        """The body is read (held against the server's byte budget) and parsed on the decode threads
+        """The body is read (held against the server's byte budget) and parsed (Server.decode_texts)
         before admission: it is what names the model."""
         held = server.memory.hold()
         try:
             body = await server.read_named_body(request, held)
-            parsed = await server.decode(embeddings_request, body)
+            parsed = await server.decode_texts(len(body), embeddings_request, body)
+            size = len(body)
             del body
-            return await handle(server, Call(parsed.model, None, request), EmbeddingsCodec(parsed))
+            return await handle(server, Call(parsed.model, None, request), EmbeddingsCodec(parsed, size))
         finally:
             held.release()
 
@@ -72,13 +73,14 @@ def embeddings_request(data: bytes) -> EmbeddingsRequest:
 
 
 class EmbeddingsCodec:
-    """/v1/embeddings' side of a request (serve/handler.py): the parsed body's texts in, tokenized on
-    the decode threads; OpenAI's list of embeddings with the tokens counted out."""
+    """/v1/embeddings' side of a request (serve/handler.py): the parsed body's texts in, tokenized as
+    Server.decode_texts places a body of its `size`; OpenAI's list of embeddings with the tokens
+    counted out."""
 
     answers_over_http = True
 
-    def __init__(self, parsed: EmbeddingsRequest):
-        self.parsed = parsed
+    def __init__(self, parsed: EmbeddingsRequest, size: int):
+        self.parsed, self.size = parsed, size
         self.tokens = None
 
     def on_model(self, server: Server, call: Call) -> None:
@@ -95,7 +97,7 @@ class EmbeddingsCodec:
                                 f"its vectors are not shortened; leave it out or send {model.output_width}")
 
     async def read(self, server: Server, admission: Admission) -> np.ndarray:
-        self.tokens = await server.decode(admission.model.texts.tokens, self.parsed.texts)
+        self.tokens = await server.decode_texts(self.size, admission.model.texts.tokens, self.parsed.texts)
         return self.tokens.batch
 
     def answer(self, admission: Admission, outputs: tuple[np.ndarray, ...], timing: dict) -> FastJSONResponse:

@@ -88,17 +88,17 @@ class PredictCodec:
         return parsed.images
 
     async def _read_texts(self, server: Server, admission: Admission) -> np.ndarray:
-        """A text model's texts: JSON {"texts": [...]} or a text/plain body (one text), tokenized on
-        the decode threads (serve/text_requests.py)."""
+        """A text model's texts: JSON {"texts": [...]} or a text/plain body (one text), tokenized as
+        Server.decode_texts places it (serve/text_requests.py)."""
         model = admission.model
         if self.ctype not in ("application/json", "text/plain", ""):
             raise ApiError(415, f"model {model.name} takes texts, not {self.ctype}: send JSON "
                                 '{"texts": ["..."]} or a text/plain body')
         body = await server.read_body(self.request, admission)
         if self.ctype == "text/plain":
-            parsed = await server.decode(model.texts.predict_plain, body)
+            parsed = await server.decode_texts(len(body), model.texts.predict_plain, body)
         else:
-            parsed = await server.decode(model.texts.predict_json, body, admission.hold_json)
+            parsed = await server.decode_texts(len(body), model.texts.predict_json, body, admission.hold_json)
         if "variant" not in self.query:
             server.reroute(admission, parsed.variant, self.request)
         if self.params.get("top_k") is None:

@@ -109,10 +109,11 @@ class InferCodec(ProtocolChecks):
 
     async def read(self, server: Server, admission: Admission) -> np.ndarray:
         model = admission.model
-        if model.texts is not None:  # a BYTES tensor of texts, tokenized on the decode threads
+        if model.texts is not None:  # a BYTES tensor of texts
             body = await server.read_body(self.request, admission)
-            self.parsed = parsed = await server.decode(model.texts.infer_request, body, self.binary_header,
-                                                       admission.hold_json, model.protocol_outputs)
+            self.parsed = parsed = await server.decode_texts(len(body), model.texts.infer_request, body,
+                                                             self.binary_header, admission.hold_json,
+                                                             model.protocol_outputs)
         else:
             body = await server.read_body(self.request, admission, json_values=self.binary_header is None)
             self.parsed = parsed = await server.decode(

@@ -35,6 +35,9 @@ from optiserve.serve.stats import VariantStats
 __all__ = ["Admission", "ApiError", "ClientGone", "ModelStatus", "ServeConfig", "Server"]
 
 log = logging.getLogger("optiserve.serve")
+# a text request's body up to which it is tokenized on the event loop (a few sentences); more goes to
+# the decode threads (Server.decode_texts)
+INLINE_TEXT_BYTES = 512
 
 
 @dataclass
@@ -283,6 +286,15 @@ class Server:
     async def decode(self, fn, *args):
         """Run a parser or decoder on the decode threads."""
         return await asyncio.get_running_loop().run_in_executor(self.decode_pool, fn, *args)
+
+    async def decode_texts(self, size: int, fn, *args):
+        """Parse and tokenize a text request of `size` bytes: here on the event loop when it is small (a
+        sentence or a few: the tokenizer's call is shorter than the two thread hand-offs it would take,
+        benchmarks/serve_request_path.py --texts), on the decode threads otherwise, so that tokenizing
+        long texts never stops the loop."""
+        if size <= INLINE_TEXT_BYTES:
+            return fn(*args)
+        return await self.decode(fn, *args)
 
     async def decode_upload(self, admission: Admission, data: bytes) -> np.ndarray:
         """An uploaded image -> the admitted model's input [C, H, W]. Pillow releases the GIL while
