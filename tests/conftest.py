@@ -105,6 +105,27 @@ def in_process_server(app, ready=lambda: True, within_s: float = 120):
         thread.join(timeout=60)
 
 
+@contextlib.contextmanager
+def served_here(folder: Path, *args: str):
+    """The artifact served as `optiserve serve FOLDER ARGS` serves it (the command's own parsing and
+    app), on loopback in this process: the same routes over HTTP without a fresh interpreter's seconds
+    of imports. Yields the base URL once the server reports ready. Its inference threads keep this
+    process's priority (--inference-nice 0): the thread pools they start outlive the server here, and
+    niced they would slow every test after it."""
+    import argparse
+
+    from optiserve.serve.app import create_app
+    from optiserve.serve.command import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args([str(folder), "--inference-nice", "0", *args]))
+    cfg.validate()
+    app = create_app(cfg)
+    with in_process_server(app, lambda: app.state.server.reports_ready) as port:
+        yield f"http://127.0.0.1:{port}"
+
+
 class RecordingSession:
     """A session that runs at once and notes each call in `calls`: to see the order sessions are timed in."""
 

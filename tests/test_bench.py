@@ -21,7 +21,7 @@ from optiserve.bench.results import PERF_ANALYZER_COLUMNS, Run, group_runs, load
 def test_bench_engine_times_every_variant_and_batch_size_and_writes_results_and_csv(small_artifact, tmp_path):
     out = tmp_path / "engine.json"
     proc = run_cli("bench", "engine", str(small_artifact), "--variants", "fp32,onnx-int8", "--batch-sizes", "1,4",
-                   "--duration", "0.3", "--out", str(out), "--quiet")
+                   "--duration", "0.15", "--out", str(out), "--quiet")
     assert proc.returncode == 0, proc.stderr
     results = load_results(out)
     assert results["kind"] == "engine" and results["model"]["name"] == "small_cnn"
@@ -84,8 +84,8 @@ def test_bench_http_sends_the_same_images_as_uploads_raw_bodies_binary_tensors_o
         for protocol in ("predict", "predict-raw", "v2-binary", "grpc"):
             out = tmp_path / f"{protocol}.json"
             # in this process, through the command's own main: five interpreters' imports spared
-            proc = run_cli_here("bench", "http", base, "--protocol", protocol, "--concurrency", "2", "--duration", "1",
-                                "--warmup", "0.3", "--out", str(out), "--quiet",
+            proc = run_cli_here("bench", "http", base, "--protocol", protocol, "--concurrency", "2", "--duration", "0.5",
+                                "--warmup", "0", "--out", str(out), "--quiet",
                                 *(["--grpc-target", f"127.0.0.1:{grpc_port}"] if protocol == "grpc" else []))
             assert proc.returncode == 0, proc.stderr
             results[protocol] = load_results(out)

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from conftest import ROOT, serving
+from conftest import ROOT, served_here
 from optiserve.data.image_input import image_to_input
 from optiserve.errors import UserError
 from optiserve.input_spec import InputSpec, placement
@@ -188,7 +188,7 @@ def test_a_served_detector_answers_torchvision_s_boxes_and_boxes_in_the_uploaded
     model = manifest["model"]
     # Batches of at most 2 arrive, each naming its variant: the server warms up only sizes 1 and 2, and takes
     # the recorded default instead of timing both variants at batch 16 before it is ready.
-    with serving(out, "--variants", "fp32,onnx-fp32", "--max-batch-size", "2", "--choose-seconds", "0") as (base, _):
+    with served_here(out, "--variants", "fp32,onnx-fp32", "--max-batch-size", "2", "--choose-seconds", "0") as base:
         client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
         metadata = client.get_model_metadata(model)
         infer_input = httpclient.InferInput("input", list(pictures.shape), "FP32")

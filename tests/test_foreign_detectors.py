@@ -20,7 +20,7 @@ from PIL import Image
 import torch
 from torch import nn
 
-from conftest import assert_detection_gated, serving
+from conftest import assert_detection_gated, served_here
 from foreign_models import SIDE, DetrLayout, Grid, Transpose, YoloV5Layout, YoloV8Layout, digit_pictures, export_head
 from optiserve.data.image_input import image_to_input
 from optiserve.errors import UserError
@@ -303,7 +303,7 @@ def test_a_served_yolov8_answers_its_own_decoding_in_the_uploaded_image_s_pixels
     out, manifest = ultralytics_artifact
     spec = InputSpec.from_dict(manifest["input"])
     image, png = upload(160, 96)  # wider than tall: letterboxed, gray bands above and below
-    with serving(out, "--variants", "onnx-fp32") as (base, _):
+    with served_here(out, "--variants", "onnx-fp32") as base:
         answer = httpx.post(f"{base}/predict", content=png, headers={"content-type": "image/png"},
                             params={"score_threshold": "0.3"}).json()
     want = expected_answer(ULTRALYTICS_YOLOV8, "yolov8", image, spec, threshold=0.3)
@@ -324,7 +324,7 @@ def test_a_detr_layout_at_opset_11_goes_from_optimize_to_predict(heads, pictures
     spec = InputSpec.from_dict(manifest["input"])
     assert spec.resize == "letterbox" and spec.pad is None  # DETR's own input: the source's, the mean colour
     image, png = upload(100, 140, 850)
-    with serving(out, "--variants", "onnx-fp32") as (base, _):
+    with served_here(out, "--variants", "onnx-fp32") as base:
         answer = httpx.post(f"{base}/predict", content=png, headers={"content-type": "image/png"},
                             params={"score_threshold": "0.2"}).json()
     want = expected_answer(heads["detr"], "detr", image, spec, threshold=0.2)

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -80,7 +81,7 @@ def kserve_server(small_artifact):
         wait_until_ready(base, 180, proc, output)
         yield name, base, port, proc, log
     finally:
-        proc.terminate()
+        proc.send_signal(signal.SIGINT)  # SIGTERM would drain for the container's --drain-seconds first
         proc.wait(timeout=60)
 
 

@@ -3,7 +3,6 @@ optimized, gated on real data (scikit-learn's digits as an image folder) and ser
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import textwrap
@@ -16,7 +15,7 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from conftest import assert_gated, free_port, in_process_server, serving
+from conftest import assert_gated, free_port, served_here, serving
 from optiserve.data import load_dataset
 from optiserve.errors import UserError
 from optiserve.models import InputOverrides, load_model, model_slug
@@ -96,7 +95,9 @@ def user_code(tmp_path_factory) -> Path:
 def _train(model: torch.nn.Module, digit_images: Path, epochs: int = 15) -> torch.nn.Module:
     """A few epochs on the folder's train split, prepared as the optimizer prepares it: a real model."""
     data = load_dataset(f"imagefolder:{digit_images}", DIGIT_INPUT, 10)
-    loader = torch.utils.data.DataLoader(data.calibration_set(), batch_size=32, shuffle=True,
+    train = data.calibration_set()
+    train = [train[i] for i in range(len(train))]  # each picture decoded once, not once an epoch
+    loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
     to_output = torch.tensor([NAMES.index(c) for c in data.classes])  # folders sort by name; outputs go 0..9
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -108,27 +109,6 @@ def _train(model: torch.nn.Module, digit_images: Path, epochs: int = 15) -> torc
             torch.nn.functional.cross_entropy(model(x), to_output[y]).backward()
             optimizer.step()
     return model.eval()
-
-
-@contextlib.contextmanager
-def served_here(folder: Path, *args: str):
-    """The artifact served as `optiserve serve FOLDER ARGS` serves it (the command's own parsing and
-    app), on loopback in this process: the same routes over HTTP without a fresh interpreter's seconds
-    of imports. Yields the base URL once the server reports ready. Its inference threads keep this
-    process's priority (--inference-nice 0): the thread pools they start outlive the server here, and
-    niced they would slow every test after it."""
-    import argparse
-
-    from optiserve.serve.app import create_app
-    from optiserve.serve.command import add_arguments, config_from_args
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    cfg = config_from_args(parser.parse_args([str(folder), "--inference-nice", "0", *args]))
-    cfg.validate()
-    app = create_app(cfg)
-    with in_process_server(app, lambda: app.state.server.reports_ready) as port:
-        yield f"http://127.0.0.1:{port}"
 
 
 def assert_served_as_its_framework(folder: Path, reference, digit_images: Path, seed: int,

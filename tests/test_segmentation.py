@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from conftest import serving
+from conftest import served_here
 from optiserve.data import load_dataset
 from optiserve.errors import UserError
 from optiserve.models import InputOverrides, load_model
@@ -203,7 +203,7 @@ def test_a_served_segmentation_model_answers_a_mask_at_the_uploaded_size(ink_art
     images = np.random.default_rng(5).standard_normal((2, 3, 32, 32), dtype=np.float32)
     with torch.no_grad():
         expected = model(torch.from_numpy(images)).numpy()
-    with serving(ink_artifact, "--variants", "fp32,onnx-int8") as (base, _):
+    with served_here(ink_artifact, "--variants", "fp32,onnx-int8") as base:
         answer = httpx.post(f"{base}/predict", content=buffer.getvalue(), headers={"content-type": "image/png"},
                             params={"variant": "fp32"}).json()
         client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
@@ -239,7 +239,7 @@ def test_a_torchvision_segmentation_builder_is_served_as_torchvision_computes_it
     images = np.random.default_rng(7).standard_normal((2, 3, 64, 64), dtype=np.float32)
     with torch.no_grad():
         expected = reference(torch.from_numpy(images))["out"].numpy()
-    with serving(out, "--variants", "fp32") as (base, _):
+    with served_here(out, "--variants", "fp32") as base:
         logits, data = infer_json(base, "torchvision-lraspp_mobilenet_v3_large", "input", images)
     assert logits["name"] == "logits" and logits["shape"] == [2, 3, 64, 64]
     np.testing.assert_allclose(data, expected, rtol=1e-4, atol=1e-4)
@@ -316,7 +316,7 @@ def test_a_segmentation_onnx_file_of_any_size_is_served_at_the_size_given_as_onn
     assert by_name["openvino-fp32"]["accuracy"]["pixel_agreement"] > 0.999
     images = np.random.default_rng(9).standard_normal((2, 3, 48, 48), dtype=np.float32)
     expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"pixel_values": images})[0]
-    with serving(out, "--variants", "onnx-fp32,openvino-fp32") as (base, _):
+    with served_here(out, "--variants", "onnx-fp32,openvino-fp32") as base:
         logits, data = infer_json(base, "ink/versions/onnx-fp32", "pixel_values", images)
         _, openvino = infer_json(base, "ink/versions/openvino-fp32", "pixel_values", images)
     assert logits["name"] == "logits" and logits["shape"] == [2, 2, 48, 48]
@@ -378,7 +378,7 @@ def test_a_one_channel_map_is_a_binary_mask_at_a_threshold_judged_by_foreground_
     with torch.no_grad():
         logit = InkMap(False)(torch.from_numpy(x)).numpy()[0, 0]
     probability = 1 / (1 + np.exp(-logit))
-    with serving(tmp_path / "art", "--variants", "onnx-fp32") as (base, _):
+    with served_here(tmp_path / "art", "--variants", "onnx-fp32") as base:
         answers = {t: httpx.post(f"{base}/predict", content=buffer.getvalue(), headers={"content-type": "image/png"},
                                  params={} if t is None else {"threshold": t}) for t in (None, "0.3", "0.9", "2")}
     assert answers["2"].status_code == 400 and "threshold must be a number from 0 to 1" in answers["2"].json()["error"]

@@ -310,7 +310,7 @@ def test_bench_http_drives_a_pipeline_by_upload_protocol_and_grpc(addresses, tmp
     for protocol in ("predict-raw", "v2-binary", "grpc"):
         out = tmp_path / f"{protocol}.json"
         r = run_cli_here("bench", "http", base, "--model", "reader", "--protocol", protocol, "--images", str(scenes),
-                         "--concurrency", "2", "--duration", "1", "--warmup", "0.3", "--out", str(out), "--quiet",
+                         "--concurrency", "2", "--duration", "0.5", "--warmup", "0.1", "--out", str(out), "--quiet",
                          *(["--grpc-target", grpc_address] if protocol == "grpc" else []))
         assert r.returncode == 0, r.stderr[-2000:]
         run, = load_results(out)["runs"]

@@ -309,7 +309,8 @@ def test_a_request_with_more_images_than_a_queue_holds_is_413_and_raw_image_bodi
 def test_an_unloaded_model_frees_its_sessions_and_batchers(repository, token_file):
     import weakref
 
-    cfg = ServeConfig(str(repository), model_control="explicit", load_models=["digits-a"], admin_token_file=token_file)
+    cfg = ServeConfig(str(repository), model_control="explicit", load_models=["digits-a"], admin_token_file=token_file,
+                      choose_seconds=0)  # which variant answers is not the subject: no default is timed
     with TestClient(create_app(cfg)) as c:
         until(lambda: _ready(c))
         server = c.app.state.server
@@ -331,7 +332,8 @@ def test_a_retired_version_held_by_a_frozen_cycle_still_frees_its_sessions_and_b
     class Node:
         pass
 
-    cfg = ServeConfig(str(repository), model_control="explicit", load_models=["digits-b"], admin_token_file=token_file)
+    cfg = ServeConfig(str(repository), model_control="explicit", load_models=["digits-b"], admin_token_file=token_file,
+                      choose_seconds=0)  # which variant answers is not the subject: no default is timed
     with TestClient(create_app(cfg)) as c:
         until(lambda: _ready(c))
         model = c.app.state.server.models["digits-b"]
@@ -355,7 +357,8 @@ def test_loads_and_unloads_never_make_the_collector_walk_the_frozen_heap(reposit
         if phase == "start" and info["generation"] == 2:
             walked.append(len(gc.get_objects(generation=2)))
 
-    cfg = ServeConfig(str(repository), model_control="explicit", load_models=["digits-a"], admin_token_file=token_file)
+    cfg = ServeConfig(str(repository), model_control="explicit", load_models=["digits-a"], admin_token_file=token_file,
+                      choose_seconds=0)  # which variant answers is not the subject: no default is timed
     with TestClient(create_app(cfg)) as c:
         until(lambda: _ready(c))
         frozen = gc.get_freeze_count()

@@ -43,7 +43,7 @@ def test_bench_http_sends_the_files_texts_over_every_protocol_and_counts_them(be
             # one caller, no warm-up: request j is the j-th sent, so it carried texts j*per .. j*per+per-1, cycling
             proc = run_cli_here("bench", "http", base, "--texts", f"text:{data}", "--texts-per-request", str(per),
                                 "--tokenizer", str(folder), "--protocol", protocol, "--concurrency", "1",
-                                "--duration", "0.6", "--warmup", "0", "--out", str(out), "--quiet",
+                                "--duration", "0.3", "--warmup", "0", "--out", str(out), "--quiet",
                                 *(["--grpc-target", f"127.0.0.1:{grpc_port}"] if protocol == "grpc" else []))
             assert proc.returncode == 0, proc.stderr
             run, = load_results(out)["runs"]
@@ -90,7 +90,7 @@ def test_bench_engine_times_token_batches_of_the_texts(bert_encoder, tmp_path):
     folder, data, lengths = bert_encoder
     out = tmp_path / "engine.json"
     proc = run_cli_here("bench", "engine", str(folder), "--texts", f"text:{data}", "--batch-sizes", "1,4",
-                        "--duration", "0.3", "--out", str(out), "--quiet")
+                        "--duration", "0.15", "--out", str(out), "--quiet")
     assert proc.returncode == 0, proc.stderr
     results = load_results(out)
     assert [(r.variant, r.level) for r in results["runs"]] == [("onnx-fp32", 1), ("onnx-fp32", 4),
@@ -117,7 +117,7 @@ def test_tune_drives_a_text_model_with_its_texts_and_its_token_budget_and_the_cl
     budget = 2 * MAX_LENGTH  # two full-length texts a batch, though four short ones fit
     args = ("tune", str(tuned), "--slo-p99-ms", "1000", "--texts", f"text:{data}", "--variants", "onnx-int8",
             "--batch-sizes", "4", "--batch-tokens", str(budget), "--delays-ms", "2", "--instances", "1",
-            "--duration", "1", "--warmup", "0.5", "--confirm-seconds", "3", "--quiet")
+            "--duration", "1", "--warmup", "0", "--confirm-seconds", "3", "--quiet")
     proc = run_cli_here(*args)
     assert proc.returncode == 0, proc.stderr
     assert f"max batch 4, at most {budget} padded tokens a batch" in proc.stdout

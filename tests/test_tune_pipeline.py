@@ -28,7 +28,7 @@ from tune_replay import TOLERANCE, check_claim  # noqa: E402
 # suite's 600 s a test, though not near the tune's own 900 s. The cap covers that doubling.
 pytestmark = pytest.mark.timeout(1200)
 
-SLO_MS = 150.0
+SLO_MS = 250.0  # well above a scene's answer under load, so a point's first rate usually holds
 READER = {"steps": [{"model": "finder"}, {"model": "digits", "crops": {"min_score": 0.5, "max_crops": 8}}]}
 SEARCH = ("--variants", "digits:onnx-int8,digits:onnx-fp32", "--batch-sizes", "2", "--delays-ms", "2",
           "--instances", "1", "--duration", "2", "--confirm-seconds", "5", "--quiet")
