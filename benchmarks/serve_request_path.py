@@ -13,8 +13,9 @@ background passages (split at sentence ends, in order); `--texts text:FILE` one 
     git worktree add /tmp/base 67d2e1b                 # the code before the request-path rework
     python benchmarks/serve_request_path.py ARTIFACT_DIR --baseline /tmp/base
     python benchmarks/serve_request_path.py ARTIFACT_DIR --baseline /tmp/base --rounds 3 --duration 10
+    git worktree add /tmp/text-base abd2fa2            # every text body tokenized on the decode threads
     python benchmarks/serve_request_path.py artifacts/minilm-search08 --variant openvino-layers3of6-int8 \
-        --texts lee --baseline /tmp/base
+        --texts lee --baseline /tmp/text-base
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from optiserve.bench.loadgen import Load  # noqa: E402
 from optiserve.bench.payloads import dataset_images  # noqa: E402
 from optiserve.bench.senders import PredictSender, TextPredictSender  # noqa: E402
 from optiserve.bench.texts import TextLoad, text_load  # noqa: E402
+from optiserve.errors import UserError  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402
 from serve_peers import inference_cpu_s, measured_load, stat_cpu, tree_cpu_s  # noqa: E402
@@ -71,14 +73,24 @@ def main() -> int:
                    help="a text model's load: one sentence a request, of the Lee passages or one line of FILE each")
     args = p.parse_args()
     args.artifact_dir = str(Path(args.artifact_dir).resolve())  # each server runs in its own checkout
+    manifest_path = Path(args.artifact_dir) / "manifest.json"
+    if not manifest_path.is_file():
+        p.error(f"{args.artifact_dir} has no manifest.json: give an artifact folder written by `optimize`")
+    kind = (json.loads(manifest_path.read_text()).get("input") or {}).get("kind")
+    if (kind == "text") != bool(args.texts):
+        p.error("a text model's artifact takes --texts lee|text:FILE" if kind == "text" else
+                "--texts is for a text model's artifact; this one takes images")
     if args.texts:
-        texts = TextLoad("lee", [[t] for t in lee_sentences()]) if args.texts == "lee" else text_load(args.texts)
+        try:
+            texts = TextLoad("lee", [[t] for t in lee_sentences()]) if args.texts == "lee" else text_load(args.texts)
+        except UserError as e:
+            p.error(str(e))
         unit, what = "texts", f"one sentence a request from {args.texts} (JSON)"
 
         def sender(base):
             return TextPredictSender(base, texts)
     else:
-        side = json.loads((Path(args.artifact_dir) / "manifest.json").read_text())["input"]["shape"][1]
+        side = json.loads(manifest_path.read_text())["input"]["shape"][1]
         images = dataset_images("digits" if side <= 64 else "synthetic", side, count=64)
         unit, what = "img", f"{side}x{side} PNG uploads"
 

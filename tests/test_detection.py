@@ -125,7 +125,7 @@ def test_a_letterboxed_image_keeps_its_aspect_and_boxes_map_back_to_its_pixels()
 @pytest.fixture(scope="module")
 def ssd_artifact(detector, pictures, tmp_path_factory) -> tuple[Path, dict]:
     """Optimized where the CPU is stated to have bf16, so the bf16 copy is built on any machine; timed at
-    batch 1 only (what the tests read is accuracy, not the batch-n column) and calibrated on 16 images.
+    batch 1 only (what the tests read is accuracy, not the batch-n column) and calibrated on 8 images.
     No OpenVINO variants: a detector's OpenVINO IR (INT8 too, NMS in the graph) is built and judged by
     tests/test_foreign_detectors.py's YOLOv8, and openvino-bf16, which does nothing of its own for a
     detector, by tests/test_cpu_flags.py; torch-bf16 does (decoding and NMS kept in float32): judged here."""
@@ -133,7 +133,7 @@ def ssd_artifact(detector, pictures, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("ssd-art") / "ssdlite"
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("OPTISERVE_CPU_FLAGS", "+avx512_bf16")
-        manifest = run_optimize(OptimizeConfig(SSD, weights=str(path), num_classes=CLASSES, int8=True, calib_size=16,
+        manifest = run_optimize(OptimizeConfig(SSD, weights=str(path), num_classes=CLASSES, int8=True, calib_size=8,
                                                latency_batch=1, openvino=False,
                                                accuracy_aware=False,  # its per-layer search: minutes on 100 convs
                                                dataset=f"imagefolder:{pictures}", input=InputOverrides((3, SIDE, SIDE)),

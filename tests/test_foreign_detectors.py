@@ -272,7 +272,7 @@ def ultralytics_artifact(pictures, tmp_path_factory) -> tuple[Path, dict]:
     cwd = tmp_path_factory.mktemp("cwd")
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.chdir(cwd)
-        manifest = run_optimize(OptimizeConfig(str(ULTRALYTICS_YOLOV8), task="detection", int8=True, calib_size=32,
+        manifest = run_optimize(OptimizeConfig(str(ULTRALYTICS_YOLOV8), task="detection", int8=True, calib_size=8,
                                                latency_batch=1, dataset=f"imagefolder:{pictures}",
                                                accuracy_aware=False,  # its per-layer search: minutes on 60 convs
                                                input=InputOverrides((3, SIDE, SIDE)), out=str(out), progress=False,
@@ -313,7 +313,7 @@ def test_a_served_yolov8_answers_its_own_decoding_in_the_uploaded_image_s_pixels
 
 def test_a_detr_layout_at_opset_11_goes_from_optimize_to_predict(heads, pictures, tmp_path):
     out = tmp_path / "detr"
-    manifest = run_optimize(OptimizeConfig(str(heads["detr"]), task="detection", int8=True, calib_size=32,
+    manifest = run_optimize(OptimizeConfig(str(heads["detr"]), task="detection", int8=True, calib_size=8,
                                            latency_batch=1, openvino=False, dataset=f"imagefolder:{pictures}",
                                            input=InputOverrides(resize="letterbox"), out=str(out), progress=False,
                                            timing_rounds=3))

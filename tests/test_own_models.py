@@ -416,7 +416,7 @@ def test_a_served_embedding_model_answers_vectors(embedding_artifact, user_code,
     images = np.random.default_rng(3).standard_normal((3, 3, 16, 16), dtype=np.float32)
     with torch.no_grad():
         expected = reference(torch.from_numpy(images)).numpy()
-    with serving(embedding_artifact, "--variants", "fp32,onnx-int8", "--choose-seconds", "0") as (base, _):
+    with served_here(embedding_artifact, "--variants", "fp32,onnx-int8", "--choose-seconds", "0") as base:
         client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
         metadata = client.get_model_metadata("embed_net-build")
         assert metadata["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, 32]}]
@@ -598,7 +598,7 @@ def test_a_served_onnx_file_answers_every_output_as_onnx_runtime_on_the_original
     int8 = next(v for v in manifest["variants"] if v["name"] == "onnx-int8")
     int8_outputs = load_session(out / int8["file"], int8, manifest).run_outputs(images)
     grpc_port = free_port()
-    with serving(out, "--variants", "onnx-fp32,onnx-int8", "--grpc-port", str(grpc_port)) as (base, _):
+    with served_here(out, "--variants", "onnx-fp32,onnx-int8", "--grpc-port", str(grpc_port)) as base:
         client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
         metadata = client.get_model_metadata("digits-classifier")
         assert metadata["inputs"][0]["name"] == "pixel_values"

@@ -67,7 +67,7 @@ def classifier(tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("OPTISERVE_CPU_FLAGS", "-avx512_bf16,-amx_bf16")
     out = work / "artifact"
     run_optimize(OptimizeConfig(str(folder), dataset=f"text:{data}", int8=True, latency_batch=1, timing_rounds=3,
-                                calib_size=64, ort_transformer=False, progress=False, out=str(out)))
+                                calib_size=8, ort_transformer=False, progress=False, out=str(out)))
     return folder, data, out
 
 

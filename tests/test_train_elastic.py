@@ -194,19 +194,21 @@ def test_two_nodes_train_as_one_world_and_a_killed_worker_resumes_to_a_two_proce
         ref = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                                 *_train(single, epochs)], cwd=ROOT, stdout=log_ref, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        agents = []
         try:
             # the agents may restart out of step (one for its killed worker, the other when its worker's
             # collective fails), each restart a rendezvous round: leave room for a few
-            agents = [_agent(b, a, "2", out, epochs, log_b, "--max-restarts=4"),
-                      _agent(a, a, "2", out, epochs, log_a, "--max-restarts=4")]
+            agents += [_agent(b, a, "2", out, epochs, log_b, "--max-restarts=4"),
+                       _agent(a, a, "2", out, epochs, log_a, "--max-restarts=4")]
             _until(lambda: _epoch(out) >= 3, 240, "a checkpoint at epoch 3", (log_a, log_b))
             killed_at = _epoch(out)
             os.kill(_workers(agents[0])[0], signal.SIGKILL)  # node b's worker
             assert _wait(agents, 300, (log_a, log_b)) == [0, 0], _text(log_a)[-3000:] + _text(log_b)[-3000:]
             assert _wait([ref], 300, (log_ref,)) == [0], _text(log_ref)[-3000:]
-        finally:
-            if ref.poll() is None:
-                ref.kill()
+        finally:  # nothing left running where an assertion failed
+            for proc in (ref, *agents):
+                if proc.poll() is None:
+                    proc.kill()
         output = _text(log_a) + _text(log_b)  # rank 0, which logs, may be on either node
     ckpt = read_checkpoint(out)
     resumes = [h["resumed"] for h in ckpt["history"] if "resumed" in h]

@@ -95,7 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-pixels", type=int, default=DEFAULTS.max_image_pixels, metavar="N",
                    help=f"larger uploads are refused from their header (default {DEFAULTS.max_image_pixels:,})")
     p.add_argument("--decode-threads", type=int, default=None, metavar="N",
-                   help="threads that parse JSON bodies and decode images with Pillow, off the event loop (default: min(4, cores))")
+                   help="threads that parse JSON bodies, tokenize texts beyond a few sentences and decode images with "
+                        "Pillow, off the event loop (default: min(4, cores))")
     p.add_argument("--model-name", default=None, metavar="NAME",
                    help="the name a single artifact folder's model is served under (default: the manifest's model; "
                         "under KServe, the InferenceService's name)")

@@ -78,8 +78,9 @@ class Server:
         self.terminating = False  # SIGTERM seen: still answering, but reporting not ready (the drain window)
         self.image_limits = ImageLimits(cfg.max_image_pixels)
         self.memory = ByteBudget(cfg.queue_bytes())
-        # Parsing JSON, base64 and images costs milliseconds per request: off the event loop, so
-        # health checks and 429s are answered at once whatever is being uploaded.
+        # Parsing JSON, base64, images and texts costs milliseconds per request: off the event loop
+        # (but for a small PNG libspng decodes and a text body of a few sentences: decode_upload,
+        # decode_texts), so health checks and 429s are answered at once whatever is being uploaded.
         self.decode_pool = ThreadPoolExecutor(max_workers=cfg.decode_threads or min(4, os.cpu_count() or 1),
                                               thread_name_prefix="decode", initializer=name_native_thread,
                                               initargs=(DECODE_THREAD,))
