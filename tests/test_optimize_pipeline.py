@@ -99,7 +99,7 @@ def test_variants_are_scored_against_fp32_by_name_whatever_order_they_come_in(ar
     by_name = {v["name"]: v for v in manifest["variants"]}
     variants = [Variant(n, by_name[n]["file"], by_name[n]["backend"], by_name[n]["precision"],
                                  by_name[n]["settings"]) for n in ("onnx-int8", "fp32")]  # fp32 last
-    cfg = OptimizeConfig("small_cnn", latency_batch=2, progress=False, timing_rounds=3)
+    cfg = OptimizeConfig("small_cnn", latency_batch=2, progress=False, timing_rounds=TIMING_ROUNDS)
     attempts = Attempts(PassLog(0, enabled=False), out, [])
     entries, timed, _ = judge.validate(variants, out, loaded, materialize(data.val, True), cfg, "", "fp32", attempts)
     assert [e["name"] for e in entries] == ["onnx-int8", "fp32"]  # the caller's order is kept

@@ -119,6 +119,13 @@ def test_a_small_body_is_tokenized_on_the_event_loop_and_a_large_one_on_the_deco
     (dict(content=b"\x89PNG", headers={"content-type": "image/png"}), 415, "takes texts, not image/png"),
     (dict(content=b'{"texts": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", headers={"content-type": "application/json"}),
      400, "nested too deeply"),
+    # bodies small enough to be parsed on the event loop (Server.decode_texts) are refused the same way
+    (dict(content=b'{"texts": ' + b"[" * 200 + b"]" * 200 + b"}", headers={"content-type": "application/json"}),
+     400, "text 0 is a list, not a string"),
+    (dict(content=b'{"texts": ["fine"], "texts": 5}', headers={"content-type": "application/json"}), 400,
+     "non-empty list of texts"),  # duplicate keys: the last one holds, as the standard parser has it
+    (dict(content=b'["fine"]', headers={"content-type": "application/json"}), 400, "must be an object"),
+    (dict(content=b'{"texts": ["fine"]', headers={"content-type": "application/json"}), 400, "malformed JSON"),
 ])
 def test_what_a_text_model_cannot_take_is_one_line(repo, send, status, says):
     client, _ = repo

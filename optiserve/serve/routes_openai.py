@@ -31,8 +31,8 @@ def add_openai_routes(app: ServingApp, server: Server) -> None:
         held = server.memory.hold()
         try:
             body = await server.read_named_body(request, held)
-            parsed = await server.decode_texts(len(body), embeddings_request, body)
             size = len(body)
+            parsed = await server.decode_texts(size, embeddings_request, body)
             del body
             return await handle(server, Call(parsed.model, None, request), EmbeddingsCodec(parsed, size))
         finally:
