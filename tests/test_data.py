@@ -5,9 +5,11 @@ import pytest
 import torch
 from PIL import Image
 from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
 
 from optiserve.data import load_dataset
-from optiserve.data.splits import stratified_split
+from optiserve.data.digits_file import read_digits
+from optiserve.data.partition import SPLIT_FRACTIONS, split_in_halves, stratified_split
 from optiserve.errors import UserError
 from optiserve.models import get_model_entry
 from optiserve.input_spec import InputSpec
@@ -25,6 +27,45 @@ def test_digits_splits_are_disjoint_stratified_and_deterministic():
         assert np.abs(share - np.bincount(labels) / len(labels)).max() < 0.01
     again = stratified_split(labels, seed=0)
     assert all((a == b).all() for a, b in zip((train, val, test), again))
+
+
+def test_the_digits_read_from_scikit_learn_s_file_are_load_digits_own():
+    images, labels = read_digits()
+    bunch = load_digits()
+    np.testing.assert_array_equal(images, bunch.images)
+    np.testing.assert_array_equal(labels, bunch.target)
+
+
+def _sklearn_splits(labels, seed):
+    """The three splits (None where a class of one cannot be stratified) and the two halves, as
+    scikit-learn's train_test_split draws them."""
+    idx = np.arange(len(labels))
+    stratifiable = np.bincount(labels).min() >= 2
+    splits = None
+    if stratifiable:
+        train_f, val_f, test_f = SPLIT_FRACTIONS
+        rest, test = train_test_split(idx, test_size=test_f, stratify=labels, random_state=seed)
+        train, val = train_test_split(rest, test_size=val_f / (train_f + val_f), stratify=labels[rest],
+                                      random_state=seed)
+        splits = [np.sort(s) for s in (train, val, test)]
+    halves = train_test_split(idx, test_size=0.5, stratify=labels if stratifiable else None, random_state=seed)
+    return splits, [np.sort(h) for h in halves]
+
+
+@pytest.mark.parametrize("labels", [
+    load_digits().target,
+    np.repeat(np.arange(7), [5, 6, 7, 8, 9, 11, 30]),   # uneven classes: remainders tie and are drawn
+    np.random.default_rng(3).integers(0, 4, 101),        # an odd count, shuffled labels
+    np.array([0] * 40 + [1] * 3 + [2] * 1 + [3] * 9),   # a class of one: the halves are not stratified
+], ids=["digits", "uneven", "odd", "a-class-of-one"])
+def test_splits_are_drawn_as_scikit_learn_s_train_test_split_draws_them(labels):
+    for seed in range(4):
+        want_splits, want_halves = _sklearn_splits(labels, seed)
+        if want_splits is not None:
+            for got, want in zip(stratified_split(labels, seed), want_splits, strict=True):
+                np.testing.assert_array_equal(got, want)
+        for got, want in zip(split_in_halves(labels, seed), want_halves, strict=True):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_digits_are_16x16_grayscale_normalized_with_train_statistics():

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from optiserve.data.splits import stratified_split
+from optiserve.data.partition import stratified_split
 from optiserve.machine import CPU_FLAGS_ENV
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 

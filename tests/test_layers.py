@@ -63,13 +63,16 @@ def test_the_artifact_folder_format_is_read_from_below_the_layers_that_use_it():
 def test_the_server_and_the_load_generator_start_without_torch():
     """Serving ONNX Runtime and OpenVINO variants and `optiserve serve`/`bench` themselves import no
     torch, torchvision or scikit-learn (seconds of start-up; a serving image may lack them): the torch
-    backends and the dataset loaders are imported when a torch variant or a dataset is loaded."""
+    backends and the dataset loaders are imported when a torch variant or a dataset is loaded. The
+    load client sends a text file's texts or the digits without them too."""
     import subprocess
     import sys
 
     code = ("import sys, optiserve.cli as cli, optiserve.serve.app, optiserve.serve.grpc_service, "
-            "optiserve.serve.ray_deployment, optiserve.bench.command; cli.build_parser(['serve']); "
-            "cli.build_parser(['bench']); print(sorted(m for m in ('torch', 'torchvision', 'sklearn') if m in sys.modules))")
+            "optiserve.serve.ray_deployment, optiserve.bench.command, optiserve.bench.http, optiserve.bench.texts; "
+            "from optiserve.bench.payloads import dataset_images; assert len(dataset_images('digits', count=2)) == 2; "
+            "cli.build_parser(['serve']); cli.build_parser(['bench']); "
+            "print(sorted(m for m in ('torch', 'torchvision', 'sklearn') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent)
     assert out.stdout.strip() == "[]", out.stdout

@@ -6,10 +6,12 @@ requests succeeding; idle scales back to 1."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -50,24 +52,47 @@ STATUS = """
 import json, sys, ray
 from ray import serve
 ray.init(address=sys.argv[1], logging_level="ERROR")
-d = serve.status().applications["optiserve"].deployments["optiserve"]
-print(json.dumps({"status": str(d.status), "replicas": {str(k): v for k, v in d.replica_states.items()}}))
+for _ in sys.stdin:  # one answer a line asked
+    d = serve.status().applications["optiserve"].deployments["optiserve"]
+    print(json.dumps({"replicas": {str(k): v for k, v in d.replica_states.items()}}), flush=True)
 """
 ZEROS = np.zeros((1, 1, 16, 16)).tolist()
 FAILOVER_S = 4  # from a node's death until Ray's proxies route around it, on a loaded 2-core machine
 
 
-def _run(cmd: list[str], timeout: float = 180) -> str:
+def _env() -> dict[str, str]:
     # the replicas import this checkout's optiserve, whatever is installed
-    env = {**os.environ, **RAY_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    return {**os.environ, **RAY_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def _run(cmd: list[str], timeout: float = 180) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env())
     assert proc.returncode == 0, f"{cmd}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
 
-def _running_replicas(node: netns.Node) -> int:
-    out = _run(node.command(sys.executable, "-c", STATUS, f"{node.ip}:6379"), timeout=120)
-    return json.loads(out.strip().splitlines()[-1])["replicas"].get("RUNNING", 0)
+@contextlib.contextmanager
+def replica_counter(node: netns.Node):
+    """A function giving the running replicas as Serve reports them, asked of one driver that stays
+    connected to the cluster (a fresh driver's `ray.init` takes seconds)."""
+    with tempfile.TemporaryFile("w+") as errors:
+        proc = subprocess.Popen(node.command(sys.executable, "-c", STATUS, f"{node.ip}:6379"), cwd=ROOT, env=_env(),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True)
+
+        def running() -> int:
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            while line := proc.stdout.readline():
+                if line.startswith("{"):
+                    return json.loads(line)["replicas"].get("RUNNING", 0)
+            errors.seek(0)
+            raise AssertionError(f"the status driver exited: {errors.read()[-3000:]}")
+
+        try:
+            yield running
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +133,12 @@ def test_open_inference_protocol_answers_through_ray_equal_the_offline_runtime(c
 
 def test_a_burst_scales_to_both_nodes_losing_one_keeps_answering_and_idle_scales_back(cluster):
     a, b, base = cluster
-    assert _running_replicas(a) == 1
+    with replica_counter(a) as running_replicas:
+        _burst_failover_and_idle(a, b, base, running_replicas)
+
+
+def _burst_failover_and_idle(a: netns.Node, b: netns.Node, base: str, running_replicas) -> None:
+    assert running_replicas() == 1
     stop, log = threading.Event(), []  # (time, status, replica)
 
     def client():
@@ -124,7 +154,7 @@ def test_a_burst_scales_to_both_nodes_losing_one_keeps_answering_and_idle_scales
         for _ in range(8):
             pool.submit(client)
         deadline = time.monotonic() + 120
-        while _running_replicas(a) < 2:
+        while running_replicas() < 2:
             assert time.monotonic() < deadline, f"no second replica within 120 s: {Counter(r for *_, r in log)}"
             time.sleep(1)
         scaled = time.monotonic()
@@ -150,6 +180,6 @@ def test_a_burst_scales_to_both_nodes_losing_one_keeps_answering_and_idle_scales
     assert after and {s for s, _ in after} == {200} and {r.rsplit("@", 1)[1] for _, r in after} == {a.ip}
     assert during[200] >= 0.95 * sum(during.values()), during
     deadline = time.monotonic() + 90
-    while _running_replicas(a) > 1:
+    while running_replicas() > 1:
         assert time.monotonic() < deadline, "idle did not scale back to one replica within 90 s"
         time.sleep(2)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from optiserve.data import load_dataset
-from optiserve.data.splits import SPLIT_FRACTIONS
+from optiserve.data.partition import SPLIT_FRACTIONS
 from optiserve.data.text import TextSplits, load_text_splits, read_text_file
 from optiserve.errors import UserError
 from optiserve.input_spec import InputSpec

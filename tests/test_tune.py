@@ -21,7 +21,7 @@ from tune_replay import TOLERANCE, check_claim  # noqa: E402
 from optiserve.bench.tune import MAX_RATE_STEPS, below_the_floor  # noqa: E402
 
 SLO_MS = 100.0  # well above a batch of 2's answer under load, so a point's first rate usually holds
-CONFIRM_S = 5  # the default is 20 s; shorter here to keep the suite quick (the closed-loop test holds it too)
+CONFIRM_S = 3  # the default is 20 s; shorter here to keep the suite quick (the closed-loop test holds it too)
 # 1 s load steps: hundreds of requests each at the digits model's rates, enough for a p99; the
 # confirmation and the replay, which the claim rests on, hold CONFIRM_S
 SMALL_SEARCH = ("--variants", "onnx-int8,openvino-int8", "--batch-sizes", "2", "--delays-ms", "2",

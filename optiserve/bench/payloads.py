@@ -37,9 +37,9 @@ def dataset_images(name: str, size: int = 32, count: int = 256) -> list[bytes]:
     """`digits`: scikit-learn's handwritten digits as grayscale PNGs, `size` px a side (real images,
     no download); `synthetic`: random RGB noise PNGs of `size` px a side."""
     if name == "digits":
-        from sklearn.datasets import load_digits
+        from optiserve.data.digits_file import read_digits
 
-        images = load_digits().images[:count]  # [N, 8, 8] in 0..16
+        images = read_digits()[0][:count]  # [N, 8, 8] in 0..16
         return [_png(np.asarray(Image.fromarray((im * 255 / 16).astype(np.uint8)).resize((size, size),
                                                                                      Image.BILINEAR)))
                 for im in images]

@@ -13,7 +13,8 @@ from PIL import Image
 from torch.utils.data import Dataset, Subset
 
 from optiserve.data.imagefolder import EvalPreprocess, UnlabelledImages, image_files
-from optiserve.data.splits import DatasetSplits, random_split
+from optiserve.data.partition import random_split
+from optiserve.data.splits import DatasetSplits
 from optiserve.errors import UserError, first_line
 from optiserve.input_spec import InputSpec, placement
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-from sklearn.datasets import load_digits
 
-from optiserve.data.splits import DatasetSplits, TensorImageDataset, stratified_split
+from optiserve.data.digits_file import read_digits
+from optiserve.data.partition import stratified_split
+from optiserve.data.splits import DatasetSplits, TensorImageDataset
 from optiserve.input_spec import InputSpec
 
 DIGITS_SIZE = 16  # upsampled from 8x8: the small-input ResNet-18 keeps a 2x2 map after its three downsamplings
@@ -13,12 +14,12 @@ DIGITS_SIZE = 16  # upsampled from 8x8: the small-input ResNet-18 keeps a 2x2 ma
 
 def load_digits_splits(size: int = DIGITS_SIZE, seed: int = 0) -> DatasetSplits:
     """Grayscale digits resized to `size` x `size`, normalized with the train split's mean and std."""
-    bunch = load_digits()
-    images = torch.from_numpy(bunch.images).float().div_(16.0).unsqueeze(1)  # [N, 1, 8, 8] in [0, 1]
+    pictures, target = read_digits()
+    images = torch.from_numpy(pictures).float().div_(16.0).unsqueeze(1)  # [N, 1, 8, 8] in [0, 1]
     images = torch.nn.functional.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
     images = images.clamp_(0.0, 1.0)
-    labels = torch.from_numpy(bunch.target).long()
-    train, val, test = stratified_split(bunch.target, seed)
+    labels = torch.from_numpy(target).long()
+    train, val, test = stratified_split(target, seed)
     mean = images[train].mean().item()
     std = images[train].std().item()
     spec = InputSpec((1, size, size), (round(mean, 6),), (round(std, 6),))
@@ -28,4 +29,4 @@ def load_digits_splits(size: int = DIGITS_SIZE, seed: int = 0) -> DatasetSplits:
         return TensorImageDataset(images[idx], labels[idx], spec, shift=shift)
 
     return DatasetSplits("digits", split(train, shift=1), split(val), split(test),
-                         [str(c) for c in bunch.target_names], spec, calib=split(train))
+                         [str(c) for c in range(10)], spec, calib=split(train))

@@ -15,7 +15,8 @@ from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from optiserve.data.image_input import image_to_input
-from optiserve.data.splits import DatasetSplits, random_split, split_in_halves, stratified_split
+from optiserve.data.partition import random_split, split_in_halves, stratified_split
+from optiserve.data.splits import DatasetSplits
 from optiserve.errors import UserError, first_line
 from optiserve.input_spec import InputSpec
 

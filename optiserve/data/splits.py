@@ -1,19 +1,15 @@
 """What every dataset provides: train/val/test splits, class names and the input spec they are prepared for.
 
-scikit-learn (a second of imports) is imported by the splits that stratify, not with DatasetSplits, which
-the trainer, the optimizer and their spawned workers import whatever their data."""
+Which samples go to which split is drawn by `optiserve.data.partition`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from optiserve.input_spec import InputSpec
-
-SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # train / val / test
 
 
 @dataclass
@@ -43,36 +39,6 @@ class DatasetSplits:
 
     def calibration_set(self) -> Dataset:
         return self.calib if self.calib is not None else self.train
-
-
-def random_split(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Deterministic random train/val/test indices of n unlabelled samples in SPLIT_FRACTIONS proportions."""
-    order = np.random.default_rng(seed).permutation(n)
-    n_train, n_val = int(n * SPLIT_FRACTIONS[0]), int(n * SPLIT_FRACTIONS[1])
-    return np.sort(order[:n_train]), np.sort(order[n_train:n_train + n_val]), np.sort(order[n_train + n_val:])
-
-
-def stratified_split(labels: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Deterministic stratified train/val/test indices in SPLIT_FRACTIONS proportions."""
-    from sklearn.model_selection import train_test_split
-
-    idx = np.arange(len(labels))
-    train_f, val_f, test_f = SPLIT_FRACTIONS
-    rest, test = train_test_split(idx, test_size=test_f, stratify=labels, random_state=seed)
-    train, val = train_test_split(rest, test_size=val_f / (train_f + val_f), stratify=labels[rest],
-                                  random_state=seed)
-    return np.sort(train), np.sort(val), np.sort(test)
-
-
-def split_in_halves(labels: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic (validation, test) halves of one held-out folder, stratified by class where every
-    class has two images: the first chooses, the second only reports."""
-    from sklearn.model_selection import train_test_split
-
-    idx = np.arange(len(labels))
-    stratify = labels if np.unique(labels, return_counts=True)[1].min() >= 2 else None
-    choose, report = train_test_split(idx, test_size=0.5, stratify=stratify, random_state=seed)
-    return np.sort(choose), np.sort(report)
 
 
 class TensorImageDataset(Dataset):

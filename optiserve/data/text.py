@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from optiserve.data.splits import random_split, split_in_halves, stratified_split
+from optiserve.data.partition import random_split, split_in_halves, stratified_split
 from optiserve.errors import UserError
 
 DELIMITERS = {".txt": None, ".tsv": "\t", ".csv": ","}  # the formats, by extension
