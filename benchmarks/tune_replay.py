@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -95,12 +96,12 @@ async def replay(base: str, images: list[bytes], seconds: float, rate: float | N
 
 
 def check_claim(folder: Path, seconds: float = 20.0, images: list[bytes] | None = None,
-                texts: str | None = None) -> dict:
+                texts: str | None = None, base: str | None = None) -> dict:
     """Serve `folder` with its serving.json (a pipeline's folder: its repository, each model with
-    its own) and replay tune.json's claimed rate with `images` (default: random PNGs at the model's
-    input size), or for a text model the texts of `texts` (default: those tune.json says it was
-    tuned with); the claim, the replay's figures and whether p99 stayed within TOLERANCE x the
-    objective with no failures."""
+    its own; or use the server already serving it at `base`) and replay tune.json's claimed rate with
+    `images` (default: random PNGs at the model's input size), or for a text model the texts of
+    `texts` (default: those tune.json says it was tuned with); the claim, the replay's figures and
+    whether p99 stayed within TOLERANCE x the objective with no failures."""
     tune = json.loads((folder / "tune.json").read_text())
     winner, objective = tune["winner"], tune["objective"]["slo_p99_ms"]
     load = {"callers": int(winner["concurrency"])} if winner["mode"] == "closed" else {"rate": winner["rate"]}
@@ -115,9 +116,9 @@ def check_claim(folder: Path, seconds: float = 20.0, images: list[bytes] | None 
         manifest = json.loads((folder / "manifest.json").read_text())
         images = dataset_images("synthetic", max(manifest["input"]["shape"][1:]), count=32)
     model = folder.name if pipeline else None
-    with served(folder.parent if pipeline else folder) as (base, _):
-        asyncio.run(replay(base, images, 2.0, model=model, **load))  # warm the connections and the server
-        measured = asyncio.run(replay(base, images, seconds, model=model, **load))
+    with contextlib.nullcontext((base, None)) if base else served(folder.parent if pipeline else folder) as (url, _):
+        asyncio.run(replay(url, images, 2.0, model=model, **load))  # warm the connections and the server
+        measured = asyncio.run(replay(url, images, seconds, model=model, **load))
     holds = measured["failed"] == 0 and measured["p99_ms"] <= TOLERANCE * objective
     return {"claim": winner, "objective_ms": objective, "replay": measured, "holds": holds}
 
