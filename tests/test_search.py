@@ -194,3 +194,14 @@ def test_a_candidate_whose_share_of_the_time_ran_out_is_described_by_its_steps_n
     assert recovery_line(finished, "texts") == "recovered for 5 epochs: the validation texts pass the gate"
     assert validation_change({**settings, "recovery": finished}, "dropping", percent=False) == \
         "; validation cosine_mean 0.5550 right after dropping, 0.8000 after 5 epochs of recovery"
+
+
+def test_a_candidate_whose_share_is_shorter_than_one_recovery_epoch_is_not_tried():
+    from optiserve.optimize.search import too_short
+
+    assert too_short(0.0, None, 10) == "not tried: --search-minutes 10 ran out before it"
+    assert too_short(30.0, None, 10) == ""  # nothing recovered before it: nothing to go by
+    assert too_short(30.0, 12.0, 10) == ""  # two epochs and more fit
+    assert too_short(9.4, 12.0, 10) == ("not tried: its share of --search-minutes 10 (9 s) is less than one "
+                                        "recovery epoch took on the candidate before it (12 s)")
+

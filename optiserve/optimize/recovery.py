@@ -46,6 +46,7 @@ def recover_and_judge(run: Run, student: torch.nn.Module, deadline: float | None
                                        good_enough=check, label_mapping=run.label_mapping, device=cfg.device,
                                        progress=cfg.progress, deadline=deadline, output_kind=kind, **distill_options)
         run.log.note(recovery_line(settings["recovery"], unit))
+        run.recovery_epoch_s = settings["recovery"].get("epoch_s") or run.recovery_epoch_s
     after, baseline = measured(student)
     settings["validation_after_recovery"] = task.headline(after)
     status, reason = task.gate(after, baseline, cfg.gate_limits, run.why_not)

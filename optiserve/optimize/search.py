@@ -1,6 +1,7 @@
 """The search's loop, shared by every network transform it tries (channels pruned, layers dropped):
 candidates from light to heavy, each given an even share of what is left of --search-minutes to
-recover in, kept for --resume once recovered; the search stops at the first candidate whose
+recover in (one whose share is shorter than a recovery epoch took on the candidate before it is not
+tried, nor any heavier one), kept for --resume once recovered; the search stops at the first candidate whose
 recovered model fails the task's gate on the validation data, and each candidate's variants are
 marked as the search's, so those off its frontier leave the folder (optimize/frontier.py)."""
 
@@ -71,6 +72,7 @@ def run_search(run: Run, what: str, candidates: list[Candidate],
         run.search_ends = time.monotonic() + 60 * cfg.search_minutes
     end = time.monotonic() + (run.search_ends - time.monotonic()) * fraction
     built = [c for c in candidates if c.same_as is None]
+    out_of_time = ""
     for candidate in candidates:
         if candidate.same_as:  # counted in the progress, no row: it is not a network of its own
             for names in candidate.steps:
@@ -83,10 +85,13 @@ def run_search(run: Run, what: str, candidates: list[Candidate],
             continue
         i = built.index(candidate)
         deadline = time.monotonic() + (end - time.monotonic()) / (len(built) - i) if searching else None
-        if deadline is not None and deadline <= time.monotonic():  # building the earlier ones took its time
+        if deadline is not None and not out_of_time:
+            kept = cache is not None and cache.holds(candidate.search["ratio"])  # recovered by an interrupted search
+            out_of_time = too_short(deadline - time.monotonic(), None if kept else run.recovery_epoch_s,
+                                    cfg.search_minutes)
+        if out_of_time:  # building the earlier ones took its time: it and every heavier one are left
             for names in candidate.steps:
-                run.attempts.skip(f"{names[0]} ({what} search)", f"not tried: --search-minutes "
-                                  f"{cfg.search_minutes:g} ran out before it", *names)
+                run.attempts.skip(f"{names[0]} ({what} search)", out_of_time, *names)
             continue
         gate = build(candidate, deadline, cache)
         if not searching:
@@ -100,3 +105,16 @@ def run_search(run: Run, what: str, candidates: list[Candidate],
             left = max(0.0, run.search_ends - time.monotonic()) / 60
             run.log.note(f"search: {i + 1} of {len(built)} {what} candidates done, {left:.1f} of "
                          f"{cfg.search_minutes:g} minutes left")
+
+
+def too_short(share_s: float, epoch_s: float | None, search_minutes: float) -> str:
+    """Why a candidate with `share_s` seconds of --search-minutes to recover in is not tried (or ""):
+    none are left, or fewer than one recovery epoch took on the candidate before it (`epoch_s`), so
+    its recovery would stop within its first epoch and its validation, export and INT8 copy would
+    judge a network left nearly as pruning left it."""
+    if share_s <= 0:
+        return f"not tried: --search-minutes {search_minutes:g} ran out before it"
+    if epoch_s is not None and share_s < epoch_s:
+        return (f"not tried: its share of --search-minutes {search_minutes:g} ({share_s:.0f} s) is less than "
+                f"one recovery epoch took on the candidate before it ({epoch_s:.0f} s)")
+    return ""

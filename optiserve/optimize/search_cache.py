@@ -53,6 +53,10 @@ class SearchCache:
         shutil.copyfile(onnx, onnx_to)
         return settings
 
+    def holds(self, ratio: float) -> bool:
+        """Whether `take` may find a kept candidate at `ratio` (it needs no recovery of its own)."""
+        return self.resume and all(path.is_file() for path in self._paths(ratio))
+
     def keep(self, ratio: float, onnx_from: Path, settings: dict) -> None:
         """Keep the recovered candidate at `ratio` (written atomically: an interruption leaves it whole or absent)."""
         onnx, path = self._paths(ratio)

@@ -185,7 +185,8 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     `output_kind`, what the optimizer read from the model; without it, as the most specific kind the
     teacher's outputs on a validation batch match. Stops early, after a step, once
     time.monotonic() passes `deadline`. `lr`: a LayerNorm network's AdamW rate, where not the default.
-    Returns the validation distillation loss before and after."""
+    Returns the validation distillation loss before and after, and `epoch_s`: the seconds an epoch
+    of training takes at the pace of the steps taken (None where none was)."""
     torch.manual_seed(seed)
     dev = resolve_device(device, 0)
     student.to(dev)
@@ -208,6 +209,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     bar = tqdm(total=epochs * len(loader), desc="distill", unit="step", leave=False,
                disable=None if progress else True)
     steps, stopped = 0, False
+    training_started = time.monotonic()
     for _ in range(epochs):
         student.train()
         for images, labels in loader:
@@ -230,6 +232,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
         if stopped:
             break
     bar.close()
+    epoch_s = (time.monotonic() - training_started) / steps * len(loader) if steps else None
     after = _val_loss(student, teacher, data.val, loss_of, dev, 2 * batch_size)
     saved = student.state_dict()  # a buffer outside it (a transformer's position ids) is not the statistics'
     kept = {name: buffer.clone() for name, buffer in student.named_buffers() if name in saved}
@@ -244,7 +247,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     teacher.cpu()
     return {"method": "distillation from the unpruned model" + (" and the labels" if label_loss else ""),
             "matched": match, "output_kind": kind or None, "epochs": epochs, "steps": steps,
-            "stopped_at_deadline": stopped, "batchnorm_recalibrated": recalibrated is not None,
+            "stopped_at_deadline": stopped, "batchnorm_recalibrated": recalibrated is not None, "epoch_s": epoch_s,
             "val_distillation_loss_before": before, "val_distillation_loss_after": after}
 
 
@@ -285,6 +288,7 @@ def recover(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
             "steps": sum(r["steps"] for r in kept_rounds), "rounds": [r["epochs"] for r in rounds],
             "undone_round": bool(rounds[-1].get("undone")), "good_enough": passed,
             "stopped_at_deadline": any(r["stopped_at_deadline"] for r in rounds),
+            "epoch_s": next((r["epoch_s"] for r in reversed(rounds) if r["epoch_s"] is not None), None),
             "batchnorm_recalibrated": bool(kept_rounds) and kept_rounds[-1]["batchnorm_recalibrated"],
             "val_distillation_loss_after": (kept_rounds[-1]["val_distillation_loss_after"] if kept_rounds
                                             else rounds[0]["val_distillation_loss_before"])}

@@ -58,6 +58,7 @@ class Run:
     label_mapping: object = None       # the model's class of each of the data's labels; None: no labels to learn from
     searched: bool = False             # whether a search ran (its candidates off the frontier are dropped)
     search_ends: float | None = None   # when --search-minutes runs out (time.monotonic()), once a search starts
+    recovery_epoch_s: float | None = None  # seconds one recovery epoch took on the last candidate recovered
     search_transforms: list = field(default_factory=list)  # how the searches made networks smaller: channels, layers, width
     unpruned_outputs: object = None    # the unpruned model's outputs on the validation images, once for every ratio
     read_as: str | None = None         # what its scores hold as the graph or --output-kind say before anything runs
