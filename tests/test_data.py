@@ -64,8 +64,16 @@ def test_splits_are_drawn_as_scikit_learn_s_train_test_split_draws_them(labels):
         if want_splits is not None:
             for got, want in zip(stratified_split(labels, seed), want_splits, strict=True):
                 np.testing.assert_array_equal(got, want)
+        else:  # as scikit-learn refuses it
+            with pytest.raises(ValueError, match="has one sample; stratifying needs two of each"):
+                stratified_split(labels, seed)
         for got, want in zip(split_in_halves(labels, seed), want_halves, strict=True):
             np.testing.assert_array_equal(got, want)
+
+
+def test_labels_that_are_not_one_a_sample_are_refused():
+    with pytest.raises(ValueError, match=r"one a sample, got an array of shape \(4, 2\)"):
+        stratified_split(np.array([[0, 1], [1, 0], [0, 1], [1, 0]]))
 
 
 def test_digits_are_16x16_grayscale_normalized_with_train_statistics():
@@ -115,6 +123,17 @@ def test_an_image_folder_is_scored_on_exactly_the_pixels_the_server_makes_of_the
         path, _ = folder.samples[i]
         served = decode_image(open(path, "rb").read(), spec)
         np.testing.assert_array_equal(folder[i][0].numpy(), served)
+
+
+def test_a_folder_too_small_to_give_every_class_a_place_in_each_split_is_one_error(tmp_path):
+    digits = load_digits()
+    for label in (0, 1, 2):  # five images each: the validation split cannot hold all three classes
+        (tmp_path / f"class{label}").mkdir()
+        for k, img in enumerate(digits.images[digits.target == label][:5]):
+            Image.fromarray((img * 16).astype(np.uint8)).save(tmp_path / f"class{label}" / f"{k}.png")
+    with pytest.raises(UserError, match="15 images in 3 classes cannot give every class a place in train, "
+                                        "validation and test: give each class at least 10 images"):
+        load_dataset(f"imagefolder:{tmp_path}", IMAGENET_INPUT, 1000)
 
 
 def test_imagefolder_errors_name_the_problem(tmp_path):

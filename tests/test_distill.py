@@ -150,7 +150,8 @@ def test_recovery_stops_at_its_deadline(digits):
     teacher, data, test = digits
     report = distill(_pruned(teacher, test), teacher, _few(data), "class-scores", epochs=3, progress=False,
                      deadline=time.monotonic() - 1)
-    assert report["steps"] == 1 and report["stopped_at_deadline"] and report["epoch_s"] > 0  # at that step's pace
+    assert report["steps"] == 1 and report["stopped_at_deadline"]
+    assert report["epoch_s"] is None  # one step, the loader's start in it, tells nothing of an epoch's pace
 
 
 def test_recovery_goes_on_in_rounds_twice_as_long_while_its_check_fails_and_stops_once_it_passes(digits):
@@ -167,7 +168,7 @@ def test_recovery_goes_on_in_rounds_twice_as_long_while_its_check_fails_and_stop
                      progress=False)
     assert report["rounds"] == [1, 2] and report["epochs"] == 3 and report["good_enough"] is True
     # what an epoch of training took (the search's measure of whether a candidate's share is worth starting)
-    assert 0 < 3 * report["epoch_s"] < time.monotonic() - started
+    assert 0 < 2 * report["epoch_s"] < time.monotonic() - started
     assert len(checked) == 2 and not report["undone_round"]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
@@ -79,14 +80,18 @@ def replica_counter(node: netns.Node):
         proc = subprocess.Popen(node.command(sys.executable, "-c", STATUS, f"{node.ip}:6379"), cwd=ROOT, env=_env(),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True)
 
+        answers: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [answers.put(json.loads(line)) for line in proc.stdout if line.startswith("{")],
+                         daemon=True).start()
+
         def running() -> int:
             proc.stdin.write("\n")
             proc.stdin.flush()
-            while line := proc.stdout.readline():
-                if line.startswith("{"):
-                    return json.loads(line)["replicas"].get("RUNNING", 0)
-            errors.seek(0)
-            raise AssertionError(f"the status driver exited: {errors.read()[-3000:]}")
+            try:
+                return answers.get(timeout=120)["replicas"].get("RUNNING", 0)
+            except queue.Empty:
+                errors.seek(0)
+                raise AssertionError(f"the status driver gave no answer within 120 s: {errors.read()[-3000:]}") from None
 
         try:
             yield running

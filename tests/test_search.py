@@ -202,6 +202,5 @@ def test_a_candidate_whose_share_is_shorter_than_one_recovery_epoch_is_not_tried
     assert too_short(0.0, None, 10) == "not tried: --search-minutes 10 ran out before it"
     assert too_short(30.0, None, 10) == ""  # nothing recovered before it: nothing to go by
     assert too_short(30.0, 12.0, 10) == ""  # two epochs and more fit
-    assert too_short(9.4, 12.0, 10) == ("not tried: its share of --search-minutes 10 (9 s) is less than one "
-                                        "recovery epoch took on the candidate before it (12 s)")
-
+    assert too_short(9.4, 12.0, 10) == ("not tried: its share of --search-minutes 10 (9.4 s) is less than one "
+                                        "recovery epoch took on the candidate before it (12.0 s)")

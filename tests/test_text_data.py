@@ -263,6 +263,11 @@ def test_too_few_texts_of_a_label_to_split_is_refused(tmp_path):
     path.write_text("text\tlabel\n" + "".join(f"good {i}\tpos\n" for i in range(20)) + "bad\tneg\n", encoding="utf-8")
     with pytest.raises(UserError, match="label 'neg' has 1 texts; every label needs at least 5"):
         load_text_splits(str(path))
+    # five of each of three labels: the validation texts cannot hold all three
+    path.write_text("text\tlabel\n" + "".join(f"text {i}\t{'abc'[i % 3]}\n" for i in range(15)), encoding="utf-8")
+    with pytest.raises(UserError, match="15 texts with 3 labels cannot give every label a place in train, validation "
+                                        "and test: give each label at least 10 texts"):
+        load_text_splits(str(path))
 
 
 @pytest.mark.parametrize("files, words", [

@@ -1,7 +1,7 @@
 """Datasets by name: `digits` (bundled, offline default), `imagefolder:PATH`, `synthetic`; and
 `text:PATH`, a user's texts, read for text models by `load_text_splits` (data/text.py).
 
-The loaders (torch, torchvision, scikit-learn) are imported when a dataset is loaded: the server
+The loaders (torch, torchvision) are imported when a dataset is loaded: the server
 imports `optiserve.data.image_input` and `png_pixels` from this package, and must not pay for them."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def load_dataset(name: str, model_input: InputSpec, num_classes: int, seed: int 
 
 def __getattr__(name: str):
     """`DatasetSplits`, `default_workers`, `make_loader` and `load_text_splits`, imported on first use
-    (they need torch or scikit-learn)."""
+    (they need torch)."""
     if name == "DatasetSplits":
         from optiserve.data.splits import DatasetSplits
 

@@ -181,7 +181,12 @@ def load_imagefolder_splits(path: str, spec: InputSpec, seed: int = 0, masks: st
         targets = np.asarray(full_eval.targets)
         if np.bincount(targets).min() < 5:
             raise UserError(f"{root}: every class needs at least 5 images to split into train/val/test")
-        tr, va, te = stratified_split(targets, seed)
+        try:
+            tr, va, te = stratified_split(targets, seed)
+        except ValueError:  # each split holds every class: with many classes 5 images each are too few
+            raise UserError(f"{root}: {len(targets)} images in {len(full_eval.classes)} classes cannot give every "
+                            f"class a place in train, validation and test: give each class at least 10 images, "
+                            f"or train/ and val/ folders") from None
         train, val, test = Subset(full_train, tr), Subset(full_eval, va), Subset(full_eval, te)
         calib = Subset(full_eval, tr)
         classes = full_eval.classes

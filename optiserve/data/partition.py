@@ -1,8 +1,9 @@
-"""Deterministic train/val/test indices, drawn exactly as scikit-learn's `train_test_split` draws them.
+"""Deterministic train/val/test indices; the stratified splits and the halves drawn exactly as
+scikit-learn's `train_test_split` draws them.
 
-Numpy only: the trainer's workers, the optimizer and the load client split their data without importing
-scikit-learn (seconds of start-up in every process). The draws follow scikit-learn's StratifiedShuffleSplit
-and ShuffleSplit step for step, so a seed names the same split either way; tests hold the two equal."""
+Numpy only: the trainer's workers and the optimizer split their data without importing scikit-learn
+(seconds of start-up in every process). The draws follow scikit-learn's StratifiedShuffleSplit and
+ShuffleSplit step for step, so a seed names the same split either way; tests hold the two equal."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def split_in_halves(labels: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.n
 def split_two(labels: np.ndarray, test_fraction: float, seed: int, stratify: bool) -> tuple[np.ndarray, np.ndarray]:
     """(kept, held out) positions into `labels`, `test_fraction` of them held out (rounded up), as
     `train_test_split(range(n), test_size=test_fraction, stratify=labels or None, random_state=seed)`."""
+    if np.ndim(labels) != 1:
+        raise ValueError(f"labels must be one a sample, got an array of shape {np.shape(labels)}")
     n = len(labels)
     n_test = math.ceil(test_fraction * n)
     n_train = n - n_test

@@ -228,7 +228,12 @@ def _split_file(path: Path, seed: int) -> TextSplits:
             raise UserError(f"{path}: label {fewest!r} has {counts[fewest]} texts; every label needs at least "
                             f"{MIN_PER_CLASS} to split into train/val/test (add texts, or give train/val/test files)")
         index = {name: i for i, name in enumerate(classes)}
-        tr, va, te = stratified_split(np.asarray([index[label] for label in file.labels]), seed)
+        try:
+            tr, va, te = stratified_split(np.asarray([index[label] for label in file.labels]), seed)
+        except ValueError:  # each split holds every label: with many labels 5 texts each are too few
+            raise UserError(f"{path}: {len(file)} texts with {len(classes)} labels cannot give every label a place "
+                            f"in train, validation and test: give each label at least 10 texts, or give "
+                            f"train/val/test files") from None
     else:
         if len(file) < MIN_UNLABELLED:
             raise UserError(f"{path}: {len(file)} {noun}; at least {MIN_UNLABELLED} are needed to split into "

@@ -73,6 +73,7 @@ def run_search(run: Run, what: str, candidates: list[Candidate],
     end = time.monotonic() + (run.search_ends - time.monotonic()) * fraction
     built = [c for c in candidates if c.same_as is None]
     out_of_time = ""
+    run.recovery_epoch_s = None  # measured on this search's own candidates (another search's differ in size)
     for candidate in candidates:
         if candidate.same_as:  # counted in the progress, no row: it is not a network of its own
             for names in candidate.steps:
@@ -115,6 +116,6 @@ def too_short(share_s: float, epoch_s: float | None, search_minutes: float) -> s
     if share_s <= 0:
         return f"not tried: --search-minutes {search_minutes:g} ran out before it"
     if epoch_s is not None and share_s < epoch_s:
-        return (f"not tried: its share of --search-minutes {search_minutes:g} ({share_s:.0f} s) is less than "
-                f"one recovery epoch took on the candidate before it ({epoch_s:.0f} s)")
+        return (f"not tried: its share of --search-minutes {search_minutes:g} ({share_s:.1f} s) is less than "
+                f"one recovery epoch took on the candidate before it ({epoch_s:.1f} s)")
     return ""

@@ -40,6 +40,16 @@ class SearchCache:
         """With --resume, the kept candidate at `ratio`, its ONNX file copied to `onnx_to`, and its
         settings; None where there is none (or no --resume), or where its settings are not what
         `keep` wrote (edited by hand, cut short by a full disk): it is then built again."""
+        settings = self._kept_settings(ratio)
+        if settings is not None:
+            shutil.copyfile(self._paths(ratio)[0], onnx_to)
+        return settings
+
+    def holds(self, ratio: float) -> bool:
+        """Whether `take` finds a kept candidate at `ratio` (one that needs no recovery of its own)."""
+        return self._kept_settings(ratio) is not None
+
+    def _kept_settings(self, ratio: float) -> dict | None:
         onnx, path = self._paths(ratio)
         if not self.resume or not (onnx.is_file() and path.is_file()):
             return None
@@ -50,12 +60,7 @@ class SearchCache:
                 return None
         except (UserError, KeyError, TypeError):
             return None
-        shutil.copyfile(onnx, onnx_to)
         return settings
-
-    def holds(self, ratio: float) -> bool:
-        """Whether `take` may find a kept candidate at `ratio` (it needs no recovery of its own)."""
-        return self.resume and all(path.is_file() for path in self._paths(ratio))
 
     def keep(self, ratio: float, onnx_from: Path, settings: dict) -> None:
         """Keep the recovered candidate at `ratio` (written atomically: an interruption leaves it whole or absent)."""

@@ -186,7 +186,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     teacher's outputs on a validation batch match. Stops early, after a step, once
     time.monotonic() passes `deadline`. `lr`: a LayerNorm network's AdamW rate, where not the default.
     Returns the validation distillation loss before and after, and `epoch_s`: the seconds an epoch
-    of training takes at the pace of the steps taken (None where none was)."""
+    of training takes at the pace of the steps after the first (None where there were none)."""
     torch.manual_seed(seed)
     dev = resolve_device(device, 0)
     student.to(dev)
@@ -209,7 +209,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     bar = tqdm(total=epochs * len(loader), desc="distill", unit="step", leave=False,
                disable=None if progress else True)
     steps, stopped = 0, False
-    training_started = time.monotonic()
+    paced_from = None  # when the first step ended: the pace leaves out the loader's start and the first step
     for _ in range(epochs):
         student.train()
         for images, labels in loader:
@@ -225,6 +225,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
             optimizer.step()
             scheduler.step()
             steps += 1
+            paced_from = paced_from or time.monotonic()
             bar.update()
             if deadline is not None and time.monotonic() > deadline:
                 stopped = True
@@ -232,7 +233,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
         if stopped:
             break
     bar.close()
-    epoch_s = (time.monotonic() - training_started) / steps * len(loader) if steps else None
+    epoch_s = (time.monotonic() - paced_from) / (steps - 1) * len(loader) if steps > 1 else None
     after = _val_loss(student, teacher, data.val, loss_of, dev, 2 * batch_size)
     saved = student.state_dict()  # a buffer outside it (a transformer's position ids) is not the statistics'
     kept = {name: buffer.clone() for name, buffer in student.named_buffers() if name in saved}
@@ -288,7 +289,7 @@ def recover(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
             "steps": sum(r["steps"] for r in kept_rounds), "rounds": [r["epochs"] for r in rounds],
             "undone_round": bool(rounds[-1].get("undone")), "good_enough": passed,
             "stopped_at_deadline": any(r["stopped_at_deadline"] for r in rounds),
-            "epoch_s": next((r["epoch_s"] for r in reversed(rounds) if r["epoch_s"] is not None), None),
+            "epoch_s": max(rounds, key=lambda r: r["steps"])["epoch_s"],  # the round that ran longest
             "batchnorm_recalibrated": bool(kept_rounds) and kept_rounds[-1]["batchnorm_recalibrated"],
             "val_distillation_loss_after": (kept_rounds[-1]["val_distillation_loss_after"] if kept_rounds
                                             else rounds[0]["val_distillation_loss_before"])}
