@@ -87,9 +87,10 @@ def run_search(run: Run, what: str, candidates: list[Candidate],
         i = built.index(candidate)
         deadline = time.monotonic() + (end - time.monotonic()) / (len(built) - i) if searching else None
         if deadline is not None and not out_of_time:
-            kept = cache is not None and cache.holds(candidate.search["ratio"])  # recovered by an interrupted search
-            out_of_time = too_short(deadline - time.monotonic(), None if kept else run.recovery_epoch_s,
-                                    cfg.search_minutes)
+            epoch_s = run.recovery_epoch_s
+            if epoch_s is not None and cache is not None and cache.holds(candidate.search["ratio"]):
+                epoch_s = None  # recovered by an interrupted search: it needs no recovery of its own
+            out_of_time = too_short(deadline - time.monotonic(), epoch_s, cfg.search_minutes)
         if out_of_time:  # building the earlier ones took its time: it and every heavier one are left
             for names in candidate.steps:
                 run.attempts.skip(f"{names[0]} ({what} search)", out_of_time, *names)
