@@ -8,7 +8,8 @@ A small model (digits small_cnn, 16x16) makes the request path most of the cost;
 224x224 shows what is left of it beside real inference. With `--texts` the artifact is a text model
 and each request is JSON `{"texts": [one sentence]}` (`optiserve bench http`'s text load): what the
 request path costs beside a sentence's inference. `--texts lee` sends the sentences of gensim's Lee
-background passages (split at sentence ends, in order); `--texts text:FILE` one line of FILE each.
+background passages (split at sentence ends, in order); `--texts mixed` text_batching.py's stream
+(3 in 4 a review sentence, 1 in 4 a news passage); `--texts text:FILE` one line of FILE each.
 
     git worktree add /tmp/base 67d2e1b                 # the code before the request-path rework
     python benchmarks/serve_request_path.py ARTIFACT_DIR --baseline /tmp/base
@@ -16,6 +17,9 @@ background passages (split at sentence ends, in order); `--texts text:FILE` one 
     git worktree add /tmp/text-base abd2fa2            # every text body tokenized on the decode threads
     python benchmarks/serve_request_path.py artifacts/minilm-search08 --variant openvino-layers3of6-int8 \
         --texts lee --baseline /tmp/text-base
+    git worktree add /tmp/runs-base c61bcbe            # each text batch one run, however mixed its lengths
+    python benchmarks/serve_request_path.py artifacts/minilm-search08 --variant openvino-layers3of6-int8 \
+        --texts mixed --baseline /tmp/runs-base
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ from optiserve.errors import UserError  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402
 from serve_peers import inference_cpu_s, measured_load, stat_cpu, tree_cpu_s  # noqa: E402
+from text_batching import stream as mixed_stream  # noqa: E402
+
+MIXED_TEXTS = 2000
 
 
 def window(checkout: Path, folder: str, variant: str, sender, args) -> dict:
@@ -69,8 +76,9 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--texts", metavar="lee|text:FILE",
-                   help="a text model's load: one sentence a request, of the Lee passages or one line of FILE each")
+    p.add_argument("--texts", metavar="lee|mixed|text:FILE",
+                   help="a text model's load: one text a request, of the Lee passages' sentences, of text_batching.py's "
+                        "mixed stream, or one line of FILE each")
     args = p.parse_args()
     args.artifact_dir = str(Path(args.artifact_dir).resolve())  # each server runs in its own checkout
     manifest_path = Path(args.artifact_dir) / "manifest.json"
@@ -78,14 +86,16 @@ def main() -> int:
         p.error(f"{args.artifact_dir} has no manifest.json: give an artifact folder written by `optimize`")
     kind = (json.loads(manifest_path.read_text()).get("input") or {}).get("kind")
     if (kind == "text") != bool(args.texts):
-        p.error("a text model's artifact takes --texts lee|text:FILE" if kind == "text" else
+        p.error("a text model's artifact takes --texts lee|mixed|text:FILE" if kind == "text" else
                 "--texts is for a text model's artifact; this one takes images")
     if args.texts:
         try:
-            texts = TextLoad("lee", [[t] for t in lee_sentences()]) if args.texts == "lee" else text_load(args.texts)
+            texts = (TextLoad("lee", [[t] for t in lee_sentences()]) if args.texts == "lee" else
+                     TextLoad("mixed", [[t] for t in mixed_stream(MIXED_TEXTS)]) if args.texts == "mixed" else
+                     text_load(args.texts))
         except UserError as e:
             p.error(str(e))
-        unit, what = "texts", f"one sentence a request from {args.texts} (JSON)"
+        unit, what = "texts", f"one text a request from {args.texts} (JSON)"
 
         def sender(base):
             return TextPredictSender(base, texts)
@@ -132,7 +142,8 @@ OFFLINE_TEXTS = 1024
 def offline_texts(folder: Path, variant: str, items: list[str], passes: int = 3) -> None:
     """The same variant's texts/s and CPU per text outside any server (this checkout's runtime, the
     server's runtime options), on the first texts of the stream, pre-tokenized: in batches as they
-    arrive, and after sorting them all by length (what no server can do with texts yet to come)."""
+    arrive, each batch one run and (as the server runs it) in runs of like length, and after sorting
+    them all by length (what no server can do with texts yet to come)."""
     import numpy as np
     from optiserve.runtime import RuntimeOptions, load_session
     from optiserve.serve.text_requests import TextRequests
@@ -140,15 +151,18 @@ def offline_texts(folder: Path, variant: str, items: list[str], passes: int = 3)
 
     manifest = json.loads((folder / "manifest.json").read_text())
     entry = next(v for v in manifest["variants"] if v["name"] == variant)
-    session = load_session(folder / entry["file"], entry, manifest, RuntimeOptions(extra={"spin": False}))
+    sessions = {runs: load_session(folder / entry["file"], entry, manifest,
+                                   RuntimeOptions(extra={"spin": False}, length_groups=runs)) for runs in (False, True)}
     texts = TextRequests(folder, text_input_of(manifest), len(items))
     lengths = texts.tokenizer.encode(items).lengths
     ordered = [items[i] for i in np.argsort(-lengths, kind="stable")]
     print(f"\noffline, {len(items)} texts (mean {lengths.mean():.1f} tokens), pre-tokenized, median of {passes} "
-          f"passes after a warm one\n")
+          f"passes after a warm one; a run's fixed cost measured as {sessions[True].cost.fixed_tokens:.0f} tokens\n")
     print("| order | batch | texts/s | core-ms / text |")
     print("|---|---:|---:|---:|")
-    for order, stream in (("as they arrive", items), ("sorted by length", ordered)):
+    for order, stream, session in (("as they arrive, one run a batch", items, sessions[False]),
+                                   ("as they arrive, runs by length", items, sessions[True]),
+                                   ("sorted by length", ordered, sessions[False])):
         for batch in (16, 32):
             batches = [texts.tokens(stream[i:i + batch]).batch for i in range(0, len(stream), batch)]
             walls, cpus = [], []

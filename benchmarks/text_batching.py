@@ -1,12 +1,18 @@
 """How a text model's batches are formed: padded-token waste and throughput on a mixed-length stream.
 
 Runs the server's own batcher (serve/batcher.py) on a variant's session (the runtime layer the
-server uses), with the server's own tokenizer rows, under four policies side by side:
+server uses), with the server's own tokenizer rows, under these policies side by side:
 
-  arrival       batches cut by count and delay, rows in arrival order (what the server did before)
-  sorted        the queued texts grouped by length (the server's default for text models)
+  arrival       batches cut by count and delay, rows in arrival order
+  sorted        the queued texts grouped by length
   budget        arrival order, at most --max-batch-tokens padded tokens a batch
-  budget+sorted both (the server with --max-batch-tokens)
+  budget+sorted both
+  sorted, runs  grouped by length, and each batch run in sub-batches of like length where that
+                costs the engine less (runtime.length_groups): the server's default for text models
+  budget+sorted, runs   the same with --max-batch-tokens
+
+The first four run on a session with the runtime's runs by length turned off
+(RuntimeOptions(length_groups=False)), the last two on the session as the server loads it.
 
 Closed loop: --concurrency clients each send one text at a time, drawn from a mixed stream (3 in 4
 a short review sentence, 1 in 4 a news passage cut at a random length; gensim's wheel carries both
@@ -39,12 +45,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from optiserve.artifacts import read_manifest  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
-from optiserve.runtime import load_session  # noqa: E402
+from optiserve.runtime import RuntimeOptions, load_session  # noqa: E402
 from optiserve.serve.batcher import DynamicBatcher, QueueFull  # noqa: E402
 from optiserve.serve.text_requests import TextRequests  # noqa: E402
 from optiserve.text_input import TextInput, text_input_of  # noqa: E402
 
-POLICIES = ("arrival", "sorted", "budget", "budget+sorted")
+POLICIES = ("arrival", "sorted", "budget", "budget+sorted", "sorted, runs", "budget+sorted, runs")
 DEFAULT_ARTIFACT = ROOT / "artifacts" / "minilm-polarity"
 OPEN_QUEUE = 1024  # an open loop's queue limit (texts): past it, arrivals are refused and counted
 
@@ -114,7 +120,7 @@ async def window(session, texts: TextRequests, rows: list[np.ndarray], policy: s
     batches: list[tuple[float, int, int, int]] = []  # (completed at, rows, real tokens, padded tokens)
 
     def run(batch):
-        real, padded = texts.batch_tokens(batch)
+        real, padded = texts.real_tokens(batch), session.padded_tokens(batch)
         out = session.run(batch)
         batches.append((time.perf_counter(), len(batch), real, padded))
         return out
@@ -188,7 +194,8 @@ def main() -> int:
         raise SystemExit(f"{folder} has no variant {name!r}")
     if args.max_batch_tokens < text_input.max_length:
         raise SystemExit(f"--max-batch-tokens must be at least the model's max length {text_input.max_length}")
-    session = load_session(folder / entry["file"], entry, manifest)
+    sessions = {runs: load_session(folder / entry["file"], entry, manifest, RuntimeOptions(length_groups=runs))
+                for runs in (False, True)}
     texts = TextRequests(folder, text_input, args.max_batch_size)
     rows = [texts.tokens([t]).batch[0] for t in stream(2000)]
     lengths = np.array([texts.row_length(r) for r in rows])
@@ -198,18 +205,20 @@ def main() -> int:
           f"budget {args.max_batch_tokens} padded tokens; {args.duration:g} s windows x {args.rounds} rounds")
     print(f"stream: {len(rows)} texts, tokens median {np.median(lengths):.0f}, mean {lengths.mean():.0f}, "
           f"p90 {np.percentile(lengths, 90):.0f}, max {lengths.max()}\n")
-    for batch in (1, args.max_batch_size):  # the engine warm at the batch sizes and lengths it will see
-        session.run(texts.sample(batch))
-        session.run(texts.tokenizer.encode([" ".join(stream(50)[:50])] * batch).batch)  # full length
+    print(f"a run's fixed cost, measured on the session: {sessions[True].cost.fixed_tokens:.0f} tokens\n")
+    for session in sessions.values():
+        for batch in (1, args.max_batch_size):  # the engine warm at the batch sizes and lengths it will see
+            session.run(texts.sample(batch))
+            session.run(texts.tokenizer.encode([" ".join(stream(50)[:50])] * batch).batch)  # full length
     loads = [("closed loop", None)] + ([(f"open loop, {args.rate:g} texts/s", args.rate)] if args.rate else [])
     for load, rate in loads:
         results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
         print(f"== {load}")
         for r in range(args.rounds):
             for policy in POLICIES:
-                got = asyncio.run(window(session, texts, rows, policy, args, rate))
+                got = asyncio.run(window(sessions["runs" in policy], texts, rows, policy, args, rate))
                 results[policy].append(got)
-                print(f"round {r + 1} {policy:<14} {got['texts_s']:7.1f} texts/s, {got['tokens_s']:8.0f} tokens/s, "
+                print(f"round {r + 1} {policy:<20} {got['texts_s']:7.1f} texts/s, {got['tokens_s']:8.0f} tokens/s, "
                       f"padding {100 * got['padding']:4.1f}%, batch {got['batch']:4.1f}, p50 {got['p50']:7.1f} ms, "
                       f"p99 {got['p99']:7.1f} ms, {got['rejected']} refused", flush=True)
         med = {policy: {k: statistics.median(g[k] for g in runs) for k in runs[0]} for policy, runs in results.items()}

@@ -56,7 +56,8 @@ def _serve(session, texts, requests, **options):
     shapes, run = _recording(session)
 
     async def main():
-        b = DynamicBatcher(run, stack=texts.stack, count_tokens=texts.batch_tokens, max_delay_ms=20, **options)
+        b = DynamicBatcher(run, stack=texts.stack, count_tokens=lambda batch, instance: texts.batch_tokens(batch),
+                           max_delay_ms=20, **options)
         b.start()
         results = await asyncio.gather(*(b.submit(r) for r in requests))
         await b.close()

@@ -15,14 +15,19 @@ import numpy as np
 from optiserve.errors import UserError
 from optiserve.machine import native_facts
 from optiserve.registry import Registry
+from optiserve.runtime.length_groups import LengthGroupedSession
+from optiserve.text_input import text_input_of
 
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """How to run: `device` auto|cpu|cuda; `threads` intra-op threads (None: the library default)."""
+    """How to run: `device` auto|cpu|cuda; `threads` intra-op threads (None: the library default);
+    `length_groups`: a text batch runs in sub-batches of like length where that costs less
+    (runtime.length_groups)."""
 
     device: str = "auto"
     threads: int | None = None
+    length_groups: bool = True
     extra: dict = field(default_factory=dict)
 
 
@@ -107,4 +112,6 @@ def load_session(path: str | Path, variant: dict, manifest: dict, options: Runti
         raise UserError(f"variant {variant['name']!r} needs {backend.name}, which cannot run here: {why}")
     if not Path(path).is_file():
         raise UserError(f"variant {variant['name']!r}: file {path} is missing")
-    return backend.load(Path(path), variant, manifest, options)
+    session = backend.load(Path(path), variant, manifest, options)
+    text = text_input_of(manifest)
+    return session if text is None else LengthGroupedSession(session, text, options.length_groups)

@@ -171,7 +171,7 @@ class DynamicBatcher:
                  name: str = "", on_batch: Callable[[BatchRecord], None] | None = None,
                  thread_initializer: Callable[[], None] | None = None, row_shape: tuple[int, ...] | None = None,
                  priority_levels: int = 1, stack: Callable[[list[np.ndarray]], np.ndarray] = stack_rows,
-                 count_tokens: Callable[[np.ndarray], tuple[int, int]] | None = None,
+                 count_tokens: Callable[[np.ndarray, int], tuple[int, int]] | None = None,
                  row_length: Callable[[np.ndarray], int] | None = None, group_by_length: bool = True,
                  max_padded_size: int | None = None):
         limits = [max_queue] * priority_levels if isinstance(max_queue, int) else list(max_queue)
@@ -183,7 +183,7 @@ class DynamicBatcher:
             raise ValueError("max_padded_size needs row_length, and must be >= 1")
         self.runners, self.name = runners, name
         self.stack = stack  # rows into one batch: stack_rows (equal shapes), or a text model's padding
-        self.count_tokens = count_tokens  # a text model's batch: (its real tokens, the padded ones it ran)
+        self.count_tokens = count_tokens  # a text model's batch and its instance: (its real tokens, the padded ones it ran)
         self.row_length = row_length  # a row's length, where rows differ in it (measured once, at submit)
         self.group_by_length = row_length is not None and group_by_length
         self.max_padded_size = max_padded_size  # the most a batch's rows × its longest row may be (None: no cap)
@@ -437,7 +437,7 @@ class DynamicBatcher:
         """The batch's outputs, and for a text model its tokens (counted here, off the event loop)."""
         batch = self.stack(images)
         out = self.runners[instance](batch)
-        tokens = self.count_tokens(batch) if self.count_tokens is not None else None
+        tokens = self.count_tokens(batch, instance) if self.count_tokens is not None else None
         return ([out] if isinstance(out, np.ndarray) else list(out)), tokens
 
     async def _run(self, batch: list[_Row], instance: int = 0) -> None:

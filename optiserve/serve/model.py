@@ -153,7 +153,7 @@ class ServedModel:
                 batcher = DynamicBatcher(runners, batching.max_batch_size, batching.max_delay_ms,
                                          batching.max_queue, name=f"{self.name}/{entry['name']}", on_batch=on_batch,
                                          thread_initializer=batching.thread_initializer,
-                                         **self._rows(batching.max_batch_tokens))
+                                         **self._rows(batching.max_batch_tokens, instances))
                 batcher.start()
                 self.variants[entry["name"]] = ServedVariant(instances[0], batcher, stats)
                 log.info("model %s: variant %s (%s, %s) loaded and warmed up%s", self.name, entry["name"],
@@ -163,13 +163,18 @@ class ServedModel:
             await self.close(0)
             raise
 
-    def _rows(self, max_batch_tokens: int | None) -> dict:
+    def _rows(self, max_batch_tokens: int | None, instances: list[LoadedVariant]) -> dict:
         """How the batcher joins this model's rows: images of one shape, decoded into staging rows
         (serve/staging.py); token rows of different lengths, grouped by length and padded to the
-        longest (no staging), each batch's real and padded tokens counted, and with
-        `max_batch_tokens` its padded tokens capped."""
+        longest (no staging), each batch's real tokens counted and the padded ones its instance's
+        session ran (runtime.length_groups), and with `max_batch_tokens` its padded tokens capped."""
         if self.texts is not None:
-            return {"stack": self.texts.stack, "count_tokens": self.texts.batch_tokens,
+            sessions = [i.session for i in instances]
+
+            def count_tokens(batch: np.ndarray, instance: int) -> tuple[int, int]:
+                return self.texts.real_tokens(batch), sessions[instance].padded_tokens(batch)
+
+            return {"stack": self.texts.stack, "count_tokens": count_tokens,
                     "row_length": self.texts.row_length, "max_padded_size": max_batch_tokens}
         return {"row_shape": tuple(self.spec.shape)}
 

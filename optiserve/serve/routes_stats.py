@@ -15,7 +15,9 @@ def model_stats(model: ServedModel, samples: bool) -> dict:
     variants = {name: {**v.stats.snapshot(samples), "queue_depth": v.batcher.depth, **_levels(v.batcher),
                        "instances": v.batcher.instances, **reported_facts(v.loaded.entry),
                        # what this server's engine computes in on this CPU, which may not be the builder's
-                       "computes_in": v.loaded.session.computes_in()}
+                       "computes_in": v.loaded.session.computes_in(),
+                       # a text model's cost of one run, by which its batches are cut into runs of like length
+                       **({"run_cost": v.loaded.session.run_cost()} if model.texts is not None else {})}
                 for name, v in list(model.variants.items())}
     shadow = {name: s.snapshot() for name, s in model.shadow_stats.items()}
     return {"model": model.name, "version": model.version[:12], "task": model.task.name, "input": model.manifest["input"],

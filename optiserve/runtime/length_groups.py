@@ -1,0 +1,186 @@
+"""A text batch run as sub-batches of like length, where that costs the engine less than padding.
+
+A batch of texts is padded to its longest text, so one long text makes every short one beside it
+run at its length. Sorting the batch's texts by length and cutting it into runs of like length pads
+little, but each run costs the engine a fixed amount of its own. `LengthGroupedSession` cuts a batch
+where the padding a cut saves is worth more than a run's fixed cost. That cost is measured, not
+assumed (`RunCost`): on the session when it is loaded, then on every run it makes, so that where a
+run costs more than it did alone (a server whose request path and clients share the cores, where
+waking the engine's threads takes milliseconds) the session cuts less. Every caller of the runtime
+(the optimizer's judging and timing, the server, the benchmarks) runs text through it.
+
+Only a model that takes an attention mask is cut: its vector for a text does not depend on the
+padding beside it, so the outputs are the batch's own (to float rounding). A model whose outputs
+have a per-token axis is not cut either (the pieces' outputs would not join)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from optiserve.text_input import MASK, TextInput
+
+CALIBRATION_SHAPES = ((1, 16), (4, 64))  # (texts, tokens): one run near the fixed cost, one near the per-token one
+CALIBRATION_RUNS = 2  # timed runs per shape after a first one; the fastest is kept (others' load only adds)
+CALIBRATION_WEIGHT = 4.0  # the loaded measure counts as this many runs, so that a few runs do not overturn it
+DECAY = 0.98  # each run's weight in the fit falls by this much a run: the last hundred or so runs decide
+
+
+class RunCost:
+    """A session's cost of one run, `fixed` + `per_token` × its padded tokens (seconds): a least-squares
+    line through the runs it made, recent ones weighing most (`observe`), started from two measured
+    shapes. `fixed_tokens` is the fixed cost in tokens: what a cut must save to pay off."""
+
+    def __init__(self, points: list[tuple[int, float]]):
+        self._lock = threading.Lock()
+        self._sums = np.zeros(5)  # weighted: count, tokens, tokens², seconds, tokens × seconds
+        self.fixed, self.per_token = 0.0, 0.0
+        for tokens, seconds in points:
+            self._add(tokens, seconds, CALIBRATION_WEIGHT)
+        self._fit()
+
+    @property
+    def fixed_tokens(self) -> float:
+        return self.fixed / self.per_token
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A run of `tokens` padded tokens took `seconds`: the line moves toward it."""
+        with self._lock:
+            self._sums *= DECAY
+            self._add(tokens, seconds, 1.0)
+            self._fit()
+
+    def _add(self, tokens: float, seconds: float, weight: float) -> None:
+        self._sums += weight * np.array([1.0, tokens, tokens * tokens, seconds, tokens * seconds])
+
+    def _fit(self) -> None:
+        """The weighted line; kept as it was where the runs cannot tell a fixed cost from a per-token one."""
+        n, x, xx, y, xy = self._sums
+        spread = n * xx - x * x
+        if spread <= 1e-12 * max(n * xx, 1.0):
+            return
+        per_token = (n * xy - x * y) / spread
+        if per_token <= 0:
+            return
+        self.per_token, self.fixed = per_token, max((y - per_token * x) / n, 0.0)
+
+    @classmethod
+    def measure(cls, run, max_length: int) -> "RunCost | None":
+        """`run` (a session's run_outputs) timed at CALIBRATION_SHAPES (lengths capped at `max_length`);
+        None where the model's outputs change shape with the sequence length (per-token outputs) or
+        the two shapes cannot tell a fixed cost from a per-token one."""
+        points, shapes = [], []
+        for texts, length in CALIBRATION_SHAPES:
+            length = max(2, min(length, max_length))
+            batch = np.zeros((texts, 3, length), dtype=np.int64)  # token id 0, every token real
+            batch[:, MASK] = 1
+            shapes.append([o.shape[1:] for o in run(batch)])
+            best = float("inf")
+            for _ in range(CALIBRATION_RUNS):
+                t0 = time.perf_counter()
+                run(batch)
+                best = min(best, time.perf_counter() - t0)
+            points.append((texts * length, best))
+        if shapes[0] != shapes[1] or points[0][0] >= points[1][0]:
+            return None
+        cost = cls(points)
+        return cost if cost.per_token > 0 else None
+
+
+def length_groups(lengths: np.ndarray, fixed_tokens: float) -> list[np.ndarray]:
+    """The rows of a batch (their token `lengths`) cut into runs of like length that cost the least
+    in padded tokens plus `fixed_tokens` a run: row indices, each run's in ascending length. One run
+    (every row, in its order) where no cut can pay off."""
+    lengths = np.asarray(lengths)
+    n = len(lengths)
+    if n < 2 or n * int(lengths.max()) - int(lengths.sum()) <= fixed_tokens:  # all the padding is worth less than a run
+        return [np.arange(n)]
+    order = np.argsort(lengths, kind="stable")
+    ordered = lengths[order].astype(np.float64)
+    # best[j]: the least cost of the j shortest rows; a run of rows i..j-1 costs fixed + (j - i) × the longest
+    best = np.zeros(n + 1)
+    start = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        costs = best[:j] + fixed_tokens + (j - np.arange(j)) * ordered[j - 1]
+        start[j] = int(np.argmin(costs))
+        best[j] = costs[start[j]]
+    runs, j = [], n
+    while j > 0:
+        runs.append(order[start[j]:j])
+        j = start[j]
+    return runs[::-1] if len(runs) > 1 else [np.arange(n)]
+
+
+class LengthGroupedSession:
+    """A text model's session that runs each batch as `length_groups` cuts it (see the module's
+    docstring); everything else is the wrapped session's."""
+
+    def __init__(self, session, text: TextInput, enabled: bool = True):
+        self.session = session
+        self.cost = RunCost.measure(session.run_outputs, text.max_length) \
+            if enabled and "attention_mask" in text.inputs else None
+        self._ran = threading.local()  # per thread: (the last batch run, the tokens its runs padded to)
+
+    def __getattr__(self, name):  # backend, device, computes_in and a backend's own attributes
+        if name == "session":
+            raise AttributeError(name)
+        return getattr(self.session, name)
+
+    def run_cost(self) -> dict | None:
+        """The cost of a run as it stands (None where batches are never cut): what /stats reports."""
+        if self.cost is None:
+            return None
+        return {"fixed_ms": round(1e3 * self.cost.fixed, 4), "per_token_ms": round(1e3 * self.cost.per_token, 6),
+                "fixed_tokens": round(self.cost.fixed_tokens, 1)}
+
+    def groups(self, batch: np.ndarray) -> list[np.ndarray]:
+        """The runs `batch` would be cut into now (row indices); one run where nothing is cut."""
+        if self.cost is None or len(batch) < 2:
+            return [np.arange(len(batch))]
+        return length_groups(_lengths(batch), self.cost.fixed_tokens)
+
+    def padded_tokens(self, batch: np.ndarray) -> int:
+        """The tokens the engine ran for `batch`, each run's rows × its longest row: as this thread
+        last ran it, else as it would run it now."""
+        last = getattr(self._ran, "last", None)
+        if last is not None and last[0] is batch:
+            return last[1]
+        lengths = _lengths(batch)
+        return int(sum(len(g) * lengths[g].max() for g in self.groups(batch)))
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        return self._grouped(batch, lambda b: [self.session.run(b)])[0]
+
+    def run_outputs(self, batch: np.ndarray) -> list[np.ndarray]:
+        return self._grouped(batch, self.session.run_outputs)
+
+    def _grouped(self, batch: np.ndarray, run) -> list[np.ndarray]:
+        """`run`'s outputs for `batch`, run in its groups and joined back in the batch's row order;
+        each run's time taught to the cost."""
+        lengths = _lengths(batch)
+        groups = self.groups(batch)
+        pieces, padded = [], 0
+        for g in groups:
+            longest = int(lengths[g].max())
+            t0 = time.perf_counter()
+            pieces.append(run(batch if len(groups) == 1 else batch[g, :, :longest]))
+            if self.cost is not None:
+                self.cost.observe(len(g) * longest, time.perf_counter() - t0)
+            padded += len(g) * longest
+        self._ran.last = (batch, padded)
+        if len(groups) == 1:
+            return pieces[0]
+        joined = []
+        for k, first in enumerate(pieces[0]):
+            out = np.empty((len(batch), *first.shape[1:]), dtype=first.dtype)
+            for g, piece in zip(groups, pieces):
+                out[g] = piece[k]
+            joined.append(out)
+        return joined
+
+
+def _lengths(batch: np.ndarray) -> np.ndarray:
+    """Each text's own tokens in a token batch (its mask's ones; at least 1)."""
+    return np.maximum(np.count_nonzero(batch[:, MASK], axis=1), 1)
