@@ -9,8 +9,9 @@ Each round starts, in turn and one at a time on a quiet machine:
 
 "Ready" and resident memory are measured as benchmarks/cold_start.py measures them (first 200 from
 the readiness endpoint, polled every 50 ms; VmRSS after 20 answered requests of 4 texts each). The
-optiserve servers are ready once every batch size they form is warm, a full-length batch included
-(serve/text_requests.py's warm-up); the peer once its session is loaded. Medians over the rounds,
+optiserve servers are ready once every batch size they form is warm at a short length
+(serve/text_requests.py's warm-up) and each session has measured its cost of a run
+(runtime/length_groups.py); the peer once its session is loaded. Medians over the rounds,
 with the ratios to the peer (bar: ready <= 1.5x, memory <= 2x).
 
     python benchmarks/text_cold_start.py                    # all-MiniLM-L6-v2, built first if missing

@@ -22,8 +22,8 @@ import numpy as np
 
 from optiserve.text_input import MASK, TextInput
 
-CALIBRATION_SHAPES = ((1, 16), (4, 64))  # (texts, tokens): one run near the fixed cost, one near the per-token one
-CALIBRATION_RUNS = 2  # timed runs per shape after a first one; the fastest is kept (others' load only adds)
+CALIBRATION_SHAPES = ((1, 16), (2, 64))  # (texts, tokens): one run near the fixed cost, one of 8 times the tokens
+CALIBRATION_RUNS = 1  # timed runs per shape after a first one (the runs that follow refine the fit)
 CALIBRATION_WEIGHT = 4.0  # the loaded measure counts as this many runs, so that a few runs do not overturn it
 DECAY = 0.98  # each run's weight in the fit falls by this much a run: the last hundred or so runs decide
 
@@ -43,7 +43,8 @@ class RunCost:
 
     @property
     def fixed_tokens(self) -> float:
-        return self.fixed / self.per_token
+        """Infinite (nothing is cut) until the runs tell a per-token cost apart."""
+        return self.fixed / self.per_token if self.per_token > 0 else float("inf")
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A run of `tokens` padded tokens took `seconds`: the line moves toward it."""
@@ -69,8 +70,9 @@ class RunCost:
     @classmethod
     def measure(cls, run, max_length: int) -> "RunCost | None":
         """`run` (a session's run_outputs) timed at CALIBRATION_SHAPES (lengths capped at `max_length`);
-        None where the model's outputs change shape with the sequence length (per-token outputs) or
-        the two shapes cannot tell a fixed cost from a per-token one."""
+        None where the model's outputs change shape with the sequence length (per-token outputs).
+        Where the two shapes cannot tell a fixed cost from a per-token one (a model so small that
+        noise hides its per-token cost), nothing is cut until the runs that follow do."""
         points, shapes = [], []
         for texts, length in CALIBRATION_SHAPES:
             length = max(2, min(length, max_length))
@@ -85,8 +87,7 @@ class RunCost:
             points.append((texts * length, best))
         if shapes[0] != shapes[1] or points[0][0] >= points[1][0]:
             return None
-        cost = cls(points)
-        return cost if cost.per_token > 0 else None
+        return cls(points)
 
 
 def length_groups(lengths: np.ndarray, fixed_tokens: float) -> list[np.ndarray]:
@@ -132,8 +133,9 @@ class LengthGroupedSession:
         """The cost of a run as it stands (None where batches are never cut): what /stats reports."""
         if self.cost is None:
             return None
+        fixed_tokens = self.cost.fixed_tokens
         return {"fixed_ms": round(1e3 * self.cost.fixed, 4), "per_token_ms": round(1e3 * self.cost.per_token, 6),
-                "fixed_tokens": round(self.cost.fixed_tokens, 1)}
+                "fixed_tokens": round(fixed_tokens, 1) if fixed_tokens != float("inf") else None}
 
     def groups(self, batch: np.ndarray) -> list[np.ndarray]:
         """The runs `batch` would be cut into now (row indices); one run where nothing is cut."""
