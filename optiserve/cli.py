@@ -11,15 +11,24 @@ from optiserve import __version__
 from optiserve.errors import UserError
 from optiserve.machine import stated_flags
 
-# subcommand -> module with HELP, add_arguments(parser) and run(args) -> exit code
+# subcommand -> (module with add_arguments(parser) and run(args) -> exit code, its one-line help); the
+# help lives here so that `optiserve --help` lists the commands without importing any of them
 COMMANDS = {
-    "train": "optiserve.train.command",
-    "optimize": "optiserve.optimize.command",
-    "serve": "optiserve.serve.command",
-    "bench": "optiserve.bench.command",
-    "compare": "optiserve.bench.compare_command",
-    "tune": "optiserve.bench.tune_command",
-    "repair": "optiserve.repair_command",
+    "train": ("optiserve.train.command",
+              "train a model with data-parallel SGD (run under torchrun for several processes or nodes)"),
+    "optimize": ("optiserve.optimize.command",
+                 "build, validate and package faster variants of a model (TorchScript, ONNX, INT8)"),
+    "serve": ("optiserve.serve.command",
+              "serve an artifact folder or a repository of them: /predict, the Open Inference Protocol (v2), /stats"),
+    "bench": ("optiserve.bench.command",
+              "measure latency and throughput: offline engine timings, or HTTP load against a server"),
+    "compare": ("optiserve.bench.compare_command",
+                "A/B latency report from bench results (or a running server's traffic): md, html, json, plots"),
+    "tune": ("optiserve.bench.tune_command",
+             "search variants x batch size x delay x instances for the highest throughput meeting a p99 objective "
+             "(a model's, or each model's of a pipeline)"),
+    "repair": ("optiserve.repair_command",
+               "put back the previous version of an artifact folder whose publish was interrupted"),
 }
 
 
@@ -51,17 +60,17 @@ class OneLineErrorParser(argparse.ArgumentParser):
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser; given the command line `argv`, only its command's module is imported and its
     arguments added (`optiserve serve` must not import the trainer's torch and torchvision: seconds
-    of start-up, and a serving image may not have them), otherwise every command's."""
+    of start-up, and a serving image may not have them; `optiserve --help` imports none), without
+    it every command's."""
     parser = OneLineErrorParser(prog="optiserve", description="Train, optimize, serve and measure vision models.")
     parser.add_argument("--version", action="version", version=f"optiserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv or [] if not a.startswith("-")), None)
-    for name, module_name in COMMANDS.items():
-        if chosen in COMMANDS and name != chosen:
-            sub.add_parser(name)  # not the command being run: nothing of it is needed
+    for name, (module_name, help_line) in COMMANDS.items():
+        if argv is not None and name != chosen:
+            sub.add_parser(name, help=help_line)  # not the command being run: only its name and help are needed
             continue
-        module = importlib.import_module(module_name)
-        module.add_arguments(sub.add_parser(name, help=module.HELP))
+        importlib.import_module(module_name).add_arguments(sub.add_parser(name, help=help_line))
     return parser
 
 
@@ -76,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    module = importlib.import_module(COMMANDS[args.command])
+    module = importlib.import_module(COMMANDS[args.command][0])
     try:
         stated_flags()  # a mistyped OPTISERVE_CPU_FLAGS is one line before any work, not an error mid-run
         return module.run(args)

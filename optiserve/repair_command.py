@@ -10,8 +10,6 @@ from pathlib import Path
 from optiserve.artifacts import interrupted_publishes, repair_interrupted_publish
 from optiserve.errors import UserError
 
-HELP = "put back the previous version of an artifact folder whose publish was interrupted"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0]

@@ -54,6 +54,18 @@ def test_an_invalid_choice_is_one_line_naming_the_fix():
                                    "(choose from 'auto', 'bf16', 'fp16', 'off') (see optiserve train --help)")
 
 
+def test_the_command_list_imports_no_command():
+    """`optiserve --help` (or a mistyped command) lists the commands without importing torch or any of them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, optiserve.cli as cli; cli.build_parser(['--help']); cli.build_parser(['srve']); "
+            "print(sorted(m for m in sys.modules if m in ('torch', 'fastapi', 'sklearn') or m.endswith('command')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+    assert "search variants x batch size" in run_cli("--help").stdout  # each command's help line, still listed
+
+
 def test_the_cli_parser_does_not_import_the_web_stack():
     """`train` and `optimize` must work where FastAPI is not installed (seen on a GPU machine)."""
     import subprocess

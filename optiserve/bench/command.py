@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-HELP = "measure latency and throughput: offline engine timings, or HTTP load against a server"
 DESCRIPTION = """\
 Measure, and write every request's latency to a results file for `optiserve compare`.
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-HELP = "A/B latency report from bench results (or a running server's traffic): md, html, json, plots"
 DESCRIPTION = """\
 Compare variants: percentiles with 95% bootstrap confidence intervals, speedups against a
 baseline with their intervals, a plain verdict per variant, and plots.

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-HELP = "search variants x batch size x delay x instances for the highest throughput meeting a p99 objective " \
-       "(a model's, or each model's of a pipeline)"
 DESCRIPTION = """\
 Serve the model folder's variants with real `optiserve serve` processes under the project's load
 generator, and find the variant, max batch size, batching delay and instances with the highest

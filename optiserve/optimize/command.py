@@ -17,7 +17,6 @@ from optiserve.optimize.report import recommendation_line, summary_header, summa
 from optiserve.optimize.architecture import RECIPES
 from optiserve.optimize.quantize_ort import CALIB_METHODS
 
-HELP = "build, validate and package faster variants of a model (TorchScript, ONNX, INT8)"
 DESCRIPTION = """\
 Build faster variants of MODEL, check each against the fp32 model on held-out data, and write
 an artifact folder (one file per variant, manifest.json, report.md) that the server loads.

@@ -13,7 +13,6 @@ from optiserve.batch_window import IMAGE_MAX_DELAY_MS, TEXT_MAX_DELAY_MS
 from optiserve.errors import UserError
 from optiserve.serve.config import ServeConfig
 
-HELP = "serve an artifact folder or a repository of them: /predict, the Open Inference Protocol (v2), /stats"
 DESCRIPTION = """\
 Load the variants of PATH once, warm them up, and serve them with dynamic batching. PATH is one
 artifact folder (one model, named by its manifest) or a repository: a folder of artifact folders,

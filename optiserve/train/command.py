@@ -8,7 +8,6 @@ from optiserve.data import DATASET_CHOICES
 from optiserve.models import list_models
 from optiserve.train.trainer import TrainConfig, train
 
-HELP = "train a model with data-parallel SGD (run under torchrun for several processes or nodes)"
 DESCRIPTION = """\
 Train MODEL on a dataset and write a checkpoint that `optimize` takes.
 
