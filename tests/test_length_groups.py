@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from conftest import until
 from optiserve.artifacts import read_manifest
-from optiserve.runtime.length_groups import (CALIBRATION_WEIGHT, DECAY, LengthGroupedSession, RunCost,
+from optiserve.runtime.length_groups import (CALIBRATION_WEIGHT, DECAY, FLOOR, OUTLIER, LengthGroupedSession, RunCost,
                                              length_groups)
 from optiserve.serve.text_requests import TextRequests
 from optiserve.text_input import TextInput, text_input_of
@@ -79,6 +79,7 @@ def test_the_runtime_measures_a_text_session_s_cost_of_a_run(encoder):
     session, _, _ = encoder
     assert isinstance(session, LengthGroupedSession)
     assert session.cost is not None and session.cost.per_token >= 0 and session.cost.fixed >= 0
+    assert not session.quantizes_activations_per_batch()  # onnx-fp32: a text's vector is its own
     assert session.backend == "onnxruntime"  # the wrapped session's own attributes
 
 
@@ -88,6 +89,7 @@ def test_each_text_gets_the_vector_it_gets_alone_in_the_batch_s_order(encoder):
     batch = texts.tokens(mixed).batch
     cut = LengthGroupedSession(session.session, texts.input, enabled=False)
     cut.cost = RunCost([(1, 2e-6), (2, 3e-6)])  # a run costs one token: nearly every length a run of its own
+    cut.cost.observe = lambda tokens, seconds: None  # and stays so: every call below cuts alike
     runs = cut.groups(batch)
     assert len(runs) > 2
     lengths = np.count_nonzero(batch[:, 1], axis=1)
@@ -99,6 +101,31 @@ def test_each_text_gets_the_vector_it_gets_alone_in_the_batch_s_order(encoder):
     outputs = cut.run_outputs(batch)
     np.testing.assert_allclose(outputs[0], uncut, rtol=1e-4, atol=1e-5)
     assert outputs[0].dtype == session.session.run_outputs(batch)[0].dtype
+
+
+def test_a_graph_that_quantizes_activations_over_the_batch_is_never_cut(bert_encoder):
+    from optiserve.runtime import load_session
+
+    folder = bert_encoder[0]
+    manifest = read_manifest(folder)
+    entry = next(v for v in manifest["variants"] if v["name"] == "onnx-int8")  # ONNX Runtime's dynamic INT8
+    session = load_session(folder / entry["file"], entry, manifest)
+    assert session.quantizes_activations_per_batch() and session.cost is None and session.run_cost() is None
+
+
+def test_an_empty_batch_is_handed_to_the_engine_as_it_is(encoder):
+    _, texts, corpus = encoder
+    seen = []
+
+    class Engine:  # records what it is handed
+        def run(self, batch):
+            seen.append(batch.shape)
+            return np.zeros((len(batch), 4), dtype=np.float32)
+
+    wrapped = LengthGroupedSession(Engine(), texts.input, enabled=False)
+    wrapped.cost = RunCost([(1, 2e-6), (2, 3e-6)])
+    empty = texts.tokens([corpus[0]]).batch[:0]
+    assert wrapped.run(empty).shape == (0, 4) and seen == [empty.shape] and wrapped.padded_tokens(empty) == 0
 
 
 def test_a_model_without_an_attention_mask_is_never_cut(encoder):
@@ -119,15 +146,17 @@ def test_outputs_with_a_per_token_axis_are_never_cut():
         return [np.ones((batch.shape[0], batch.shape[2], 4096), dtype=np.float32).sum(axis=1)]
 
     assert RunCost.measure(per_token, 128) is None
+    assert RunCost.measure(per_token, 16) is None  # a short model too: the two shapes differ in length
     assert RunCost.measure(per_text, 128) is not None
 
 
 def test_the_cost_is_the_weighted_least_squares_line_through_the_runs_made():
     cost = RunCost([(16, 0.0007), (256, 0.0052)])
-    assert cost.fixed_tokens == pytest.approx(0.0007 / ((0.0052 - 0.0007) / 240) - 16)
+    loaded = cost.fixed_tokens
+    assert loaded == pytest.approx(0.0007 / ((0.0052 - 0.0007) / 240) - 16)
     rng = np.random.default_rng(0)
-    runs = [(int(x), 0.005 + 2e-5 * x + rng.normal(0, 2e-4)) for x in rng.integers(40, 900, size=60)]
-    for tokens, seconds in runs:  # a busy server: every run pays 5 ms more than alone
+    runs = [(int(x), 0.002 + 2e-5 * x + rng.normal(0, 1e-4)) for x in rng.integers(40, 900, size=60)]
+    for tokens, seconds in runs:  # a busy server: every run pays 1.6 ms more than alone
         cost.observe(tokens, seconds)
     xs = [16, 256] + [x for x, _ in runs]
     ys = [0.0007, 0.0052] + [y for _, y in runs]
@@ -135,11 +164,27 @@ def test_the_cost_is_the_weighted_least_squares_line_through_the_runs_made():
     weights = [CALIBRATION_WEIGHT * DECAY ** n] * 2 + [DECAY ** (n - 1 - i) for i in range(n)]
     slope, intercept = np.polyfit(xs, ys, 1, w=np.sqrt(weights))  # polyfit weighs the residuals, not their squares
     assert cost.per_token == pytest.approx(slope) and cost.fixed == pytest.approx(intercept)
-    assert cost.fixed_tokens > 150  # was 9 as loaded: the session now cuts only where a cut saves that much
+    assert cost.fixed_tokens > 3 * loaded  # 21 as loaded: the session now cuts only where a cut saves far more
     before = cost.fixed, cost.per_token
     for _ in range(5):
         cost.observe(300, 0.01)  # runs of one size say nothing new about the line's slope: no division by zero
     assert cost.per_token > 0 and np.isfinite(cost.fixed_tokens) and (cost.fixed, cost.per_token) != before
+
+
+def test_one_slow_run_moves_the_cost_little_and_it_never_falls_below_a_quarter_of_the_loaded_one():
+    cost = RunCost([(16, 0.0007), (256, 0.0052)])
+    loaded = cost.fixed_tokens
+    for x in (100, 400, 700, 200, 600):
+        cost.observe(x, 0.0004 + 1.875e-5 * x)  # on the loaded line
+    settled = cost.fixed_tokens
+    cost.observe(20, 0.1)  # a pause of 100 ms in a short run: it counts as OUTLIER times the prediction
+    assert cost.fixed_tokens < settled * OUTLIER
+    cost.observe(900, 0.1)
+    assert cost.fixed_tokens >= FLOOR * loaded
+    for x in (100, 800, 300, 900, 50) * 30:
+        cost.observe(x, 2e-5 * x)  # runs with no fixed cost at all
+    assert cost.fixed == pytest.approx(0, abs=1e-5) and cost.fixed_tokens == pytest.approx(FLOOR * loaded)
+    assert len(length_groups(np.arange(40, 56), cost.fixed_tokens)) < 16  # lengths a token apart: not one run a text
 
 
 def test_a_cost_that_cannot_tell_a_per_token_part_cuts_nothing_until_the_runs_do():

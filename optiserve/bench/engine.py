@@ -4,8 +4,9 @@ Every variant is loaded (sha256-checked) and warmed up at each batch size; then,
 the variants take turns in interleaved rounds (the runtime layer's timing loop) for `duration_s`
 each in all, and every call's wall time is recorded. An image model is fed random tensors of its
 input's shape; a text model, token batches of real texts (`--texts`, or a sample sentence) made by
-its own tokenizer, padded to each batch's longest text as the server pads them, whose tokens are
-recorded beside the times. Sessions return host arrays,
+its own tokenizer, padded to each batch's longest text as the server pads them (and run, as the
+server runs them, in runs of like length where that costs less), whose tokens are recorded beside
+the times. Sessions return host arrays,
 so on CUDA a call's time includes the device finishing its work (copying the result back
 synchronizes), and no separate synchronize is needed.
 """

@@ -10,8 +10,13 @@ waking the engine's threads takes milliseconds) the session cuts less. Every cal
 (the optimizer's judging and timing, the server, the benchmarks) runs text through it.
 
 Only a model that takes an attention mask is cut: its vector for a text does not depend on the
-padding beside it, so the outputs are the batch's own (to float rounding). A model whose outputs
-have a per-token axis is not cut either (the pieces' outputs would not join)."""
+padding beside it, so the outputs are the batch's own (to float rounding). A graph that quantizes
+activations with a scale taken over the whole batch at run time (ONNX Runtime's dynamic INT8) is not
+cut, since there a text's vector does depend on the rows beside it and the answers would change
+with the load; nor is a model whose outputs have a per-token axis (the pieces' outputs would not
+join). An observed run's time counts at most OUTLIER times what the line predicts (a pause, a first
+run at a new shape), and the fixed cost never falls below a quarter of the one measured at load, so
+one slow run cannot make the session cut every text apart, nor stop it cutting for long."""
 
 from __future__ import annotations
 
@@ -25,7 +30,9 @@ from optiserve.text_input import MASK, TextInput
 CALIBRATION_SHAPES = ((1, 16), (2, 64))  # (texts, tokens): one run near the fixed cost, one of 8 times the tokens
 CALIBRATION_RUNS = 1  # timed runs per shape after a first one (the runs that follow refine the fit)
 CALIBRATION_WEIGHT = 4.0  # the loaded measure counts as this many runs, so that a few runs do not overturn it
-DECAY = 0.98  # each run's weight in the fit falls by this much a run: the last hundred or so runs decide
+DECAY = 0.98  # each run's weight in the fit falls by this much a run: the last fifty or so runs decide
+OUTLIER = 3.0  # an observed run counts as at most this many times (and at least 1/this of) the predicted time
+FLOOR = 0.25  # the fixed cost in tokens never falls below this share of the one measured at load
 
 
 class RunCost:
@@ -35,26 +42,44 @@ class RunCost:
 
     def __init__(self, points: list[tuple[int, float]]):
         self._lock = threading.Lock()
-        self._sums = np.zeros(5)  # weighted: count, tokens, tokens², seconds, tokens × seconds
-        self.fixed, self.per_token = 0.0, 0.0
+        self._sums = [0.0] * 5  # weighted: count, tokens, tokens², seconds, tokens × seconds
+        self._line = (0.0, 0.0)  # (fixed, per_token), replaced whole
         for tokens, seconds in points:
             self._add(tokens, seconds, CALIBRATION_WEIGHT)
         self._fit()
+        self._floor = FLOOR * self.fixed_tokens if self.per_token > 0 else 0.0
+
+    @property
+    def fixed(self) -> float:
+        return self._line[0]
+
+    @property
+    def per_token(self) -> float:
+        return self._line[1]
 
     @property
     def fixed_tokens(self) -> float:
         """Infinite (nothing is cut) until the runs tell a per-token cost apart."""
-        return self.fixed / self.per_token if self.per_token > 0 else float("inf")
+        fixed, per_token = self._line
+        if per_token <= 0:
+            return float("inf")
+        return max(fixed / per_token, getattr(self, "_floor", 0.0))
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A run of `tokens` padded tokens took `seconds`: the line moves toward it."""
+        """A run of `tokens` padded tokens took `seconds`: the line moves toward it (an outlier counts
+        as OUTLIER times the predicted time at most)."""
         with self._lock:
-            self._sums *= DECAY
+            fixed, per_token = self._line
+            if per_token > 0:
+                predicted = fixed + per_token * tokens
+                seconds = min(max(seconds, predicted / OUTLIER), predicted * OUTLIER)
+            self._sums = [DECAY * v for v in self._sums]
             self._add(tokens, seconds, 1.0)
             self._fit()
 
     def _add(self, tokens: float, seconds: float, weight: float) -> None:
-        self._sums += weight * np.array([1.0, tokens, tokens * tokens, seconds, tokens * seconds])
+        for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
+            self._sums[i] += weight * v
 
     def _fit(self) -> None:
         """The weighted line; kept as it was where the runs cannot tell a fixed cost from a per-token one."""
@@ -65,17 +90,23 @@ class RunCost:
         per_token = (n * xy - x * y) / spread
         if per_token <= 0:
             return
-        self.per_token, self.fixed = per_token, max((y - per_token * x) / n, 0.0)
+        self._line = (max((y - per_token * x) / n, 0.0), per_token)
 
     @classmethod
     def measure(cls, run, max_length: int) -> "RunCost | None":
-        """`run` (a session's run_outputs) timed at CALIBRATION_SHAPES (lengths capped at `max_length`);
-        None where the model's outputs change shape with the sequence length (per-token outputs).
-        Where the two shapes cannot tell a fixed cost from a per-token one (a model so small that
-        noise hides its per-token cost), nothing is cut until the runs that follow do."""
+        """`run` (a session's run_outputs) timed at CALIBRATION_SHAPES (lengths capped at `max_length`,
+        and kept apart so that the outputs' shapes at two lengths can be compared); None where the
+        model's outputs change shape with the sequence length (per-token outputs), or where the model
+        is too short to tell. Where the two shapes cannot tell a fixed cost from a per-token one (a
+        model so small that noise hides its per-token cost), nothing is cut until the runs that
+        follow do."""
+        (short_texts, short), (long_texts, long) = CALIBRATION_SHAPES
+        long = min(long, max_length)
+        short = min(short, long // 2)
+        if short < 1:
+            return None
         points, shapes = [], []
-        for texts, length in CALIBRATION_SHAPES:
-            length = max(2, min(length, max_length))
+        for texts, length in ((short_texts, short), (long_texts, long)):
             batch = np.zeros((texts, 3, length), dtype=np.int64)  # token id 0, every token real
             batch[:, MASK] = 1
             shapes.append([o.shape[1:] for o in run(batch)])
@@ -85,7 +116,7 @@ class RunCost:
                 run(batch)
                 best = min(best, time.perf_counter() - t0)
             points.append((texts * length, best))
-        if shapes[0] != shapes[1] or points[0][0] >= points[1][0]:
+        if shapes[0] != shapes[1]:
             return None
         return cls(points)
 
@@ -93,23 +124,27 @@ class RunCost:
 def length_groups(lengths: np.ndarray, fixed_tokens: float) -> list[np.ndarray]:
     """The rows of a batch (their token `lengths`) cut into runs of like length that cost the least
     in padded tokens plus `fixed_tokens` a run: row indices, each run's in ascending length. One run
-    (every row, in its order) where no cut can pay off."""
+    (every row, in its order) where no cut can pay off. Cuts fall only between different lengths,
+    so the search is over the batch's distinct lengths (at most the model's max length)."""
     lengths = np.asarray(lengths)
     n = len(lengths)
     if n < 2 or n * int(lengths.max()) - int(lengths.sum()) <= fixed_tokens:  # all the padding is worth less than a run
         return [np.arange(n)]
     order = np.argsort(lengths, kind="stable")
-    ordered = lengths[order].astype(np.float64)
-    # best[j]: the least cost of the j shortest rows; a run of rows i..j-1 costs fixed + (j - i) × the longest
-    best = np.zeros(n + 1)
-    start = np.zeros(n + 1, dtype=np.int64)
-    for j in range(1, n + 1):
-        costs = best[:j] + fixed_tokens + (j - np.arange(j)) * ordered[j - 1]
+    distinct, counts = np.unique(lengths[order], return_counts=True)
+    rows_before = np.concatenate([[0], np.cumsum(counts)])  # rows shorter than each distinct length
+    d = len(distinct)
+    # best[j]: the least cost of the rows of the j shortest lengths; a run of lengths i..j-1 costs
+    # fixed + its rows × the longest of them
+    best = np.zeros(d + 1)
+    start = np.zeros(d + 1, dtype=np.int64)
+    for j in range(1, d + 1):
+        costs = best[:j] + fixed_tokens + (rows_before[j] - rows_before[:j]) * float(distinct[j - 1])
         start[j] = int(np.argmin(costs))
         best[j] = costs[start[j]]
-    runs, j = [], n
+    runs, j = [], d
     while j > 0:
-        runs.append(order[start[j]:j])
+        runs.append(order[rows_before[start[j]]:rows_before[j]])
         j = start[j]
     return runs[::-1] if len(runs) > 1 else [np.arange(n)]
 
@@ -120,8 +155,9 @@ class LengthGroupedSession:
 
     def __init__(self, session, text: TextInput, enabled: bool = True):
         self.session = session
-        self.cost = RunCost.measure(session.run_outputs, text.max_length) \
-            if enabled and "attention_mask" in text.inputs else None
+        per_batch = getattr(session, "quantizes_activations_per_batch", None)  # a backend that can say so
+        cuttable = enabled and "attention_mask" in text.inputs and not (per_batch is not None and per_batch())
+        self.cost = RunCost.measure(session.run_outputs, text.max_length) if cuttable else None
         self._ran = threading.local()  # per thread: (the last batch run, the tokens its runs padded to)
 
     def __getattr__(self, name):  # backend, device, computes_in and a backend's own attributes
@@ -149,6 +185,8 @@ class LengthGroupedSession:
         last = getattr(self._ran, "last", None)
         if last is not None and last[0] is batch:
             return last[1]
+        if len(batch) == 0:
+            return 0
         lengths = _lengths(batch)
         return int(sum(len(g) * lengths[g].max() for g in self.groups(batch)))
 
@@ -161,6 +199,8 @@ class LengthGroupedSession:
     def _grouped(self, batch: np.ndarray, run) -> list[np.ndarray]:
         """`run`'s outputs for `batch`, run in its groups and joined back in the batch's row order;
         each run's time taught to the cost."""
+        if len(batch) == 0:
+            return run(batch)
         lengths = _lengths(batch)
         groups = self.groups(batch)
         pieces, padded = [], 0

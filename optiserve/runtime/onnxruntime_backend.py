@@ -58,14 +58,26 @@ class OrtSession:
                             f"{', '.join(wanted)}")
         self.output_names = wanted or graph_outputs
         self.dtypes = [np.dtype(d) for d in output_dtypes(manifest)] or None
-        self.path, self._precision = path, None
+        self.path, self._precision, self._quantized = path, None, None
+
+    def quantized_ops(self) -> set[str]:
+        """The quantized operators of the file's graph, read on first call."""
+        if self._quantized is None:
+            self._quantized = quantized_ops(self.path)
+        return self._quantized
+
+    def quantizes_activations_per_batch(self) -> bool:
+        """Whether the graph quantizes activations with a scale of the whole batch, taken at run time
+        (DynamicQuantizeLinear, as ONNX Runtime's dynamic INT8 does): a row's output then depends
+        on the rows beside it, padding included."""
+        return "DynamicQuantizeLinear" in self.quantized_ops()
 
     def computes_in(self) -> dict:
         """int8 where the graph ONNX Runtime runs holds quantized operators (QDQ pairs, QLinear*,
         *Integer), else fp32: the CPU provider computes a float graph in f32. Read from the file's
         graph on first call, off the serving start-up."""
         if self._precision is None:
-            self._precision = "int8" if quantized_ops(self.path) else "fp32"
+            self._precision = "int8" if self.quantized_ops() else "fp32"
         return computes_in(self._precision, "the operators of the ONNX graph ONNX Runtime runs",
                            "cuda" if self.device == "cuda" else "cpu")
 

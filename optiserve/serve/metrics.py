@@ -24,8 +24,9 @@ class ServerMetrics:
         # a text model's only: an image model has no series of these, rather than zeros
         self.tokens = Counter("optiserve_tokens", "Real (non-padding) tokens of the texts a text model answered, "
                               "after truncation at its max length, by variant", ["model", "variant"], registry=r)
-        self.padded_tokens = Counter("optiserve_padded_tokens", "Tokens a text model's batches ran: each batch's "
-                                     "rows times its longest row, padding included", ["model", "variant"], registry=r)
+        self.padded_tokens = Counter("optiserve_padded_tokens", "Tokens a text model's batches ran: each run's "
+                                     "rows times its longest row, padding included (a batch runs as one run or "
+                                     "several of like length)", ["model", "variant"], registry=r)
         self.latency = Histogram("optiserve_request_latency_seconds", "End-to-end server latency of a request",
                                  ["model", "variant"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("optiserve_queue_latency_seconds", "Time an image waited for its batch",

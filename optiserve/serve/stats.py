@@ -26,7 +26,7 @@ class VariantStats:
         self.batch_sizes: collections.Counter[int] = collections.Counter()
         self.tokens = 0  # real tokens of the texts answered (padding not counted)
         self.batched_tokens = 0  # real tokens of the rows the batches ran (shadow rows included)
-        self.padded_tokens = 0  # tokens the batches ran: rows × each batch's longest row
+        self.padded_tokens = 0  # tokens the batches ran: rows × the longest row of each run they ran as
 
     def record_request(self, outcome: str, latency_ms: float | None = None, images: int = 0, tokens: int = 0) -> None:
         with self._lock:

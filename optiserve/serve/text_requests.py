@@ -166,11 +166,6 @@ class TextRequests:
         ones), as the model keeps them after truncation at max_length."""
         return int(np.count_nonzero(batch[:, MASK]))
 
-    @staticmethod
-    def batch_tokens(batch: np.ndarray) -> tuple[int, int]:
-        """A stacked batch's tokens: (the real ones, the ones the engine runs: rows × its longest row)."""
-        return TextRequests.real_tokens(batch), batch.shape[0] * batch.shape[2]
-
     def sample(self, n: int) -> np.ndarray:
         """A token batch of `n` real texts: a short sentence each."""
         return self.tokenizer.encode([SAMPLE_TEXT] * n).batch
