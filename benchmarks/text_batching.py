@@ -120,9 +120,8 @@ async def window(session, texts: TextRequests, rows: list[np.ndarray], policy: s
     batches: list[tuple[float, int, int, int]] = []  # (completed at, rows, real tokens, padded tokens)
 
     def run(batch):
-        real, padded = texts.real_tokens(batch), session.padded_tokens(batch)
         out = session.run(batch)
-        batches.append((time.perf_counter(), len(batch), real, padded))
+        batches.append((time.perf_counter(), len(batch), texts.real_tokens(batch), session.padded_tokens(batch)))
         return out
 
     options = {"row_length": texts.row_length, "group_by_length": "sorted" in policy,

@@ -115,11 +115,15 @@ def _pad_id(tokenizer) -> int:
     return 0
 
 
+def text_lengths(tokens: np.ndarray) -> np.ndarray:
+    """Each text's own tokens in a token batch: its mask's ones (special tokens in, padding out), at least 1."""
+    return np.maximum(np.count_nonzero(tokens[:, MASK], axis=1), 1)
+
+
 def trim_padding(tokens: np.ndarray) -> np.ndarray:
     """A token batch cut to its longest text: rows taken from a batch padded further (a dataset's
     texts, padded to the longest of them all) are run at their own length."""
-    longest = int(tokens[:, MASK].sum(axis=1).max()) if len(tokens) else 0
-    return tokens[:, :, :max(longest, 1)]
+    return tokens[:, :, :int(text_lengths(tokens).max()) if len(tokens) else 1]
 
 
 def text_input_of(manifest: dict) -> TextInput | None:

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from optiserve.text_input import MASK, TextInput
+from optiserve.text_input import MASK, TextInput, text_lengths
 
 CALIBRATION_SHAPES = ((1, 16), (2, 64))  # (texts, tokens): one run near the fixed cost, one of 8 times the tokens
 CALIBRATION_RUNS = 1  # timed runs per shape after a first one (the runs that follow refine the fit)
@@ -45,6 +45,7 @@ class RunCost:
         self._lock = threading.Lock()
         self._sums = [0.0] * 5  # weighted: count, tokens, tokens², seconds, tokens × seconds
         self._line = (0.0, 0.0)  # (fixed, per_token), replaced whole
+        self._floor = 0.0  # set once the loaded measure is fitted
         for tokens, seconds in points:
             self._add(tokens, seconds, CALIBRATION_WEIGHT)
         self._fit()
@@ -64,7 +65,7 @@ class RunCost:
         fixed, per_token = self._line
         if per_token <= 0:
             return float("inf")
-        return max(fixed / per_token, getattr(self, "_floor", 0.0))
+        return max(fixed / per_token, self._floor)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A run of `tokens` padded tokens took `seconds`: the line moves toward it (an outlier counts
@@ -176,9 +177,14 @@ class LengthGroupedSession:
 
     def groups(self, batch: np.ndarray) -> list[np.ndarray]:
         """The runs `batch` would be cut into now (row indices); one run where nothing is cut."""
-        if self.cost is None or len(batch) < 2:
-            return [np.arange(len(batch))]
-        return length_groups(_lengths(batch), self.cost.fixed_tokens)
+        return [rows for rows, _ in self._runs(batch)] if len(batch) else [np.arange(0)]
+
+    def _runs(self, batch: np.ndarray) -> list[tuple[np.ndarray, int]]:
+        """Each run `batch` (not empty) would be cut into now: its rows and its longest row's tokens."""
+        lengths = text_lengths(batch)
+        cut = [np.arange(len(batch))] if self.cost is None or len(batch) < 2 else \
+            length_groups(lengths, self.cost.fixed_tokens)
+        return [(rows, int(lengths[rows].max())) for rows in cut]
 
     def padded_tokens(self, batch: np.ndarray) -> int:
         """The tokens the engine ran for `batch`, each run's rows × its longest row: as this thread
@@ -186,10 +192,7 @@ class LengthGroupedSession:
         last = getattr(self._ran, "last", None)
         if last is not None and last[0] is batch:
             return last[1]
-        if len(batch) == 0:
-            return 0
-        lengths = _lengths(batch)
-        return int(sum(len(g) * lengths[g].max() for g in self.groups(batch)))
+        return sum(len(rows) * longest for rows, longest in self._runs(batch)) if len(batch) else 0
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         return self._grouped(batch, lambda b: [self.session.run(b)])[0]
@@ -202,28 +205,20 @@ class LengthGroupedSession:
         each run's time taught to the cost."""
         if len(batch) == 0:
             return run(batch)
-        lengths = _lengths(batch)
-        groups = self.groups(batch)
-        pieces, padded = [], 0
-        for g in groups:
-            longest = int(lengths[g].max())
+        runs = self._runs(batch)
+        pieces = []
+        for rows, longest in runs:
             t0 = time.perf_counter()
-            pieces.append(run(batch if len(groups) == 1 else batch[g, :, :longest]))
+            pieces.append(run(batch if len(runs) == 1 else batch[rows, :, :longest]))
             if self.cost is not None:
-                self.cost.observe(len(g) * longest, time.perf_counter() - t0)
-            padded += len(g) * longest
-        self._ran.last = (batch, padded)
-        if len(groups) == 1:
+                self.cost.observe(len(rows) * longest, time.perf_counter() - t0)
+        self._ran.last = (batch, sum(len(rows) * longest for rows, longest in runs))
+        if len(runs) == 1:
             return pieces[0]
         joined = []
         for k, first in enumerate(pieces[0]):
             out = np.empty((len(batch), *first.shape[1:]), dtype=first.dtype)
-            for g, piece in zip(groups, pieces):
-                out[g] = piece[k]
+            for (rows, _), piece in zip(runs, pieces):
+                out[rows] = piece[k]
             joined.append(out)
         return joined
-
-
-def _lengths(batch: np.ndarray) -> np.ndarray:
-    """Each text's own tokens in a token batch (its mask's ones; at least 1)."""
-    return np.maximum(np.count_nonzero(batch[:, MASK], axis=1), 1)

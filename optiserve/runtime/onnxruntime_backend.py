@@ -101,20 +101,21 @@ INT8_OPS = {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul"
 
 def quantized_ops(path: Path) -> set[str]:
     """The quantized operators the ONNX graph (and its functions) holds, read from the protobuf wire
-    format directly: the `onnx` package is the optimizer's, not the server's."""
-    data = Path(path).read_bytes()
+    format directly: the `onnx` package is the optimizer's, not the server's. A memoryview, so that
+    a field's value (the graph: the whole file's weights) is not copied to be read."""
+    data = memoryview(Path(path).read_bytes())
     found = set()
     for model_field, node_field in ((GRAPH, GRAPH_NODE), (FUNCTIONS, FUNCTION_NODE)):
         for graph in _fields(data, model_field):
             for node in _fields(graph, node_field):
-                found.update(op.decode("utf-8", "replace") for op in _fields(node, NODE_OP_TYPE))
+                found.update(bytes(op).decode("utf-8", "replace") for op in _fields(node, NODE_OP_TYPE))
     return found & INT8_OPS
 
 
 GRAPH, FUNCTIONS, GRAPH_NODE, FUNCTION_NODE, NODE_OP_TYPE = 7, 25, 1, 7, 4  # onnx.proto's field numbers
 
 
-def _fields(data: bytes, number: int):
+def _fields(data: memoryview, number: int):
     """The length-delimited values of field `number` in one protobuf message."""
     pos, end = 0, len(data)
     while pos < end:
