@@ -112,7 +112,7 @@ def validation_fallback(stage: Path, loaded, valset: EvalSet, batches, cfg: Opti
     if not cfg.accuracy_aware or why_not:
         return lambda fp32, int8, settings: settings
     base_manifest = session_manifest(loaded)
-    options = RuntimeOptions(device="cpu", extra={"spin": False})
+    options = RuntimeOptions(device="cpu", length_groups=False, extra={"spin": False})  # scores the judge can repeat
 
     def logits(path: Path, images: np.ndarray, keep=None) -> np.ndarray:
         session = load_session(path, {"name": path.name, "backend": "onnxruntime"}, base_manifest, options)

@@ -144,8 +144,9 @@ def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg:
     engine cannot run is not built (with the reason), one whose judging or timing raises has failed;
     either way its files are deleted and the others go on. The baseline failing ends the run."""
     base_manifest = session_manifest(loaded)
-    # an idle session must not slow the next; threads as stated, so a server can tell it runs with the same
-    options = RuntimeOptions(device=cfg.device, threads=usable_cores(), extra={"spin": False})
+    # an idle session must not slow the next; threads as stated, so a server can tell it runs with the same;
+    # a text batch run whole, so that no score depends on how busy the machine was (runtime.length_groups)
+    options = RuntimeOptions(device=cfg.device, threads=usable_cores(), length_groups=False, extra={"spin": False})
     batch1 = valset.images[:1]
     batch_n = np.resize(valset.images, (cfg.latency_batch, *valset.images.shape[1:]))
     batch_n = batch_n if batch_n.dtype == np.int64 else batch_n.astype(np.float32)  # token batches stay int64

@@ -102,7 +102,7 @@ def length_lines(manifest: dict) -> list[str]:
              f"interleaved rounds, and how many times as fast as {base} by the ratio of medians with its paired 95% "
              f"interval. The table above times the validation texts at their own lengths: "
              + ", ".join(f"batch {b} at {t} tokens" for b, t in timed["headline_tokens"].items())
-             + " (a batch padded to its longest text, run as one run or several of like length, as served)."
+             + " (a batch padded to its longest text)."
              + "".join(f" Not timed at {s['tokens']} tokens: {s['reason']}." for s in timed["skipped"]), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for v in manifest["variants"]:

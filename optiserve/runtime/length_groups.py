@@ -6,8 +6,9 @@ little, but each run costs the engine a fixed amount of its own. `LengthGroupedS
 where the padding a cut saves is worth more than a run's fixed cost. That cost is measured, not
 assumed (`RunCost`): on the session when it is loaded, then on every run it makes, so that where a
 run costs more than it did alone (a server whose request path and clients share the cores, where
-waking the engine's threads takes milliseconds) the session cuts less. Every caller of the runtime
-(the optimizer's judging and timing, the server, the benchmarks) runs text through it.
+waking the engine's threads takes milliseconds) the session cuts less. The server and the
+benchmarks run text through it; the optimizer turns it off (`RuntimeOptions.length_groups`), since
+cuts that follow the timing would let a variant's score move with how busy the machine was.
 
 Only a model that takes an attention mask is cut: its vector for a text does not depend on the
 padding beside it, so the outputs are the batch's own (to float rounding). A graph that quantizes
