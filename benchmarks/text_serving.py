@@ -44,20 +44,26 @@ The servers, each started alone in turn, one at a time (an idle server is not al
             default --max-batch-tokens 2048 (what docs/performance.md's text batching measured).
             After each round, once its server has stopped, the same variant's own texts/s outside
             any server: loaded through optiserve's runtime with the server's options, each stream's
-            texts sorted by length and run in batches of --offline-batch (32, sentence-transformers'
-            `encode` default), tokenization included; the table gives served at c=32 over it.
+            texts run in batches of --offline-batch (32, sentence-transformers' `encode` default),
+            tokenization included, once sorted by length (as `encode` does) and once in the stream's
+            own order; the table gives served at c=32 over each.
 
 Load: two streams, "sentences" (gensim's Pang & Lee polarity sentences) and "passages" (Lee's
 background news passages, cut by each server at the model's max length), each shuffled once
 (seeded), the same request bodies' texts for every server; 1 and 8 texts a request; closed loop at
-concurrency 1 and 32 (aiohttp). Each cell's window starts once --warmup seconds have passed and
+concurrency 1 and 32 (optiserve's load client, bench.http_client). Each cell's window starts once --warmup seconds have passed and
 every client has had an answer, and lasts --duration seconds or twice the median latency seen
 before it, whichever is longer, up to --max-window (32 clients of 8 passages each keep 256 passages
 in flight: seconds a request); the requests in flight at its end are awaited and not counted, so
 the next cell starts on an idle server. Per server x stream x texts/request x concurrency: texts/s,
 real tokens/s (each text's tokens by the model's own tokenizer.json, special tokens included, cut at
 the model's 256), p50/p99 request latency and failed requests, medians over --rounds (rounds
-alternate the servers). With --rate R, also an open loop of R requests a second (Poisson) per stream.
+alternate the servers). And an open loop per stream, one text a request arriving at a fixed rate
+(Poisson, the same arrivals for every server; --rate, default 100 sentences and 30 passages a
+second), counted over --open-window seconds: texts/s is what was answered in the window, p50/p99
+the latency of every request that arrived in it, timed from its arrival and awaited however late
+(no coordinated omission): the latency each server gives a load it does not pace, and whether it
+keeps up.
 
 Quality of what each server answered, in its first round, before its load: the cosine of its
 vectors to sentence-transformers' own `encode` in fp32 (torch backend, this Python) on the same
@@ -131,6 +137,9 @@ from optiserve.tasks.text_embedding import spearman  # noqa: E402
 SERVERS = ("st-onnx", "st-openvino", "infinity-torch", "infinity-optimum", "optiserve")
 DEFAULT_SERVERS = ("st-onnx", "st-openvino", "infinity-optimum", "optiserve")  # infinity-torch: by --servers
 STREAMS = ("sentences", "passages")
+# open loops below what every server but the slowest keeps up with at 32 clients: latency at a load
+# all can carry, and who falls behind
+DEFAULT_RATES = "sentences:100,passages:30"
 QUALITY_SENTENCES, QUALITY_PASSAGES = 64, 32
 READY_WITHIN_S = 300
 DRAIN_WITHIN_S = 60
@@ -413,6 +422,27 @@ class Cell:
         return f"{self.stream}, {self.per_request}/request, {load}"
 
 
+def open_rates(text: str) -> dict[str, float]:
+    """`--rate`: requests a second per stream, from "STREAM:R,..." or one R for every stream ("0": none)."""
+    text = text.strip()
+    try:
+        if ":" not in text:
+            rate = float(text or 0)
+            return {s: rate for s in STREAMS} if rate > 0 else {}
+        rates = {}
+        for part in text.split(","):
+            stream, _, value = part.partition(":")
+            if stream.strip() not in STREAMS:
+                raise ValueError(f"--rate names {stream.strip()!r}; the streams are {', '.join(STREAMS)}")
+            if float(value) > 0:
+                rates[stream.strip()] = float(value)
+        return rates
+    except ValueError as e:
+        if "streams are" in str(e):
+            raise
+        raise ValueError(f"--rate takes STREAM:R,... or one R (requests a second), not {text!r}") from None
+
+
 def request_groups(texts: list[str], per_request: int, count: int = 512) -> list[list[str]]:
     """`count` requests of `per_request` consecutive texts each, cycling through `texts`."""
     return [[texts[(i * per_request + k) % len(texts)] for k in range(per_request)] for i in range(count)]
@@ -427,28 +457,26 @@ async def measure(base: str, server: Server, bodies: list[bytes], tokens: list[i
     a window shorter than a request's latency counts a few stragglers of the first wave. Requests
     still in flight at its end are not counted; with `drain` they are awaited (the next cell then
     starts on an idle server), without it cancelled (the server is stopped next)."""
-    import aiohttp
+    from optiserve.bench.http_client import HttpClient, HttpError
 
-    url = base + server.path
     done: list[tuple[float, float, bool, int]] = []  # (answered at, latency s, ok, body index)
+    arrived: list[float] = []  # open loop: each request's arrival
     counter = iter(range(10**9))
     answered: set[int] = set()
     t0 = time.perf_counter()
     window: dict[str, float] = {}
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        async def one(client: int) -> None:
-            index = next(counter) % len(bodies)
-            sent = time.perf_counter()
+    http = HttpClient(base, concurrency or 4096, REQUEST_TIMEOUT_S)
+    requests = [http.request("POST", server.path, body, {"Content-Type": "application/json"}) for body in bodies]
+    try:
+        async def one(k: int, due: float | None = None) -> None:
+            index = next(counter) % len(requests)
+            sent = time.perf_counter() if due is None else due  # open loop: from its arrival (no coordinated omission)
             ok = False
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with session.post(url, data=bodies[index], headers={"content-type": "application/json"}) as r:
-                    await r.read()
-                    ok = r.status == 200
+            with contextlib.suppress(HttpError, asyncio.TimeoutError):
+                ok = (await http.send(requests[index])).status == 200
             now = time.perf_counter()
             done.append((now, now - sent, ok, index))
-            answered.add(client)
+            answered.add(k)
 
         def stopping() -> bool:
             return "stop" in window and time.perf_counter() >= window["stop"]
@@ -462,7 +490,8 @@ async def measure(base: str, server: Server, bodies: list[bytes], tokens: list[i
             while not stopping():
                 due += rng.exponential(1 / rate)
                 await asyncio.sleep(max(0.0, due - time.perf_counter()))
-                sent.append(asyncio.ensure_future(one(0)))
+                arrived.append(due)
+                sent.append(asyncio.ensure_future(one(0, due)))
             try:
                 await asyncio.gather(*sent, return_exceptions=True)
             finally:
@@ -474,7 +503,8 @@ async def measure(base: str, server: Server, bodies: list[bytes], tokens: list[i
             while concurrency and len(answered) < concurrency and time.perf_counter() - t0 < args.warmup + 120:
                 await asyncio.sleep(0.05)
             seen = [d[1] for d in done if d[2]]
-            length = min(max(args.duration, 2 * statistics.median(seen) if seen else 0.0), args.max_window)
+            length = args.open_window if rate else \
+                min(max(args.duration, 2 * statistics.median(seen) if seen else 0.0), args.max_window)
             window["start"] = time.perf_counter()
             window["stop"] = window["start"] + length
 
@@ -488,14 +518,21 @@ async def measure(base: str, server: Server, bodies: list[bytes], tokens: list[i
         for w in workers:
             w.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
+    finally:
+        await http.close()
     start, stop = window["start"], window["stop"]
-    counted = [d for d in done if start <= d[0] <= stop]
+    counted = [d for d in done if start <= d[0] <= stop]  # answered in the window: the rate served
     good = [d for d in counted if d[2]]
-    latencies = [d[1] for d in good] or [float("nan")]
+    timed, unanswered = counted, 0
+    if rate:  # an open loop's latency: every request that arrived in the window, however late its answer
+        timed = [d for d in done if start <= d[0] - d[1] <= stop]
+        unanswered = sum(start <= due <= stop for due in arrived) - len(timed)  # still out when drained
+    latencies = [d[1] for d in timed if d[2]] or [float("nan")]
     return {"texts_s": len(good) * per_request / (stop - start),
             "tokens_s": sum(tokens[d[3]] for d in good) / (stop - start), "window_s": stop - start,
             "p50": 1000 * float(np.percentile(latencies, 50)), "p99": 1000 * float(np.percentile(latencies, 99)),
-            "requests": len(good), "failed": len(counted) - len(good)}
+            "requests": len(good), "failed": len(counted) - len(good) + unanswered,
+            "offered_s": (len(timed) + unanswered) * per_request / (stop - start) if rate else float("nan")}
 
 
 def served_vectors(base: str, server: Server, texts: list[str], per_request: int = 8) -> np.ndarray:
@@ -512,12 +549,17 @@ def served_vectors(base: str, server: Server, texts: list[str], per_request: int
     return np.asarray(out, dtype=np.float64)
 
 
+ORDERS = ("sorted", "arrival")
+
+
 def offline_rates(artifact: Path, manifest: dict, variant: str, load: dict[str, list[str]], batch: int,
-                  passes: int = 3) -> dict[str, float]:
+                  passes: int = 3) -> dict[str, dict[str, float]]:
     """The served variant's own texts/s on each stream outside any server: loaded through optiserve's
     runtime with the server's runtime options, every text of the stream tokenized and run in batches
-    of `batch` after sorting by length (as sentence-transformers' `encode` batches), tokenization
-    included; the median of `passes` after one warm pass."""
+    of `batch`, tokenization included; the median of `passes` after one warm pass. Two orders:
+    "sorted" by length first (as sentence-transformers' `encode` batches: no server can, it would
+    sort texts that have not arrived), and "arrival", the stream's own order (the order the load
+    sends them in)."""
     from optiserve.runtime import RuntimeOptions, load_session
     from optiserve.serve.text_requests import TextRequests
     from optiserve.text_input import text_input_of
@@ -525,18 +567,20 @@ def offline_rates(artifact: Path, manifest: dict, variant: str, load: dict[str, 
     entry = next(v for v in manifest["variants"] if v["name"] == variant)
     session = load_session(artifact / entry["file"], entry, manifest, RuntimeOptions(extra={"spin": False}))
     texts = TextRequests(artifact, text_input_of(manifest), batch)
-    rates = {}
+    rates: dict[str, dict[str, float]] = {}
     for stream, items in load.items():
         lengths = texts.tokenizer.encode(items).lengths
-        ordered = [items[i] for i in np.argsort(-lengths, kind="stable")]  # longest first, as encode does
-        chunks = [ordered[i:i + batch] for i in range(0, len(ordered), batch)]
-        times = []
-        for _ in range(passes + 1):
-            t0 = time.perf_counter()
-            for chunk in chunks:
-                session.run(texts.tokens(chunk).batch)
-            times.append(time.perf_counter() - t0)
-        rates[stream] = len(items) / statistics.median(times[1:])
+        orders = {"sorted": [items[i] for i in np.argsort(-lengths, kind="stable")],  # longest first, as encode
+                  "arrival": items}
+        for order in ORDERS:
+            chunks = [orders[order][i:i + batch] for i in range(0, len(items), batch)]
+            times = []
+            for _ in range(passes + 1):
+                t0 = time.perf_counter()
+                for chunk in chunks:
+                    session.run(texts.tokens(chunk).batch)
+                times.append(time.perf_counter() - t0)
+            rates.setdefault(stream, {})[order] = len(items) / statistics.median(times[1:])
     del session
     return rates
 
@@ -545,13 +589,13 @@ def offline_rates(artifact: Path, manifest: dict, variant: str, load: dict[str, 
 
 def median_of(runs: list[dict]) -> dict:
     out = {k: statistics.median(r[k] for r in runs) for k in ("texts_s", "tokens_s", "p50", "p99", "requests",
-                                                               "window_s")}
+                                                               "window_s", "offered_s")}
     out["failed"] = sum(r["failed"] for r in runs)
     return out
 
 
 def print_tables(results: dict, qualities: dict, notes: dict, cells: list[Cell], args,
-                 offline: dict[str, float]) -> None:
+                 offline: dict[tuple[str, str], float]) -> None:
     print(f"\nmachine: {cpu_line()}")
     print(f"{args.rounds} rounds; windows of {args.duration:g} s or twice the latency, up to {args.max_window:g} s "
           f"(after >= {args.warmup:g} s and an answer to every client); medians over rounds; failed: summed\n")
@@ -604,14 +648,27 @@ def print_tables(results: dict, qualities: dict, notes: dict, cells: list[Cell],
             print(f"- {cell.stream}, {cell.per_request}/request: {o['texts_s'] / b['texts_s']:.2f}x "
                   f"({o['texts_s']:.1f} vs {b['texts_s']:.1f} texts/s, best peer {best}); "
                   f"p99 {o['p99']:.0f} vs {b['p99']:.0f} ms")
-    if ours and offline:
-        print(f"\noptiserve served at c=32 / the same variant's own texts/s offline (batches of {args.offline_batch} "
-              f"sorted by length, tokenization included, medians over rounds):\n")
+    if ours and peers and any(cell.rate for cell in cells):
+        print("\nOpen loops: each server's p99 over the requests that arrived in the window, answered however late "
+              "(fell behind: it answered under 95% of the rate that arrived):\n")
         for cell in cells:
-            if cell.concurrency == 32 and (ours, cell.label) in medians and cell.stream in offline:
+            if not cell.rate:
+                continue
+            got = [(n, medians[n, cell.label]) for n in [ours, *peers] if (n, cell.label) in medians]
+            line = "; ".join(f"{n} {m['p99']:.0f} ms" + ("" if m["texts_s"] >= 0.95 * m["offered_s"] else
+                                                         f" (fell behind: {m['texts_s']:.1f} of "
+                                                         f"{m['offered_s']:.1f} texts/s answered)")
+                             for n, m in got)
+            print(f"- {cell.stream}, {cell.rate:g} texts/s: {line}")
+    if ours and offline:
+        print(f"\noptiserve served at c=32 / the same variant's own texts/s offline (batches of {args.offline_batch}, "
+              "sorted by length first or in the stream's order, tokenization included, medians over rounds):\n")
+        for cell in cells:
+            if cell.concurrency == 32 and (ours, cell.label) in medians and (cell.stream, "sorted") in offline:
                 served = medians[ours, cell.label]["texts_s"]
-                print(f"- {cell.stream}, {cell.per_request}/request: {served / offline[cell.stream]:.0%} "
-                      f"({served:.1f} of {offline[cell.stream]:.1f} texts/s)")
+                print(f"- {cell.stream}, {cell.per_request}/request: " + "; ".join(
+                    f"{served / offline[cell.stream, order]:.0%} of {order} ({served:.1f} of "
+                    f"{offline[cell.stream, order]:.1f} texts/s)" for order in ORDERS))
 
 
 # ---------------------------------------------------------------- main
@@ -633,8 +690,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds, each starting every server once in turn")
     p.add_argument("--concurrency", default="1,32", help="closed-loop clients, a list")
     p.add_argument("--texts-per-request", default="1,8", help="a list")
-    p.add_argument("--rate", type=float, default=0.0, help="also an open loop at this many requests a second "
-                                                          "(Poisson), one text a request (0: none)")
+    p.add_argument("--rate", default=DEFAULT_RATES,
+                   help="open loops, one text a request, Poisson arrivals: requests a second per stream as "
+                        f"STREAM:R,... or one R for every stream; 0 for none (default {DEFAULT_RATES})")
+    p.add_argument("--open-window", type=float, default=8.0, help="seconds each open-loop cell is counted")
     p.add_argument("--pairs", choices=("all", "test"), default="all",
                    help="the Lee pairs the Spearman is on: all 1,225, or the 300 among the documents that "
                         "benchmarks/text_search.py keeps for reporting (for an artifact it built, whose search "
@@ -669,7 +728,11 @@ def main() -> int:
     count = token_counter(model)
     cells = [Cell(s, k, concurrency=c) for s in STREAMS for k in map(int, args.texts_per_request.split(","))
              for c in map(int, args.concurrency.split(","))]
-    cells += [Cell(s, 1, rate=args.rate) for s in STREAMS] if args.rate else []
+    try:
+        rates = open_rates(args.rate)
+    except ValueError as e:
+        p.error(str(e))
+    cells += [Cell(s, 1, rate=rates[s]) for s in STREAMS if s in rates]
     bodies = {}  # (server name, cell label) -> (request bodies, tokens of each)
     texts, lee_from = quality_texts(load)
     _, ratings = lee_documents()
@@ -692,7 +755,7 @@ def main() -> int:
     notes = {s.name: s.missing or s.note for s in chosen if s.missing or s.note}
     qualities: dict[str, dict] = {}
     failed_start: set[str] = set()
-    offline: dict[str, list[float]] = {}  # stream -> the served variant's own texts/s outside the server, a round
+    offline: dict[tuple[str, str], list[float]] = {}  # (stream, order) -> the variant's own texts/s, a round
     for r in range(args.rounds):
         for server in chosen:
             if server.missing or server.name in failed_start:
@@ -712,7 +775,8 @@ def main() -> int:
                             groups = request_groups(load[cell.stream], cell.per_request)
                             bodies[key] = ([server.body(g) for g in groups], [count(g) for g in groups])
                         got = asyncio.run(measure(base, server, *bodies[key], cell.per_request, args,
-                                                  cell.concurrency, cell.rate, drain=n < len(cells) - 1))
+                                                  cell.concurrency, cell.rate,
+                                                  drain=bool(cell.rate) or n < len(cells) - 1))
                         results[server.name].setdefault(cell.label, []).append(got)
                         if n == len(cells) - 1:
                             print(f"round {r + 1} {server.name}: {time.perf_counter() - server_began:.0f} s, "
@@ -733,10 +797,12 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 - a note, not the run's end
                     notes[server.name] = f"{server.note} offline texts/s not measured: {type(e).__name__}: {e}".strip()
                     continue
-                for stream, rate in got.items():
-                    offline.setdefault(stream, []).append(rate)
+                for stream, by_order in got.items():
+                    for order, rate in by_order.items():
+                        offline.setdefault((stream, order), []).append(rate)
                 print(f"round {r + 1} {variant} offline, batches of {args.offline_batch}: "
-                      + ", ".join(f"{k} {v:.1f} texts/s" for k, v in got.items()), flush=True)
+                      + ", ".join(f"{k} {o} {v:.1f} texts/s" for k, by in got.items() for o, v in by.items()),
+                      flush=True)
     for server in chosen:
         if server.missing:
             results[server.name] = {}

@@ -35,7 +35,7 @@ COMMANDS = {
 # what each extra adds that a serve-only install lacks (import names), and the extra of each command
 EXTRAS = {"train": {"torch", "torchvision", "sklearn", "tqdm"},
           "optimize": {"torch", "torchvision", "sklearn", "tqdm", "onnx", "onnxscript", "nncf"},
-          "bench": {"aiohttp", "matplotlib", "sklearn"}}
+          "bench": {"httptools", "matplotlib", "sklearn"}}
 EXTRA_OF_COMMAND = {"train": "train", "optimize": "optimize", "bench": "bench", "compare": "bench", "tune": "bench"}
 
 

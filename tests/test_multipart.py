@@ -42,25 +42,26 @@ def test_no_file_or_several_files_are_refused_naming_what_came():
         upload_and_variant(parse_form(text_only, b"B"))
 
 
-def test_aiohttps_encoding_the_load_generators_reads_back_too():
-    aiohttp = pytest.importorskip("aiohttp")
-    form = aiohttp.FormData()
-    form.add_field("file", PNG, filename="image.png", content_type="application/octet-stream")
-    writer = form()
-
-    class Sink:
-        def __init__(self):
-            self.chunks = []
-
-        async def write(self, chunk):
-            self.chunks.append(bytes(chunk))
-
+def test_the_load_generators_uploads_read_back_the_same_here_and_in_python_multipart():
+    """bench's multipart body, read by the server's parser and by python-multipart's (Starlette's)."""
     import asyncio
 
-    sink = Sink()
-    asyncio.run(writer.write(sink))
-    parsed = parse_form(b"".join(sink.chunks), boundary_of(writer.content_type))
-    assert [(p.name, p.data) for p in parsed] == [("file", PNG)]
+    from starlette.datastructures import Headers
+    from starlette.formparsers import MultiPartParser
+
+    from optiserve.bench.senders import multipart_file
+
+    body, headers = multipart_file(PNG, "image.png")
+    parsed = parse_form(body, boundary_of(headers["Content-Type"]))
+    assert [(p.name, p.data, p.filename) for p in parsed] == [("file", PNG, "image.png")]
+
+    async def theirs():
+        async def stream():
+            yield body
+        form = await MultiPartParser(Headers({"content-type": headers["Content-Type"]}), stream()).parse()
+        return form["file"].filename, await form["file"].read()
+
+    assert asyncio.run(theirs()) == ("image.png", PNG)
 
 
 @pytest.mark.parametrize("body, message", [

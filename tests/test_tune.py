@@ -15,7 +15,6 @@ import pytest
 from conftest import ROOT, replayed_claim, run_cli, run_cli_here
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-pytest.importorskip("aiohttp", reason="the load generator is in the [bench] extra")
 from tune_replay import TOLERANCE, check_claim  # noqa: E402
 
 from optiserve.bench.tune import MAX_RATE_STEPS, below_the_floor  # noqa: E402

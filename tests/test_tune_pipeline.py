@@ -18,7 +18,6 @@ from optiserve.bench.tune_pipeline import PipelineTuner, cannot_beat
 from optiserve.errors import UserError
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-pytest.importorskip("aiohttp", reason="the load generator is in the [bench] extra")
 from digit_scenes import TRAIN_DIGITS, scene  # noqa: E402
 from tune_replay import TOLERANCE, check_claim  # noqa: E402
 

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+import orjson
 
+from optiserve.bench.http_client import HttpClient, HttpError
 from optiserve.bench.texts import TextLoad
 from optiserve.errors import UserError
 from optiserve.serve import VARIANT_HEADER
 
 ERROR_TEXT = 200  # characters of an error body kept per failed request
 PROTOCOLS = ("predict", "predict-raw", "v2-binary", "grpc", "openai")
+VARIANT = VARIANT_HEADER.lower()  # as the HTTP client keys an answer's headers
 
 
 @dataclass
@@ -55,7 +59,8 @@ def _params(model: str | None, variant: str | None) -> dict | None:
 
 
 class PredictSender:
-    """Multipart PNG uploads to `/predict` (field `file`), as `curl -F file=@x.png` sends them."""
+    """Multipart PNG uploads to `/predict` (field `file`), as `curl -F file=@x.png` sends them.
+    Every HTTP sender writes its payloads' requests once, at start, through bench.http_client."""
 
     protocol = "predict"
     per_request = 1
@@ -63,48 +68,53 @@ class PredictSender:
 
     def __init__(self, base_url: str, images: list[bytes], model: str | None = None, variant: str | None = None,
                  path: str = "/predict"):
-        self.url, self.images = base_url.rstrip("/") + path, images
+        self.base_url, self.path, self.images = base_url, path, images
         self.params, self.variant = _params(model, variant), variant
-        self.session = None
+        self.client = None
 
     def __len__(self) -> int:
         return len(self.images)
 
     async def start(self, connections: int, timeout_s: float) -> None:
-        import aiohttp
-
-        self.aiohttp = aiohttp
         self.timeout_s = timeout_s
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections, force_close=False),
-                                             timeout=aiohttp.ClientTimeout(total=timeout_s))
+        self.client = HttpClient(self.base_url, connections, timeout_s)
+        self.requests = [self.client.request("POST", self.path, *self._body(k), params=self.params)
+                         for k in range(len(self))]
 
     async def stop(self) -> None:
-        await self.session.close()
+        await self.client.close()
 
-    def _body(self, k: int):
-        form = self.aiohttp.FormData()
-        form.add_field("file", self.images[k % len(self.images)], filename="image.png",
-                       content_type="application/octet-stream")
-        return form, None
+    def _body(self, k: int) -> tuple[bytes, dict]:
+        return multipart_file(self.images[k % len(self.images)], "image.png")
 
     async def send(self, k: int) -> Outcome:
-        data, headers = self._body(k)
         try:
-            async with self.session.post(self.url, data=data, params=self.params, headers=headers) as r:
-                body = await r.read()
-                return self._outcome(r.status, r.headers, body)
+            r = await self.client.send(self.requests[k % len(self.requests)])
         except asyncio.TimeoutError:
             return Outcome(False, None, variant=self.variant, error=f"no answer within {self.timeout_s:g} s")
-        except self.aiohttp.ClientError as e:
-            return Outcome(False, None, variant=self.variant, error=f"{type(e).__name__}: {e}"[:ERROR_TEXT])
+        except HttpError as e:
+            return Outcome(False, None, variant=self.variant, error=str(e)[:ERROR_TEXT])
+        return self._outcome(r.status, r.headers, r.body)
 
-    def _outcome(self, status: int, headers, body: bytes) -> Outcome:
-        variant = headers.get(VARIANT_HEADER, self.variant)
+    def _outcome(self, status: int, headers: dict, body: bytes) -> Outcome:
+        variant = headers.get(VARIANT, self.variant)
         parsed = _json(body)
         if status == 200:
             info = parsed.get("latency_ms") or {} if isinstance(parsed, dict) else {}
             return Outcome(True, status, info, parsed.get("variant", variant) if isinstance(parsed, dict) else variant)
         return _failure(status, variant, parsed, body)
+
+
+def multipart_file(data: bytes, filename: str, field: str = "file") -> tuple[bytes, dict]:
+    """A multipart/form-data body of one file field, and its content type, as a browser or `curl -F`
+    writes it, with a boundary the file does not hold."""
+    boundary = "optiserve-bench-" + uuid.uuid4().hex
+    while boundary.encode() in data:
+        boundary = "optiserve-bench-" + uuid.uuid4().hex
+    head = (f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; filename="{filename}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n").encode()
+    return head + data + f"\r\n--{boundary}--\r\n".encode(), {
+        "Content-Type": f"multipart/form-data; boundary={boundary}"}
 
 
 class RawImageSender(PredictSender):
@@ -114,7 +124,7 @@ class RawImageSender(PredictSender):
 
     protocol = "predict-raw"
 
-    def _body(self, k: int):
+    def _body(self, k: int) -> tuple[bytes, dict]:
         image = self.images[k % len(self.images)]
         return image, {"Content-Type": image_type(image)}
 
@@ -151,10 +161,10 @@ class BinaryTensorSender(PredictSender):
     def _body(self, k: int):
         return self.bodies[k % len(self.bodies)]
 
-    def _outcome(self, status: int, headers, body: bytes) -> Outcome:
-        variant = headers.get(VARIANT_HEADER, self.variant)
+    def _outcome(self, status: int, headers: dict, body: bytes) -> Outcome:
+        variant = headers.get(VARIANT, self.variant)
         if status == 200:
-            length = headers.get("Inference-Header-Content-Length")
+            length = headers.get("inference-header-content-length")
             head = _json(body[:int(length)] if length and length.isdigit() else body)
             params = (head.get("parameters") or {}) if isinstance(head, dict) else {}
             return Outcome(True, status, timing_info(params), variant)
@@ -240,7 +250,7 @@ class GrpcSender:
             call = self.call(self.requests[k % len(self.requests)], timeout=self.timeout_s)
             response = await call
         except self.grpc.aio.AioRpcError as e:
-            variant = dict(e.trailing_metadata() or ()).get(VARIANT_HEADER.lower(), self.variant)
+            variant = dict(e.trailing_metadata() or ()).get(VARIANT, self.variant)
             return Outcome(False, e.code().name, variant=variant, error=f"{e.code().name}: {e.details()}"[:ERROR_TEXT])
         params = {key: v.int64_param for key, v in response.parameters.items()}
         return Outcome(True, "OK", timing_info(params), response.model_version or self.variant)
@@ -362,6 +372,6 @@ def _failure(status: int, variant: str | None, parsed, body: bytes) -> Outcome:
 
 def _json(body: bytes):
     try:
-        return json.loads(body)
-    except ValueError:
+        return orjson.loads(body)
+    except ValueError:  # orjson's JSONDecodeError is one
         return None
