@@ -79,8 +79,8 @@ pairs, with the paired 95% bootstrap interval of the difference (resampled by pa
     python benchmarks/text_search.py --min-cosine 0.8 --search-minutes 12 --out artifacts/minilm-search08
     python benchmarks/text_serving.py --artifact artifacts/minilm-search08 --pairs test   # its 3-layer model
 
-The default run (st-onnx, st-openvino, infinity-optimum and optiserve; 8 cells each, 3 rounds) is
-meant to take about 15 minutes on 2 cores; it prints each server's time a round and its own at the
+The default run (st-onnx, st-openvino, infinity-optimum and optiserve; 8 closed-loop and 2 open-loop
+cells each, 3 rounds) took 14–16 minutes on 2 cores; it prints each server's time a round and its own at the
 end. One round of all five servers took 6.9 minutes here (the reference and quality included), and
 infinity-torch 93 s of it (fp32, the slowest on every cell), hence it is left out by default; name it:
 `--servers st-onnx,st-openvino,infinity-torch,infinity-optimum,optiserve`. A longer --max-window
