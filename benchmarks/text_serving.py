@@ -62,8 +62,8 @@ alternate the servers). And an open loop per stream, one text a request arriving
 (Poisson, the same arrivals for every server; --rate, default 100 sentences and 30 passages a
 second), counted over --open-window seconds: texts/s is what was answered in the window, p50/p99
 the latency of every request that arrived in it, timed from its arrival and awaited however late
-(no coordinated omission): the latency each server gives a load it does not pace, and whether it
-keeps up.
+(no coordinated omission; one that failed or was still out after the drain counts as infinite):
+the latency each server gives a load it does not pace, and whether it keeps up.
 
 Quality of what each server answered, in its first round, before its load: the cosine of its
 vectors to sentence-transformers' own `encode` in fp32 (torch backend, this Python) on the same
@@ -459,7 +459,7 @@ async def measure(base: str, server: Server, bodies: list[bytes], tokens: list[i
     starts on an idle server), without it cancelled (the server is stopped next)."""
     from optiserve.bench.http_client import HttpClient, HttpError
 
-    done: list[tuple[float, float, bool, int]] = []  # (answered at, latency s, ok, body index)
+    done: list[tuple[float, float, bool, int, float]] = []  # (answered at, latency s, ok, body index, sent at)
     arrived: list[float] = []  # open loop: each request's arrival
     counter = iter(range(10**9))
     answered: set[int] = set()
@@ -475,7 +475,7 @@ async def measure(base: str, server: Server, bodies: list[bytes], tokens: list[i
             with contextlib.suppress(HttpError, asyncio.TimeoutError):
                 ok = (await http.send(requests[index])).status == 200
             now = time.perf_counter()
-            done.append((now, now - sent, ok, index))
+            done.append((now, now - sent, ok, index, sent))
             answered.add(k)
 
         def stopping() -> bool:
@@ -524,10 +524,13 @@ async def measure(base: str, server: Server, bodies: list[bytes], tokens: list[i
     counted = [d for d in done if start <= d[0] <= stop]  # answered in the window: the rate served
     good = [d for d in counted if d[2]]
     timed, unanswered = counted, 0
+    latencies = [d[1] for d in counted if d[2]]
     if rate:  # an open loop's latency: every request that arrived in the window, however late its answer
-        timed = [d for d in done if start <= d[0] - d[1] <= stop]
+        timed = [d for d in done if start <= d[4] <= stop]
         unanswered = sum(start <= due <= stop for due in arrived) - len(timed)  # still out when drained
-    latencies = [d[1] for d in timed if d[2]] or [float("nan")]
+        # a failed or unanswered arrival counts as slower than any answer: p99 shows a server that drops work
+        latencies = [d[1] if d[2] else float("inf") for d in timed] + [float("inf")] * unanswered
+    latencies = latencies or [float("nan")]
     return {"texts_s": len(good) * per_request / (stop - start),
             "tokens_s": sum(tokens[d[3]] for d in good) / (stop - start), "window_s": stop - start,
             "p50": 1000 * float(np.percentile(latencies, 50)), "p99": 1000 * float(np.percentile(latencies, 99)),

@@ -1,6 +1,6 @@
 """Holds `optiserve tune` to its claim: serve MODEL_DIR as `optiserve serve MODEL_DIR` (with the
 serving.json tune wrote), replay the rate tune.json claims open-loop for 20 s with a client of its
-own (aiohttp, requests sent on a fixed schedule whether or not earlier ones were answered, each
+own (optiserve.bench.http_client, requests sent on a fixed schedule whether or not earlier ones were answered, each
 timed from when it was due), and check that p99 stays within 1.2x the objective with no failures.
 A closed-loop claim (`tune --concurrency-mode closed`) is replayed with its number of callers.
 A pipeline's folder is replayed against its repository served as `optiserve serve REPOSITORY`
@@ -13,7 +13,7 @@ A text model's folder is replayed with the texts it was tuned with (tune.json's 
     python benchmarks/tune_replay.py models/reader --images scenes/
     python benchmarks/tune_replay.py artifacts/minilm          (tuned with --texts text:queries.txt)
 
-Needs the [bench] extra (aiohttp). Prints the CPU, the claim, what the replay measured, and the
+Needs the [bench] extra. Prints the CPU, the claim, what the replay measured, and the
 verdict; exits 1 when the claim does not hold.
 """
 
@@ -48,21 +48,21 @@ async def replay(base: str, images: list[bytes], seconds: float, rate: float | N
     each timed from when it was due. Closed loop (`callers`): that many callers, each sending its
     next request when the last is answered. Returns p50/p99 (ms), answered and failed counts and
     the answered rate."""
-    import aiohttp
+    from optiserve.bench.http_client import HttpClient, HttpError
 
     latencies, failures = [], []
-    url = f"{base}/predict" + (f"?model={model}" if model else "")
-    connector = aiohttp.TCPConnector(limit=1024)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+    client = HttpClient(base, 1024, 60)
+    params = {"model": model} if model else None
+    requests = [client.request("POST", "/predict", body, headers, params=params) for body in images]
+    try:
         async def one(i: int, due: float) -> None:
             try:  # a raw body: the cheapest request to send, so the client takes little of the CPU
-                async with session.post(url, data=images[i % len(images)], headers=headers) as r:
-                    await r.read()
-                    if r.status == 200:
-                        latencies.append(time.perf_counter() - due)
-                    else:
-                        failures.append(f"HTTP {r.status}")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                r = await client.send(requests[i % len(requests)])
+                if r.status == 200:
+                    latencies.append(time.perf_counter() - due)
+                else:
+                    failures.append(f"HTTP {r.status}")
+            except (HttpError, asyncio.TimeoutError) as e:
                 failures.append(type(e).__name__)
 
         start = time.perf_counter() + 0.05
@@ -89,6 +89,8 @@ async def replay(base: str, images: list[bytes], seconds: float, rate: float | N
 
             await asyncio.gather(*(caller(c) for c in range(callers)))
         took = time.perf_counter() - start
+    finally:
+        await client.close()
     ms = np.array(latencies) * 1000 if latencies else np.array([float("inf")])
     return {"sent": sent, "answered": len(latencies), "failed": len(failures), "failures": sorted(set(failures))[:5],
             "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),

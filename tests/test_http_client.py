@@ -5,6 +5,7 @@ what httpx reads, reuses its connections, and turns every failure into an error,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import pytest
@@ -170,3 +171,114 @@ def test_no_answer_is_a_timeout_and_a_refused_connection_an_error_never_a_hang()
 def test_only_http_urls_are_taken():
     with pytest.raises(ValueError, match="not an http"):
         HttpClient("ftp://example.com", 1, 1)
+
+
+def test_interim_answers_are_skipped_and_a_body_that_ends_with_the_connection_is_read():
+    replies = [b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nfinal",
+               b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\n\r\nbusy, come back later"]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(replies.pop(0))
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server, base = await _raw_server(handle)
+        client = HttpClient(base, connections=1, timeout_s=5)
+        request = client.request("POST", "/x")
+        try:
+            return [(r.status, r.body) for r in [await client.send(request), await client.send(request)]]
+        finally:
+            await client.close()
+            server.close()
+
+    assert asyncio.run(main()) == [(200, b"final"), (503, b"busy, come back later")]
+
+
+def test_a_keep_alive_connection_the_server_closed_while_idle_is_not_reused():
+    """uvicorn closes a connection idle for 5 s: the next request goes over a new one, and succeeds."""
+    peers = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.append(writer.get_extra_info("peername")[1])
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")  # keep-alive, then hang up while idle
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+
+    async def main():
+        server, base = await _raw_server(handle)
+        client = HttpClient(base, connections=1, timeout_s=5)
+        request = client.request("POST", "/x")
+        try:
+            first = await client.send(request)
+            await asyncio.sleep(0.3)
+            return first.body, (await client.send(request)).body
+        finally:
+            await client.close()
+            server.close()
+
+    assert asyncio.run(main()) == (b"ok", b"ok") and len(peers) == 2
+
+
+def test_an_answer_that_comes_after_its_timeout_is_never_taken_for_the_next_request_s():
+    count = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            count.append(1)
+            if len(count) == 1:
+                await asyncio.sleep(0.4)  # past the client's timeout
+                body = b"late"
+            else:
+                body = b"second"
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+
+    async def main():
+        server, base = await _raw_server(handle)
+        client = HttpClient(base, connections=1, timeout_s=0.2)
+        request = client.request("POST", "/x")
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await client.send(request)
+            await asyncio.sleep(0.3)  # the late answer arrives meanwhile
+            return (await client.send(request)).body
+        finally:
+            await client.close()
+            server.close()
+
+    assert asyncio.run(main()) == b"second"
+
+
+def test_a_cancelled_request_frees_its_slot_and_a_path_is_percent_encoded():
+    seen = []
+
+    async def main():
+        runner, base = await _serving(_app(seen))
+        client = HttpClient(base, connections=1, timeout_s=5)
+        try:
+            slow = asyncio.ensure_future(client.send(client.request("GET", "/chunked")))
+            await asyncio.sleep(0)
+            slow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await slow
+            request = client.request("POST", "/echo", b"x", params={"variant": "a b"})
+            answer = await asyncio.wait_for(client.send(request), 5)  # the one slot is free again
+            assert client.request("POST", "/v2/models/my model/infer").startswith(
+                b"POST /v2/models/my%20model/infer HTTP/1.1\r\n")
+            with pytest.raises(ValueError, match="HEAD"):
+                client.request("HEAD", "/echo")
+            return answer.status
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    assert asyncio.run(main()) == 200 and seen[-1][2] == {"variant": "a b"}

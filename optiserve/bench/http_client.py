@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from dataclasses import dataclass
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import httptools
 
@@ -35,12 +36,14 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future | None = None
         self.closed = False
+        self.error: HttpError | None = None  # raised inside a parser callback, reported as itself
         self._reset()
 
     def _reset(self) -> None:
         self.headers: dict[str, str] = {}
         self.chunks: list[bytes] = []
         self.size = 0
+        self.head_done = False
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -53,25 +56,41 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self._fail(HttpError(f"a broken HTTP answer: {e}"))
+            self._fail(self.error or HttpError(f"a broken HTTP answer: {e}"))
+
+    def eof_received(self) -> None:
+        self.closed = True  # not to be taken for the next request, even before connection_lost
+        if self.head_done and not self._length_known():  # a body that ends where the connection does
+            self.on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._fail(HttpError(f"the server closed the connection before answering ({exc or 'EOF'})"))
 
+    def _length_known(self) -> bool:
+        return "content-length" in self.headers or "chunked" in self.headers.get("transfer-encoding", "").lower()
+
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
+    def on_headers_complete(self) -> None:
+        self.head_done = True
+
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
         if self.size > MAX_BODY:
-            raise HttpError(f"an answer over {MAX_BODY >> 20} MiB")
+            self.error = HttpError(f"an answer over {MAX_BODY >> 20} MiB")
+            raise self.error
         self.chunks.append(body)
 
     def on_message_complete(self) -> None:
-        response = Response(self.parser.get_status_code(), self.headers, b"".join(self.chunks))
-        keep = self.parser.should_keep_alive()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # an interim answer (100 Continue): the final one follows
+            self._reset()
+            return
+        response = Response(status, self.headers, b"".join(self.chunks))
+        keep = self.parser.should_keep_alive() and not self.closed
         self._reset()
         if not keep:
             self.close()
@@ -115,17 +134,23 @@ class HttpClient:
 
     def request(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
                 params: dict[str, str] | None = None) -> bytes:
-        """The bytes of one request to `path` (under the base URL's path) with `body` and `headers`."""
-        target = self.prefix + path + (f"?{urlencode(params)}" if params else "")
+        """The bytes of one request to `path` (under the base URL's path; percent-encoded here) with
+        `body` and `headers`. Not HEAD: an answer to it announces a body it does not send."""
+        if method.upper() == "HEAD":
+            raise ValueError("the load client sends no HEAD requests")
+        target = quote(self.prefix + path, safe="/:@!$&'()*+,;=~%") + (f"?{urlencode(params)}" if params else "")
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self.authority}", f"Content-Length: {len(body)}"]
         lines += [f"{k}: {v}" for k, v in (headers or {}).items() if k.lower() not in ("host", "content-length")]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
     async def send(self, request: bytes) -> Response:
+        """The answer to `request` within `timeout_s` of the call, connecting included."""
+        deadline = time.monotonic() + self.timeout_s
         async with self.slots:
-            connection = await self._connection()
+            connection = await self._connection(deadline)
             answer = connection.send(request)
-            timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, connection, answer)
+            timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), self._expire,
+                                                          connection, answer)
             try:
                 response = await answer
             except BaseException:  # no answer (cancelled too): the connection is out of step
@@ -147,16 +172,20 @@ class HttpClient:
             answer.set_exception(asyncio.TimeoutError())
         connection.close()  # its answer may still come: the connection is no longer in step
 
-    async def _connection(self) -> _Connection:
+    async def _connection(self, deadline: float) -> _Connection:
         while self.idle:
             connection = self.idle.pop()
-            if not connection.closed:
+            if not connection.closed and not connection.transport.is_closing():
                 return connection
+            connection.close()
             self.every.discard(connection)
         loop = asyncio.get_running_loop()
         try:
             _, connection = await asyncio.wait_for(
-                loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl), self.timeout_s)
+                loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl),
+                max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:  # before OSError: on Python 3.11 it is one
+            raise
         except OSError as e:
             raise HttpError(f"cannot connect to {self.authority}: {e.strerror or e}") from None
         self.every.add(connection)

@@ -110,12 +110,12 @@ async def _generate_load(sender: Sender, load: Load, progress: ProgressLine | No
     if load.level <= 0:
         raise ValueError("the concurrency or rate must be positive")
     limit = int(load.level) if load.mode == "closed" else load.max_connections
+    await sender.start(limit, load.timeout_s)  # its requests are written here, before the clock starts
     loop_start = time.perf_counter()
     t_measure = loop_start + load.warmup_s
     t_end = t_measure + load.duration_s
     rec = _Recorder(t_measure, sender.tokens)
     progress = progress or ProgressLine(False)
-    await sender.start(limit, load.timeout_s)
     gate = asyncio.Semaphore(limit)  # open loop: requests beyond the connections wait here (and that counts)
 
     async def one(t_intended: float, k: int) -> None:
