@@ -427,20 +427,15 @@ def open_rates(text: str) -> dict[str, float]:
     text = text.strip()
     try:
         if ":" not in text:
-            rate = float(text or 0)
-            return {s: rate for s in STREAMS} if rate > 0 else {}
-        rates = {}
-        for part in text.split(","):
-            stream, _, value = part.partition(":")
-            if stream.strip() not in STREAMS:
-                raise ValueError(f"--rate names {stream.strip()!r}; the streams are {', '.join(STREAMS)}")
-            if float(value) > 0:
-                rates[stream.strip()] = float(value)
-        return rates
-    except ValueError as e:
-        if "streams are" in str(e):
-            raise
+            rates = dict.fromkeys(STREAMS, float(text or 0))
+        else:
+            rates = {stream.strip(): float(value) for stream, _, value in (p.partition(":") for p in text.split(","))}
+    except ValueError:
         raise ValueError(f"--rate takes STREAM:R,... or one R (requests a second), not {text!r}") from None
+    for stream in rates:
+        if stream not in STREAMS:
+            raise ValueError(f"--rate names {stream!r}; the streams are {', '.join(STREAMS)}")
+    return {stream: rate for stream, rate in rates.items() if rate > 0}
 
 
 def request_groups(texts: list[str], per_request: int, count: int = 512) -> list[list[str]]:

@@ -49,22 +49,40 @@ def _app(seen: list) -> web.Application:
     return app
 
 
-async def _serving(app: web.Application):
+@contextlib.asynccontextmanager
+async def _client_of_app(app: web.Application, connections: int, timeout_s: float):
+    """(a client of `app` served by aiohttp on a loopback port, its base URL); both closed after."""
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    client = HttpClient(base, connections, timeout_s)
+    try:
+        yield client, base
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def _client_of_raw(handle, timeout_s: float):
+    """(a one-connection client of a raw socket server answering with `handle`, its base URL)."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client = HttpClient(base, 1, timeout_s)
+    try:
+        yield client, base
+    finally:
+        await client.close()
+        server.close()
 
 
 def test_it_reads_what_httpx_reads_and_keeps_its_connections():
     seen: list = []
 
     async def main():
-        runner, base = await _serving(_app(seen))
-        client = HttpClient(base, connections=2, timeout_s=10)
-        try:
+        async with _client_of_app(_app(seen), connections=2, timeout_s=10) as (client, base):
             echo = client.request("POST", "/echo", BLOB, {"X-Tag": "t1", "Content-Type": "application/x-test"},
                                   params={"variant": "onnx int8"})
             answers = await asyncio.gather(*(client.send(echo) for _ in range(6)))
@@ -74,9 +92,6 @@ def test_it_reads_what_httpx_reads_and_keeps_its_connections():
                 reference = await theirs.post(f"{base}/echo", content=BLOB, params={"variant": "onnx int8"},
                                               headers={"X-Tag": "t1", "Content-Type": "application/x-test"})
                 reference_chunked = await theirs.get(f"{base}/chunked")
-        finally:
-            await client.close()
-            await runner.cleanup()
         return answers, streamed, missing, reference, reference_chunked
 
     answers, streamed, missing, reference, reference_chunked = asyncio.run(main())
@@ -92,21 +107,11 @@ def test_it_reads_what_httpx_reads_and_keeps_its_connections():
 
 def test_a_server_that_closes_after_answering_gets_a_new_connection_each_time():
     async def main():
-        runner, base = await _serving(_app([]))
-        client = HttpClient(base, connections=1, timeout_s=10)
-        try:
+        async with _client_of_app(_app([]), connections=1, timeout_s=10) as (client, _):
             request = client.request("POST", "/closing", b"x")
             return [(await client.send(request)).body for _ in range(3)]
-        finally:
-            await client.close()
-            await runner.cleanup()
 
     assert asyncio.run(main()) == [b"bye"] * 3
-
-
-async def _raw_server(handle) -> tuple[asyncio.AbstractServer, str]:
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
 @pytest.mark.parametrize("reply, message", [
@@ -128,16 +133,11 @@ def test_a_server_that_hangs_up_or_is_not_http_is_an_error_and_the_next_request_
         writer.close()
 
     async def main():
-        server, base = await _raw_server(handle)
-        client = HttpClient(base, connections=1, timeout_s=5)
-        request = client.request("POST", "/x")
-        try:
+        async with _client_of_raw(handle, timeout_s=5) as (client, _):
+            request = client.request("POST", "/x")
             with pytest.raises(HttpError, match=message):
                 await client.send(request)
             return (await client.send(request)).body
-        finally:
-            await client.close()
-            server.close()
 
     assert asyncio.run(main()) == b"ok"
 
@@ -147,16 +147,11 @@ def test_no_answer_is_a_timeout_and_a_refused_connection_an_error_never_a_hang()
         await asyncio.sleep(30)
 
     async def main():
-        server, base = await _raw_server(silent)
-        client = HttpClient(base, connections=1, timeout_s=0.3)
         loop = asyncio.get_running_loop()
         began = loop.time()
-        try:
+        async with _client_of_raw(silent, timeout_s=0.3) as (client, base):
             with pytest.raises(asyncio.TimeoutError):
                 await client.send(client.request("POST", "/x"))
-        finally:
-            await client.close()
-            server.close()
         waited = loop.time() - began
         port = int(base.rsplit(":", 1)[1])
         refused = HttpClient(f"http://127.0.0.1:{port}", connections=1, timeout_s=5)
@@ -184,14 +179,9 @@ def test_interim_answers_are_skipped_and_a_body_that_ends_with_the_connection_is
         writer.close()
 
     async def main():
-        server, base = await _raw_server(handle)
-        client = HttpClient(base, connections=1, timeout_s=5)
-        request = client.request("POST", "/x")
-        try:
+        async with _client_of_raw(handle, timeout_s=5) as (client, _):
+            request = client.request("POST", "/x")
             return [(r.status, r.body) for r in [await client.send(request), await client.send(request)]]
-        finally:
-            await client.close()
-            server.close()
 
     assert asyncio.run(main()) == [(200, b"final"), (503, b"busy, come back later")]
 
@@ -209,16 +199,11 @@ def test_a_keep_alive_connection_the_server_closed_while_idle_is_not_reused():
         writer.close()
 
     async def main():
-        server, base = await _raw_server(handle)
-        client = HttpClient(base, connections=1, timeout_s=5)
-        request = client.request("POST", "/x")
-        try:
+        async with _client_of_raw(handle, timeout_s=5) as (client, _):
+            request = client.request("POST", "/x")
             first = await client.send(request)
             await asyncio.sleep(0.3)
             return first.body, (await client.send(request)).body
-        finally:
-            await client.close()
-            server.close()
 
     assert asyncio.run(main()) == (b"ok", b"ok") and len(peers) == 2
 
@@ -243,17 +228,12 @@ def test_an_answer_that_comes_after_its_timeout_is_never_taken_for_the_next_requ
                 await writer.drain()
 
     async def main():
-        server, base = await _raw_server(handle)
-        client = HttpClient(base, connections=1, timeout_s=0.2)
-        request = client.request("POST", "/x")
-        try:
+        async with _client_of_raw(handle, timeout_s=0.2) as (client, _):
+            request = client.request("POST", "/x")
             with pytest.raises(asyncio.TimeoutError):
                 await client.send(request)
             await asyncio.sleep(0.3)  # the late answer arrives meanwhile
             return (await client.send(request)).body
-        finally:
-            await client.close()
-            server.close()
 
     assert asyncio.run(main()) == b"second"
 
@@ -262,9 +242,7 @@ def test_a_cancelled_request_frees_its_slot_and_a_path_is_percent_encoded():
     seen = []
 
     async def main():
-        runner, base = await _serving(_app(seen))
-        client = HttpClient(base, connections=1, timeout_s=5)
-        try:
+        async with _client_of_app(_app(seen), connections=1, timeout_s=5) as (client, _):
             slow = asyncio.ensure_future(client.send(client.request("GET", "/chunked")))
             await asyncio.sleep(0)
             slow.cancel()
@@ -277,8 +255,5 @@ def test_a_cancelled_request_frees_its_slot_and_a_path_is_percent_encoded():
             with pytest.raises(ValueError, match="HEAD"):
                 client.request("HEAD", "/echo")
             return answer.status
-        finally:
-            await client.close()
-            await runner.cleanup()
 
     assert asyncio.run(main()) == 200 and seen[-1][2] == {"variant": "a b"}
