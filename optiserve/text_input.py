@@ -115,6 +115,25 @@ def _pad_id(tokenizer) -> int:
     return 0
 
 
+def run_length(longest, multiple: int, max_length: int):
+    """The length a run whose longest text has `longest` tokens (an int, or an array of them) is fed
+    to an engine at: rounded up to a multiple of `multiple` (an engine that compiles for each new
+    shape meets fewer of them), never past `max_length` nor below `longest`."""
+    return np.maximum(longest, np.minimum(-(-longest // multiple) * multiple, max_length))
+
+
+def to_length(tokens: np.ndarray, length: int) -> np.ndarray:
+    """A token batch cut to `length` tokens, or padded to it with masked columns (id 0, mask 0, type
+    0): tokens no text attends to, so that a model taking an attention mask gives each text the
+    vector it gets at its own length."""
+    width = tokens.shape[-1]
+    if length <= width:
+        return tokens[..., :length]
+    out = np.zeros((*tokens.shape[:-1], length), dtype=tokens.dtype)
+    out[..., :width] = tokens
+    return out
+
+
 def text_lengths(tokens: np.ndarray) -> np.ndarray:
     """Each text's own tokens in a token batch: its mask's ones (special tokens in, padding out), at least 1."""
     return np.maximum(np.count_nonzero(tokens[:, MASK], axis=1), 1)

@@ -340,3 +340,76 @@ def test_a_variants_instances_run_batches_side_by_side_each_on_its_own_thread(se
     assert threads == {"infer-m/v#0", "infer-m/v#1"}
     np.testing.assert_allclose(first.logits, session.run(_images(1, 1)), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(second.logits, session.run(_images(1, 2)), rtol=1e-5, atol=1e-5)
+
+
+def _warm_up_steps(count: int, seconds: float, log: list, fail_at: int | None = None):
+    """An instance's idle warm-up: `count` steps of `seconds` each, each logged with the thread it ran on."""
+    left = [count]
+
+    def step() -> bool:
+        if left[0] == fail_at:
+            raise RuntimeError("the engine refused a shape")
+        time.sleep(seconds)
+        log.append(("warm", threading.current_thread().name))
+        left[0] -= 1
+        return left[0] > 0
+
+    return step
+
+
+def test_idle_warm_up_waits_to_be_told_then_runs_while_nothing_is_queued_on_the_instance_s_thread(session):
+    log = []
+    images = _images(3)
+
+    def run(batch):
+        log.append(("batch", threading.current_thread().name))
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher(run, max_batch_size=8, max_delay_ms=0, warm_ups=[_warm_up_steps(20, 0.01, log)])
+        b.start()
+        await asyncio.sleep(0.1)
+        assert log == []  # held: the timing that picks a default variant has the sessions to itself
+        first = await b.submit(images[:1])  # served before any warm-up
+        b.warm_while_idle()
+        await asyncio.sleep(0.03)  # a few steps run
+        started = time.perf_counter()
+        second = await b.submit(images[1:2])  # waits for the step under way at most
+        waited = time.perf_counter() - started
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if sum(1 for kind, _ in log if kind == "warm") == 20:
+                break
+        third = await b.submit(images[2:3])
+        await b.close()
+        return first, second, third, waited
+
+    first, second, third, waited = asyncio.run(main())
+    expected = session.run(images)
+    for i, result in enumerate((first, second, third)):
+        np.testing.assert_allclose(result.logits[0], expected[i], rtol=1e-4, atol=1e-4)
+    kinds = [kind for kind, _ in log]
+    assert kinds.count("warm") == 20 and kinds[0] == "batch" and kinds[-1] == "batch"  # every step, once
+    second_batch = kinds.index("batch", 1)
+    assert 0 < kinds[:second_batch].count("warm") < 20  # the second request came in between the steps
+    assert waited < 1.0
+    assert len({name for _, name in log}) == 1  # the steps run on the instance's inference thread
+
+
+def test_a_failing_warm_up_step_ends_the_warm_up_and_the_instance_serves_on(session):
+    log = []
+    images = _images(1)
+
+    async def main():
+        b = DynamicBatcher(session.run, max_batch_size=8, max_delay_ms=0,
+                           warm_ups=[_warm_up_steps(10, 0.0, log, fail_at=7)])
+        b.start()
+        b.warm_while_idle()
+        await asyncio.sleep(0.2)
+        result = await b.submit(images)
+        await b.close()
+        return result
+
+    result = asyncio.run(main())
+    assert len(log) == 3  # steps 10, 9 and 8 ran; the 7th raised; none after it
+    np.testing.assert_allclose(result.logits, session.run(images), rtol=1e-4, atol=1e-4)

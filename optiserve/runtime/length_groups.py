@@ -17,7 +17,9 @@ cut, since there a text's vector does depend on the rows beside it and the answe
 with the load; nor is a model whose outputs have a per-token axis (the pieces' outputs would not
 join). An observed run's time counts at most OUTLIER times what the line predicts (a pause, a first
 run at a new shape), and the fixed cost never falls below a quarter of the one measured at load, so
-one slow run cannot make the session cut every text apart, nor stop it cutting for long."""
+one slow run cannot make the session cut every text apart, nor stop it cutting for long. Where the
+engine feeds a run at a length rounded up (OpenVINO: `length_multiple`), runs are cut and their
+padded tokens counted at the lengths it feeds."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import time
 
 import numpy as np
 
-from optiserve.text_input import MASK, TextInput, text_lengths
+from optiserve.text_input import MASK, TextInput, run_length, text_lengths
 
 CALIBRATION_SHAPES = ((1, 16), (2, 64))  # (texts, tokens): one run near the fixed cost, one of 8 times the tokens
 CALIBRATION_RUNS = 1  # timed runs per shape after a first one (the runs that follow refine the fit)
@@ -161,6 +163,8 @@ class LengthGroupedSession:
         per_batch = getattr(session, "quantizes_activations_per_batch", None)  # a backend that can say so
         cuttable = enabled and "attention_mask" in text.inputs and not (per_batch is not None and per_batch())
         self.cost = RunCost.measure(session.run_outputs, text.max_length) if cuttable else None
+        # an engine that feeds runs at lengths rounded up (openvino_backend) is costed at those lengths
+        self.multiple, self.max_length = int(getattr(session, "length_multiple", 1)), text.max_length
         self._ran = threading.local()  # per thread: (the last batch run, the tokens its runs padded to)
 
     def __getattr__(self, name):  # backend, device, computes_in and a backend's own attributes
@@ -182,7 +186,7 @@ class LengthGroupedSession:
 
     def _runs(self, batch: np.ndarray) -> list[tuple[np.ndarray, int]]:
         """Each run `batch` (not empty) would be cut into now: its rows and its longest row's tokens."""
-        lengths = text_lengths(batch)
+        lengths = run_length(text_lengths(batch), self.multiple, self.max_length)  # as the engine is fed them
         cut = [np.arange(len(batch))] if self.cost is None or len(batch) < 2 else \
             length_groups(lengths, self.cost.fixed_tokens)
         return [(rows, int(lengths[rows].max())) for rows in cut]

@@ -5,6 +5,12 @@ left alone, OpenVINO silently computes in bf16 on CPUs that support it, which ch
 speed and the answers of a variant that says it is fp32. Asked for bf16, OpenVINO decides by the
 CPU's instructions, not by OPTISERVE_CPU_FLAGS, so what it compiled is read back after compile
 (`computes_in`) rather than assumed.
+
+OpenVINO compiles for each new input shape on its first run (about twice a warm run's time, more
+for a new count of tokens), and a text server meets new (texts, length) shapes for a long time. So
+a text model's runs are fed at lengths rounded up to a multiple of LENGTH_MULTIPLE (masked padding:
+the same vectors), and `warm_up_shapes` names the shapes worth running once while the server idles.
+A model with an output per token runs at its batch's own length (its outputs' shapes follow it).
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from optiserve.errors import UserError
-from optiserve.text_input import text_input_of, trim_padding
+from optiserve.text_input import MASK, run_length, text_input_of, text_lengths, to_length
 from optiserve.machine import bf16_missing
 from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
                                         register_backend)
 
 PRECISIONS = {"f32": "f32", "bf16": "bf16"}
+LENGTH_MULTIPLE = 8  # a text run's length is rounded up to a multiple of this (see the module's docstring)
+WARM_UP_TEXTS = 2  # warm_up_shapes covers runs of up to this many texts: what a lightly loaded server meets
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,6 +81,33 @@ class OpenVinoSession:
         self.outputs = self._outputs_in_manifest_order(path, manifest)
         self.text = text_input_of(manifest)  # a text model takes token batches, fed as its named inputs
         self.dtypes = [np.dtype(d) for d in output_dtypes(manifest)] or [np.float32] * len(self.outputs)
+        self.length_multiple = LENGTH_MULTIPLE if self.text is not None and not self._per_token_outputs() else 1
+
+    def _per_token_outputs(self) -> bool:
+        """Whether an output the task reads has an axis beyond [texts, width] (or a rank the graph
+        does not fix), so that its shape would follow the length a run is fed at."""
+        ranks = [self.compiled.outputs[i].get_partial_shape().rank for i in self.outputs]
+        return any(rank.is_dynamic or rank.get_length() > 2 for rank in ranks)
+
+    def run_length(self, longest: int) -> int:
+        """The length a text run whose longest text has `longest` tokens is fed at."""
+        return int(run_length(longest, self.length_multiple, self.text.max_length))
+
+    def warm_up_shapes(self) -> list[tuple[int, int]]:
+        """The (texts, length) shapes a text server meets most, shortest first: runs of 1 to
+        WARM_UP_TEXTS texts at every length a run is fed at. Empty for an image model, whose shape
+        the server's own warm-up already ran."""
+        if self.text is None or self.length_multiple == 1:
+            return []
+        lengths = sorted({self.run_length(n) for n in range(1, self.text.max_length + 1)})
+        return [(texts, length) for length in lengths for texts in range(1, WARM_UP_TEXTS + 1)]
+
+    def warm_up(self, shape: tuple[int, int]) -> None:
+        """One run at `shape` (texts, length), every token real, its answer dropped."""
+        texts, length = shape
+        batch = np.zeros((texts, 3, length), dtype=np.int64)
+        batch[:, MASK] = 1
+        self._run(batch)
 
     def _outputs_in_manifest_order(self, path: Path, manifest: dict) -> list[int]:
         """The compiled model's output indices in the manifest's order (the IR keeps the ONNX names)."""
@@ -107,7 +142,8 @@ class OpenVinoSession:
 
     def _run(self, batch: np.ndarray) -> list[np.ndarray]:
         if self.text is not None:
-            result = self.request.infer(self.text.feeds(trim_padding(batch)), share_inputs=True)
+            longest = int(text_lengths(batch).max()) if len(batch) else 1
+            result = self.request.infer(self.text.feeds(to_length(batch, self.run_length(longest))), share_inputs=True)
         else:
             result = self.request.infer({0: np.ascontiguousarray(batch, dtype=np.float32)}, share_inputs=True)
         # copies: the request reuses its output buffers

@@ -13,12 +13,17 @@ in length, so it pads little; the others keep their places, and each leads a bat
 it is the oldest. Such a batch may also have a budget in padded size (`max_padded_size`: its rows ×
 its longest row, e.g. a text model's padded tokens): a row that would take the batch past it is left
 for a later batch, and a first row over the budget on its own still runs alone, so no row waits forever.
+An instance may have idle warm-up steps (`warm_ups`, runtime.idle_warm_up): once told to
+(`warm_while_idle`, when the server starts sending it requests: the timing that chooses a default
+variant must have the sessions to itself), it runs them one at a time on its inference thread
+while nothing is queued, so a request waits for one step at most.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import itertools
@@ -31,6 +36,8 @@ import numpy as np
 
 from optiserve.serve import tracing
 from optiserve.serve.staging import StagingRows, stack_rows
+
+log = logging.getLogger("optiserve.serve")
 
 
 class QueueFull(Exception):
@@ -173,7 +180,7 @@ class DynamicBatcher:
                  priority_levels: int = 1, stack: Callable[[list[np.ndarray]], np.ndarray] = stack_rows,
                  count_tokens: Callable[[np.ndarray, int], tuple[int, int]] | None = None,
                  row_length: Callable[[np.ndarray], int] | None = None, group_by_length: bool = True,
-                 max_padded_size: int | None = None):
+                 max_padded_size: int | None = None, warm_ups: Sequence[Callable[[], bool] | None] = ()):
         limits = [max_queue] * priority_levels if isinstance(max_queue, int) else list(max_queue)
         runners = [run_batch] if callable(run_batch) else list(run_batch)
         if max_batch_size < 1 or not limits or min(limits) < 1 or max_delay_ms < 0 or not runners:
@@ -196,6 +203,11 @@ class DynamicBatcher:
         self._arrivals = itertools.count()
         suffix = (lambda i: "") if len(runners) == 1 else (lambda i: f"#{i}")
         self._executors = [DaemonExecutor(f"infer-{name}{suffix(i)}", thread_initializer) for i in range(len(runners))]
+        # per instance, its next idle warm-up step (which says whether more remain), or None; held
+        # until warm_while_idle, which wakes an instance waiting for a row (_wake)
+        self._held_warm_ups = [*warm_ups, *[None] * (len(runners) - len(warm_ups))] if any(warm_ups) else None
+        self._warm_ups: list[Callable[[], bool] | None] = [None] * len(runners)
+        self._wake: asyncio.Future | None = None
         self._cutting = asyncio.Lock()  # one instance cuts a batch at a time; the others are running theirs
         self._running: dict[int, list[_Row]] = {}
         self._tasks: list[asyncio.Task] = []
@@ -254,6 +266,13 @@ class DynamicBatcher:
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._loop(i), name=f"batcher-{self.name}-{i}")
                            for i in range(len(self.runners))]
+
+    def warm_while_idle(self) -> None:
+        """Start the instances' idle warm-up steps (see the module's docstring); once only."""
+        if self._held_warm_ups is not None:
+            self._warm_ups, self._held_warm_ups = self._held_warm_ups, None
+            if self._wake is not None and not self._wake.done():
+                self._wake.set_result(None)
 
     async def submit(self, images: np.ndarray, timeout: float | None = None,
                      reservation: Reservation | None = None, priority: int | None = None) -> Result:
@@ -342,7 +361,10 @@ class DynamicBatcher:
     async def _next_batch(self) -> list[_Row]:
         """The next batch: its first row is the highest-priority, longest-waiting one queued, and the
         batch fills, highest priorities first, until it is full or that row has waited `max_delay`."""
-        first = self._take(await self._queue.get())  # over the cost budget alone, it still runs (alone)
+        item = await self._first_item()
+        if item is None:
+            return []  # woken to warm up while idle
+        first = self._take(item)  # over the cost budget alone, it still runs (alone)
         batch = [first]
         cutoff = first.enqueued + self.max_delay
         if self.group_by_length:
@@ -367,6 +389,22 @@ class DynamicBatcher:
         if self.staging is not None and self._queue.empty():
             self.staging.start_block()  # nothing waiting behind this batch: the next rows line up anew
         return batch
+
+    async def _first_item(self) -> tuple[int, int, _Row] | None:
+        """The next queued row; None where warm_while_idle starts the warm-up steps while waiting."""
+        if self._held_warm_ups is None or not self._queue.empty():
+            return await self._queue.get()
+        self._wake = asyncio.get_running_loop().create_future()
+        getter = asyncio.ensure_future(self._queue.get())
+        try:
+            await asyncio.wait({getter, self._wake}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            getter.cancel()
+            raise
+        if getter.done():
+            return getter.result()
+        getter.cancel()  # no row taken: the queue is as it was
+        return None
 
     async def _fill_by_length(self, batch: list[_Row], cutoff: float) -> None:
         """Fill `batch` (its first row the oldest) until it is full, its cost budget turns a row away,
@@ -410,10 +448,16 @@ class DynamicBatcher:
         return (len(live) + 1) * max([*live, row.length]) <= self.max_padded_size
 
     async def _loop(self, instance: int) -> None:
-        """One instance's loop: wait its turn to cut a batch, then run it on its own thread."""
+        """One instance's loop: while nothing is queued, its idle warm-up steps; else wait its turn
+        to cut a batch, then run it on its own thread."""
         while True:
+            if self._warm_ups[instance] is not None and self._queue.empty() and not self._closing:
+                await self._warm_up(instance)
+                continue
             async with self._cutting:
                 batch = await self._next_batch()
+            if not batch:
+                continue
             try:
                 await self._run(batch, instance)
             except Exception as e:  # never let one batch stop the batcher; its callers get the error
@@ -424,6 +468,17 @@ class DynamicBatcher:
                 self._running.pop(instance, None)
                 for _ in batch:
                     self._queue.task_done()
+
+    async def _warm_up(self, instance: int) -> None:
+        """One idle warm-up step on the instance's thread; the last (or a failing) one ends them."""
+        step = self._warm_ups[instance]
+        try:
+            more = await asyncio.get_running_loop().run_in_executor(self._executors[instance], step)
+        except Exception as e:  # noqa: BLE001  a warm-up run is never worth a request: stop warming, go on serving
+            log.warning("%s: idle warm-up stopped: %s: %s", self.name, type(e).__name__, e)
+            more = False
+        if not more:
+            self._warm_ups[instance] = None
 
     def _trace(self, live: list[_Row], cut: float, started: float, error: str | None = None) -> None:
         """The batch's span (cut at `cut`, run from `started` until now), linked to its requests'."""

@@ -20,6 +20,7 @@ from optiserve.text_input import text_input_of
 from optiserve.machine import usable_cores
 from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.fastest import choose_fastest
+from optiserve.runtime.idle_warm_up import idle_warm_up
 from optiserve.runtime.recorded import recorded_choice
 from optiserve.runtime.variants import LoadedVariant, load_verified, select_variants, warm_up
 from optiserve.serve.batcher import BatchRecord, DynamicBatcher
@@ -153,6 +154,8 @@ class ServedModel:
                 batcher = DynamicBatcher(runners, batching.max_batch_size, batching.max_delay_ms,
                                          batching.max_queue, name=f"{self.name}/{entry['name']}", on_batch=on_batch,
                                          thread_initializer=batching.thread_initializer,
+                                         warm_ups=[idle_warm_up(i.session, f"{self.name}/{entry['name']}")
+                                                   for i in instances],
                                          **self._rows(batching.max_batch_tokens, instances))
                 batcher.start()
                 self.variants[entry["name"]] = ServedVariant(instances[0], batcher, stats)
@@ -183,6 +186,11 @@ class ServedModel:
         if self.texts is not None:
             return self.texts.sample(n)
         return np.random.default_rng(0).standard_normal((n, *self.spec.shape), dtype=np.float32)
+
+    def warm_while_idle(self) -> None:
+        """Let each variant's instances run their idle warm-up steps (serve.batcher): once it serves."""
+        for served in self.variants.values():
+            served.batcher.warm_while_idle()
 
     def choose_fastest(self, max_batch_size: int, seconds: float, threads: int | None,
                        replaced: "ServedModel | None" = None) -> dict | None:

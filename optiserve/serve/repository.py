@@ -255,6 +255,7 @@ class ModelRepository:
         dropped = carry_traffic(old, model) if old is not None else []
         self.models[name] = model
         model.track_queues(self.metrics)
+        model.warm_while_idle()
         self.status[name] = ModelStatus("READY", model.version, reason="; ".join(dropped))
         log.info("model %s: version %s serving (%s)", name, model.version[:12], ", ".join(model.variants))
         for what in dropped:
