@@ -372,7 +372,7 @@ def test_idle_warm_up_waits_to_be_told_then_runs_while_nothing_is_queued_on_the_
         assert log == []  # held: the timing that picks a default variant has the sessions to itself
         first = await b.submit(images[:1])  # served before any warm-up
         b.warm_while_idle()
-        await asyncio.sleep(0.03)  # a few steps run
+        await asyncio.sleep(0.08)  # a few steps run, once the batcher has been quiet a while
         started = time.perf_counter()
         second = await b.submit(images[1:2])  # waits for the step under way at most
         waited = time.perf_counter() - started
@@ -413,3 +413,30 @@ def test_a_failing_warm_up_step_ends_the_warm_up_and_the_instance_serves_on(sess
     result = asyncio.run(main())
     assert len(log) == 3  # steps 10, 9 and 8 ran; the 7th raised; none after it
     np.testing.assert_allclose(result.logits, session.run(images), rtol=1e-4, atol=1e-4)
+
+
+def test_a_client_that_sends_again_as_soon_as_it_is_answered_never_waits_for_a_warm_up_step(session):
+    log = []
+    images = _images(1)
+
+    def run(batch):
+        log.append(("batch", threading.current_thread().name))
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher(run, max_batch_size=8, max_delay_ms=0, warm_ups=[_warm_up_steps(5, 0.05, log)])
+        b.start()
+        b.warm_while_idle()
+        for _ in range(40):  # one client, back to back
+            await b.submit(images)
+        during = list(log)
+        for _ in range(100):  # then quiet: the steps run
+            await asyncio.sleep(0.05)
+            if len(log) == len(during) + 5:
+                break
+        await b.close()
+        return during
+
+    during = asyncio.run(main())
+    assert [kind for kind, _ in during] == ["batch"] * 40
+    assert [kind for kind, _ in log[40:]] == ["warm"] * 5

@@ -16,7 +16,8 @@ for a later batch, and a first row over the budget on its own still runs alone, 
 An instance may have idle warm-up steps (`warm_ups`, runtime.idle_warm_up): once told to
 (`warm_while_idle`, when the server starts sending it requests: the timing that chooses a default
 variant must have the sessions to itself), it runs them one at a time on its inference thread
-while nothing is queued, so a request waits for one step at most.
+once no row has arrived for QUIET_S, so a request waits for one step at most, and a client that
+sends its next request as soon as it has its answer never waits for one.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from optiserve.serve import tracing
 from optiserve.serve.staging import StagingRows, stack_rows
 
 log = logging.getLogger("optiserve.serve")
+
+QUIET_S = 0.02  # an idle warm-up step runs only after this long without a row arriving
 
 
 class QueueFull(Exception):
@@ -208,6 +211,7 @@ class DynamicBatcher:
         self._held_warm_ups = [*warm_ups, *[None] * (len(runners) - len(warm_ups))] if any(warm_ups) else None
         self._warm_ups: list[Callable[[], bool] | None] = [None] * len(runners)
         self._wake: asyncio.Future | None = None
+        self._arrived = asyncio.Event()  # set by every submit: a quiet spell ends
         self._cutting = asyncio.Lock()  # one instance cuts a batch at a time; the others are running theirs
         self._running: dict[int, list[_Row]] = {}
         self._tasks: list[asyncio.Task] = []
@@ -300,6 +304,7 @@ class DynamicBatcher:
         for row in rows:
             self._queue.put_nowait((priority, next(self._arrivals), row))
         self._queued[priority - 1] += k
+        self._arrived.set()
         futures = [r.future for r in rows]
         try:  # cancelled, when the caller goes away (e.g. past a gRPC client's deadline): its rows are dropped
             _, pending = await asyncio.wait(futures, timeout=timeout)
@@ -451,7 +456,7 @@ class DynamicBatcher:
         """One instance's loop: while nothing is queued, its idle warm-up steps; else wait its turn
         to cut a batch, then run it on its own thread."""
         while True:
-            if self._warm_ups[instance] is not None and self._queue.empty() and not self._closing:
+            if self._warm_ups[instance] is not None and not self._closing and await self._quiet():
                 await self._warm_up(instance)
                 continue
             async with self._cutting:
@@ -468,6 +473,17 @@ class DynamicBatcher:
                 self._running.pop(instance, None)
                 for _ in batch:
                     self._queue.task_done()
+
+    async def _quiet(self) -> bool:
+        """Whether QUIET_S passes with nothing queued and no row arriving."""
+        if not self._queue.empty():
+            return False
+        self._arrived.clear()
+        try:
+            await asyncio.wait_for(self._arrived.wait(), QUIET_S)
+        except asyncio.TimeoutError:
+            return self._queue.empty()
+        return False
 
     async def _warm_up(self, instance: int) -> None:
         """One idle warm-up step on the instance's thread; the last (or a failing) one ends them."""
