@@ -342,19 +342,29 @@ def test_a_variants_instances_run_batches_side_by_side_each_on_its_own_thread(se
     np.testing.assert_allclose(second.logits, session.run(_images(1, 2)), rtol=1e-5, atol=1e-5)
 
 
-def _warm_up_steps(count: int, seconds: float, log: list, fail_at: int | None = None):
-    """An instance's idle warm-up: `count` steps of `seconds` each, each logged with the thread it ran on."""
-    left = [count]
+class _WarmUp:
+    """An instance's idle warm-up (as runtime.idle_warm_up's): `count` shapes of `seconds` each, each
+    run logged with the thread it ran on; the shape numbered `fail_at` raises; with `due_after`,
+    none is due until that many batches have run."""
 
-    def step() -> bool:
-        if left[0] == fail_at:
+    def __init__(self, count: int, seconds: float, log: list, fail_at: int | None = None, due_after: int = 0):
+        self.left, self.seconds, self.log, self.fail_at, self.due_after = count, seconds, log, fail_at, due_after
+
+    @property
+    def pending(self) -> bool:
+        return self.left > 0
+
+    def due(self):
+        batches = sum(1 for kind, _ in self.log if kind == "batch")
+        return self.left if self.left > 0 and batches >= self.due_after else None
+
+    def run(self, shape) -> None:
+        assert shape == self.left
+        if shape == self.fail_at:
             raise RuntimeError("the engine refused a shape")
-        time.sleep(seconds)
-        log.append(("warm", threading.current_thread().name))
-        left[0] -= 1
-        return left[0] > 0
-
-    return step
+        time.sleep(self.seconds)
+        self.log.append(("warm", threading.current_thread().name))
+        self.left -= 1
 
 
 def test_idle_warm_up_waits_to_be_told_then_runs_while_nothing_is_queued_on_the_instance_s_thread(session):
@@ -366,7 +376,7 @@ def test_idle_warm_up_waits_to_be_told_then_runs_while_nothing_is_queued_on_the_
         return session.run(batch)
 
     async def main():
-        b = DynamicBatcher(run, max_batch_size=8, max_delay_ms=0, warm_ups=[_warm_up_steps(20, 0.01, log)])
+        b = DynamicBatcher(run, max_batch_size=8, max_delay_ms=0, warm_ups=[_WarmUp(20, 0.01, log)])
         b.start()
         await asyncio.sleep(0.1)
         assert log == []  # held: the timing that picks a default variant has the sessions to itself
@@ -402,7 +412,7 @@ def test_a_failing_warm_up_step_ends_the_warm_up_and_the_instance_serves_on(sess
 
     async def main():
         b = DynamicBatcher(session.run, max_batch_size=8, max_delay_ms=0,
-                           warm_ups=[_warm_up_steps(10, 0.0, log, fail_at=7)])
+                           warm_ups=[_WarmUp(10, 0.0, log, fail_at=7)])
         b.start()
         b.warm_while_idle()
         await asyncio.sleep(0.2)
@@ -424,7 +434,7 @@ def test_a_client_that_sends_again_as_soon_as_it_is_answered_never_waits_for_a_w
         return session.run(batch)
 
     async def main():
-        b = DynamicBatcher(run, max_batch_size=8, max_delay_ms=0, warm_ups=[_warm_up_steps(5, 0.05, log)])
+        b = DynamicBatcher(run, max_batch_size=8, max_delay_ms=0, warm_ups=[_WarmUp(5, 0.05, log)])
         b.start()
         b.warm_while_idle()
         for _ in range(40):  # one client, back to back
@@ -440,3 +450,31 @@ def test_a_client_that_sends_again_as_soon_as_it_is_answered_never_waits_for_a_w
     during = asyncio.run(main())
     assert [kind for kind, _ in during] == ["batch"] * 40
     assert [kind for kind, _ in log[40:]] == ["warm"] * 5
+
+
+def test_a_warm_up_shape_runs_only_once_it_is_due(session):
+    log = []
+    images = _images(1)
+
+    def run(batch):
+        log.append(("batch", threading.current_thread().name))
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher(run, max_batch_size=8, max_delay_ms=0, warm_ups=[_WarmUp(3, 0.0, log, due_after=2)])
+        b.start()
+        b.warm_while_idle()
+        await b.submit(images)
+        await asyncio.sleep(0.2)
+        before = list(log)  # one batch: nothing due yet, however long it idles
+        await b.submit(images)  # the second batch makes the shapes due
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if len(log) == 5:
+                break
+        await b.close()
+        return before
+
+    before = asyncio.run(main())
+    assert [kind for kind, _ in before] == ["batch"]
+    assert [kind for kind, _ in log] == ["batch", "batch", "warm", "warm", "warm"]

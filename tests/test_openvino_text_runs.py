@@ -1,7 +1,7 @@
 """OpenVINO's text runs: fed at lengths rounded up to a multiple of 8 (masked padding), each text's
 vector the one OpenVINO itself gives it at its own length; a model whose output has a per-token axis
-(read from its graph) runs at its own length; and the shapes a server meets most are run once while
-it idles, after it starts serving, never delaying a request by more than one of them."""
+(read from its graph) runs at its own length; and the shapes a server meets most, up to the longest
+run it has made, are run once while it idles, after it starts serving."""
 
 from __future__ import annotations
 
@@ -123,7 +123,8 @@ def test_a_model_whose_output_has_a_per_token_axis_runs_at_its_own_length(tmp_pa
         assert out[:, 0].tolist() == [15, 15]
 
 
-def test_the_server_warms_the_shapes_it_meets_most_while_idle_and_answers_meanwhile(optimized, monkeypatch):
+def test_the_server_warms_the_shapes_it_meets_most_while_idle_up_to_the_longest_run_and_answers_meanwhile(
+        optimized, monkeypatch):
     from optiserve.runtime.openvino_backend import OpenVinoSession
     from optiserve.serve.app import ServeConfig, create_app
 
@@ -131,7 +132,7 @@ def test_the_server_warms_the_shapes_it_meets_most_while_idle_and_answers_meanwh
     original = OpenVinoSession.warm_up
 
     def recorded(self, shape):
-        warmed.append(shape)
+        warmed.append((id(self), shape))
         return original(self, shape)
 
     monkeypatch.setattr(OpenVinoSession, "warm_up", recorded)
@@ -141,9 +142,20 @@ def test_the_server_warms_the_shapes_it_meets_most_while_idle_and_answers_meanwh
         during = client.post("/predict?variant=openvino-int8", json={"texts": MIXED[:2]})
         model = next(iter(client.app.state.server.models.values()))
         engines = {name: v.loaded.session.session for name, v in model.variants.items()}
-        expected = [s for e in engines.values() for s in e.warm_up_shapes()]
-        until(lambda: len(warmed) >= len(expected), seconds=120)
+        longest = {name: e.longest_fed for name, e in engines.items()}
+        assert 16 <= min(longest.values()) < 256  # what loading ran: short texts, and the cost of a run's shapes
+
+        def due(names):
+            return sorted((id(engines[n]), shape) for n in names for shape in engines[n].warm_up_shapes()
+                          if shape[1] <= engines[n].longest_fed)
+
+        until(lambda: sorted(warmed) == due(engines), seconds=120)  # each due shape once, none past the longest
         after = client.post("/predict?variant=openvino-int8", json={"texts": MIXED[:2]})
+        assert client.post("/predict?variant=openvino-int8", json={"texts": MIXED[4:]}).status_code == 200
+        assert engines["openvino-int8"].longest_fed == 256  # a text at the model's max length
+        until(lambda: sorted(warmed) == due(engines), seconds=120)  # and now the longer shapes too
     assert during.status_code == 200 == after.status_code, during.text
     np.testing.assert_allclose(during.json()["embedding"], after.json()["embedding"], rtol=1e-5, atol=1e-6)
-    assert sorted(warmed) == sorted(expected) and len(expected) == 2 * 64  # each variant's shapes, each once
+    int8 = [shape for who, shape in warmed if who == id(engines["openvino-int8"])]
+    assert sorted(int8) == sorted(engines["openvino-int8"].warm_up_shapes()) and len(int8) == 2 * 32
+    assert max(shape[1] for who, shape in warmed if who == id(engines["openvino-fp32"])) == longest["openvino-fp32"]

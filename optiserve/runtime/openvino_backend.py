@@ -9,7 +9,8 @@ CPU's instructions, not by OPTISERVE_CPU_FLAGS, so what it compiled is read back
 OpenVINO compiles for each new input shape on its first run (about twice a warm run's time, more
 for a new count of tokens), and a text server meets new (texts, length) shapes for a long time. So
 a text model's runs are fed at lengths rounded up to a multiple of LENGTH_MULTIPLE (masked padding:
-the same vectors), and `warm_up_shapes` names the shapes worth running once while the server idles.
+the same vectors), and `warm_up_shapes` names the shapes worth running once while the server idles
+(runtime.idle_warm_up: up to `longest_fed`, the longest length run so far).
 A model with an output per token runs at its batch's own length (its outputs' shapes follow it).
 """
 
@@ -82,6 +83,7 @@ class OpenVinoSession:
         self.text = text_input_of(manifest)  # a text model takes token batches, fed as its named inputs
         self.dtypes = [np.dtype(d) for d in output_dtypes(manifest)] or [np.float32] * len(self.outputs)
         self.length_multiple = LENGTH_MULTIPLE if self.text is not None and not self._per_token_outputs() else 1
+        self.longest_fed = 0  # the longest length a text run has been fed at
 
     def _per_token_outputs(self) -> bool:
         """Whether an output the task reads has an axis beyond [texts, width] (or a rank the graph
@@ -96,7 +98,7 @@ class OpenVinoSession:
     def warm_up_shapes(self) -> list[tuple[int, int]]:
         """The (texts, length) shapes a text server meets most, shortest first: runs of 1 to
         WARM_UP_TEXTS texts at every length a run is fed at. Empty for an image model, whose shape
-        the server's own warm-up already ran."""
+        the server's own warm-up already ran, and for a model fed at its batches' own lengths."""
         if self.text is None or self.length_multiple == 1:
             return []
         lengths = sorted({self.run_length(n) for n in range(1, self.text.max_length + 1)})
@@ -142,8 +144,9 @@ class OpenVinoSession:
 
     def _run(self, batch: np.ndarray) -> list[np.ndarray]:
         if self.text is not None:
-            longest = int(text_lengths(batch).max()) if len(batch) else 1
-            result = self.request.infer(self.text.feeds(to_length(batch, self.run_length(longest))), share_inputs=True)
+            length = self.run_length(int(text_lengths(batch).max()) if len(batch) else 1)
+            self.longest_fed = max(self.longest_fed, length)
+            result = self.request.infer(self.text.feeds(to_length(batch, length)), share_inputs=True)
         else:
             result = self.request.infer({0: np.ascontiguousarray(batch, dtype=np.float32)}, share_inputs=True)
         # copies: the request reuses its output buffers

@@ -13,11 +13,11 @@ in length, so it pads little; the others keep their places, and each leads a bat
 it is the oldest. Such a batch may also have a budget in padded size (`max_padded_size`: its rows ×
 its longest row, e.g. a text model's padded tokens): a row that would take the batch past it is left
 for a later batch, and a first row over the budget on its own still runs alone, so no row waits forever.
-An instance may have idle warm-up steps (`warm_ups`, runtime.idle_warm_up): once told to
+An instance may have an idle warm-up (`warm_ups`, runtime.idle_warm_up): once told to
 (`warm_while_idle`, when the server starts sending it requests: the timing that chooses a default
-variant must have the sessions to itself), it runs them one at a time on its inference thread
-once no row has arrived for QUIET_S, so a request waits for one step at most, and a client that
-sends its next request as soon as it has its answer never waits for one.
+variant must have the sessions to itself), it runs the shapes that are due one at a time on its
+inference thread once no row has arrived for QUIET_S, so a request waits for one at most, and a
+client that sends its next request as soon as it has its answer never waits for one.
 """
 
 from __future__ import annotations
@@ -31,11 +31,13 @@ import itertools
 import time
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from optiserve.serve import tracing
+if TYPE_CHECKING:
+    from optiserve.runtime.idle_warm_up import IdleWarmUp
 from optiserve.serve.staging import StagingRows, stack_rows
 
 log = logging.getLogger("optiserve.serve")
@@ -183,7 +185,7 @@ class DynamicBatcher:
                  priority_levels: int = 1, stack: Callable[[list[np.ndarray]], np.ndarray] = stack_rows,
                  count_tokens: Callable[[np.ndarray, int], tuple[int, int]] | None = None,
                  row_length: Callable[[np.ndarray], int] | None = None, group_by_length: bool = True,
-                 max_padded_size: int | None = None, warm_ups: Sequence[Callable[[], bool] | None] = ()):
+                 max_padded_size: int | None = None, warm_ups: Sequence[IdleWarmUp | None] = ()):
         limits = [max_queue] * priority_levels if isinstance(max_queue, int) else list(max_queue)
         runners = [run_batch] if callable(run_batch) else list(run_batch)
         if max_batch_size < 1 or not limits or min(limits) < 1 or max_delay_ms < 0 or not runners:
@@ -206,10 +208,10 @@ class DynamicBatcher:
         self._arrivals = itertools.count()
         suffix = (lambda i: "") if len(runners) == 1 else (lambda i: f"#{i}")
         self._executors = [DaemonExecutor(f"infer-{name}{suffix(i)}", thread_initializer) for i in range(len(runners))]
-        # per instance, its next idle warm-up step (which says whether more remain), or None; held
-        # until warm_while_idle, which wakes an instance waiting for a row (_wake)
+        # per instance, its idle warm-up (None: none, or none left); held until warm_while_idle,
+        # which wakes an instance waiting for a row (_wake)
         self._held_warm_ups = [*warm_ups, *[None] * (len(runners) - len(warm_ups))] if any(warm_ups) else None
-        self._warm_ups: list[Callable[[], bool] | None] = [None] * len(runners)
+        self._warm_ups: list[IdleWarmUp | None] = [None] * len(runners)
         self._wake: asyncio.Future | None = None
         self._arrived = asyncio.Event()  # set by every submit: a quiet spell ends
         self._cutting = asyncio.Lock()  # one instance cuts a batch at a time; the others are running theirs
@@ -456,7 +458,8 @@ class DynamicBatcher:
         """One instance's loop: while nothing is queued, its idle warm-up steps; else wait its turn
         to cut a batch, then run it on its own thread."""
         while True:
-            if self._warm_ups[instance] is not None and not self._closing and await self._quiet():
+            warm = self._warm_ups[instance]
+            if warm is not None and not self._closing and warm.due() is not None and await self._quiet():
                 await self._warm_up(instance)
                 continue
             async with self._cutting:
@@ -486,14 +489,15 @@ class DynamicBatcher:
         return False
 
     async def _warm_up(self, instance: int) -> None:
-        """One idle warm-up step on the instance's thread; the last (or a failing) one ends them."""
-        step = self._warm_ups[instance]
+        """The instance's next due warm-up shape, on its thread; the last (or a failing) one ends them."""
+        warm = self._warm_ups[instance]
         try:
-            more = await asyncio.get_running_loop().run_in_executor(self._executors[instance], step)
+            await asyncio.get_running_loop().run_in_executor(self._executors[instance], warm.run, warm.due())
         except Exception as e:  # noqa: BLE001  a warm-up run is never worth a request: stop warming, go on serving
             log.warning("%s: idle warm-up stopped: %s: %s", self.name, type(e).__name__, e)
-            more = False
-        if not more:
+            self._warm_ups[instance] = None
+            return
+        if not warm.pending:
             self._warm_ups[instance] = None
 
     def _trace(self, live: list[_Row], cut: float, started: float, error: str | None = None) -> None:
