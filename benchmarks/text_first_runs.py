@@ -16,8 +16,9 @@ Arrivals are Poisson at each stream's rate (`--rate sentences:100,passages:30`, 
 arrived while the last one ran (at most `--max-batch`), and time moves on by each run's real time,
 so a slow run makes the texts behind it wait, as in a server. Per stream and setup, medians over
 `--rounds`: runs, runs at a shape met for the first time, run p50/p99, each text's latency from its
-arrival to its run's end (p50/p99; tokenizing and HTTP left out), and the ratio of p99s to own
-length's.
+arrival to its run's end (p50/p99; tokenizing and HTTP left out), the ratio of p99s to own
+length's, and the process's resident memory once the replay is over (each shape OpenVINO compiled
+holds some).
 
     python benchmarks/text_first_runs.py
     python benchmarks/text_first_runs.py --artifact artifacts/minilm-search08 --variant openvino-layers3of6-int8
@@ -104,10 +105,11 @@ def replay(args) -> dict:
         latencies.extend(now - times[k] for k in range(i, j))
         i = j
     runs_ms, latency_ms = 1e3 * np.array(runs), 1e3 * np.array(latencies)
+    rss_mb = int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
     return {"runs": len(runs), "new": new, "run_p50": float(np.percentile(runs_ms, 50)),
             "run_p99": float(np.percentile(runs_ms, 99)), "latency_p50": float(np.percentile(latency_ms, 50)),
             "latency_p99": float(np.percentile(latency_ms, 99)), "engine_s": float(runs_ms.sum() / 1e3),
-            "warm_s": warm_s, "texts": len(times)}
+            "warm_s": warm_s, "texts": len(times), "rss_mb": rss_mb}
 
 
 def rates(given: str) -> dict[str, float]:
@@ -164,20 +166,20 @@ def main() -> int:
                       f"run p99 {r['run_p99']:.1f} ms, latency p50 {r['latency_p50']:.1f} / p99 "
                       f"{r['latency_p99']:.1f} ms", flush=True)
     print("\n| stream | setup | runs | at a new shape | run p50 ms | run p99 ms | latency p50 ms | latency p99 ms "
-          "| engine s | latency p99 / own length's |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| engine s | latency p99 / own length's | RSS MB after |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for stream in streams:
         base = results.get((stream, SETUPS[0]))
         for setup in SETUPS:
             rs = results.get((stream, setup))
             if not rs:
-                print(f"| {stream} | {setup} | failed | | | | | | | |")
+                print(f"| {stream} | {setup} | failed | | | | | | | | |")
                 continue
             med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
             ratio = f"{med['latency_p99'] / statistics.median(r['latency_p99'] for r in base):.2f}" if base else ""
             print(f"| {stream} | {setup} | {med['runs']:.0f} | {med['new']:.0f} | {med['run_p50']:.2f} | "
                   f"{med['run_p99']:.1f} | {med['latency_p50']:.1f} | {med['latency_p99']:.1f} | {med['engine_s']:.2f} | "
-                  f"{ratio} |")
+                  f"{ratio} | {med['rss_mb']:.0f} |")
     warm = [r["warm_s"] for (_, setup), rs in results.items() if setup == SETUPS[2] for r in rs]
     if warm:
         print(f"\nthe idle warm-up itself: {statistics.median(warm):.2f} s of engine time (median), before the replay")

@@ -6,6 +6,7 @@ non-root user, the command runs as it is (it already is unprivileged)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import shlex
 import shutil
@@ -49,12 +50,20 @@ def why_not() -> str | None:
     return None
 
 
+def scratch_folder(prefix: str) -> Path:
+    """A new folder under the system's temporary folder, which another uid can reach (pytest's
+    tmp_path sits under a folder only its owner may enter), removed when the test process exits."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def as_unprivileged(argv: list[str], extra_mounts: str = "") -> list[str]:
     """`argv` wrapped to run as uid 1000 (or unchanged when this process is not root). `extra_mounts`
     is shell run as root inside the namespace first (e.g. a read-only bind mount)."""
     if os.geteuid() != 0:
         return argv
-    hold = tempfile.mkdtemp(prefix="optiserve-nonroot-")
+    hold = str(scratch_folder("optiserve-nonroot-"))
     script = [f"mount -t tmpfs tmpfs {shlex.quote(hold)}"]
     for i, (folder, child) in enumerate(_blocked(_needed_paths())):
         keep, target = f"{hold}/{i}", shlex.quote(str(folder / child))

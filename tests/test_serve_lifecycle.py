@@ -313,7 +313,7 @@ def _volume(small_artifact: Path) -> Path:
 
 
 def _serve_unprivileged(repo: Path, *args: str, extra_mounts: str = ""):
-    home = Path(tempfile.mkdtemp(prefix="optiserve-home-"))
+    home = nonroot.scratch_folder("optiserve-home-")
     home.chmod(0o777)
     port = free_port()
     log = tempfile.TemporaryFile("w+")

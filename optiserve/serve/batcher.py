@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from optiserve.serve import tracing
+from optiserve.serve.staging import StagingRows, stack_rows
+
 if TYPE_CHECKING:
     from optiserve.runtime.idle_warm_up import IdleWarmUp
-from optiserve.serve.staging import StagingRows, stack_rows
 
 log = logging.getLogger("optiserve.serve")
 
@@ -455,8 +456,8 @@ class DynamicBatcher:
         return (len(live) + 1) * max([*live, row.length]) <= self.max_padded_size
 
     async def _loop(self, instance: int) -> None:
-        """One instance's loop: while nothing is queued, its idle warm-up steps; else wait its turn
-        to cut a batch, then run it on its own thread."""
+        """One instance's loop: after a quiet spell, a due idle warm-up shape; else wait its turn to
+        cut a batch, then run it on its own thread."""
         while True:
             warm = self._warm_ups[instance]
             if warm is not None and not self._closing and warm.due() is not None and await self._quiet():
