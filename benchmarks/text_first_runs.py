@@ -178,8 +178,8 @@ def main() -> int:
             med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
             ratio = f"{med['latency_p99'] / statistics.median(r['latency_p99'] for r in base):.2f}" if base else ""
             print(f"| {stream} | {setup} | {med['runs']:.0f} | {med['new']:.0f} | {med['run_p50']:.2f} | "
-                  f"{med['run_p99']:.1f} | {med['latency_p50']:.1f} | {med['latency_p99']:.1f} | {med['engine_s']:.2f} | "
-                  f"{ratio} | {med['rss_mb']:.0f} |")
+                  f"{med['run_p99']:.1f} | {med['latency_p50']:.1f} | {med['latency_p99']:.1f} | "
+                  f"{med['engine_s']:.2f} | {ratio} | {med['rss_mb']:.0f} |")
     warm = [r["warm_s"] for (_, setup), rs in results.items() if setup == SETUPS[2] for r in rs]
     if warm:
         print(f"\nthe idle warm-up itself: {statistics.median(warm):.2f} s of engine time (median), before the replay")

@@ -367,16 +367,28 @@ class _WarmUp:
         self.left -= 1
 
 
-def test_idle_warm_up_waits_to_be_told_then_runs_while_nothing_is_queued_on_the_instance_s_thread(session):
-    log = []
-    images = _images(3)
-
+def _logged(session, log: list):
+    """The session's run, each batch logged with the thread it ran on."""
     def run(batch):
         log.append(("batch", threading.current_thread().name))
         return session.run(batch)
 
+    return run
+
+
+async def _until(condition, seconds: float = 5.0) -> None:
+    deadline = time.perf_counter() + seconds
+    while not condition() and time.perf_counter() < deadline:
+        await asyncio.sleep(0.02)
+
+
+def test_idle_warm_up_waits_to_be_told_then_runs_while_nothing_is_queued_on_the_instance_s_thread(session):
+    log = []
+    images = _images(3)
+
     async def main():
-        b = DynamicBatcher(run, max_batch_size=8, max_delay_ms=0, warm_ups=[_WarmUp(20, 0.01, log)])
+        b = DynamicBatcher(_logged(session, log), max_batch_size=8, max_delay_ms=0,
+                           warm_ups=[_WarmUp(20, 0.01, log)])
         b.start()
         await asyncio.sleep(0.1)
         assert log == []  # held: the timing that picks a default variant has the sessions to itself
@@ -386,10 +398,7 @@ def test_idle_warm_up_waits_to_be_told_then_runs_while_nothing_is_queued_on_the_
         started = time.perf_counter()
         second = await b.submit(images[1:2])  # waits for the step under way at most
         waited = time.perf_counter() - started
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if sum(1 for kind, _ in log if kind == "warm") == 20:
-                break
+        await _until(lambda: sum(1 for kind, _ in log if kind == "warm") == 20)
         third = await b.submit(images[2:3])
         await b.close()
         return first, second, third, waited
@@ -429,21 +438,15 @@ def test_a_client_that_sends_again_as_soon_as_it_is_answered_never_waits_for_a_w
     log = []
     images = _images(1)
 
-    def run(batch):
-        log.append(("batch", threading.current_thread().name))
-        return session.run(batch)
-
     async def main():
-        b = DynamicBatcher(run, max_batch_size=8, max_delay_ms=0, warm_ups=[_WarmUp(5, 0.05, log)])
+        b = DynamicBatcher(_logged(session, log), max_batch_size=8, max_delay_ms=0,
+                           warm_ups=[_WarmUp(5, 0.05, log)])
         b.start()
         b.warm_while_idle()
         for _ in range(40):  # one client, back to back
             await b.submit(images)
         during = list(log)
-        for _ in range(100):  # then quiet: the steps run
-            await asyncio.sleep(0.05)
-            if len(log) == len(during) + 5:
-                break
+        await _until(lambda: len(log) == len(during) + 5)  # then quiet: the steps run
         await b.close()
         return during
 
@@ -456,22 +459,16 @@ def test_a_warm_up_shape_runs_only_once_it_is_due(session):
     log = []
     images = _images(1)
 
-    def run(batch):
-        log.append(("batch", threading.current_thread().name))
-        return session.run(batch)
-
     async def main():
-        b = DynamicBatcher(run, max_batch_size=8, max_delay_ms=0, warm_ups=[_WarmUp(3, 0.0, log, due_after=2)])
+        b = DynamicBatcher(_logged(session, log), max_batch_size=8, max_delay_ms=0,
+                           warm_ups=[_WarmUp(3, 0.0, log, due_after=2)])
         b.start()
         b.warm_while_idle()
         await b.submit(images)
         await asyncio.sleep(0.2)
         before = list(log)  # one batch: nothing due yet, however long it idles
         await b.submit(images)  # the second batch makes the shapes due
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if len(log) == 5:
-                break
+        await _until(lambda: len(log) == 5)
         await b.close()
         return before
 
