@@ -116,9 +116,13 @@ def rates(given: str) -> dict[str, float]:
     out = {}
     for part in given.split(","):
         name, _, value = part.partition(":")
-        if name not in ("sentences", "passages") or not value:
-            raise SystemExit(f"--rate takes sentences:N,passages:N, got {part!r}")
-        out[name] = float(value)
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = 0.0
+        if name not in ("sentences", "passages") or not rate > 0:
+            raise SystemExit(f"--rate takes sentences:N,passages:N with N texts a second above 0, got {part!r}")
+        out[name] = rate
     return out
 
 

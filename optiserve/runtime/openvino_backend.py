@@ -6,8 +6,8 @@ speed and the answers of a variant that says it is fp32. Asked for bf16, OpenVIN
 CPU's instructions, not by OPTISERVE_CPU_FLAGS, so what it compiled is read back after compile
 (`computes_in`) rather than assumed.
 
-OpenVINO compiles for each new input shape on its first run (about twice a warm run's time, more
-for a new count of tokens), and a text server meets new (texts, length) shapes for a long time. So
+OpenVINO compiles for each new input shape on its first run (several times a warm run's time for
+a short run, most for a new count of tokens), and a text server meets new (texts, length) shapes for a long time. So
 a text model's runs are fed at lengths rounded up to a multiple of LENGTH_MULTIPLE (masked padding:
 the same vectors), and `warm_up_shapes` names the shapes worth running once while the server idles
 (runtime.idle_warm_up: up to `longest_fed`, the longest length run so far).
