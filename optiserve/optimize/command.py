@@ -141,6 +141,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a text model: ONNX Runtime's transformer variants, onnx-fused (its attention, LayerNorm and "
                         "GELU fusions) and with --int8 onnx-fused-int8 and onnx-int8-static (static QDQ, calibrated "
                         "on training texts) (default on; --no-ort-transformer skips them)")
+    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=False,
+                   help="a text encoder: OpenVINO variants that take a batch's texts laid end to end in rows, each "
+                        "text attending to itself, with no padding between them: openvino-fp32-packed, and with "
+                        "--int8 openvino-int8-packed (default off)")
     p.add_argument("--accuracy-aware", action=argparse.BooleanOptionalAction, default=True,
                    help="an ONNX INT8 variant that misses the accuracy gate is quantized again with its most "
                         "sensitive layers (measured on validation images) kept in float (default on)")
@@ -179,7 +183,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = OptimizeConfig(
         model=args.model, weights=args.weights, dataset=args.dataset, int8=args.int8, onnx=args.onnx, openvino=args.openvino,
-        ort_transformer=args.ort_transformer,
+        ort_transformer=args.ort_transformer, packed=args.packed,
         accuracy_aware=args.accuracy_aware, max_float_layers=args.max_float_layers,
         prune=args.prune, prune_channels=args.prune_channels, finetune_epochs=args.finetune_epochs,
         search="auto" if args.search is None else ("on" if args.search else "off"), search_minutes=args.search_minutes,

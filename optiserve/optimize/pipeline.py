@@ -187,6 +187,8 @@ def _length_batches(loaded: LoadedModel, data: DatasetSplits, folder: Path | Non
     if not isinstance(loaded.input, TextInput):
         if cfg.seq_lengths is not None:
             raise UserError(f"--seq-lengths times a text model at set numbers of tokens; {cfg.model} takes images")
+        if cfg.packed:
+            raise UserError(f"--packed lays a text model's texts end to end in rows; {cfg.model} takes images")
         return {}, []
     from optiserve.data.text_tokens import rows_of_length
 

@@ -12,6 +12,8 @@ a text model's runs are fed at lengths rounded up to a multiple of LENGTH_MULTIP
 the same vectors), and `warm_up_shapes` names the shapes worth running once while the server idles
 (runtime.idle_warm_up: up to `longest_fed`, the longest length run so far).
 A model with an output per token runs at its batch's own length (its outputs' shapes follow it).
+A packed variant (settings `packing`: runtime.packing) takes each batch's texts laid end to end in
+rows and pools each text's vector from its per-token output.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 from optiserve.errors import UserError
 from optiserve.text_input import MASK, run_length, text_input_of, text_lengths, to_length
 from optiserve.machine import bf16_missing
+from optiserve.runtime.packing import Packing, pack, pooled
 from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
                                         register_backend)
 
@@ -82,6 +85,7 @@ class OpenVinoSession:
         self.outputs = self._outputs_in_manifest_order(path, manifest)
         self.text = text_input_of(manifest)  # a text model takes token batches, fed as its named inputs
         self.dtypes = [np.dtype(d) for d in output_dtypes(manifest)] or [np.float32] * len(self.outputs)
+        self.packing = _packing(variant) if self.text is not None else None
         self.length_multiple = LENGTH_MULTIPLE if self.text is not None and not self._per_token_outputs() else 1
         self.longest_fed = 0  # the longest length a text run has been fed at
 
@@ -99,6 +103,9 @@ class OpenVinoSession:
         """The (texts, length) shapes a text server meets most, shortest first: runs of 1 to
         WARM_UP_TEXTS texts at every length a run is fed at. Empty for an image model, whose shape
         the server's own warm-up already ran, and for a model fed at its batches' own lengths."""
+        if self.packing is not None:  # rows of a multiple of ROW_MULTIPLE tokens, as runtime.packing feeds them
+            lengths = sorted({-(-n // LENGTH_MULTIPLE) * LENGTH_MULTIPLE for n in range(1, self.text.max_length + 1)})
+            return [(rows, length) for length in lengths for rows in range(1, WARM_UP_TEXTS + 1)]
         if self.text is None or self.length_multiple == 1:
             return []
         lengths = sorted({self.run_length(n) for n in range(1, self.text.max_length + 1)})
@@ -107,6 +114,11 @@ class OpenVinoSession:
     def warm_up(self, shape: tuple[int, int]) -> None:
         """One run at `shape` (texts, length), every token real, its answer dropped."""
         texts, length = shape
+        if self.packing is not None:  # `texts` rows, each one text of `length` tokens
+            batch = np.zeros((texts, length), dtype=np.int64)
+            self.request.infer({"input_ids": batch, "token_type_ids": batch, "segment_ids": batch,
+                                "position_ids": np.broadcast_to(np.arange(length), batch.shape).copy()})
+            return
         batch = np.zeros((texts, 3, length), dtype=np.int64)
         batch[:, MASK] = 1
         self._run(batch)
@@ -142,7 +154,16 @@ class OpenVinoSession:
     def run_outputs(self, batch: np.ndarray) -> list[np.ndarray]:
         return self._run(batch)
 
+    def packed_tokens(self, batch: np.ndarray) -> int:
+        """The tokens a packed variant's run of `batch` feeds (its rows × their length)."""
+        return pack(batch, self.packing.row_tokens).tokens_fed if len(batch) else 0
+
     def _run(self, batch: np.ndarray) -> list[np.ndarray]:
+        if self.packing is not None:
+            rows = pack(batch, self.packing.row_tokens)
+            self.longest_fed = max(self.longest_fed, rows.feeds["input_ids"].shape[1])
+            hidden = self.request.infer(rows.feeds, share_inputs=True)[self.outputs[0]]
+            return [pooled(hidden, rows.where, self.packing)]
         if self.text is not None:
             length = self.run_length(int(text_lengths(batch).max()) if len(batch) else 1)
             self.longest_fed = max(self.longest_fed, length)
@@ -151,6 +172,17 @@ class OpenVinoSession:
             result = self.request.infer({0: np.ascontiguousarray(batch, dtype=np.float32)}, share_inputs=True)
         # copies: the request reuses its output buffers
         return [np.array(result[i], dtype=d, copy=True) for i, d in zip(self.outputs, self.dtypes)]
+
+
+def _packing(variant: dict) -> Packing | None:
+    """A packed variant's packing settings, or None for a variant fed padded batches."""
+    entry = (variant.get("settings") or {}).get("packing")
+    if entry is None:
+        return None
+    try:
+        return Packing.from_dict(entry)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"variant {variant['name']!r}: its packing settings cannot be read ({e})") from None
 
 
 FLOAT_NAMES = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}  # OpenVINO's element types, in the manifest's words

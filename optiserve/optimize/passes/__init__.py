@@ -5,7 +5,8 @@ variants after the ONNX ones they read, pruning, TensorRT. Adding a pass is one 
 from optiserve.optimize.passes.registry import (BOTH, FILE, FORMS, RUN_STEPS, TEXT, TORCH, Pass, Run, Variant, passes_for,
                                                 model_form, register_pass, step_count)
 from optiserve.optimize.passes import (baseline, torchscript, onnx_export, int8, openvino,  # noqa: E402,F401
-                                       pruning, tensorrt, text, text_fusion, text_search)
+                                       pruning, tensorrt, text, text_fusion, text_packing,
+                                       text_search)
 
 __all__ = ["BOTH", "FILE", "FORMS", "RUN_STEPS", "TEXT", "TORCH", "Pass", "Run", "Variant", "model_form", "passes_for",
            "register_pass", "step_count"]

@@ -71,16 +71,22 @@ def export_text_onnx(module: nn.Module, text: TextInput, output: str, example: n
     with atomic_write(path) as f:
         f.write(proto.SerializeToString())
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    worst = 0.0
-    for batch in checks:
-        batch = trim_padding(batch)
-        got = session.run([output], text.feeds(batch))[0]
-        with torch.no_grad():
-            want = module(torch.from_numpy(batch)).numpy()
-        worst = max(worst, float(np.abs(got - want).max()))
+    worst = largest_difference(lambda batch: session.run([output], text.feeds(batch))[0], module, checks)
     if worst > EXPORT_ATOL:
         raise ExportMismatch(f"ONNX Runtime differs from eager by {worst:.2e} on the validation texts "
                              f"(max {EXPORT_ATOL:g})")
+    return worst
+
+
+def largest_difference(answer, module: nn.Module, checks: list[np.ndarray]) -> float:
+    """The largest |Δ| between `answer(batch)` and the eager module's output over the token batches
+    `checks`, each cut to its longest text first."""
+    worst = 0.0
+    for batch in checks:
+        batch = trim_padding(batch)
+        with torch.no_grad():
+            want = module(torch.from_numpy(batch)).numpy()
+        worst = max(worst, float(np.abs(answer(batch) - want).max()))
     return worst
 
 

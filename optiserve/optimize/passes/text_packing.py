@@ -1,0 +1,130 @@
+"""Packed OpenVINO variants of a text encoder (`--packed`): openvino-fp32-packed, and with --int8
+openvino-int8-packed (NNCF's transformer scheme, calibrated on packed rows of training texts).
+
+The encoder is converted by OpenVINO's own PyTorch frontend with the inputs runtime.packing feeds
+(token ids and types, each token's position within its text, its text's number in the row) and its
+per-token output; the mask that keeps each text to itself is built in the graph from the segment
+numbers. Each text's vector is pooled in the runtime as the folder declares, so the variant is held
+to the eager module on every validation batch before it is kept."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+from optiserve.optimize.export_openvino import quantize_openvino_nncf
+from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
+from optiserve.optimize.passes.text import EXPORT_ATOL, calibration_feeds, largest_difference
+from optiserve.runtime.packing import PACKED_INPUTS, POOLINGS, Packing, pack, pooled
+from optiserve.text_input import TOKEN_INPUTS, trim_padding
+
+ROW_TOKENS = 64  # a packed row's tokens: short enough that attention across a row stays cheap
+FP32_FILE, INT8_FILE = "model.packed.openvino.xml", "model.packed.int8.openvino.xml"
+
+
+class PackedEncoder(nn.Module):
+    """A Hugging Face encoder on packed rows: per-token vectors [rows, length, D], each token
+    attending only to the tokens of its own segment."""
+
+    def __init__(self, encoder: nn.Module):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids, token_type_ids, position_ids, segment_ids):
+        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        mask = torch.zeros(same.shape, dtype=torch.float32).masked_fill(~same, torch.finfo(torch.float32).min)
+        return self.encoder(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
+                            attention_mask=mask).last_hidden_state
+
+
+def why_not_packed(run: Run) -> str | None:
+    """Why this model gets no packed variant, or None."""
+    module = run.loaded.model
+    if run.loaded.from_file:
+        return "packing converts the model folder's own module; an ONNX file has none"
+    if getattr(module, "classifier", True):
+        return "packing pools a text encoder's token vectors; a classifier's head reads the whole row"
+    if not module.pooling or any(mode not in POOLINGS for mode in module.pooling):
+        return f"packing pools {', '.join(POOLINGS)}; the folder declares {', '.join(module.pooling) or 'none'}"
+    return None
+
+
+def _packed_feeds(batch: np.ndarray) -> dict[str, np.ndarray]:
+    return pack(trim_padding(batch), ROW_TOKENS).feeds
+
+
+def _build_packed(run: Run) -> None:
+    names = ("openvino-fp32-packed", "openvino-int8-packed") if run.cfg.int8 else ("openvino-fp32-packed",)
+    title = f"OpenVINO packed rows ({ROW_TOKENS} tokens a row, a text's own positions and attention)"
+    int8_title = "OpenVINO INT8 of the packed rows (NNCF, transformer scheme, training texts)"
+    if why := why_not_packed(run):
+        run.attempts.skip(title, why, "openvino-fp32-packed")
+        if run.cfg.int8:
+            run.attempts.skip(int8_title, why, "openvino-int8-packed")
+        return
+    module = run.loaded.model
+    packing = Packing(ROW_TOKENS, tuple(module.pooling), bool(module.normalize))
+    with run.attempts.attempt(title, *names):
+        import openvino as ov
+
+        example = tuple(torch.from_numpy(a) for a in _packed_feeds(np.asarray(run.checks[0])).values())
+        # the conversion traces: torch's and transformers' notices of it are not the user's to read
+        with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            model = ov.convert_model(PackedEncoder(module.model).eval(), example_input=example,
+                                     input=[([-1, -1], ov.Type.i64)] * len(PACKED_INPUTS))
+        for port, name in zip(model.inputs, PACKED_INPUTS):
+            port.get_tensor().set_names({name})
+        worst = _parity(model, module, packing, [np.asarray(b) for b in run.checks])
+        ov.save_model(model, str(run.stage / FP32_FILE), compress_to_fp16=False)
+        settings = {"inputs": list(PACKED_INPUTS), "packing": packing.to_dict(), "inference_precision": "f32",
+                    "openvino": ov.get_version().split("-")[0], "weights_compressed_to_fp16": False}
+        run.variants.append(Variant("openvino-fp32-packed", FP32_FILE, "openvino", "fp32", settings))
+        run.notes.append(f"packed OpenVINO parity with eager: max |Δ| {worst:.1e} on every validation batch")
+    if not run.cfg.int8:
+        return
+    if why := run.attempts.missing("openvino-fp32-packed"):
+        run.attempts.skip(int8_title, why, "openvino-int8-packed")
+        return
+    with run.attempts.attempt(int8_title, "openvino-int8-packed"):
+        rows = [_packed_feeds(_token_batch(feeds)) for feeds in calibration_feeds(run)]
+        quantized = quantize_openvino_nncf(run.stage / FP32_FILE, run.stage / INT8_FILE, rows, "transformer",
+                                           unit="rows")
+        run.variants.append(Variant("openvino-int8-packed", INT8_FILE, "openvino", "int8",
+                                    {**quantized, "inputs": list(PACKED_INPUTS), "packing": packing.to_dict(),
+                                     "model_type": "transformer", "inference_precision": "f32"}))
+
+
+def _token_batch(feeds: dict[str, np.ndarray]) -> np.ndarray:
+    """A graph's named inputs back as a token batch [N, 3, L] (absent inputs as zeros)."""
+    shape = next(iter(feeds.values())).shape
+    return np.stack([feeds.get(name, np.zeros(shape, np.int64)) for name in TOKEN_INPUTS], axis=1)
+
+
+def _parity(model, module: nn.Module, packing: Packing, checks: list[np.ndarray]) -> float:
+    """The largest |Δ| between the packed model's pooled vectors and eager's on `checks`; raises
+    past EXPORT_ATOL (a model whose positions or attention do not take packing shows it here)."""
+    from optiserve.optimize.export_onnx import ExportMismatch
+    from optiserve.runtime.openvino_backend import core
+
+    request = core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+
+    def answer(batch: np.ndarray) -> np.ndarray:
+        rows = pack(batch, packing.row_tokens)
+        return pooled(request.infer(rows.feeds)[0], rows.where, packing)
+
+    worst = largest_difference(answer, module, checks)
+    if worst > EXPORT_ATOL:
+        raise ExportMismatch(f"the packed rows differ from eager by {worst:.2e} on the validation texts "
+                             f"(max {EXPORT_ATOL:g}): this model's positions or attention do not take packing")
+    return worst
+
+
+register_pass(Pass("text-packed", TEXT, _build_packed, asked=lambda cfg: cfg.packed and cfg.openvino,
+                   steps=lambda cfg: 1 + cfg.int8))

@@ -1,0 +1,109 @@
+"""Sequence packing: a batch of texts laid end to end in a few rows, for a packed encoder graph.
+
+A server batches texts as they arrive, so a batch mixes lengths; padded to its longest, most of a
+batch of sentences is padding, and cutting it into runs by length (runtime.length_groups) pays each
+run's fixed cost. A packed graph takes rows of several texts instead: its inputs are the tokens'
+ids (and token types) with, per token, its position within its own text and its text's number in
+the row (`segment_ids`, -1 on padding); each token attends only to its own text's tokens (the graph
+builds the block-diagonal mask from the segment numbers), so each text gets the vector it gets
+alone. Its output is per token; each text's vector is pooled here, as sentence-transformers pools
+(the pooling modes and normalisation the model folder declares, stored in the variant's settings).
+
+Rows are filled first fit, longest text first, up to `row_tokens` (or the batch's longest text
+where that is longer), and all rows of a run are padded to the longest row rounded up to
+ROW_MULTIPLE: few distinct shapes for OpenVINO to compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from optiserve.text_input import IDS, MASK, TYPES
+
+PACKED_INPUTS = ("input_ids", "token_type_ids", "position_ids", "segment_ids")  # a packed graph's inputs, in order
+ROW_MULTIPLE = 8
+POOLINGS = ("mean", "cls", "max", "mean_sqrt_len_tokens")  # the modes pooled per text here
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A packed variant's settings: rows' length in tokens, and the pooling the folder declares."""
+
+    row_tokens: int
+    pooling: tuple[str, ...]
+    normalize: bool
+
+    def to_dict(self) -> dict:
+        return {"row_tokens": self.row_tokens, "pooling": list(self.pooling), "normalize": self.normalize}
+
+    @classmethod
+    def from_dict(cls, entry: dict) -> Packing:
+        pooling = tuple(entry["pooling"])
+        if not pooling or any(mode not in POOLINGS for mode in pooling):
+            raise ValueError(f"packed pooling {', '.join(pooling) or 'none'}; packing pools {', '.join(POOLINGS)}")
+        return cls(int(entry["row_tokens"]), pooling, bool(entry["normalize"]))
+
+
+@dataclass
+class PackedRows:
+    """A token batch as packed rows: the graph's inputs (PACKED_INPUTS, each int64 [rows, length])
+    and where each text lies (row, start, tokens), in the batch's order."""
+
+    feeds: dict[str, np.ndarray]
+    where: list[tuple[int, int, int]]
+
+    @property
+    def tokens_fed(self) -> int:
+        return int(self.feeds["input_ids"].size)
+
+
+def pack(batch: np.ndarray, row_tokens: int) -> PackedRows:
+    """Lay the texts of a token batch [N, 3, L] end to end in rows (see the module's docstring)."""
+    lengths = batch[:, MASK].sum(axis=1).astype(int)
+    limit = max(row_tokens, int(lengths.max(initial=1)))
+    rows: list[list[int]] = []
+    filled: list[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        fit = next((r for r, used in enumerate(filled) if used + lengths[i] <= limit), None)
+        if fit is None:
+            rows.append([])
+            filled.append(0)
+            fit = len(rows) - 1
+        rows[fit].append(int(i))
+        filled[fit] += int(lengths[i])
+    length = -(-max(filled, default=1) // ROW_MULTIPLE) * ROW_MULTIPLE
+    shape = (len(rows), length)
+    ids, types, positions = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+    segments = np.full(shape, -1, np.int64)
+    where: list = [None] * len(batch)
+    for r, members in enumerate(rows):
+        at = 0
+        for s, i in enumerate(members):
+            n = int(lengths[i])
+            ids[r, at:at + n], types[r, at:at + n] = batch[i, IDS, :n], batch[i, TYPES, :n]
+            positions[r, at:at + n], segments[r, at:at + n] = np.arange(n), s
+            where[i] = (r, at, n)
+            at += n
+    return PackedRows(dict(zip(PACKED_INPUTS, (ids, types, positions, segments))), where)
+
+
+def pooled(hidden: np.ndarray, where: list[tuple[int, int, int]], packing: Packing) -> np.ndarray:
+    """Each text's vector [N, width] from the rows' token vectors [rows, length, D]."""
+    out = np.empty((len(where), len(packing.pooling) * hidden.shape[-1]), np.float32)
+    for k, (r, start, n) in enumerate(where):
+        tokens = hidden[r, start:start + n]
+        out[k] = np.concatenate([_pool(mode, tokens) for mode in packing.pooling])
+    if packing.normalize:
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+    return out
+
+
+def _pool(mode: str, tokens: np.ndarray) -> np.ndarray:
+    if mode == "cls":
+        return tokens[0]
+    if mode == "max":
+        return tokens.max(axis=0)
+    total = tokens.sum(axis=0, dtype=np.float32)
+    return total / (len(tokens) if mode == "mean" else np.sqrt(len(tokens)))

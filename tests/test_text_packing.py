@@ -1,0 +1,133 @@
+"""Packed OpenVINO variants of a text encoder (`optimize --packed`): a batch's texts laid end to end
+in rows, each text getting from the rows what the model gives it alone."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import BERT_MAX_LENGTH, reference_tokenizer, until
+from optiserve.errors import UserError
+from optiserve.artifacts import read_manifest
+from optiserve.runtime import RuntimeOptions
+from optiserve.runtime.packing import pack
+from optiserve.runtime.variants import load_verified, select_variants
+from optiserve.serve.text_requests import TextRequests
+from optiserve.text_input import text_input_of
+
+pytest.importorskip("openvino", reason="the packed variants are OpenVINO's ([openvino])")
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def packed(bert_encoder, tmp_path_factory):
+    """The two-layer BERT's folder (mean pooling, as a bare encoder's is read) optimized with
+    --packed --int8 and no ONNX Runtime transformer variants; (its folder, the artifact, the texts)."""
+    from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+    artifact, data, _ = bert_encoder
+    model = artifact.parent / "encoder"
+    out = tmp_path_factory.mktemp("packed") / "artifact"
+    run_optimize(OptimizeConfig(str(model), dataset=f"text:{data}", int8=True, packed=True, latency_batch=1,
+                                ort_transformer=False, timing_rounds=3, calib_size=16, seq_lengths=(16,),
+                                min_cosine=0.0, progress=False, out=str(out)))
+    return model, out, data.read_text().splitlines()
+
+
+def mixed_texts(corpus: list[str]) -> list[str]:
+    """Texts of a few tokens up to the model's whole length, as a server's batch mixes them."""
+    return [corpus[0].split()[0], corpus[1], " ".join(corpus[2:6]), corpus[7].split()[0], corpus[8], corpus[9],
+            " ".join(corpus[10:12]), corpus[13]]
+
+
+def alone(model, texts: list[str]) -> np.ndarray:
+    """transformers' own BertModel on each text by itself, mean-pooled: the vector each text should get."""
+    import transformers
+
+    bert = transformers.BertModel.from_pretrained(str(model)).eval()
+    tokenizer = reference_tokenizer(model)
+    out = []
+    with torch.no_grad():
+        for text in texts:
+            ids = tokenizer(text, truncation=True, max_length=BERT_MAX_LENGTH, return_tensors="pt")
+            out.append(bert(**ids).last_hidden_state[0].mean(0).numpy())
+    return np.stack(out)
+
+
+def test_each_text_gets_from_the_packed_rows_what_the_model_gives_it_alone(packed):
+    model, out, corpus = packed
+    manifest = read_manifest(out)
+    by_name = {v["name"]: v for v in manifest["variants"]}
+    fp32, int8 = by_name["openvino-fp32-packed"], by_name["openvino-int8-packed"]
+    assert fp32["settings"]["packing"] == {"row_tokens": 64, "pooling": ["mean"], "normalize": False}
+    assert int8["settings"]["packing"] == fp32["settings"]["packing"]
+    assert int8["computes_in"]["precision"] == "int8" and "calibration_rows" in int8["settings"]
+    for entry in (fp32, int8):  # judged as every variant is
+        assert entry["status"] in ("accepted", "rejected") and "cosine_mean" in entry["accuracy"]
+
+    texts = mixed_texts(corpus)
+    batch = TextRequests(out, text_input_of(manifest), 32).tokens(texts).batch
+    (entry,) = select_variants(manifest, ["openvino-fp32-packed"])
+    session = load_verified(out, entry, manifest, RuntimeOptions()).session
+    np.testing.assert_allclose(session.run(batch), alone(model, texts), atol=1e-4)
+    rows = pack(batch, 64)
+    assert len(rows.feeds["input_ids"]) < len(texts)  # several texts share a row
+    assert len(session.groups(batch)) == 1  # one run a batch, never cut by length
+    assert session.padded_tokens(batch) == rows.tokens_fed < batch.shape[0] * batch.shape[2]
+
+
+def test_a_packed_variant_is_served_as_the_runtime_runs_it(packed):
+    from optiserve.serve.app import create_app
+    from optiserve.serve.config import ServeConfig
+
+    _, out, corpus = packed
+    texts = mixed_texts(corpus)
+    manifest = read_manifest(out)
+    (entry,) = select_variants(manifest, ["openvino-int8-packed"])
+    offline = load_verified(out, entry, manifest, RuntimeOptions()).session
+    batch = TextRequests(out, text_input_of(manifest), 32).tokens(texts).batch
+    with TestClient(create_app(ServeConfig(str(out), variants=["openvino-int8-packed"], max_batch_size=32))) as client:
+        until(lambda: client.get("/v2/health/ready").status_code == 200, seconds=120)
+        r = client.post("/predict", json={"texts": texts})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(np.asarray(r.json()["embedding"]), offline.run(batch), atol=1e-5)
+        (stats,) = (m["variants"]["openvino-int8-packed"] for m in client.get("/stats").json()["models"].values())
+        assert stats["padded_tokens"] == pack(batch, 64).tokens_fed  # the tokens the packed run fed
+
+
+def test_packed_settings_that_cannot_be_read_are_one_line(packed, tmp_path):
+    _, out, _ = packed
+    manifest = json.loads((out / "manifest.json").read_text())
+    (entry,) = [v for v in manifest["variants"] if v["name"] == "openvino-fp32-packed"]
+    entry["settings"]["packing"]["pooling"] = ["lasttoken"]
+    with pytest.raises(UserError, match="packing settings cannot be read"):
+        load_verified(out, entry, manifest, RuntimeOptions())
+
+
+def test_packed_is_refused_for_an_image_model_in_one_line(small_cnn_checkpoint, tmp_path):
+    from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+    with pytest.raises(UserError, match="--packed lays a text model's texts end to end"):
+        run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), packed=True, progress=False,
+                                    out=str(tmp_path / "art")))
+
+
+def test_a_classifier_gets_a_not_built_row_saying_packing_is_for_encoders(tmp_path):
+    """A classifier's head reads the whole row: no packed variant, and the table's row says why."""
+    from conftest import polarity_file, small_bert_classifier
+    from optiserve.data.text import load_text_splits
+    from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+    data = polarity_file(tmp_path)
+    folder = tmp_path / "classifier"
+    small_bert_classifier(folder, load_text_splits(str(data)).train.texts, ["neg", "pos"], 64).save_pretrained(
+        str(folder), safe_serialization=True)
+    manifest = run_optimize(OptimizeConfig(str(folder), dataset=f"text:{data}", int8=False, packed=True,
+                                           ort_transformer=False, latency_batch=1, timing_rounds=3,
+                                           seq_lengths=(16,), progress=False, out=str(tmp_path / "art")))
+    reason = {s["name"]: s["reason"] for s in manifest["skipped"]}["openvino-fp32-packed"]
+    assert "a classifier's head reads the whole row" in reason
+    assert not any(v["name"].endswith("-packed") for v in manifest["variants"])
