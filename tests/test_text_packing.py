@@ -13,7 +13,7 @@ from conftest import BERT_MAX_LENGTH, reference_tokenizer, until
 from optiserve.errors import UserError
 from optiserve.artifacts import read_manifest
 from optiserve.runtime import RuntimeOptions
-from optiserve.runtime.packing import pack
+from optiserve.runtime.packing import Packing, pack, pooled
 from optiserve.runtime.variants import load_verified, select_variants
 from optiserve.serve.text_requests import TextRequests
 from optiserve.text_input import text_input_of
@@ -96,6 +96,62 @@ def test_a_packed_variant_is_served_as_the_runtime_runs_it(packed):
         np.testing.assert_allclose(np.asarray(r.json()["embedding"]), offline.run(batch), atol=1e-5)
         (stats,) = (m["variants"]["openvino-int8-packed"] for m in client.get("/stats").json()["models"].values())
         assert stats["padded_tokens"] == pack(batch, 64).tokens_fed  # the tokens the packed run fed
+
+
+def token_batch(lengths: list[int], width: int) -> np.ndarray:
+    """A token batch [N, 3, width] of texts of `lengths` tokens (ids 1000 + k for text k, its token
+    types alternating), padded after each text as TextInput pads."""
+    batch = np.zeros((len(lengths), 3, width), np.int64)
+    for k, n in enumerate(lengths):
+        batch[k, 0, :n], batch[k, 1, :n], batch[k, 2, :n] = 1000 + k, 1, np.arange(n) % 2
+    return batch
+
+
+def test_pack_lays_every_text_once_with_its_own_positions_and_a_long_text_sets_the_row():
+    lengths = [3, 100, 17, 40, 1, 25, 9]
+    rows = pack(token_batch(lengths, 100), 64)
+    ids, positions, segments = (rows.feeds[n] for n in ("input_ids", "position_ids", "segment_ids"))
+    assert ids.shape[1] == 104 and ids.shape[1] % 8 == 0  # the 100-token text fits a row: rows grow to it
+    for k, (r, start, n) in enumerate(rows.where):
+        assert n == lengths[k]
+        assert (ids[r, start:start + n] == 1000 + k).all()
+        assert (positions[r, start:start + n] == np.arange(n)).all()
+        assert (rows.feeds["token_type_ids"][r, start:start + n] == np.arange(n) % 2).all()
+        assert len(set(segments[r, start:start + n])) == 1 and segments[r, start] >= 0
+    assert (segments >= 0).sum() == sum(lengths) == (ids > 0).sum()  # every token once, the rest padding
+    assert len(ids) < len(lengths)
+
+
+@pytest.mark.parametrize("modes,normalize", [(("mean",), True), (("cls",), False), (("max",), False),
+                                             (("mean_sqrt_len_tokens",), False), (("cls", "mean"), True)])
+def test_each_text_is_pooled_from_the_rows_as_sentence_transformers_pools_it(modes, normalize):
+    from sentence_transformers.models import Normalize, Pooling
+
+    from optiserve.models.text_folder import POOLING_KEYS  # its config.json keys, named as each mode
+
+    lengths, width = [5, 12, 1, 30, 7], 8
+    batch = token_batch(lengths, 30)
+    rows = pack(batch, 16)
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((*rows.feeds["input_ids"].shape, width)).astype(np.float32)
+    padded = np.zeros((len(lengths), 30, width), np.float32)  # each text's token vectors, padded after it
+    for k, (r, start, n) in enumerate(rows.where):
+        padded[k, :n] = hidden[r, start:start + n]
+    features = {"token_embeddings": torch.from_numpy(padded), "attention_mask": torch.from_numpy(batch[:, 1])}
+    pooling = Pooling(width, **{key: mode in modes for key, mode in POOLING_KEYS.items()})
+    want = pooling(features)
+    if normalize:
+        want = Normalize()(want)
+    got = pooled(hidden, rows.where, Packing(16, modes, normalize))
+    np.testing.assert_allclose(got, want["sentence_embedding"].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_packed_without_openvino_is_one_line(bert_encoder):
+    from optiserve.optimize.config import OptimizeConfig
+
+    encoder = bert_encoder[0].parent / "encoder"
+    with pytest.raises(UserError, match="--packed builds OpenVINO variants; drop --no-openvino"):
+        OptimizeConfig(str(encoder), packed=True, openvino=False).validate()
 
 
 def test_packed_settings_that_cannot_be_read_are_one_line(packed, tmp_path):

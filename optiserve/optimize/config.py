@@ -112,6 +112,13 @@ class OptimizeConfig:
                             f"one, which {unmatched} cannot be; use --prune (unstructured) instead")
         if (self.prune is not None or self.prune_channels is not None) and not self.onnx:
             raise UserError("pruned variants are built as ONNX Runtime models; drop --no-onnx")
+        if self.packed and not self.openvino:
+            raise UserError("--packed builds OpenVINO variants; drop --no-openvino")
+        if self.packed and (why := openvino_unavailable()):
+            raise UserError(f"--packed builds OpenVINO variants, which cannot be built here: {why}")
+        if self.packed and self.int8 and importlib.util.find_spec("nncf") is None:
+            raise UserError("openvino-int8-packed is quantized by NNCF, and the nncf package is not installed: "
+                            "pip install nncf, or drop --packed")
         if self.openvino and self.onnx and (why := openvino_unavailable()):
             raise UserError(f"the OpenVINO variants cannot be built here: {why}; or add --no-openvino")
         if self.openvino and self.onnx and self.int8 and importlib.util.find_spec("nncf") is None:

@@ -19,7 +19,8 @@ join). An observed run's time counts at most OUTLIER times what the line predict
 run at a new shape), and the fixed cost never falls below a quarter of the one measured at load, so
 one slow run cannot make the session cut every text apart, nor stop it cutting for long. Where the
 engine feeds a run at a length rounded up (OpenVINO: `length_multiple`), runs are cut and their
-padded tokens counted at the lengths it feeds."""
+padded tokens counted at the lengths it feeds. A packed variant (runtime.packing) runs each batch
+once, its texts already end to end in rows; its tokens are counted as its rows fed them."""
 
 from __future__ import annotations
 
@@ -194,8 +195,8 @@ class LengthGroupedSession:
         return [(rows, int(lengths[rows].max())) for rows in cut]
 
     def padded_tokens(self, batch: np.ndarray) -> int:
-        """The tokens the engine ran for `batch`, each run's rows × its longest row: as this thread
-        last ran it, else as it would run it now."""
+        """The tokens the engine ran for `batch`, each run's rows × its longest row (a packed
+        variant's rows × their length): as this thread last ran it, else as it would run it now."""
         last = getattr(self._ran, "last", None)
         if last is not None and last[0] is batch:
             return last[1]
@@ -222,7 +223,7 @@ class LengthGroupedSession:
             if self.cost is not None:
                 self.cost.observe(len(rows) * longest, time.perf_counter() - t0)
         packed = getattr(self.session, "packing", None) is not None
-        self._ran.last = (batch, self.session.packed_tokens(batch) if packed else
+        self._ran.last = (batch, self.session.tokens_fed if packed else
                           sum(len(rows) * longest for rows, longest in runs))
         if len(runs) == 1:
             return pieces[0]

@@ -27,7 +27,7 @@ import numpy as np
 from optiserve.errors import UserError
 from optiserve.text_input import MASK, run_length, text_input_of, text_lengths, to_length
 from optiserve.machine import bf16_missing
-from optiserve.runtime.packing import Packing, pack, pooled
+from optiserve.runtime.packing import ROW_MULTIPLE, Packing, pack, pooled
 from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
                                         register_backend)
 
@@ -86,6 +86,9 @@ class OpenVinoSession:
         self.text = text_input_of(manifest)  # a text model takes token batches, fed as its named inputs
         self.dtypes = [np.dtype(d) for d in output_dtypes(manifest)] or [np.float32] * len(self.outputs)
         self.packing = _packing(variant) if self.text is not None else None
+        # a packed graph's inputs by name (token types only where the model takes them)
+        self.packed_names = [port.get_any_name() for port in self.compiled.inputs] if self.packing else []
+        self.tokens_fed = 0  # the tokens the last packed run fed
         self.length_multiple = LENGTH_MULTIPLE if self.text is not None and not self._per_token_outputs() else 1
         self.longest_fed = 0  # the longest length a text run has been fed at
 
@@ -104,7 +107,8 @@ class OpenVinoSession:
         WARM_UP_TEXTS texts at every length a run is fed at. Empty for an image model, whose shape
         the server's own warm-up already ran, and for a model fed at its batches' own lengths."""
         if self.packing is not None:  # rows of a multiple of ROW_MULTIPLE tokens, as runtime.packing feeds them
-            lengths = sorted({-(-n // LENGTH_MULTIPLE) * LENGTH_MULTIPLE for n in range(1, self.text.max_length + 1)})
+            longest = max(self.text.max_length, self.packing.row_tokens)
+            lengths = range(ROW_MULTIPLE, -(-longest // ROW_MULTIPLE) * ROW_MULTIPLE + 1, ROW_MULTIPLE)
             return [(rows, length) for length in lengths for rows in range(1, WARM_UP_TEXTS + 1)]
         if self.text is None or self.length_multiple == 1:
             return []
@@ -114,10 +118,12 @@ class OpenVinoSession:
     def warm_up(self, shape: tuple[int, int]) -> None:
         """One run at `shape` (texts, length), every token real, its answer dropped."""
         texts, length = shape
-        if self.packing is not None:  # `texts` rows, each one text of `length` tokens
-            batch = np.zeros((texts, length), dtype=np.int64)
-            self.request.infer({"input_ids": batch, "token_type_ids": batch, "segment_ids": batch,
-                                "position_ids": np.broadcast_to(np.arange(length), batch.shape).copy()})
+        if self.packing is not None:  # `texts` rows of `length` tokens, texts of up to max_length each
+            zeros = np.zeros((texts, length), dtype=np.int64)
+            positions = np.broadcast_to(np.arange(length) % self.text.max_length, zeros.shape).copy()
+            feeds = {"input_ids": zeros, "token_type_ids": zeros, "position_ids": positions,
+                     "segment_ids": np.broadcast_to(np.arange(length) // self.text.max_length, zeros.shape).copy()}
+            self.request.infer({name: feeds[name] for name in self.packed_names})
             return
         batch = np.zeros((texts, 3, length), dtype=np.int64)
         batch[:, MASK] = 1
@@ -162,7 +168,9 @@ class OpenVinoSession:
         if self.packing is not None:
             rows = pack(batch, self.packing.row_tokens)
             self.longest_fed = max(self.longest_fed, rows.feeds["input_ids"].shape[1])
-            hidden = self.request.infer(rows.feeds, share_inputs=True)[self.outputs[0]]
+            self.tokens_fed = rows.tokens_fed
+            feeds = {name: rows.feeds[name] for name in self.packed_names}
+            hidden = self.request.infer(feeds, share_inputs=True)[self.outputs[0]]
             return [pooled(hidden, rows.where, self.packing)]
         if self.text is not None:
             length = self.run_length(int(text_lengths(batch).max()) if len(batch) else 1)

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from optiserve.text_input import IDS, MASK, TYPES
+from optiserve.text_input import IDS, TYPES, text_lengths
 
-PACKED_INPUTS = ("input_ids", "token_type_ids", "position_ids", "segment_ids")  # a packed graph's inputs, in order
+# a packed graph's inputs, in order; a model without token types takes the first three
+PACKED_INPUTS = ("input_ids", "position_ids", "segment_ids", "token_type_ids")
 ROW_MULTIPLE = 8
 POOLINGS = ("mean", "cls", "max", "mean_sqrt_len_tokens")  # the modes pooled per text here
 
@@ -48,7 +49,8 @@ class Packing:
 
 @dataclass
 class PackedRows:
-    """A token batch as packed rows: the graph's inputs (PACKED_INPUTS, each int64 [rows, length])
+    """A token batch as packed rows: the graph's inputs (PACKED_INPUTS, each int64 [rows, length]; a
+    graph without token types is fed the others)
     and where each text lies (row, start, tokens), in the batch's order."""
 
     feeds: dict[str, np.ndarray]
@@ -60,8 +62,9 @@ class PackedRows:
 
 
 def pack(batch: np.ndarray, row_tokens: int) -> PackedRows:
-    """Lay the texts of a token batch [N, 3, L] end to end in rows (see the module's docstring)."""
-    lengths = batch[:, MASK].sum(axis=1).astype(int)
+    """Lay the texts of a token batch [N, 3, L] end to end in rows (see the module's docstring); each
+    text's tokens are the first of its row, padding after them, as `TextInput` makes every batch."""
+    lengths = np.asarray(text_lengths(batch), dtype=int)
     limit = max(row_tokens, int(lengths.max(initial=1)))
     rows: list[list[int]] = []
     filled: list[int] = []
@@ -86,7 +89,7 @@ def pack(batch: np.ndarray, row_tokens: int) -> PackedRows:
             positions[r, at:at + n], segments[r, at:at + n] = np.arange(n), s
             where[i] = (r, at, n)
             at += n
-    return PackedRows(dict(zip(PACKED_INPUTS, (ids, types, positions, segments))), where)
+    return PackedRows(dict(zip(PACKED_INPUTS, (ids, positions, segments, types))), where)
 
 
 def pooled(hidden: np.ndarray, where: list[tuple[int, int, int]], packing: Packing) -> np.ndarray:

@@ -150,14 +150,18 @@ def _build_int8(run: Run) -> None:
 CALIBRATION_BATCH = 8  # texts per calibration batch, each padded to its own longest
 
 
-def calibration_feeds(run: Run) -> list[dict[str, np.ndarray]]:
-    """Up to --calib-size training texts (they fit; validation and test never do) as the graph's named
-    inputs, in batches padded to their own longest text."""
+def calibration_batches(run: Run) -> list[np.ndarray]:
+    """Up to --calib-size training texts (they fit; validation and test never do) as token batches of
+    CALIBRATION_BATCH, each padded to its own longest text."""
     train = run.data.calibration_set()
     count = min(run.cfg.calib_size, len(train))
     tokens = np.stack([np.asarray(train[i][0]) for i in range(count)])
-    return [run.loaded.input.feeds(trim_padding(tokens[i:i + CALIBRATION_BATCH]))
-            for i in range(0, count, CALIBRATION_BATCH)]
+    return [trim_padding(tokens[i:i + CALIBRATION_BATCH]) for i in range(0, count, CALIBRATION_BATCH)]
+
+
+def calibration_feeds(run: Run) -> list[dict[str, np.ndarray]]:
+    """The calibration batches as the graph's named inputs."""
+    return [run.loaded.input.feeds(batch) for batch in calibration_batches(run)]
 
 
 def _build_openvino(run: Run) -> None:

@@ -19,9 +19,9 @@ from torch import nn
 
 from optiserve.optimize.export_openvino import quantize_openvino_nncf
 from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
-from optiserve.optimize.passes.text import EXPORT_ATOL, calibration_feeds, largest_difference
+from optiserve.optimize.passes.text import EXPORT_ATOL, calibration_batches, largest_difference
 from optiserve.runtime.packing import PACKED_INPUTS, POOLINGS, Packing, pack, pooled
-from optiserve.text_input import TOKEN_INPUTS, trim_padding
+from optiserve.text_input import trim_padding
 
 ROW_TOKENS = 64  # a packed row's tokens: short enough that attention across a row stays cheap
 FP32_FILE, INT8_FILE = "model.packed.openvino.xml", "model.packed.int8.openvino.xml"
@@ -35,11 +35,12 @@ class PackedEncoder(nn.Module):
         super().__init__()
         self.encoder = encoder
 
-    def forward(self, input_ids, token_type_ids, position_ids, segment_ids):
+    def forward(self, input_ids, position_ids, segment_ids, token_type_ids=None):
         same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
         mask = torch.zeros(same.shape, dtype=torch.float32).masked_fill(~same, torch.finfo(torch.float32).min)
-        return self.encoder(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
-                            attention_mask=mask).last_hidden_state
+        types = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        return self.encoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                            **types).last_hidden_state
 
 
 def why_not_packed(run: Run) -> str | None:
@@ -47,6 +48,11 @@ def why_not_packed(run: Run) -> str | None:
     module = run.loaded.model
     if run.loaded.from_file:
         return "packing converts the model folder's own module; an ONNX file has none"
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return (f"packing hands the encoder a 4-D attention mask, which transformers takes as given from "
+                f"version 5; this is {transformers.__version__} (pip install 'transformers>=5')")
     if getattr(module, "classifier", True):
         return "packing pools a text encoder's token vectors; a classifier's head reads the whole row"
     if not module.pooling or any(mode not in POOLINGS for mode in module.pooling):
@@ -54,8 +60,14 @@ def why_not_packed(run: Run) -> str | None:
     return None
 
 
-def _packed_feeds(batch: np.ndarray) -> dict[str, np.ndarray]:
-    return pack(trim_padding(batch), ROW_TOKENS).feeds
+def packed_inputs(module: nn.Module) -> tuple[str, ...]:
+    """The packed graph's inputs: PACKED_INPUTS, token types only where the folder's model takes them."""
+    return tuple(n for n in PACKED_INPUTS if n != "token_type_ids" or "token_type_ids" in module.names)
+
+
+def _packed_feeds(batch: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    feeds = pack(trim_padding(batch), ROW_TOKENS).feeds
+    return {name: feeds[name] for name in names}
 
 
 def _build_packed(run: Run) -> None:
@@ -72,18 +84,21 @@ def _build_packed(run: Run) -> None:
     with run.attempts.attempt(title, *names):
         import openvino as ov
 
-        example = tuple(torch.from_numpy(a) for a in _packed_feeds(np.asarray(run.checks[0])).values())
+        names = packed_inputs(module)
+        example = tuple(torch.from_numpy(a) for a in _packed_feeds(np.asarray(run.checks[0]), names).values())
         # the conversion traces: torch's and transformers' notices of it are not the user's to read
         with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             model = ov.convert_model(PackedEncoder(module.model).eval(), example_input=example,
-                                     input=[([-1, -1], ov.Type.i64)] * len(PACKED_INPUTS))
-        for port, name in zip(model.inputs, PACKED_INPUTS):
+                                     input=[([-1, -1], ov.Type.i64)] * len(names))
+        if len(model.inputs) != len(names):
+            raise RuntimeError(f"the converted graph takes {len(model.inputs)} inputs, not {', '.join(names)}")
+        for port, name in zip(model.inputs, names):  # in the forward's order, as the conversion keeps them
             port.get_tensor().set_names({name})
         worst = _parity(model, module, packing, [np.asarray(b) for b in run.checks])
         ov.save_model(model, str(run.stage / FP32_FILE), compress_to_fp16=False)
-        settings = {"inputs": list(PACKED_INPUTS), "packing": packing.to_dict(), "inference_precision": "f32",
+        settings = {"inputs": list(names), "packing": packing.to_dict(), "inference_precision": "f32",
                     "openvino": ov.get_version().split("-")[0], "weights_compressed_to_fp16": False}
         run.variants.append(Variant("openvino-fp32-packed", FP32_FILE, "openvino", "fp32", settings))
         run.notes.append(f"packed OpenVINO parity with eager: max |Δ| {worst:.1e} on every validation batch")
@@ -93,18 +108,13 @@ def _build_packed(run: Run) -> None:
         run.attempts.skip(int8_title, why, "openvino-int8-packed")
         return
     with run.attempts.attempt(int8_title, "openvino-int8-packed"):
-        rows = [_packed_feeds(_token_batch(feeds)) for feeds in calibration_feeds(run)]
+        names = packed_inputs(module)
+        rows = [_packed_feeds(batch, names) for batch in calibration_batches(run)]
         quantized = quantize_openvino_nncf(run.stage / FP32_FILE, run.stage / INT8_FILE, rows, "transformer",
                                            unit="rows")
         run.variants.append(Variant("openvino-int8-packed", INT8_FILE, "openvino", "int8",
-                                    {**quantized, "inputs": list(PACKED_INPUTS), "packing": packing.to_dict(),
+                                    {**quantized, "inputs": list(names), "packing": packing.to_dict(),
                                      "model_type": "transformer", "inference_precision": "f32"}))
-
-
-def _token_batch(feeds: dict[str, np.ndarray]) -> np.ndarray:
-    """A graph's named inputs back as a token batch [N, 3, L] (absent inputs as zeros)."""
-    shape = next(iter(feeds.values())).shape
-    return np.stack([feeds.get(name, np.zeros(shape, np.int64)) for name in TOKEN_INPUTS], axis=1)
 
 
 def _parity(model, module: nn.Module, packing: Packing, checks: list[np.ndarray]) -> float:
@@ -114,10 +124,12 @@ def _parity(model, module: nn.Module, packing: Packing, checks: list[np.ndarray]
     from optiserve.runtime.openvino_backend import core
 
     request = core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    names = packed_inputs(module)
 
     def answer(batch: np.ndarray) -> np.ndarray:
         rows = pack(batch, packing.row_tokens)
-        return pooled(request.infer(rows.feeds)[0], rows.where, packing)
+        feeds = {name: rows.feeds[name] for name in names}
+        return pooled(request.infer(feeds)[0], rows.where, packing)
 
     worst = largest_difference(answer, module, checks)
     if worst > EXPORT_ATOL:
