@@ -65,8 +65,10 @@ def test_each_text_gets_from_the_packed_rows_what_the_model_gives_it_alone(packe
     assert fp32["settings"]["packing"] == {"row_tokens": 64, "pooling": ["mean"], "normalize": False}
     assert int8["settings"]["packing"] == fp32["settings"]["packing"]
     assert int8["computes_in"]["precision"] == "int8" and "calibration_rows" in int8["settings"]
-    for entry in (fp32, int8):  # judged as every variant is
-        assert entry["status"] in ("accepted", "rejected") and "cosine_mean" in entry["accuracy"]
+    # judged as every variant is: fp32's packed rows give fp32's vectors; INT8 passes the fixture's
+    # --min-cosine 0 (this seeded BERT is untrained), the gate the fixture states
+    assert fp32["status"] == "accepted" and fp32["accuracy"]["cosine_mean"] >= 0.9999
+    assert int8["status"] == "accepted" and "cosine_mean" in int8["accuracy"]
 
     texts = mixed_texts(corpus)
     batch = TextRequests(out, text_input_of(manifest), 32).tokens(texts).batch

@@ -29,11 +29,11 @@ def export_openvino(onnx_path: str | os.PathLike, xml_path: str | os.PathLike,
             "weights_compressed_to_fp16": False}
 
 
-def quantize_openvino_nncf(onnx_path: str | os.PathLike, xml_path: str | os.PathLike, batches: list,
+def quantize_openvino_nncf(source: str | os.PathLike, xml_path: str | os.PathLike, batches: list,
                            model_type: str | None = None, unit: str = "images") -> dict:
-    """NNCF post-training INT8 quantization of the fp32 model read by OpenVINO, calibrated on
-    `batches` (the same images as the other INT8 flows, compiled for their size; or a text model's
-    named inputs, dicts, whose shapes stay dynamic); IR written at `xml_path`. `model_type`
+    """NNCF post-training INT8 quantization of the fp32 model `source` (an ONNX file, or an IR) read by
+    OpenVINO, calibrated on `batches` (the same images as the other INT8 flows, compiled for their
+    size; or a text model's named inputs, dicts, whose shapes stay dynamic); IR written at `xml_path`. `model_type`
     "transformer" is NNCF's transformer scheme (LayerNorm, Softmax and GELU kept in float); `unit`
     names what the calibration count counts."""
     import contextlib
@@ -44,14 +44,14 @@ def quantize_openvino_nncf(onnx_path: str | os.PathLike, xml_path: str | os.Path
     import openvino as ov
 
     nncf.set_log_level(logging.ERROR)
-    model = ov.Core().read_model(str(onnx_path))
+    model = ov.Core().read_model(str(source))
     if not isinstance(batches[0], dict):
         model = image_size_fixed(model, tuple(batches[0].shape[1:]))
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
         quantized = nncf.quantize(model, nncf.Dataset(list(batches)), subset_size=len(batches),
                                   model_type=nncf.ModelType(model_type) if model_type else None)
     ov.save_model(quantized, str(xml_path), compress_to_fp16=False)
-    return {"ir_from": Path(onnx_path).name, "openvino": ov.get_version().split("-")[0], "nncf": nncf.__version__,
+    return {"ir_from": Path(source).name, "openvino": ov.get_version().split("-")[0], "nncf": nncf.__version__,
             "quantization": "NNCF post-training quantization, " + (f"model_type {model_type}" if model_type else
                                                                    "defaults"),
             "weights_compressed_to_fp16": False,

@@ -162,8 +162,8 @@ class LengthGroupedSession:
     def __init__(self, session, text: TextInput, enabled: bool = True):
         self.session = session
         per_batch = getattr(session, "quantizes_activations_per_batch", None)  # a backend that can say so
-        packed = getattr(session, "packing", None) is not None  # one run a batch, its texts packed in rows
-        cuttable = enabled and not packed and "attention_mask" in text.inputs and \
+        self.packed = getattr(session, "packing", None) is not None  # one run a batch, its texts in rows
+        cuttable = enabled and not self.packed and "attention_mask" in text.inputs and \
             not (per_batch is not None and per_batch())
         self.cost = RunCost.measure(session.run_outputs, text.max_length) if cuttable else None
         # an engine that feeds runs at lengths rounded up (openvino_backend) is costed at those lengths
@@ -200,7 +200,7 @@ class LengthGroupedSession:
         last = getattr(self._ran, "last", None)
         if last is not None and last[0] is batch:
             return last[1]
-        if getattr(self.session, "packing", None) is not None:
+        if self.packed:
             return self.session.packed_tokens(batch)
         return sum(len(rows) * longest for rows, longest in self._runs(batch)) if len(batch) else 0
 
@@ -222,8 +222,7 @@ class LengthGroupedSession:
             pieces.append(run(batch if len(runs) == 1 else batch[rows, :, :longest]))
             if self.cost is not None:
                 self.cost.observe(len(rows) * longest, time.perf_counter() - t0)
-        packed = getattr(self.session, "packing", None) is not None
-        self._ran.last = (batch, self.session.tokens_fed if packed else
+        self._ran.last = (batch, self.session.tokens_fed if self.packed else
                           sum(len(rows) * longest for rows, longest in runs))
         if len(runs) == 1:
             return pieces[0]

@@ -21,7 +21,6 @@ from optiserve.optimize.export_openvino import quantize_openvino_nncf
 from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
 from optiserve.optimize.passes.text import EXPORT_ATOL, calibration_batches, largest_difference
 from optiserve.runtime.packing import PACKED_INPUTS, POOLINGS, Packing, pack, pooled
-from optiserve.text_input import trim_padding
 
 ROW_TOKENS = 64  # a packed row's tokens: short enough that attention across a row stays cheap
 FP32_FILE, INT8_FILE = "model.packed.openvino.xml", "model.packed.int8.openvino.xml"
@@ -65,13 +64,13 @@ def packed_inputs(module: nn.Module) -> tuple[str, ...]:
     return tuple(n for n in PACKED_INPUTS if n != "token_type_ids" or "token_type_ids" in module.names)
 
 
-def _packed_feeds(batch: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
-    feeds = pack(trim_padding(batch), ROW_TOKENS).feeds
-    return {name: feeds[name] for name in names}
+def _packed_feeds(batch: np.ndarray, inputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+    feeds = pack(batch, ROW_TOKENS).feeds
+    return {name: feeds[name] for name in inputs}
 
 
 def _build_packed(run: Run) -> None:
-    names = ("openvino-fp32-packed", "openvino-int8-packed") if run.cfg.int8 else ("openvino-fp32-packed",)
+    variants = ("openvino-fp32-packed", "openvino-int8-packed") if run.cfg.int8 else ("openvino-fp32-packed",)
     title = f"OpenVINO packed rows ({ROW_TOKENS} tokens a row, a text's own positions and attention)"
     int8_title = "OpenVINO INT8 of the packed rows (NNCF, transformer scheme, training texts)"
     if why := why_not_packed(run):
@@ -81,24 +80,24 @@ def _build_packed(run: Run) -> None:
         return
     module = run.loaded.model
     packing = Packing(ROW_TOKENS, tuple(module.pooling), bool(module.normalize))
-    with run.attempts.attempt(title, *names):
+    inputs = packed_inputs(module)
+    with run.attempts.attempt(title, *variants):
         import openvino as ov
 
-        names = packed_inputs(module)
-        example = tuple(torch.from_numpy(a) for a in _packed_feeds(np.asarray(run.checks[0]), names).values())
+        example = tuple(torch.from_numpy(a) for a in _packed_feeds(np.asarray(run.checks[0]), inputs).values())
         # the conversion traces: torch's and transformers' notices of it are not the user's to read
         with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             model = ov.convert_model(PackedEncoder(module.model).eval(), example_input=example,
-                                     input=[([-1, -1], ov.Type.i64)] * len(names))
-        if len(model.inputs) != len(names):
-            raise RuntimeError(f"the converted graph takes {len(model.inputs)} inputs, not {', '.join(names)}")
-        for port, name in zip(model.inputs, names):  # in the forward's order, as the conversion keeps them
+                                     input=[([-1, -1], ov.Type.i64)] * len(inputs))
+        if len(model.inputs) != len(inputs):
+            raise RuntimeError(f"the converted graph takes {len(model.inputs)} inputs, not {', '.join(inputs)}")
+        for port, name in zip(model.inputs, inputs):  # in the forward's order, as the conversion keeps them
             port.get_tensor().set_names({name})
-        worst = _parity(model, module, packing, [np.asarray(b) for b in run.checks])
+        worst = _parity(model, module, packing, inputs, [np.asarray(b) for b in run.checks])
         ov.save_model(model, str(run.stage / FP32_FILE), compress_to_fp16=False)
-        settings = {"inputs": list(names), "packing": packing.to_dict(), "inference_precision": "f32",
+        settings = {"inputs": list(inputs), "packing": packing.to_dict(), "inference_precision": "f32",
                     "openvino": ov.get_version().split("-")[0], "weights_compressed_to_fp16": False}
         run.variants.append(Variant("openvino-fp32-packed", FP32_FILE, "openvino", "fp32", settings))
         run.notes.append(f"packed OpenVINO parity with eager: max |Δ| {worst:.1e} on every validation batch")
@@ -108,28 +107,25 @@ def _build_packed(run: Run) -> None:
         run.attempts.skip(int8_title, why, "openvino-int8-packed")
         return
     with run.attempts.attempt(int8_title, "openvino-int8-packed"):
-        names = packed_inputs(module)
-        rows = [_packed_feeds(batch, names) for batch in calibration_batches(run)]
+        rows = [_packed_feeds(batch, inputs) for batch in calibration_batches(run)]
         quantized = quantize_openvino_nncf(run.stage / FP32_FILE, run.stage / INT8_FILE, rows, "transformer",
                                            unit="rows")
         run.variants.append(Variant("openvino-int8-packed", INT8_FILE, "openvino", "int8",
-                                    {**quantized, "inputs": list(names), "packing": packing.to_dict(),
+                                    {**quantized, "inputs": list(inputs), "packing": packing.to_dict(),
                                      "model_type": "transformer", "inference_precision": "f32"}))
 
 
-def _parity(model, module: nn.Module, packing: Packing, checks: list[np.ndarray]) -> float:
+def _parity(model, module: nn.Module, packing: Packing, inputs: tuple[str, ...], checks: list[np.ndarray]) -> float:
     """The largest |Δ| between the packed model's pooled vectors and eager's on `checks`; raises
     past EXPORT_ATOL (a model whose positions or attention do not take packing shows it here)."""
     from optiserve.optimize.export_onnx import ExportMismatch
     from optiserve.runtime.openvino_backend import core
 
     request = core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
-    names = packed_inputs(module)
 
     def answer(batch: np.ndarray) -> np.ndarray:
         rows = pack(batch, packing.row_tokens)
-        feeds = {name: rows.feeds[name] for name in names}
-        return pooled(request.infer(feeds)[0], rows.where, packing)
+        return pooled(request.infer({name: rows.feeds[name] for name in inputs})[0], rows.where, packing)
 
     worst = largest_difference(answer, module, checks)
     if worst > EXPORT_ATOL:
