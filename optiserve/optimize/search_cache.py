@@ -1,7 +1,8 @@
 """Resuming an interrupted search. Each pruned candidate, once recovered (the search's long part),
-is kept beside the artifact folder — its ONNX file and its settings — under a key of everything
-that made it; `optimize --resume` takes a kept one instead of pruning and recovering it again. The
-folder is removed once the artifact folder is published."""
+is kept beside the artifact folder — its ONNX file and its settings, and a text candidate's recovered
+weights (safetensors, never a pickle), so `--packed` can convert it again — under a key of
+everything that made it; `optimize --resume` takes a kept one instead of pruning and recovering it
+again. The folder is removed once the artifact folder is published."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from optiserve.errors import UserError
 from optiserve.files import atomic_write, read_json
 
-FORMAT = 1  # raised when what a kept candidate holds changes, so older ones are not taken
+FORMAT = 2  # raised when what a kept candidate holds changes, so older ones are not taken
 GATE = "gate_after_recovery"  # what a kept candidate's settings must hold: its gate's status and reason
 
 
@@ -35,6 +36,9 @@ class SearchCache:
         text = json.dumps({**self._made_of, "ratio": ratio}, sort_keys=True, default=str)
         key = hashlib.sha256(text.encode()).hexdigest()[:20]
         return self.folder / f"{key}.onnx", self.folder / f"{key}.json"
+
+    def _weights_path(self, ratio: float) -> Path:
+        return self._paths(ratio)[0].with_suffix(".safetensors")
 
     def take(self, ratio: float, onnx_to: Path) -> dict | None:
         """With --resume, the kept candidate at `ratio`, its ONNX file copied to `onnx_to`, and its
@@ -62,13 +66,32 @@ class SearchCache:
             return None
         return settings
 
-    def keep(self, ratio: float, onnx_from: Path, settings: dict) -> None:
-        """Keep the recovered candidate at `ratio` (written atomically: an interruption leaves it whole or absent)."""
+    def keep(self, ratio: float, onnx_from: Path, settings: dict, module=None) -> None:
+        """Keep the recovered candidate at `ratio`, and `module`'s weights where given (written
+        atomically: an interruption leaves it whole or absent; the settings last, as `take` reads them first)."""
         onnx, path = self._paths(ratio)
+        path.unlink(missing_ok=True)  # absent until whole: new weights never sit beside an older kept candidate
+        if module is not None:
+            from safetensors.torch import save
+
+            weights = {name: tensor.detach().clone().contiguous() for name, tensor in module.state_dict().items()}
+            with atomic_write(self._weights_path(ratio)) as f:
+                f.write(save(weights))
         with atomic_write(onnx) as f, open(onnx_from, "rb") as source:
             shutil.copyfileobj(source, f)
         with atomic_write(path, "w") as f:
             json.dump(settings, f, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+
+    def load_weights(self, ratio: float, module) -> bool:
+        """Load the kept candidate's recovered weights at `ratio` into `module` (the same network,
+        made again); False where none were kept. A damaged file, or one that does not fit, raises."""
+        path = self._weights_path(ratio)
+        if not path.is_file():
+            return False
+        from safetensors.torch import load_file
+
+        module.load_state_dict(load_file(str(path)))
+        return True
 
     def kept(self) -> int:
         return len(list(self.folder.glob("*.json"))) if self.folder.is_dir() else 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from optiserve.runtime.packing import PACKED_INPUTS, POOLINGS, Packing, pack, po
 
 ROW_TOKENS = 64  # a packed row's tokens: short enough that attention across a row stays cheap
 FP32_FILE, INT8_FILE = "model.packed.openvino.xml", "model.packed.int8.openvino.xml"
+INT8_TITLE = "OpenVINO INT8 of the packed rows (NNCF, transformer scheme, training texts)"
 
 
 class PackedEncoder(nn.Module):
@@ -69,34 +71,51 @@ def _packed_feeds(batch: np.ndarray, inputs: tuple[str, ...]) -> dict[str, np.nd
     return {name: feeds[name] for name in inputs}
 
 
+def convert_packed(run: Run, module: nn.Module, path: Path) -> tuple[tuple[str, ...], Packing, float]:
+    """Convert `module` (the folder's encoder, or a smaller one the search made of it) to a packed
+    OpenVINO IR at `path`, held to eager on every validation batch; (its inputs, how its vectors are
+    pooled, the largest |Δ| to eager)."""
+    import openvino as ov
+
+    packing = Packing(ROW_TOKENS, tuple(module.pooling), bool(module.normalize))
+    inputs = packed_inputs(module)
+    example = tuple(torch.from_numpy(a) for a in _packed_feeds(np.asarray(run.checks[0]), inputs).values())
+    # the conversion traces: torch's and transformers' notices of it are not the user's to read
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        model = ov.convert_model(PackedEncoder(module.model).eval(), example_input=example,
+                                 input=[([-1, -1], ov.Type.i64)] * len(inputs))
+    if len(model.inputs) != len(inputs):
+        raise RuntimeError(f"the converted graph takes {len(model.inputs)} inputs, not {', '.join(inputs)}")
+    for port, name in zip(model.inputs, inputs):  # in the forward's order, as the conversion keeps them
+        port.get_tensor().set_names({name})
+    worst = _parity(model, module, packing, inputs, [np.asarray(b) for b in run.checks])
+    ov.save_model(model, str(path), compress_to_fp16=False)
+    return inputs, packing, worst
+
+
+def quantize_packed(run: Run, fp32_path: Path, int8_path: Path, inputs: tuple[str, ...], packing: Packing) -> dict:
+    """NNCF's transformer scheme on a packed IR, calibrated on packed rows of training texts; the
+    INT8 variant's settings."""
+    rows = [_packed_feeds(batch, inputs) for batch in calibration_batches(run)]
+    quantized = quantize_openvino_nncf(fp32_path, int8_path, rows, "transformer", unit="rows")
+    return {**quantized, "inputs": list(inputs), "packing": packing.to_dict(), "model_type": "transformer",
+            "inference_precision": "f32"}
+
+
 def _build_packed(run: Run) -> None:
     variants = ("openvino-fp32-packed", "openvino-int8-packed") if run.cfg.int8 else ("openvino-fp32-packed",)
     title = f"OpenVINO packed rows ({ROW_TOKENS} tokens a row, a text's own positions and attention)"
-    int8_title = "OpenVINO INT8 of the packed rows (NNCF, transformer scheme, training texts)"
     if why := why_not_packed(run):
         run.attempts.skip(title, why, "openvino-fp32-packed")
         if run.cfg.int8:
-            run.attempts.skip(int8_title, why, "openvino-int8-packed")
+            run.attempts.skip(INT8_TITLE, why, "openvino-int8-packed")
         return
-    module = run.loaded.model
-    packing = Packing(ROW_TOKENS, tuple(module.pooling), bool(module.normalize))
-    inputs = packed_inputs(module)
     with run.attempts.attempt(title, *variants):
         import openvino as ov
 
-        example = tuple(torch.from_numpy(a) for a in _packed_feeds(np.asarray(run.checks[0]), inputs).values())
-        # the conversion traces: torch's and transformers' notices of it are not the user's to read
-        with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore")
-            model = ov.convert_model(PackedEncoder(module.model).eval(), example_input=example,
-                                     input=[([-1, -1], ov.Type.i64)] * len(inputs))
-        if len(model.inputs) != len(inputs):
-            raise RuntimeError(f"the converted graph takes {len(model.inputs)} inputs, not {', '.join(inputs)}")
-        for port, name in zip(model.inputs, inputs):  # in the forward's order, as the conversion keeps them
-            port.get_tensor().set_names({name})
-        worst = _parity(model, module, packing, inputs, [np.asarray(b) for b in run.checks])
-        ov.save_model(model, str(run.stage / FP32_FILE), compress_to_fp16=False)
+        inputs, packing, worst = convert_packed(run, run.loaded.model, run.stage / FP32_FILE)
         settings = {"inputs": list(inputs), "packing": packing.to_dict(), "inference_precision": "f32",
                     "openvino": ov.get_version().split("-")[0], "weights_compressed_to_fp16": False}
         run.variants.append(Variant("openvino-fp32-packed", FP32_FILE, "openvino", "fp32", settings))
@@ -104,15 +123,11 @@ def _build_packed(run: Run) -> None:
     if not run.cfg.int8:
         return
     if why := run.attempts.missing("openvino-fp32-packed"):
-        run.attempts.skip(int8_title, why, "openvino-int8-packed")
+        run.attempts.skip(INT8_TITLE, why, "openvino-int8-packed")
         return
-    with run.attempts.attempt(int8_title, "openvino-int8-packed"):
-        rows = [_packed_feeds(batch, inputs) for batch in calibration_batches(run)]
-        quantized = quantize_openvino_nncf(run.stage / FP32_FILE, run.stage / INT8_FILE, rows, "transformer",
-                                           unit="rows")
-        run.variants.append(Variant("openvino-int8-packed", INT8_FILE, "openvino", "int8",
-                                    {**quantized, "inputs": list(inputs), "packing": packing.to_dict(),
-                                     "model_type": "transformer", "inference_precision": "f32"}))
+    with run.attempts.attempt(INT8_TITLE, "openvino-int8-packed"):
+        settings = quantize_packed(run, run.stage / FP32_FILE, run.stage / INT8_FILE, inputs, packing)
+        run.variants.append(Variant("openvino-int8-packed", INT8_FILE, "openvino", "int8", settings))
 
 
 def _parity(model, module: nn.Module, packing: Packing, inputs: tuple[str, ...], checks: list[np.ndarray]) -> float:

@@ -5,9 +5,9 @@ student), and every layer narrowed (pruned<R>: R of its attention heads and of i
 channels removed, those of least weight). Each candidate is recovered by distillation from the full
 model on the training texts (the vectors' cosine for an encoder, the class distribution for a
 classifier), judged on the validation texts and exported to ONNX, with --int8 its ONNX Runtime
-dynamic INT8 and, with OpenVINO, NNCF's INT8 by the transformer scheme: the same recipes as the
-full model's, so the search and the engines are one frontier. A path stops at the first candidate
-its gate rejects."""
+dynamic INT8 and, with OpenVINO, NNCF's INT8 by the transformer scheme (with --packed, also on
+packed rows): the same recipes as the full model's, so the search and the engines are one
+frontier. A path stops at the first candidate its gate rejects."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from optiserve.optimize.export_openvino import quantize_openvino_nncf
 from optiserve.optimize.passes.pruning import pruning_ratios
 from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
 from optiserve.optimize.passes.text import calibration_feeds, export_text_onnx, quantize_text_dynamic
+from optiserve.optimize.passes.text_packing import convert_packed, quantize_packed, why_not_packed
 from optiserve.optimize.recovery import recover_and_judge, validation_change
 from optiserve.optimize.search import Candidate, Gate, run_search
 from optiserve.optimize.search_cache import GATE, SearchCache
@@ -30,12 +31,15 @@ RECOVERY_LR, RECOVERY_BATCH = 1e-4, 32
 
 
 def _steps(name: str, cfg: OptimizeConfig) -> list[list[str]]:
-    """The variants each progress step of one candidate builds: the recovered model; its INT8s."""
+    """The variants each progress step of one candidate builds: the recovered model; its INT8s (with
+    --packed, also on packed rows)."""
     steps = [[name]]
     if cfg.int8:
         steps.append([f"{name}-int8"])
         if cfg.openvino:
             steps.append([f"openvino-{name}-int8"])
+            if cfg.packed:
+                steps.append([f"openvino-{name}-int8-packed"])
     return steps
 
 
@@ -128,7 +132,7 @@ def _candidate(run: Run, candidate: Candidate, deadline: float | None, cache: Se
     cache), and its INT8 variants; the recovered model's gate."""
     name, stage, attempts, ratio = candidate.name, run.stage, run.attempts, candidate.search["ratio"]
     onnx = f"model.{name}.onnx"
-    gate = None
+    gate = student = None
     with attempts.attempt(_title(run, candidate), name):
         settings = cache.take(ratio, stage / onnx)
         if settings is not None:
@@ -141,7 +145,7 @@ def _candidate(run: Run, candidate: Candidate, deadline: float | None, cache: Se
             output = run.loaded.outputs[0]["name"]
             export_text_onnx(student, run.loaded.input, output, np.asarray(run.example), stage / onnx,
                              [np.asarray(b) for b in run.checks])
-            cache.keep(ratio, stage / onnx, settings)
+            cache.keep(ratio, stage / onnx, settings, student)
         run.variants.append(Variant(name, onnx, "onnxruntime", "fp32", {**settings, "graph_optimization": "all"}))
         run.notes.append(_note(name, settings))
         gate = settings[GATE]["status"], settings[GATE]["reason"]
@@ -160,13 +164,38 @@ def _candidate(run: Run, candidate: Candidate, deadline: float | None, cache: Se
     openvino, title = f"openvino-{name}-int8", f"OpenVINO INT8 of {name} with NNCF (transformer scheme, training texts)"
     if why := attempts.missing(name):
         attempts.skip(title, why, openvino)
-        return gate
-    with attempts.attempt(title, openvino):
-        ir = f"model.{name}.int8.openvino.xml"
-        q = quantize_openvino_nncf(stage / onnx, stage / ir, calibration_feeds(run), "transformer", unit="texts")
-        run.variants.append(Variant(openvino, ir, "openvino", "int8", {**q, "model_type": "transformer",
-                                                                       "inference_precision": "f32", "from": name}))
+    else:
+        with attempts.attempt(title, openvino):
+            ir = f"model.{name}.int8.openvino.xml"
+            q = quantize_openvino_nncf(stage / onnx, stage / ir, calibration_feeds(run), "transformer", unit="texts")
+            run.variants.append(Variant(openvino, ir, "openvino", "int8", {**q, "model_type": "transformer",
+                                                                           "inference_precision": "f32",
+                                                                           "from": name}))
+    if run.cfg.packed:
+        _packed(run, candidate, student, cache)
     return gate
+
+
+def _packed(run: Run, candidate: Candidate, student, cache: SearchCache) -> None:
+    """The recovered candidate on packed rows, in INT8 (NNCF's transformer scheme): its own
+    conversion, held to the recovered network on the validation texts (one taken from an interrupted
+    search is made again and given its kept weights)."""
+    name, attempts = candidate.name, run.attempts
+    variant, title = f"openvino-{name}-int8-packed", f"OpenVINO INT8 of {name} on packed rows (NNCF, training texts)"
+    if why := why_not_packed(run) or attempts.missing("openvino-fp32-packed") or attempts.missing(name):
+        attempts.skip(title, why, variant)
+        return
+    with attempts.attempt(title, variant):
+        if student is None:
+            student = _smaller(run, candidate)[0]
+            if not cache.load_weights(candidate.search["ratio"], student):
+                raise RuntimeError(f"the interrupted search kept no recovered weights of {name} to pack "
+                                   f"(run without --resume to recover it again)")
+        fp32, int8 = run.stage / f"model.{name}.packed.openvino.xml", f"model.{name}.int8.packed.openvino.xml"
+        inputs, packing, worst = convert_packed(run, student.cpu().eval(), fp32)
+        settings = quantize_packed(run, fp32, run.stage / int8, inputs, packing)
+        run.variants.append(Variant(variant, int8, "openvino", "int8",
+                                    {**settings, "from": name, "packed_parity_max_abs": worst}))
 
 
 def _parameters(module) -> int:
