@@ -18,7 +18,7 @@ accepted INT8 variant at --batch.
 
     python benchmarks/text_search.py                                   # the table in docs/performance.md
     python benchmarks/text_search.py --search-minutes 30 --min-cosine 0.98 --out /tmp/minilm-search
-    python benchmarks/text_search.py --min-cosine 0.8 --search-minutes 12 --packed \
+    python benchmarks/text_search.py --min-cosine 0.8 --search-minutes 12 --ratios 0.5 --packed \
         --out artifacts/minilm-search08-packed
 """
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from optiserve.checkpoint import read_checkpoint, save_checkpoint
+from optiserve.machine import CPU_FLAGS_ENV
 from optiserve.optimize.accuracy_aware import quantized_nodes
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
@@ -31,7 +32,11 @@ def int8_sensitive(checkpoint, out, channel: int = 0, scale: float = 300.0):
     return out
 
 
-def test_an_int8_model_that_misses_the_gate_keeps_its_most_sensitive_layers_in_float(small_cnn_checkpoint, tmp_path):
+def test_an_int8_model_that_misses_the_gate_keeps_its_most_sensitive_layers_in_float(small_cnn_checkpoint, tmp_path,
+                                                                                     monkeypatch):
+    # what is read is onnx-int8 and fp32: the torch-bf16 copy a CPU with bf16 adds to both runs is left out
+    # (tests/test_cpu_flags.py builds and judges those)
+    monkeypatch.setenv(CPU_FLAGS_ENV, "-avx512_bf16,-amx_bf16")
     sensitive = int8_sensitive(small_cnn_checkpoint, tmp_path / "sensitive.pt")
     common = dict(weights=str(sensitive), int8=True, openvino=False, search="off", progress=False, latency_batch=2,
                   max_accuracy_drop=0.0, timing_rounds=3)

@@ -172,11 +172,18 @@ def test_calibration_draws_only_training_images(digits):
     assert all(np.array_equal(a, b) for a, b in zip(batches, again))
 
 
+@pytest.fixture(scope="module")
+def fp32_onnx(small_cnn_checkpoint, tmp_path_factory):
+    """The trained small_cnn, fused and exported once for every calibration method's test: they only read it
+    (the export itself is test_onnx_export_has_a_dynamic_batch_and_matches_eager's)."""
+    path = tmp_path_factory.mktemp("fp32-onnx") / "fp32.onnx"
+    export_onnx(fuse_conv_bn(load_model("small_cnn", str(small_cnn_checkpoint)).model), torch.randn(2, 1, 16, 16), path)
+    return path
+
+
 @pytest.mark.parametrize("method", CALIB_METHODS)
-def test_ort_static_int8_is_qdq_per_channel_and_keeps_accuracy(method, small_cnn_checkpoint, digits, tmp_path):
-    model = fuse_conv_bn(load_model("small_cnn", str(small_cnn_checkpoint)).model)
-    export_onnx(model, torch.randn(2, 1, 16, 16), tmp_path / "fp32.onnx")
-    settings = quantize_onnx_static(tmp_path / "fp32.onnx", tmp_path / "int8.onnx",
+def test_ort_static_int8_is_qdq_per_channel_and_keeps_accuracy(method, fp32_onnx, digits, tmp_path):
+    settings = quantize_onnx_static(fp32_onnx, tmp_path / "int8.onnx",
                                     calibration_batches(digits.calibration_set(), 128), method)
     assert settings["calibration"] == method and settings["per_channel"] and settings["reduce_range"]
     proto = onnx.load(str(tmp_path / "int8.onnx"))
@@ -189,8 +196,8 @@ def test_ort_static_int8_is_qdq_per_channel_and_keeps_accuracy(method, small_cnn
     x = np.stack([digits.test[i][0].numpy() for i in range(len(digits.test))])
     y = np.array([int(digits.test[i][1]) for i in range(len(digits.test))])
     top1 = {}
-    for name in ("fp32", "int8"):
-        s = ort.InferenceSession(str(tmp_path / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+    for name, path in (("fp32", fp32_onnx), ("int8", tmp_path / "int8.onnx")):
+        s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         top1[name] = (s.run(None, {"input": x})[0].argmax(1) == y).mean()
     assert top1["int8"] >= top1["fp32"] - 0.02
 

@@ -18,6 +18,7 @@ from conftest import offline_logits, serving
 from optiserve.artifacts import read_manifest
 from optiserve.errors import UserError
 from optiserve.input_spec import InputSpec
+from optiserve.machine import CPU_FLAGS_ENV
 from optiserve.models import InputOverrides
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 from optiserve.serve.preprocess import decode_image
@@ -46,16 +47,19 @@ def ended_models(small_cnn_checkpoint, tmp_path_factory) -> dict:
     it), each optimized: {ending: artifact folder}."""
     root = tmp_path_factory.mktemp("ended")
     folders = {}
-    for ending, layer in ENDINGS.items():
-        (root / f"{ending}_net.py").write_text(
-            "import torch\nfrom optiserve.models import load_model\n\n\ndef build():\n"
-            f"    trained = load_model('small_cnn', {str(small_cnn_checkpoint)!r}).model\n"
-            f"    return torch.nn.Sequential(trained, {layer})\n")
-        out = root / ending
-        run_optimize(OptimizeConfig(f"{root}/{ending}_net.py:build", input=InputOverrides((1, 16, 16), (0.0,), (1.0,)),
-                                    openvino=False, search="off", latency_batch=2, out=str(out), progress=False,
-                                    timing_rounds=3))
-        folders[ending] = out
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv(CPU_FLAGS_ENV, "-avx512_bf16,-amx_bf16")  # bf16 copies: tests/test_cpu_flags.py's
+        for ending, layer in ENDINGS.items():
+            (root / f"{ending}_net.py").write_text(
+                "import torch\nfrom optiserve.models import load_model\n\n\ndef build():\n"
+                f"    trained = load_model('small_cnn', {str(small_cnn_checkpoint)!r}).model\n"
+                f"    return torch.nn.Sequential(trained, {layer})\n")
+            out = root / ending
+            run_optimize(OptimizeConfig(f"{root}/{ending}_net.py:build",
+                                        input=InputOverrides((1, 16, 16), (0.0,), (1.0,)), openvino=False,
+                                        search="off", latency_batch=2, out=str(out), progress=False,
+                                        timing_rounds=3))
+            folders[ending] = out
     return folders
 
 
@@ -95,7 +99,8 @@ def test_predict_and_the_protocol_answer_the_models_own_probabilities(ended_mode
     np.testing.assert_allclose(infer["outputs"][0]["data"], own, rtol=1e-4, atol=1e-6)
 
 
-def test_output_kind_can_be_stated_and_is_refused_for_other_tasks(small_cnn_checkpoint, tmp_path):
+def test_output_kind_can_be_stated_and_is_refused_for_other_tasks(small_cnn_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv(CPU_FLAGS_ENV, "-avx512_bf16,-amx_bf16")  # what is read is the kind, not a bf16 copy's row
     manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), output_kind="logits",
                                            onnx=False, latency_batch=2, out=str(tmp_path / "a"), progress=False,
                                            timing_rounds=3))

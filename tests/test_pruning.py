@@ -174,14 +174,18 @@ def test_a_channel_ratio_outside_the_open_unit_interval_is_refused(bad):
 
 
 def test_optimize_answers_a_model_it_cannot_prune_with_a_row_and_builds_the_rest(tmp_path, monkeypatch):
+    from optiserve.machine import CPU_FLAGS_ENV
     from optiserve.models import InputOverrides
     from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
     (tmp_path / "fixed_width.py").write_text(FIXED_WIDTH_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
+    # what is read is which variants were built and the pruning row: timed at batch 1 alone, calibrated on a few
+    # images, and no bf16 copy (tests/test_cpu_flags.py builds and judges those)
+    monkeypatch.setenv(CPU_FLAGS_ENV, "-avx512_bf16,-amx_bf16")
     manifest = run_optimize(OptimizeConfig("fixed_width:build", input=InputOverrides((1, 16, 16)), dataset="synthetic",
                                            int8=True, prune_channels=0.5, openvino=False, out=str(tmp_path / "a"),
-                                           progress=False, timing_rounds=3))
+                                           progress=False, timing_rounds=3, latency_batch=1, calib_size=32))
     skipped = {row["name"]: row["reason"] for row in manifest["skipped"]}
     assert skipped["pruned50"].startswith("fixed_width:build: its channels cannot be removed consistently")
     assert "pruned50-int8" not in {v["name"] for v in manifest["variants"]}

@@ -19,13 +19,16 @@ NO_BF16 = "-avx512_bf16,-amx_bf16"
 @pytest.fixture(scope="module")
 def searched(small_cnn_checkpoint, tmp_path_factory):
     """Every kind of candidate the search builds: pruned, its ONNX Runtime INT8 and OpenVINO's INT8 (whose
-    IR has a companion file that must leave with it when it is dropped)."""
+    IR has a companion file that must leave with it when it is dropped). No accuracy-aware fallback: a
+    candidate's INT8 that misses the gate (a network left 2% of its channels) stays rejected instead of
+    having its layers searched, which no test here reads (tests/test_accuracy_aware.py judges the fallback)."""
     out = tmp_path_factory.mktemp("search") / "small"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CPU_FLAGS_ENV, NO_BF16)
         manifest = run_optimize(OptimizeConfig("small_cnn", weights=str(small_cnn_checkpoint), int8=True, search="on",
                                                search_ratios=(0.5, 0.98, 0.99), finetune_epochs=1, latency_batch=1,
-                                               calib_size=64, out=str(out), progress=False, timing_rounds=3))
+                                               calib_size=64, accuracy_aware=False, out=str(out), progress=False,
+                                               timing_rounds=3))
     return out, manifest
 
 

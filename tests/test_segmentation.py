@@ -203,7 +203,8 @@ def test_a_served_segmentation_model_answers_a_mask_at_the_uploaded_size(ink_art
     images = np.random.default_rng(5).standard_normal((2, 3, 32, 32), dtype=np.float32)
     with torch.no_grad():
         expected = model(torch.from_numpy(images)).numpy()
-    with served_here(ink_artifact, "--variants", "fp32,onnx-int8") as base:
+    # each request names its variant: no default is timed at start-up
+    with served_here(ink_artifact, "--variants", "fp32,onnx-int8", "--choose-seconds", "0") as base:
         answer = httpx.post(f"{base}/predict", content=buffer.getvalue(), headers={"content-type": "image/png"},
                             params={"variant": "fp32"}).json()
         client = httpclient.InferenceServerClient(url=base.removeprefix("http://"))
@@ -316,7 +317,8 @@ def test_a_segmentation_onnx_file_of_any_size_is_served_at_the_size_given_as_onn
     assert by_name["openvino-fp32"]["accuracy"]["pixel_agreement"] > 0.999
     images = np.random.default_rng(9).standard_normal((2, 3, 48, 48), dtype=np.float32)
     expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"pixel_values": images})[0]
-    with served_here(out, "--variants", "onnx-fp32,openvino-fp32") as base:
+    # each request names its variant: no default is timed at start-up
+    with served_here(out, "--variants", "onnx-fp32,openvino-fp32", "--choose-seconds", "0") as base:
         logits, data = infer_json(base, "ink/versions/onnx-fp32", "pixel_values", images)
         _, openvino = infer_json(base, "ink/versions/openvino-fp32", "pixel_values", images)
     assert logits["name"] == "logits" and logits["shape"] == [2, 2, 48, 48]
