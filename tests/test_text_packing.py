@@ -37,8 +37,9 @@ class Packed:
 @pytest.fixture(scope="module")
 def packed(bert_encoder, tmp_path_factory):
     """The two-layer BERT's folder (mean pooling, as a bare encoder's is read) optimized with
-    --packed --int8 --search at one ratio and no ONNX Runtime transformer variants, in two runs: the
-    first interrupted while its second candidate recovers, the second with --resume."""
+    --packed --int8 --search at one ratio, no ONNX Runtime transformer variants and no bf16 copies, in
+    two runs: the first interrupted once its first candidate is recovered and kept (while its INT8 is
+    made), the second with --resume."""
     from safetensors.torch import load_file, save_file
 
     from optiserve.optimize import recovery
@@ -52,11 +53,12 @@ def packed(bert_encoder, tmp_path_factory):
     recovered, real_recover = [], recovery.recover
     packed_from, real_convert = {}, text_search.convert_packed
 
-    def interrupted_in_the_second(*args, **kwargs):
+    def counted(*args, **kwargs):
         recovered.append(kwargs.get("deadline"))
-        if len(recovered) == 2:
-            raise KeyboardInterrupt  # Ctrl-C while the second candidate recovers
         return real_recover(*args, **kwargs)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the first candidate's INT8 is made
 
     def convert_seen(run, module, path):  # the network each packed candidate is converted from
         packed_from[path.name] = {k: v.clone() for k, v in module.state_dict().items()}
@@ -66,10 +68,14 @@ def packed(bert_encoder, tmp_path_factory):
                    finetune_epochs=1, ort_transformer=False, latency_batch=4, timing_rounds=3, calib_size=16,
                    seq_lengths=(16,), min_cosine=0.0, progress=False, out=str(out))
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(recovery, "recover", interrupted_in_the_second)
+        monkeypatch.setenv("OPTISERVE_CPU_FLAGS", "-avx512_bf16,-amx_bf16")
+        monkeypatch.setattr(recovery, "recover", counted)
         monkeypatch.setattr(text_search, "convert_packed", convert_seen)
-        with pytest.raises(KeyboardInterrupt):
-            run_optimize(OptimizeConfig(str(model), **options))
+        with monkeypatch.context() as first_run:
+            first_run.setattr(text_search, "quantize_text_dynamic", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                run_optimize(OptimizeConfig(str(model), **options))
+        assert len(recovered) == 1
         (weights,) = cache_folder(out).glob("*.safetensors")  # the layer-dropped candidate, recovered and kept
         kept = load_file(str(weights))
         # marked, so the network packed after --resume can be told from one made again and not given them
