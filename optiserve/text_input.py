@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # the rows of a token batch, in order
+# the sentence-transformers pooling modes a model folder is built with, and a packed variant pools
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens")
 # a text to warm up and time a text model on where no user text is at hand (the server, bench engine)
 SAMPLE_TEXT = "A short sentence, about as long as the ones a search box or a chat message sends."
 IDS, MASK, TYPES = range(3)

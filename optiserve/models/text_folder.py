@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from optiserve.errors import UserError, first_line
-from optiserve.text_input import MASK, TOKEN_INPUTS, TextInput
+from optiserve.text_input import MASK, POOLING_MODES, TOKEN_INPUTS, TextInput
 
 CONFIG, WEIGHTS, TOKENIZER, MODULES = "config.json", "model.safetensors", "tokenizer.json", "modules.json"
 PICKLED_WEIGHTS = ("pytorch_model.bin", "model.pt", "model.pth")
@@ -29,7 +29,6 @@ PICKLED_WEIGHTS = ("pytorch_model.bin", "model.pt", "model.pth")
 POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
                 "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
                 "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
-POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens")  # the ones built here
 ENCODER_TASK, CLASSIFIER_TASK = "text-embedding", "text-classification"
 OUTPUT_NAMES = {ENCODER_TASK: "sentence_embedding", CLASSIFIER_TASK: "logits"}  # the graph's output, as exported
 MULTI_LABEL_OUTPUT = "probabilities"  # a multi-label classifier's output: its logits' sigmoids

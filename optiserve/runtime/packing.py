@@ -20,12 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from optiserve.text_input import IDS, TYPES, text_lengths
+from optiserve.text_input import IDS, POOLING_MODES, TYPES, text_lengths
 
 # a packed graph's inputs, in order; a model without token types takes the first three
 PACKED_INPUTS = ("input_ids", "position_ids", "segment_ids", "token_type_ids")
 ROW_MULTIPLE = 8
-POOLINGS = ("mean", "cls", "max", "mean_sqrt_len_tokens")  # the modes pooled per text here
 
 
 @dataclass(frozen=True)
@@ -42,16 +41,16 @@ class Packing:
     @classmethod
     def from_dict(cls, entry: dict) -> Packing:
         pooling = tuple(entry["pooling"])
-        if not pooling or any(mode not in POOLINGS for mode in pooling):
-            raise ValueError(f"packed pooling {', '.join(pooling) or 'none'}; packing pools {', '.join(POOLINGS)}")
+        if not pooling or any(mode not in POOLING_MODES for mode in pooling):
+            raise ValueError(f"packed pooling {', '.join(pooling) or 'none'}; packing pools {', '.join(POOLING_MODES)}")
         return cls(int(entry["row_tokens"]), pooling, bool(entry["normalize"]))
 
 
 @dataclass
 class PackedRows:
     """A token batch as packed rows: the graph's inputs (PACKED_INPUTS, each int64 [rows, length]; a
-    graph without token types is fed the others)
-    and where each text lies (row, start, tokens), in the batch's order."""
+    graph without token types is fed the others) and where each text lies (row, start, tokens), in
+    the batch's order."""
 
     feeds: dict[str, np.ndarray]
     where: list[tuple[int, int, int]]

@@ -21,7 +21,8 @@ from torch import nn
 from optiserve.optimize.export_openvino import quantize_openvino_nncf
 from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
 from optiserve.optimize.passes.text import EXPORT_ATOL, calibration_batches, largest_difference
-from optiserve.runtime.packing import PACKED_INPUTS, POOLINGS, Packing, pack, pooled
+from optiserve.runtime.packing import PACKED_INPUTS, Packing, pack, pooled
+from optiserve.text_input import POOLING_MODES
 
 ROW_TOKENS = 64  # a packed row's tokens: short enough that attention across a row stays cheap
 FP32_FILE, INT8_FILE = "model.packed.openvino.xml", "model.packed.int8.openvino.xml"
@@ -56,8 +57,8 @@ def why_not_packed(run: Run) -> str | None:
                 f"version 5; this is {transformers.__version__} (pip install 'transformers>=5')")
     if getattr(module, "classifier", True):
         return "packing pools a text encoder's token vectors; a classifier's head reads the whole row"
-    if not module.pooling or any(mode not in POOLINGS for mode in module.pooling):
-        return f"packing pools {', '.join(POOLINGS)}; the folder declares {', '.join(module.pooling) or 'none'}"
+    if not module.pooling:  # every mode the folder's loader builds (text_input.POOLING_MODES) is pooled here
+        return f"packing pools {', '.join(POOLING_MODES)}; the folder declares none"
     return None
 
 
