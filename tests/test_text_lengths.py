@@ -2,7 +2,9 @@
 tokenizer trained here on the polarity sentences) optimized with onnx-fp32 and onnx-int8; every
 variant has a median and a speedup with its interval at each length up to the model's max, the
 engine really receives rows of exactly that many real tokens, lengths past the max are skipped by
-default and refused when asked for, and the recommendation says at which lengths it holds."""
+default and refused when asked for, and the recommendation says at which lengths it holds. The
+batch columns time texts drawn from --timing-texts (Lee's news passages, not the polarity sentences
+the model is judged on) where it is given."""
 
 from __future__ import annotations
 
@@ -23,6 +25,31 @@ BATCH = 4
 ROUNDS = 3
 
 
+def lee_passages(folder) -> tuple:
+    """(a .txt file of gensim's 300 Lee background passages, one a line; the passages)."""
+    from gensim.test.utils import datapath
+
+    texts = [line.strip() for line in open(datapath("lee_background.cor"), encoding="utf-8") if line.strip()]
+    path = folder / "lee_background.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    return path, texts
+
+
+def passage_rows(folder, texts) -> set:
+    """Each text's token ids as the model's own tokenizer encodes it, cut at its max length."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.enable_truncation(MAX_LENGTH)
+    return {tuple(e.ids) for e in tokenizer.encode_batch(texts)}
+
+
+def own_rows(feeds) -> list[tuple]:
+    """Each row of a batch fed to the engine: its text's token ids, padding left out."""
+    ids, mask = feeds["input_ids"], feeds["attention_mask"]
+    return [tuple(row[m.astype(bool)].tolist()) for row, m in zip(ids, mask)]
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """(the model folder, the polarity file): a seeded, untrained BERT whose position table holds 64 tokens."""
@@ -38,9 +65,11 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def timed(model, tmp_path_factory):
-    """(the manifest, what onnxruntime was fed): optimized at the default lengths, every engine call
-    observed (and passed on unchanged) on its way into onnxruntime."""
+    """(the manifest, what onnxruntime was fed, the artifact, the timing texts): optimized at the
+    default lengths with --timing-texts, every engine call observed (and passed on unchanged) on its
+    way into onnxruntime."""
     folder, data = model
+    timing_file, timing_texts = lee_passages(tmp_path_factory.mktemp("timing-texts"))
     fed: list[dict[str, np.ndarray]] = []
     real_run = ort.InferenceSession.run
 
@@ -54,12 +83,13 @@ def timed(model, tmp_path_factory):
         # every variant accepted (the weights are untrained): two to compare at every length
         run_optimize(OptimizeConfig(str(folder), dataset=f"text:{data}", int8=True, openvino=False,
                                     ort_transformer=False, latency_batch=BATCH, timing_rounds=ROUNDS, calib_size=32,
-                                    max_accuracy_drop=100.0, progress=False, out=str(out)))
-    return json.loads((out / "manifest.json").read_text()), fed, out
+                                    max_accuracy_drop=100.0, timing_texts=str(timing_file), progress=False,
+                                    out=str(out)))
+    return json.loads((out / "manifest.json").read_text()), fed, out, (timing_file, timing_texts)
 
 
 def test_every_variant_is_timed_at_each_length_up_to_the_max(timed):
-    manifest, _, _ = timed
+    manifest, *_ = timed
     lengths = manifest["seq_lengths"]
     assert lengths["timed"] == [16, 64] and lengths["batch"] == BATCH
     assert lengths["skipped"] == [{"tokens": 256, "reason": f"above the model's max length of {MAX_LENGTH} tokens"}]
@@ -71,7 +101,7 @@ def test_every_variant_is_timed_at_each_length_up_to_the_max(timed):
             assert at["p50_ms"] > 0 and at["rounds"] >= ROUNDS and low <= at["speedup"] <= high
     base = next(v for v in manifest["variants"] if v["name"] == "onnx-fp32")
     assert all(at["speedup"] == 1.0 for at in base["latency_by_length"].values())
-    # the headline columns are still the validation texts at their own lengths, and say how long those were
+    # the headline columns are texts at their own lengths, and say how long those were
     assert set(manifest["seq_lengths"]["headline_tokens"]) == {"1", str(BATCH)}
     assert all(set(v["latency_ms"]) == {"1", str(BATCH)} for v in manifest["variants"])
 
@@ -81,14 +111,16 @@ def test_the_engine_is_fed_rows_of_exactly_the_length_of_validation_text(timed, 
 
     from optiserve.data.text import load_text_splits
 
-    manifest, fed, _ = timed
+    manifest, fed, _, (_, timing_texts) = timed
     folder, data = model
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     first = tokenizer.encode(load_text_splits(str(data)).val.texts[0]).ids  # the rows are the validation role's
+    passages = passage_rows(folder, timing_texts)
     for length in manifest["seq_lengths"]["timed"]:
-        # (the runtime's own measure of a run's cost feeds token id 0 throughout: not a timed round)
+        # (the runtime's own measure of a run's cost feeds token id 0 throughout: not a timed round; a batch
+        # of whole passages, 64 tokens each, is the headline batch's, drawn from --timing-texts)
         at = [f for f in fed if f["input_ids"].shape == (BATCH, length) and f["attention_mask"].all()
-              and f["input_ids"].any()]
+              and f["input_ids"].any() and not set(own_rows(f)) <= passages]
         assert len(at) >= ROUNDS * len(manifest["variants"])  # warm-up and every round, for each variant
         ids = at[0]["input_ids"]
         assert ids[0, :min(len(first), length)].tolist() == first[:length]
@@ -97,8 +129,79 @@ def test_the_engine_is_fed_rows_of_exactly_the_length_of_validation_text(timed, 
     assert max(f["input_ids"].shape[1] for f in fed) <= MAX_LENGTH
 
 
+def test_the_batch_columns_time_texts_drawn_from_timing_texts(timed, model):
+    """Each headline batch the engine was fed is drawn from the file: at batch 1 one passage at its
+    own length, at the larger batch BATCH passages, as the model's own tokenizer encodes them."""
+    manifest, fed, out, (timing_file, timing_texts) = timed
+    folder, _ = model
+    drawn = manifest["timing_texts"]
+    assert drawn["file"] == str(timing_file) and drawn["texts"] == len(timing_texts) == 300
+    assert drawn["drawn"] == BATCH and drawn["tokens_max"] == MAX_LENGTH  # news passages outrun 64 tokens
+    passages = passage_rows(folder, timing_texts)
+    timed_at = {b: [f for f in fed if f["input_ids"].shape[0] == b and set(own_rows(f)) <= passages]
+                for b in (1, BATCH)}
+    for b, batches in timed_at.items():
+        assert len(batches) >= ROUNDS * len(manifest["variants"])  # warm-up and every round, for each variant
+        assert {f["input_ids"].shape[1] for f in batches} == {drawn["headline_tokens"][str(b)]}
+    one = timed_at[1][0]
+    assert one["attention_mask"].all()  # batch 1 runs its text at its own length, unpadded
+    assert len(set(own_rows(timed_at[BATCH][0]))) == BATCH  # drawn without replacement
+    # never judged on: every variant's validation figure is the polarity sentences'
+    from optiserve.data.text import load_text_splits
+
+    held = len(load_text_splits(str(model[1])).val.texts)
+    assert all(v["validation"]["images"] == held for v in manifest["variants"])
+    report = (out / "report.md").read_text()
+    assert f"{BATCH} texts drawn from `lee_background.txt` (--timing-texts, 300 texts" in report
+
+
+def test_timing_texts_are_drawn_without_replacement_cycled_where_few_the_median_length_first(model, tmp_path):
+    from tokenizers import Tokenizer
+
+    from optiserve.data.text_tokens import timing_sample
+    from optiserve.text_input import TextInput
+
+    folder, _ = model
+    pairs = tmp_path / "pairs.tsv"  # a scored-pairs file: both texts of a pair are drawn, the score unread
+    pairs.write_text("text1\ttext2\tscore\nit rained\ta long and winding sentence about the weather today\t0.2\n"
+                     "the film was good\tgood\t0.9\n", encoding="utf-8")
+    texts = ["it rained", "the film was good", "a long and winding sentence about the weather today", "good"]
+    batch, drawn = timing_sample(pairs, TextInput("tokenizer.json", MAX_LENGTH), folder, rows=6)
+    assert drawn["texts"] == 4 and drawn["drawn"] == 6 and drawn["distinct"] == 4
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    own = {tuple(e.ids): len(e.ids) for e in tokenizer.encode_batch(texts)}
+    rows = own_rows({"input_ids": batch[:, 0], "attention_mask": batch[:, 1]})
+    assert set(rows) == set(own)  # every text of the file, and nothing else
+    assert sorted(own[r] for r in rows)[2] == own[rows[0]]  # batch 1 times the drawn text of median length
+    assert drawn["tokens_max"] == max(own.values())
+
+
+@pytest.mark.parametrize("given, says", [
+    ("missing.txt", "--timing-texts text:{tmp}/missing.txt: does not exist; give a file of texts"),
+    ("", "--timing-texts {tmp}: is a folder; give a file of texts"),
+    ("empty.txt", "--timing-texts: {tmp}/empty.txt is empty"),
+])
+def test_bad_timing_texts_are_one_line(model, tmp_path, given, says):
+    folder, data = model
+    (tmp_path / "empty.txt").write_text("\n")
+    r = run_cli_here("optimize", str(folder), "--dataset", f"text:{data}", "--no-openvino", "--timing-texts",
+                     f"text:{tmp_path / given}" if given else str(tmp_path), "--out", str(tmp_path / "out"),
+                     "--no-progress")
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert says.format(tmp=tmp_path) in r.stderr, r.stderr
+
+
+def test_timing_texts_for_an_image_model_is_one_line(tmp_path):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("a sentence\n")
+    r = run_cli_here("optimize", "small_cnn", "--weights", "random", "--dataset", "synthetic", "--no-openvino",
+                     "--timing-texts", str(texts), "--out", str(tmp_path / "out"), "--no-progress")
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--timing-texts times a text model on a sample of its service's texts; small_cnn takes images" in r.stderr
+
+
 def test_the_recommendation_says_at_which_lengths_it_holds(timed):
-    manifest, _, out = timed
+    manifest, _, out, _ = timed
     rec = manifest["recommended"]
     by_length = rec["by_length"]
     assert by_length["variant"] == rec["throughput"] and by_length["batch"] == BATCH

@@ -174,6 +174,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "every variant is also timed at, at --latency-batch, each reported with its speedup and "
                         "whether the recommendation holds there (default 16,64,256, those above the model's max "
                         "length skipped)")
+    p.add_argument("--timing-texts", default=None, metavar="FILE",
+                   help="a text model: time every variant at batch 1 and --latency-batch on texts drawn from FILE "
+                        "(a sample of what the service will be sent; any text dataset file, its labels unread) "
+                        "instead of the validation texts, so that the recommendation follows the service's text "
+                        "lengths; never used to judge or fit (default: the validation texts)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where variants are validated and timed (default auto)")
     p.add_argument("--out", default=None, metavar="DIR", help="artifact folder (default artifacts/MODEL-DATASET)")
@@ -191,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         tensorrt=args.tensorrt, fp16=args.fp16,
         calib_size=args.calib_size, calib_method=args.calib_method, int8_recipe=args.int8_recipe,
         max_accuracy_drop=args.max_accuracy_drop,
-        latency_batch=args.latency_batch, timing_rounds=args.timing_rounds, seq_lengths=args.seq_lengths, out=args.out, device=args.device, progress=not args.no_progress,
+        latency_batch=args.latency_batch, timing_rounds=args.timing_rounds, seq_lengths=args.seq_lengths,
+        timing_texts=args.timing_texts, out=args.out, device=args.device, progress=not args.no_progress,
         num_classes=args.num_classes, labels=args.labels, task=args.task, task_output=args.task_output, output_kind=args.output_kind,
         detection_head=args.detection_head, agnostic_nms=args.agnostic_nms, box_units=args.box_units,
         **{minimum.name: getattr(args, minimum.name) for _, minimum in gate_minimums()}, masks=args.masks, ignore_index=args.ignore_index, boxes=args.boxes,

@@ -51,6 +51,8 @@ class OptimizeConfig:
     latency_batch: int = 16
     timing_rounds: int = 15           # interleaved rounds per batch size; a tie is timed again for twice as many
     seq_lengths: tuple[int, ...] | None = None  # a text model's timed lengths in tokens (None: 16, 64, 256 up to its max)
+    timing_texts: str | None = None   # a text model: a file of texts (a sample of the service's) the batch columns time,
+                                      # in place of the validation texts
     out: str | None = None
     device: str = "auto"
     progress: bool = True
@@ -152,9 +154,19 @@ class OptimizeConfig:
         if self.seq_lengths is not None and (not self.seq_lengths or min(self.seq_lengths) < 1):
             raise UserError(f"--seq-lengths must be positive numbers of tokens, e.g. 16,64,256; got "
                             f"{','.join(map(str, self.seq_lengths))}")
+        if self.timing_texts is not None and not self.timing_file.is_file():
+            said = "is a folder" if self.timing_file.is_dir() else "does not exist"
+            raise UserError(f"--timing-texts {self.timing_texts}: {said}; give a file of texts (.txt one a line, "
+                            f".tsv or .csv)")
         if self.timing_rounds < 3:
             raise UserError(f"--timing-rounds must be at least 3 (a median and its interval need a few), "
                             f"got {self.timing_rounds}")
+
+    @property
+    def timing_file(self) -> Path:
+        """--timing-texts as a path: `text:` may lead it, as `--dataset text:FILE` and `bench --texts` take it."""
+        given = self.timing_texts or ""
+        return Path(given[len("text:"):] if given.startswith("text:") else given).expanduser()
 
     @property
     def out_path(self) -> Path:

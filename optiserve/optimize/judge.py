@@ -27,7 +27,7 @@ from optiserve.runtime.fastest import Choice, choose_fastest
 from optiserve.runtime.timing import interleaved_times
 from optiserve.tasks import get_task
 from optiserve.tasks.output_kinds import get_output_kind, holds, kinds_matching, list_output_kinds
-from optiserve.text_input import TextInput
+from optiserve.text_input import TextInput, trim_padding
 
 if TYPE_CHECKING:  # the passes use this module; it reads only their Variant's fields
     from optiserve.optimize.passes.registry import Variant
@@ -137,18 +137,23 @@ class Timed:
 
 def validate(variants: list[Variant], stage: Path, loaded, valset: EvalSet, cfg: OptimizeConfig, why_not: str,
               baseline_name: str, attempts: Attempts,
-              length_batches: dict[str, np.ndarray] | None = None) -> tuple[list[dict], Timed, dict]:
+              length_batches: dict[str, np.ndarray] | None = None,
+              timing_tokens: np.ndarray | None = None) -> tuple[list[dict], Timed, dict]:
     """Each variant loaded through the runtime, judged by its task's gate against the baseline on the
-    validation images (`validation` in its entry: what every choice reads) and timed, also on each of
-    `length_batches` (a text model's rows of set lengths: `latency_by_length` in its entry); one its
+    validation images (`validation` in its entry: what every choice reads) and timed on them, or on
+    `timing_tokens` where given (a text model's sample of its service's texts, --timing-texts: its
+    first text, the one of median length, at batch 1, all at the larger batch), also on each of `length_batches` (a text
+    model's rows of set lengths: `latency_by_length` in its entry); one its
     engine cannot run is not built (with the reason), one whose judging or timing raises has failed;
     either way its files are deleted and the others go on. The baseline failing ends the run."""
     base_manifest = session_manifest(loaded)
     # an idle session must not slow the next; threads as stated, so a server can tell it runs with the same;
     # a text batch run whole, so that no score depends on how busy the machine was (runtime.length_groups)
     options = RuntimeOptions(device=cfg.device, threads=usable_cores(), length_groups=False, extra={"spin": False})
-    batch1 = valset.images[:1]
-    batch_n = np.resize(valset.images, (cfg.latency_batch, *valset.images.shape[1:]))
+    timed_on = valset.images if timing_tokens is None else timing_tokens
+    # a text batch's first row at its own length (the engines cut padding too; so the rows stay what was timed)
+    batch1 = trim_padding(timed_on[:1]) if isinstance(loaded.input, TextInput) else timed_on[:1]
+    batch_n = np.resize(timed_on, (cfg.latency_batch, *timed_on.shape[1:]))
     batch_n = batch_n if batch_n.dtype == np.int64 else batch_n.astype(np.float32)  # token batches stay int64
     if baseline_name not in [v.name for v in variants]:
         raise RuntimeError(f"no {baseline_name} variant to validate the others against")

@@ -2,7 +2,8 @@
 max length), each variant's median and its speed against the baseline per length, and for which
 lengths the recommendation holds. A transformer's cost grows with the tokens in a row, and not in
 the same way for every engine or precision, so a variant fastest on short texts may not be on long
-ones; the headline figures stay those of the validation texts at their own lengths."""
+ones; the headline figures stay those of the validation texts (or --timing-texts) at their own
+lengths."""
 
 from __future__ import annotations
 

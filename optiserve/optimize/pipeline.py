@@ -197,6 +197,22 @@ def _length_batches(loaded: LoadedModel, data: DatasetSplits, folder: Path | Non
             for n in lengths}, skipped
 
 
+def _timing_sample(loaded: LoadedModel, folder: Path | None, cfg: OptimizeConfig) -> tuple[np.ndarray | None, dict]:
+    """--timing-texts: the token batch the batch columns are timed on (--latency-batch texts drawn
+    from the file), and what was drawn; None where the validation texts are timed."""
+    if cfg.timing_texts is None:
+        return None, {}
+    if not isinstance(loaded.input, TextInput):
+        raise UserError(f"--timing-texts times a text model on a sample of its service's texts; {cfg.model} takes "
+                        f"images")
+    from optiserve.data.text_tokens import timing_sample
+
+    try:
+        return timing_sample(cfg.timing_file, loaded.input, folder, cfg.latency_batch)
+    except UserError as e:
+        raise UserError(f"--timing-texts: {e}") from None
+
+
 def run_optimize(cfg: OptimizeConfig) -> dict:
     """Build, validate and publish every requested variant; returns the manifest."""
     cfg.validate()
@@ -235,11 +251,14 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
         valset = _held_out(data.val, data, loaded, cfg, mapping)
         testset = _held_out(data.test, data, loaded, cfg, mapping)
         length_batches, skipped_lengths = _length_batches(loaded, data, text_folder, cfg)
+        timing_tokens, timing_drawn = _timing_sample(loaded, text_folder, cfg)
     left_out = [f"{data.left_out} images {LEFT_OUT[data.truth]} left out"] if data.left_out else []
     noun = "texts" if form == "text" else "images"
+    timed_on = [f"time on {timing_drawn['drawn']} texts drawn from {timing_drawn['file']} (--timing-texts; they "
+                f"judge nothing)"] if timing_drawn else []
     log.note("; ".join([f"fit on the train split (calibration, recovery); choose on {len(valset.images)} validation "
                         f"{noun} (every gate and choice); report on {len(testset.images)} test {noun}, after "
-                        f"every choice", *([data.split_note] if data.split_note else []), *left_out]))
+                        f"every choice", *timed_on, *([data.split_note] if data.split_note else []), *left_out]))
 
     torch.manual_seed(0)
     example, checks = torch.from_numpy(valset.images[:4]), validation_batches(valset.images)
@@ -261,10 +280,10 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
 
         with log.step(f"validate {len(variants)} variants through the runtime (accuracy, latency)"):
             entries, timed, kind = validate(variants, stage, loaded, valset, cfg, why_not, baseline, attempts,
-                                            length_batches)
+                                            length_batches, timing_tokens)
             # the tokens of the rows the headline batches ran at (padded to their longest text)
             headline_tokens = {b: int(trim_padding(x).shape[2]) for b, x in timed.batches.items()} \
-                if length_batches else {}
+                if length_batches or timing_drawn else {}
             for each in passes:
                 if each.settle is not None:
                     entries, settled = each.settle(entries, cfg.latency_batch, timed)
@@ -289,6 +308,8 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             manifest["baseline"] = baseline
             manifest.update(kind)
             manifest["skipped"] = skipped
+            if timing_drawn:
+                manifest["timing_texts"] = {**timing_drawn, "headline_tokens": headline_tokens}
             if length_batches:
                 manifest["seq_lengths"] = {"batch": cfg.latency_batch, "timed": [int(n) for n in length_batches],
                                            "skipped": skipped_lengths, "rows": ROWS_OF_LENGTH,

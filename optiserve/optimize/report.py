@@ -3,6 +3,8 @@ recommendation and why, read from the manifest alone."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from optiserve.artifacts import chosen_accuracy
 from optiserve.machine import cpu_line
 from optiserve.optimize.attempts import LOG_FILE
@@ -89,6 +91,22 @@ def recommendation_line(manifest: dict) -> str:
             " Timed here, in this run: on another CPU the order can differ.")
 
 
+def _timed_texts(manifest: dict) -> str:
+    drawn = manifest.get("timing_texts")
+    return f"{drawn['drawn']} texts drawn from `{Path(drawn['file']).name}`" if drawn else "the validation texts"
+
+
+def timing_sentence(manifest: dict) -> str:
+    """Where a text model's latency columns were timed on --timing-texts: on what, at what lengths."""
+    drawn = manifest.get("timing_texts")
+    if not drawn:
+        return ""
+    at = ", ".join(f"batch {b} at {t} tokens" for b, t in drawn["headline_tokens"].items())
+    return (f" The latency columns time {_timed_texts(manifest)} (--timing-texts, {drawn['texts']} texts; mean "
+            f"{drawn['tokens_mean']:g} tokens, longest {drawn['tokens_max']}): {at}, a batch padded to its longest "
+            f"text; they judge nothing.")
+
+
 def length_lines(manifest: dict) -> list[str]:
     """A text model's timings at set sequence lengths: per variant and length, the median and how
     many times as fast as the baseline (95% interval), and what the headline columns timed."""
@@ -100,7 +118,7 @@ def length_lines(manifest: dict) -> list[str]:
     lines = ["", f"## Latency by sequence length (batch {n})", "",
              f"Every row is exactly the length's tokens of real text ({timed['rows']}); the median of the "
              f"interleaved rounds, and how many times as fast as {base} by the ratio of medians with its paired 95% "
-             f"interval. The table above times the validation texts at their own lengths: "
+             f"interval. The table above times {_timed_texts(manifest)} at their own lengths: "
              + ", ".join(f"batch {b} at {t} tokens" for b, t in timed["headline_tokens"].items())
              + " (a batch padded to its longest text)."
              + "".join(f" Not timed at {s['tokens']} tokens: {s['reason']}." for s in timed["skipped"]), "",
@@ -176,7 +194,8 @@ def render_report(manifest: dict) -> str:
     header, rows = summary_header(manifest), summary_rows(manifest)
     lines = [f"# optimize report: {manifest['model']} on {manifest['dataset']['name']}", "",
              f"Weights: `{manifest['source']['weights']}`. {_data_roles(manifest['dataset'], _noun(manifest))} Latency is the "
-             f"median of repeated runs after warm-up, through the same runtime layer the server uses.", ""]
+             f"median of repeated runs after warm-up, through the same runtime layer the server uses."
+             + timing_sentence(manifest), ""]
     if not manifest["accuracy_meaningful"]:
         lines += [f"**Accuracy is not validated here: {manifest['accuracy_note']}.** Agreement and max |Δ| "
                   f"against fp32 are still measured.", ""]
