@@ -15,7 +15,7 @@ from torch import nn
 from optiserve.data import load_dataset
 from optiserve.models import InputSpec, create_model, load_model
 from optiserve.optimize.calibrate import calibration_batches
-from optiserve.optimize.export_onnx import export_onnx
+from optiserve.optimize.export_onnx import CAPTURED, TRACED, export_onnx
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
 from optiserve.optimize.quantize_torch import quantize_torch_fx
@@ -143,7 +143,7 @@ def test_a_baseline_whose_trace_keeps_one_branch_is_the_module_scripted(tmp_path
 
 def test_onnx_export_has_a_dynamic_batch_and_matches_eager(small_cnn_checkpoint, tmp_path):
     model = fuse_conv_bn(load_model("small_cnn", str(small_cnn_checkpoint)).model)
-    export_onnx(model, torch.randn(2, 1, 16, 16), tmp_path / "m.onnx")
+    assert export_onnx(model, torch.randn(2, 1, 16, 16), tmp_path / "m.onnx").exporter == TRACED
     proto = onnx.load(str(tmp_path / "m.onnx"))
     onnx.checker.check_model(proto)
     assert max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")) >= 17
@@ -153,6 +153,28 @@ def test_onnx_export_has_a_dynamic_batch_and_matches_eager(small_cnn_checkpoint,
         x = torch.randn(n, 1, 16, 16)
         with torch.no_grad():
             np.testing.assert_allclose(session.run(None, {"input": x.numpy()})[0], model(x).numpy(), atol=1e-4)
+
+
+class PerBatch(torch.nn.Module):
+    """Divides by its batch size, read as a tensor: a trace keeps the example's size as a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+
+    def forward(self, x):
+        y = self.conv(x).flatten(1)
+        return y / torch.tensor(x.shape[0], dtype=y.dtype)
+
+
+def test_a_forward_whose_trace_fixes_a_value_is_exported_by_torch_export(tmp_path):
+    torch.manual_seed(0)
+    model = PerBatch().eval()
+    assert export_onnx(model, torch.randn(2, 1, 16, 16), tmp_path / "m.onnx").exporter == CAPTURED
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    x = torch.randn(7, 1, 16, 16)  # a batch size neither export check ran at
+    with torch.no_grad():
+        np.testing.assert_allclose(session.run(None, {"input": x.numpy()})[0], model(x).numpy(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -28,15 +28,17 @@ def _build_onnx_export(run: Run) -> None:
                                            output_names=output_names(run.loaded), check_inputs=run.checks,
                                            **parity(run.loaded, 1e-3))
         try:
-            export_diff = export(run.fused)
+            exported = export(run.fused)
         except Exception as e:
             scripted = _scripted_where_it_branches(run, e)
-            export_diff = export(scripted)
+            exported = export(scripted)
             settings["exported_from"] = "the module scripted: torch.export cannot capture its branches on the data"
             run.notes.append(f"onnx-fp32 is exported from the module scripted, its branches on the data as ONNX If "
                              f"(torch.export gave {failure_reason(e, 200)})")
+        settings["exporter"] = exported.exporter
         run.variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32", settings))
-        run.notes.append(f"ONNX export parity with eager: {parity_measure(run.loaded)} {export_diff:.1e}")
+        run.notes.append(f"ONNX export ({exported.exporter}) parity with eager: {parity_measure(run.loaded)} "
+                         f"{exported.difference:.1e}")
 
 
 def _scripted_where_it_branches(run: Run, failed: Exception) -> torch.jit.ScriptModule:
