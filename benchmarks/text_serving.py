@@ -78,6 +78,9 @@ pairs, with the paired 95% bootstrap interval of the difference (resampled by pa
     python benchmarks/text_serving.py --servers optiserve --texts-per-request 1 --max-delay-ms 5   # the images' window
     python benchmarks/text_search.py --min-cosine 0.8 --search-minutes 12 --out artifacts/minilm-search08
     python benchmarks/text_serving.py --artifact artifacts/minilm-search08 --pairs test   # its 3-layer model
+    python benchmarks/text_search.py --min-cosine 0.8 --search-minutes 12 --ratios 0.5 --packed \
+        --timing-texts sentences --out artifacts/minilm-search08-sentences   # timed on the sentences
+    python benchmarks/text_serving.py --artifact artifacts/minilm-search08-sentences --pairs test
     python benchmarks/text_serving.py --packed     # optimize --int8 --packed: its packed variant, recommended
 
 The default run (st-onnx, st-openvino, infinity-optimum and optiserve; 8 closed-loop and 2 open-loop
