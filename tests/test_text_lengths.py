@@ -145,6 +145,8 @@ def test_the_batch_columns_time_texts_drawn_from_timing_texts(timed, model):
         assert {f["input_ids"].shape[1] for f in batches} == {drawn["headline_tokens"][str(b)]}
     one = timed_at[1][0]
     assert one["attention_mask"].all()  # batch 1 runs its text at its own length, unpadded
+    # what a server timing the variants again times: the throughput batch's own lengths
+    assert sorted(manifest["timed_text_lengths"]) == sorted(len(row) for row in own_rows(timed_at[BATCH][0]))
     assert len(set(own_rows(timed_at[BATCH][0]))) == BATCH  # drawn without replacement
     # never judged on: every variant's validation figure is the polarity sentences'
     from optiserve.data.text import load_text_splits
@@ -174,6 +176,24 @@ def test_timing_texts_are_drawn_without_replacement_cycled_where_few_the_median_
     assert set(rows) == set(own)  # every text of the file, and nothing else
     assert sorted(own[r] for r in rows)[2] == own[rows[0]]  # batch 1 times the drawn text of median length
     assert drawn["tokens_max"] == max(own.values())
+
+
+def test_a_server_times_texts_of_the_lengths_optimize_timed(model):
+    from tokenizers import Tokenizer
+
+    from optiserve.serve.text_requests import TextRequests
+    from optiserve.text_input import SAMPLE_TEXT, TextInput
+
+    folder, _ = model
+    batch = TextRequests(folder, TextInput("tokenizer.json", MAX_LENGTH), 64).sample(5, [3, 12, MAX_LENGTH])
+    assert batch.shape == (5, 3, MAX_LENGTH)
+    assert [len(row) for row in own_rows({"input_ids": batch[:, 0], "attention_mask": batch[:, 1]})] == \
+        [3, 12, MAX_LENGTH, 3, 12]
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    sentence = tokenizer.encode(SAMPLE_TEXT).ids  # real text: the sample sentence (this tokenizer adds no specials)
+    assert batch[2, 0, :len(sentence)].tolist() == sentence  # the longest row: the sentence, then it again
+    assert batch[1, 0, :12].tolist() == sentence[:12]  # a shorter row: the same text, cut
+    assert TextRequests(folder, TextInput("tokenizer.json", MAX_LENGTH), 64).sample(2).shape[0] == 2  # none recorded
 
 
 @pytest.mark.parametrize("given, says", [

@@ -35,7 +35,7 @@ from optiserve.optimize.trace import validation_batches
 from optiserve.optimize.report import render_report
 from optiserve.optimize.validate import EvalSet, materialize
 from optiserve.tasks import get_task, unmatched_answers
-from optiserve.text_input import TextInput, trim_padding
+from optiserve.text_input import TextInput, text_lengths, trim_padding
 
 
 def default_checkpoint(model: str, dataset: str) -> Path:
@@ -284,6 +284,9 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             # the tokens of the rows the headline batches ran at (padded to their longest text)
             headline_tokens = {b: int(trim_padding(x).shape[2]) for b, x in timed.batches.items()} \
                 if length_batches or timing_drawn else {}
+            # each text's tokens in the throughput batch: a server that times the variants again times these lengths
+            timed_lengths = [int(t) for t in text_lengths(timed.batches[str(cfg.latency_batch)])] \
+                if form == "text" else None
             for each in passes:
                 if each.settle is not None:
                     entries, settled = each.settle(entries, cfg.latency_batch, timed)
@@ -308,6 +311,8 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
             manifest["baseline"] = baseline
             manifest.update(kind)
             manifest["skipped"] = skipped
+            if timed_lengths:
+                manifest["timed_text_lengths"] = timed_lengths
             if timing_drawn:
                 manifest["timing_texts"] = {**timing_drawn, "headline_tokens": headline_tokens}
             if length_batches:

@@ -182,9 +182,10 @@ class ServedModel:
         return {"row_shape": tuple(self.spec.shape)}
 
     def sample_batch(self, n: int) -> np.ndarray:
-        """A batch of `n` inputs the variants are timed on: random images, or real short texts' tokens."""
+        """A batch of `n` inputs the variants are timed on: random images, or real texts' tokens at the
+        lengths optimize timed them at."""
         if self.texts is not None:
-            return self.texts.sample(n)
+            return self.texts.sample(n, self.manifest.get("timed_text_lengths"))
         return np.random.default_rng(0).standard_normal((n, *self.spec.shape), dtype=np.float32)
 
     def warm_while_idle(self) -> None:

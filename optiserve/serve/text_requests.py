@@ -20,7 +20,7 @@ from optiserve.serve.binary import BinaryFormatError, split_body
 from optiserve.serve.envelope import (InferRequest, TooManyImages, id_field, name_field, object_field, parse_json,
                                       requested_outputs, top_k)
 from optiserve.serve.preprocess import BadInput
-from optiserve.text_input import IDS, MASK, SAMPLE_TEXT, TextInput, TextTokenizer, Tokens
+from optiserve.text_input import IDS, MASK, SAMPLE_TEXT, TYPES, TextInput, TextTokenizer, Tokens
 
 MAX_TEXT_BYTES = 64 << 10  # one text's UTF-8 bytes: far more than any model keeps (it truncates at max_length)
 MAX_TOP_K = 1 << 20  # top_k is parsed before the model's classes are at hand; the answer clips it to them
@@ -166,9 +166,28 @@ class TextRequests:
         ones), as the model keeps them after truncation at max_length."""
         return int(np.count_nonzero(batch[:, MASK]))
 
-    def sample(self, n: int) -> np.ndarray:
-        """A token batch of `n` real texts: a short sentence each."""
-        return self.tokenizer.encode([SAMPLE_TEXT] * n).batch
+    def sample(self, n: int, lengths: list[int] | None = None) -> np.ndarray:
+        """A token batch of `n` real texts: of the `lengths` in tokens that optimize timed the
+        variants at (cycled; the manifest's `timed_text_lengths`), so that a server timing them
+        again times what was recommended on; a short sentence each where none are recorded."""
+        if not lengths:
+            return self.tokenizer.encode([SAMPLE_TEXT] * n).batch
+        from tokenizers import Tokenizer
+
+        cut = Tokenizer.from_str(self.tokenizer.tokenizer.to_str())  # a copy: the request path shares the other
+        text = " ".join([SAMPLE_TEXT] * (self.input.max_length // 8 + 1))  # longer than any length asked
+        rows: dict[int, object] = {}
+        for length in sorted({min(max(int(x), 1), self.input.max_length) for x in lengths}):
+            cut.enable_truncation(length)
+            rows[length] = cut.encode(text)
+        wanted = [min(max(int(lengths[i % len(lengths)]), 1), self.input.max_length) for i in range(n)]
+        batch = np.zeros((n, 3, max(wanted)), dtype=np.int64)
+        batch[:, IDS] = self.tokenizer.pad_id
+        for row, length in zip(batch, wanted):
+            encoding = rows[length]
+            k = len(encoding.ids)
+            row[IDS, :k], row[MASK, :k], row[TYPES, :k] = encoding.ids, encoding.attention_mask, encoding.type_ids
+        return batch
 
     def warm_up(self, variant: LoadedVariant, batch_sizes: list[int]) -> None:
         """Run each batch size the server forms that the backend needs warm, at a short length, as many
