@@ -156,8 +156,10 @@ def offline_texts(folder: Path, variant: str, items: list[str], passes: int = 3)
     texts = TextRequests(folder, text_input_of(manifest), len(items))
     lengths = texts.tokenizer.encode(items).lengths
     ordered = [items[i] for i in np.argsort(-lengths, kind="stable")]
+    cost = sessions[True].cost  # None for a variant that takes a batch whole (packed rows): no runs by length
+    fixed = f"; a run's fixed cost measured as {cost.fixed_tokens:.0f} tokens" if cost is not None else ""
     print(f"\noffline, {len(items)} texts (mean {lengths.mean():.1f} tokens), pre-tokenized, median of {passes} "
-          f"passes after a warm one; a run's fixed cost measured as {sessions[True].cost.fixed_tokens:.0f} tokens\n")
+          f"passes after a warm one{fixed}\n")
     print("| order | batch | texts/s | core-ms / text |")
     print("|---|---:|---:|---:|")
     for order, stream, session in (("as they arrive, one run a batch", items, sessions[False]),
