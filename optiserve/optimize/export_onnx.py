@@ -68,6 +68,9 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: str | os.PathLike
     return Exported(_checked(model, example, path, names, atol, difference, check_inputs), CAPTURED)
 
 
+_PASSED_ON: dict = {}  # the exporters' warnings passed on: each shown once per place, as Python's default does
+
+
 class TraceFixedValues(RuntimeError):
     """The trace read a tensor as a Python value, which it keeps as a constant."""
 
@@ -94,7 +97,7 @@ def _written(model: nn.Module, example: torch.Tensor, path, opset: int, names: l
         fixed = [w for w in seen if issubclass(w.category, torch.jit.TracerWarning)]
         for w in seen:
             if w not in fixed:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_PASSED_ON)
         if strict and fixed:
             raise TraceFixedValues(str(fixed[0].message))
         proto = onnx.load(str(tmp_path))
