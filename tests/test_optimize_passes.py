@@ -15,7 +15,7 @@ from torch import nn
 from optiserve.data import load_dataset
 from optiserve.models import InputSpec, create_model, load_model
 from optiserve.optimize.calibrate import calibration_batches
-from optiserve.optimize.export_onnx import CAPTURED, TRACED, export_onnx
+from optiserve.optimize.export_onnx import CAPTURED, TRACED, ExportMismatch, export_onnx
 from optiserve.optimize.fuse import count_batchnorms, fuse_conv_bn
 from optiserve.optimize.quantize_ort import CALIB_METHODS, quantize_onnx_static
 from optiserve.optimize.quantize_torch import quantize_torch_fx
@@ -175,6 +175,31 @@ def test_a_forward_whose_trace_fixes_a_value_is_exported_by_torch_export(tmp_pat
     x = torch.randn(7, 1, 16, 16)  # a batch size neither export check ran at
     with torch.no_grad():
         np.testing.assert_allclose(session.run(None, {"input": x.numpy()})[0], model(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+class QuietBranch(torch.nn.Module):
+    """Branches on its input's values; every image here takes the same side, so only the trace's own
+    warning says that it kept one."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+
+    def forward(self, x):
+        if x.mean() > 100:
+            return x.flatten(1)
+        return self.conv(x).flatten(1)
+
+
+def test_a_trace_that_kept_one_branch_is_not_written_whatever_the_callers_warning_filters(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a caller (or -W ignore) silencing every warning
+        with pytest.raises(Exception) as raised:  # torch.export refuses the branch: no graph keeps one side
+            export_onnx(QuietBranch().eval(), torch.randn(2, 1, 16, 16), tmp_path / "m.onnx",
+                        check_inputs=[torch.randn(8, 1, 16, 16)])
+    assert not isinstance(raised.value, ExportMismatch)
 
 
 @pytest.fixture(scope="module")

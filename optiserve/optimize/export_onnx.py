@@ -57,18 +57,32 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: str | os.PathLike
     names = output_names or [OUTPUT_NAME]
     check_inputs = list(check_inputs)
     if isinstance(model, torch.jit.ScriptModule):  # a user's TorchScript file: only the TorchScript exporter reads it
-        _written(model, example, path, opset, names, traced=True)
-        return Exported(_checked(model, example, path, names, atol, difference, check_inputs), SCRIPTED)
+        said = _written(model, example, path, opset, names, traced=True)
+        diff = _checked(model, example, path, names, atol, difference, check_inputs)
+        return _pass_on(said, Exported(diff, SCRIPTED))
     try:
-        _written(model, example, path, opset, names, traced=True, strict=True)
-        return Exported(_checked(model, example, path, names, atol, difference, check_inputs), TRACED)
+        said = _written(model, example, path, opset, names, traced=True, strict=True)
+        diff = _checked(model, example, path, names, atol, difference, check_inputs)
+        return _pass_on(said, Exported(diff, TRACED))
     except Exception:  # noqa: BLE001  what the trace could not keep, torch.export captures or refuses:
         pass  # outside the handler, so that its reason is torch.export's own, not chained to the trace's
-    _written(model, example, path, opset, names, traced=False)
-    return Exported(_checked(model, example, path, names, atol, difference, check_inputs), CAPTURED)
+    said = _written(model, example, path, opset, names, traced=False)
+    diff = _checked(model, example, path, names, atol, difference, check_inputs)
+    return _pass_on(said, Exported(diff, CAPTURED))
 
 
-_PASSED_ON: dict = {}  # the exporters' warnings passed on: each shown once per place, as Python's default does
+_SHOWN: set[tuple] = set()  # the exporters' warnings already passed on: each once per place and text
+_TORCH = str(Path(torch.__file__).parent) + os.sep  # torch itself, not torchvision beside it
+
+
+def _pass_on(said: list, exported: Exported) -> Exported:
+    """Show the kept export's own warnings (not the discarded attempt's), each once per process."""
+    for w in said:
+        key = (w.category, str(w.message), w.filename, w.lineno)
+        if key not in _SHOWN:
+            _SHOWN.add(key)
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return exported
 
 
 class TraceFixedValues(RuntimeError):
@@ -76,16 +90,17 @@ class TraceFixedValues(RuntimeError):
 
 
 def _written(model: nn.Module, example: torch.Tensor, path, opset: int, names: list[str], traced: bool,
-             strict: bool = False) -> None:
+             strict: bool = False) -> list:
     """The model exported (by tracing, else by torch.export) with a dynamic batch axis, checked by
-    onnx.checker and written to `path` atomically. `strict`: a trace that warns of a value it fixed
-    raises TraceFixedValues instead."""
+    onnx.checker and written to `path` atomically; the exporter's other warnings, to pass on.
+    `strict`: a trace that warns of a value it fixed in code outside torch (the model's, or a
+    library's) raises TraceFixedValues instead, whatever filters the caller set."""
     batch = torch.export.Dim("batch", min=1, max=4096)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp) / "model.onnx"
-        # the exporter narrates on stdout; a trace warns of what it fixes (torch's own filters kept: they
-        # quiet its internals' warnings), and the exporters' other warnings are passed on below
+        # the exporter narrates on stdout; a trace warns of what it fixes, recorded whatever the filters say
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(record=True) as seen:
+            warnings.filterwarnings("always", category=torch.jit.TracerWarning)
             if traced:
                 torch.onnx.export(model, (example,), str(tmp_path), input_names=[INPUT_NAME],
                                   output_names=names, opset_version=opset, dynamo=False,
@@ -94,16 +109,16 @@ def _written(model: nn.Module, example: torch.Tensor, path, opset: int, names: l
                 torch.onnx.export(model, (example,), str(tmp_path), input_names=[INPUT_NAME],
                                   output_names=names, opset_version=opset, dynamo=True,
                                   external_data=False, dynamic_shapes={_forward_arg(model): {0: batch}})
-        fixed = [w for w in seen if issubclass(w.category, torch.jit.TracerWarning)]
-        for w in seen:
-            if w not in fixed:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_PASSED_ON)
+        tracer = [w for w in seen if issubclass(w.category, torch.jit.TracerWarning)]
+        # torch's own internals warn as they are traced (a tensor's len, say); what the model's code fixed counts
+        fixed = [w for w in tracer if not w.filename.startswith(_TORCH)]
         if strict and fixed:
             raise TraceFixedValues(str(fixed[0].message))
         proto = onnx.load(str(tmp_path))
     onnx.checker.check_model(proto, full_check=True)
     with atomic_write(path) as f:
         f.write(proto.SerializeToString())
+    return [w for w in seen if w not in tracer]
 
 
 def _checked(model: nn.Module, example: torch.Tensor, path, names: list[str], atol: float,
