@@ -4,12 +4,14 @@ the speed/accuracy frontier leaves the folder with its reason kept in the manife
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from optiserve.artifacts import read_manifest
 from optiserve.errors import UserError
 from optiserve.machine import CPU_FLAGS_ENV
-from optiserve.optimize.frontier import KEPT_FOR_LATENCY, drop_off_frontier, fastest_at, mark_frontier
+from optiserve.optimize.frontier import KEPT_RECOMMENDED, drop_off_frontier, mark_frontier
+from optiserve.optimize.judge import Timed, recommend
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 
 # The search is what these runs are about: its candidates are timed at batch 1 alone, and the bf16 copies
@@ -88,31 +90,38 @@ def test_only_the_frontier_of_the_search_is_published_and_every_candidate_says_w
         assert f"model.{row['name']}.onnx" not in files
     for v in manifest["variants"]:
         assert v["file"] in files
-        if "search" in v["settings"] and not v["frontier"]["on"]:  # off it, kept only as the fastest at batch 1
-            assert v["frontier"]["why"].endswith(KEPT_FOR_LATENCY)
-            assert v["latency_ms"]["1"] == min(o["latency_ms"]["1"] for o in manifest["variants"]
-                                               if o["status"] == "accepted")
+        if "search" in v["settings"] and not v["frontier"]["on"]:  # off it, kept only where a recommendation names it
+            assert v["frontier"]["why"].endswith(KEPT_RECOMMENDED)
+            assert v["name"] in (manifest["recommended"]["latency"], manifest["recommended"]["throughput"])
     recommended = manifest["recommended"]
     assert {recommended["latency"], recommended["throughput"]} <= set(published)
     assert read_manifest(out) == manifest
 
 
-def test_a_candidate_off_the_frontier_stays_where_it_is_the_fastest_at_batch_1():
+def test_a_candidate_off_the_frontier_stays_where_the_latency_recommendation_names_it():
     """The frontier is drawn at the throughput batch; packed rows, say, win there and lose at batch 1."""
-    def entry(name, b1, b16, top1, search=True):
-        return {"name": name, "status": "accepted", "reason": None, "latency_ms": {"1": b1, "16": b16},
+    def entry(name, top1, search=True):
+        return {"name": name, "status": "accepted", "reason": None, "size_bytes": 1,
                 "validation": {"accuracy": {"top1": top1}}, "settings": {"search": {}} if search else {}}
 
-    entries = [entry("fp32", 5.0, 80.0, 0.99, search=False), entry("padded", 1.2, 40.0, 0.95),
-               entry("packed", 1.5, 20.0, 0.95), entry("slower", 1.6, 30.0, 0.94)]
+    rng = np.random.default_rng(0)
+    noise = lambda ms: list(ms * (1 + 0.002 * rng.standard_normal(15)))  # noqa: E731
+    medians = {"fp32": (5.0, 80.0), "padded": (1.2, 40.0), "packed": (1.5, 20.0), "slower": (1.6, 30.0)}
+    entries = [entry("fp32", 0.99, search=False), entry("padded", 0.95), entry("packed", 0.95), entry("slower", 0.94)]
+    for e in entries:
+        e["latency_ms"] = dict(zip(("1", "16"), medians[e["name"]]))
+    times = {b: {name: noise(ms[i]) for name, ms in medians.items()} for i, b in enumerate(("1", "16"))}
+    timed = Timed(dict.fromkeys(medians), dict.fromkeys(times), times)  # apart beyond noise: never run again
     mark_frontier(entries, 16, "classification")
     assert [e["frontier"]["on"] for e in entries] == [True, False, True, False]
-    assert fastest_at(entries, "1") == "padded"
-    kept, dropped = drop_off_frontier(entries, keep=fastest_at(entries, "1"))
+    recommended = recommend(entries, timed, 16)
+    assert (recommended["latency"], recommended["throughput"]) == ("padded", "packed")
+    kept, dropped = drop_off_frontier(entries, keep={recommended["latency"], recommended["throughput"]})
     assert [e["name"] for e in kept] == ["fp32", "padded", "packed"]
     assert [row["name"] for row in dropped] == ["slower"]
     assert kept[1]["frontier"]["why"].startswith("dominated by packed") and \
-        kept[1]["frontier"]["why"].endswith(KEPT_FOR_LATENCY)
+        kept[1]["frontier"]["why"].endswith(KEPT_RECOMMENDED)
+    assert kept[0]["frontier"]["why"] is None  # not the search's: nothing added
 
 
 def test_the_report_shows_the_frontier_with_every_candidate(searched, unrecovered):

@@ -194,6 +194,7 @@ def test_a_server_times_texts_of_the_lengths_optimize_timed(model):
     assert batch[2, 0, :len(sentence)].tolist() == sentence  # the longest row: the sentence, then it again
     assert batch[1, 0, :12].tolist() == sentence[:12]  # a shorter row: the same text, cut
     assert TextRequests(folder, TextInput("tokenizer.json", MAX_LENGTH), 64).sample(2).shape[0] == 2  # none recorded
+    assert TextRequests(folder, TextInput("tokenizer.json", MAX_LENGTH), 64).sample(1, [0])[0, 1].sum() == 1  # a text's least
 
 
 @pytest.mark.parametrize("given, says", [

@@ -1,6 +1,6 @@
 """The search's frontier: the judged variants no other beats on both speed (at the throughput
 batch) and accuracy (the task's headline measure on the validation images, which choose). The search's own candidates off the frontier,
-or rejected by the gate, leave the folder (but the fastest at batch 1); their rows stay in the manifest with why."""
+or rejected by the gate, leave the folder (but a recommended one); their rows stay in the manifest with why."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from optiserve.artifacts import chosen_accuracy
 from optiserve.tasks import get_task
 
 SERVABLE = ("accepted", "unvalidated")
-KEPT_FOR_LATENCY = "kept: the fastest at batch 1, where the latency recommendation is drawn"
+KEPT_RECOMMENDED = "kept: a recommendation names it (the frontier weighs the throughput batch only)"
 
 
 def _value(task, entry: dict) -> float:
@@ -43,23 +43,17 @@ def _measure(task, entry: dict) -> str:
     return f"{name} {100 * value:.2f}%" if value is not None else f"{name} not measured"
 
 
-def fastest_at(entries: list[dict], batch: str) -> str | None:
-    """The servable variant with the lowest median at `batch`, among the accepted where any is (as
-    the recommendation draws from them)."""
-    pool = [e for e in entries if e["status"] == "accepted"] or [e for e in entries if e["status"] in SERVABLE]
-    return min(pool, key=lambda e: e["latency_ms"][batch])["name"] if pool else None
-
-
-def drop_off_frontier(entries: list[dict], keep: str | None = None) -> tuple[list[dict], list[dict]]:
+def drop_off_frontier(entries: list[dict], keep: set[str] = frozenset()) -> tuple[list[dict], list[dict]]:
     """The entries kept (all but the search's candidates off the frontier) and the rows of those
-    dropped: name, status, accuracy, latency and why. `keep`: a candidate kept off the frontier,
-    the fastest at batch 1 (the frontier is drawn at the throughput batch, and the latency
-    recommendation must be able to take it); its `frontier.why` says so."""
+    dropped: name, status, accuracy, latency and why. `keep`: the recommended variants, kept off the
+    frontier too (it is drawn at the throughput batch, and the latency choice at batch 1 may be a
+    candidate that loses there); their `frontier.why` says so."""
     kept, dropped = [], []
     for e in entries:
-        if e["name"] == keep and not e["frontier"]["on"]:
-            e["frontier"]["why"] += f"; {KEPT_FOR_LATENCY}"
-        if "search" in e["settings"] and not e["frontier"]["on"] and e["name"] != keep:
+        searched, off = "search" in e["settings"], not e["frontier"]["on"]
+        if searched and off and e["name"] in keep:
+            e["frontier"]["why"] += f"; {KEPT_RECOMMENDED}"
+        if searched and off and e["name"] not in keep:
             dropped.append({k: e.get(k) for k in ("name", "backend", "precision", "status", "reason", "validation",
                                                   "latency_ms", "size_bytes", "settings")}
                            | {"dropped": e["frontier"]["why"]})

@@ -22,7 +22,7 @@ from optiserve.models.text_folder import is_text_folder
 from optiserve.models.sources import is_registered
 from optiserve.optimize.attempts import LOG_FILE, Attempts
 from optiserve.optimize.config import OptimizeConfig  # noqa: F401  importers take it from here too
-from optiserve.optimize.frontier import drop_off_frontier, fastest_at, mark_frontier
+from optiserve.optimize.frontier import drop_off_frontier, mark_frontier
 from optiserve.optimize.frontier_plot import FILE as FRONTIER_PLOT, render_frontier
 from optiserve.optimize.lengths import lengths_to_time
 from optiserve.optimize.judge import recommend, report_on_test, stated_against_graph, validate
@@ -292,11 +292,14 @@ def run_optimize(cfg: OptimizeConfig) -> dict:
                     entries, settled = each.settle(entries, cfg.latency_batch, timed)
                     notes += settled
             mark_frontier(entries, cfg.latency_batch, loaded.task, kind.get("output_kind"))
+            # drawn before the search's candidates off the frontier leave: one the latency choice (at batch 1)
+            # names stays, though the frontier (at the throughput batch) has it off
+            recommended = recommend(entries, timed, cfg.latency_batch, retime_rounds=2 * cfg.timing_rounds)
             if run.searched:
-                entries, dropped = drop_off_frontier(entries, keep=fastest_at(entries, "1"))
+                chosen = {recommended["latency"], recommended["throughput"]} if recommended else set()
+                entries, dropped = drop_off_frontier(entries, keep=chosen)
                 for row in dropped:
                     timed.drop(row["name"])
-            recommended = recommend(entries, timed, cfg.latency_batch, retime_rounds=2 * cfg.timing_rounds)
             report_on_test(entries, timed, testset, loaded, cfg, why_not, baseline, kind)  # every choice is made
             if kind.get("output_kind", "logits") != "logits":
                 notes.append(f"the model's output holds {kind['output_kind']} ({kind['output_kind_from']}): "

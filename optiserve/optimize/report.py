@@ -154,7 +154,7 @@ def search_lines(manifest: dict) -> list[str]:
              f"Fastest first at batch {n}. A variant is on the frontier when no other servable one is both at "
              f"least as fast and at least as accurate on the validation {noun} (the accuracy shown here: the "
              f"frontier is a choice, so the test {noun} do not draw it); the search's own candidates off it are "
-             f"not published. "
+             f"not published, but one a recommendation names (the latency choice is made at batch 1). "
              f"Dropped candidates keep their row in `manifest.json` (`search.dropped`).", "",
              "![speed against accuracy](frontier.svg)", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

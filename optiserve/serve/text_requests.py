@@ -176,17 +176,19 @@ class TextRequests:
 
         cut = Tokenizer.from_str(self.tokenizer.tokenizer.to_str())  # a copy: the request path shares the other
         text = " ".join([SAMPLE_TEXT] * (self.input.max_length // 8 + 1))  # longer than any length asked
+        shortest = max(cut.num_special_tokens_to_add(False) + 1, 1)  # a text's specials and one token of it
+        wanted = [min(max(int(lengths[i % len(lengths)]), shortest), self.input.max_length) for i in range(n)]
         rows: dict[int, object] = {}
-        for length in sorted({min(max(int(x), 1), self.input.max_length) for x in lengths}):
+        for length in sorted(set(wanted)):
             cut.enable_truncation(length)
             rows[length] = cut.encode(text)
-        wanted = [min(max(int(lengths[i % len(lengths)]), 1), self.input.max_length) for i in range(n)]
         batch = np.zeros((n, 3, max(wanted)), dtype=np.int64)
         batch[:, IDS] = self.tokenizer.pad_id
         for row, length in zip(batch, wanted):
             encoding = rows[length]
-            k = len(encoding.ids)
-            row[IDS, :k], row[MASK, :k], row[TYPES, :k] = encoding.ids, encoding.attention_mask, encoding.type_ids
+            k = min(len(encoding.ids), length)
+            row[IDS, :k], row[MASK, :k], row[TYPES, :k] = (encoding.ids[:k], encoding.attention_mask[:k],
+                                                           encoding.type_ids[:k])
         return batch
 
     def warm_up(self, variant: LoadedVariant, batch_sizes: list[int]) -> None:
