@@ -95,14 +95,19 @@ class TextTokenizer:
         encodings = self.tokenizer.encode_batch(list(texts))
         truncated = sum(1 for e in encodings if e.overflowing)
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
-        batch = np.zeros((len(encodings), 3, int(lengths.max())), dtype=np.int64)
-        batch[:, IDS] = self.pad_id
-        for row, encoding in zip(batch, encodings):
-            n = len(encoding.ids)
-            row[IDS, :n] = encoding.ids
-            row[MASK, :n] = encoding.attention_mask
-            row[TYPES, :n] = encoding.type_ids
-        return Tokens(batch, lengths, truncated)
+        return Tokens(token_batch(encodings, self.pad_id), lengths, truncated)
+
+
+def token_batch(encodings: list, pad_id: int) -> np.ndarray:
+    """`tokenizers` encodings as one token batch [N, 3, L], padded with `pad_id` (mask 0) to the longest."""
+    batch = np.zeros((len(encodings), 3, max(len(e.ids) for e in encodings)), dtype=np.int64)
+    batch[:, IDS] = pad_id
+    for row, encoding in zip(batch, encodings):
+        n = len(encoding.ids)
+        row[IDS, :n] = encoding.ids
+        row[MASK, :n] = encoding.attention_mask
+        row[TYPES, :n] = encoding.type_ids
+    return batch
 
 
 def _pad_id(tokenizer) -> int:

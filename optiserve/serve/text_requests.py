@@ -20,7 +20,7 @@ from optiserve.serve.binary import BinaryFormatError, split_body
 from optiserve.serve.envelope import (InferRequest, TooManyImages, id_field, name_field, object_field, parse_json,
                                       requested_outputs, top_k)
 from optiserve.serve.preprocess import BadInput
-from optiserve.text_input import IDS, MASK, SAMPLE_TEXT, TYPES, TextInput, TextTokenizer, Tokens
+from optiserve.text_input import IDS, MASK, SAMPLE_TEXT, TextInput, TextTokenizer, Tokens, token_batch
 
 MAX_TEXT_BYTES = 64 << 10  # one text's UTF-8 bytes: far more than any model keeps (it truncates at max_length)
 MAX_TOP_K = 1 << 20  # top_k is parsed before the model's classes are at hand; the answer clips it to them
@@ -178,18 +178,11 @@ class TextRequests:
         text = " ".join([SAMPLE_TEXT] * (self.input.max_length // 8 + 1))  # longer than any length asked
         shortest = max(cut.num_special_tokens_to_add(False) + 1, 1)  # a text's specials and one token of it
         wanted = [min(max(int(lengths[i % len(lengths)]), shortest), self.input.max_length) for i in range(n)]
-        rows: dict[int, object] = {}
+        rows = {}
         for length in sorted(set(wanted)):
             cut.enable_truncation(length)
             rows[length] = cut.encode(text)
-        batch = np.zeros((n, 3, max(wanted)), dtype=np.int64)
-        batch[:, IDS] = self.tokenizer.pad_id
-        for row, length in zip(batch, wanted):
-            encoding = rows[length]
-            k = min(len(encoding.ids), length)
-            row[IDS, :k], row[MASK, :k], row[TYPES, :k] = (encoding.ids[:k], encoding.attention_mask[:k],
-                                                           encoding.type_ids[:k])
-        return batch
+        return token_batch([rows[length] for length in wanted], self.tokenizer.pad_id)
 
     def warm_up(self, variant: LoadedVariant, batch_sizes: list[int]) -> None:
         """Run each batch size the server forms that the backend needs warm, at a short length, as many
