@@ -56,19 +56,19 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: str | os.PathLike
     model = model.eval()
     names = output_names or [OUTPUT_NAME]
     check_inputs = list(check_inputs)
+
+    def written_and_checked(exporter: str) -> Exported:
+        said = _written(model, example, path, opset, names, traced=exporter != CAPTURED, strict=exporter == TRACED)
+        diff = _checked(model, example, path, names, atol, difference, check_inputs)
+        return _pass_on(said, Exported(diff, exporter))
+
     if isinstance(model, torch.jit.ScriptModule):  # a user's TorchScript file: only the TorchScript exporter reads it
-        said = _written(model, example, path, opset, names, traced=True)
-        diff = _checked(model, example, path, names, atol, difference, check_inputs)
-        return _pass_on(said, Exported(diff, SCRIPTED))
+        return written_and_checked(SCRIPTED)
     try:
-        said = _written(model, example, path, opset, names, traced=True, strict=True)
-        diff = _checked(model, example, path, names, atol, difference, check_inputs)
-        return _pass_on(said, Exported(diff, TRACED))
+        return written_and_checked(TRACED)
     except Exception:  # noqa: BLE001  what the trace could not keep, torch.export captures or refuses:
         pass  # outside the handler, so that its reason is torch.export's own, not chained to the trace's
-    said = _written(model, example, path, opset, names, traced=False)
-    diff = _checked(model, example, path, names, atol, difference, check_inputs)
-    return _pass_on(said, Exported(diff, CAPTURED))
+    return written_and_checked(CAPTURED)
 
 
 _SHOWN: set[tuple] = set()  # the exporters' warnings already passed on: each once per place and text

@@ -4,11 +4,13 @@ exported from the module scripted (the TorchScript exporter writes its branches 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from optiserve.errors import failure_reason
 from optiserve.models import LoadedModel
-from optiserve.optimize.export_onnx import OPSET, export_onnx
+from optiserve.optimize.export_onnx import OPSET, Exported, export_onnx
 from optiserve.optimize.parity import parity, parity_measure
 from optiserve.optimize.passes.registry import TORCH, Pass, Run, Variant, register_pass
 from optiserve.optimize.passes.torchscript import checked_trace
@@ -21,17 +23,21 @@ def output_names(loaded: LoadedModel) -> list[str] | None:
     return [o["name"] for o in loaded.outputs] if loaded.outputs else None
 
 
+def export_checked(run: Run, model: torch.nn.Module, path: Path) -> Exported:
+    """`model` (the fused module, scripted, or a pruned copy) exported to `path` with the model's output
+    names, held to eager on the example and every validation batch by the task's parity measure."""
+    return export_onnx(model, run.example, path, output_names=output_names(run.loaded), check_inputs=run.checks,
+                       **parity(run.loaded, 1e-3))
+
+
 def _build_onnx_export(run: Run) -> None:
     with run.attempts.attempt(f"ONNX export (opset {OPSET}, dynamic batch)", "onnx-fp32"):
         settings = {"opset": OPSET, "fused_conv_bn": True, "graph_optimization": "all"}
-        export = lambda model: export_onnx(model, run.example, run.stage / "model.onnx",  # noqa: E731
-                                           output_names=output_names(run.loaded), check_inputs=run.checks,
-                                           **parity(run.loaded, 1e-3))
         try:
-            exported = export(run.fused)
+            exported = export_checked(run, run.fused, run.stage / "model.onnx")
         except Exception as e:
             scripted = _scripted_where_it_branches(run, e)
-            exported = export(scripted)
+            exported = export_checked(run, scripted, run.stage / "model.onnx")
             settings["exported_from"] = "the module scripted: torch.export cannot capture its branches on the data"
             run.notes.append(f"onnx-fp32 is exported from the module scripted, its branches on the data as ONNX If "
                              f"(torch.export gave {failure_reason(e, 200)})")

@@ -7,11 +7,9 @@ import torch
 
 from optiserve.optimize.attempts import INT8_PREPARATION
 from optiserve.optimize.config import OptimizeConfig
-from optiserve.optimize.export_onnx import export_onnx
 from optiserve.optimize.export_openvino import export_openvino, quantize_openvino_nncf
 from optiserve.optimize.fuse import fuse_conv_bn
-from optiserve.optimize.parity import parity
-from optiserve.optimize.passes.onnx_export import output_names
+from optiserve.optimize.passes.onnx_export import export_checked
 from optiserve.optimize.passes.openvino import NNCF_SUFFIX
 from optiserve.optimize.passes.registry import TORCH, Pass, Run, Variant, register_pass
 from optiserve.optimize.prune import prune_unstructured
@@ -28,9 +26,7 @@ def _build_sparse(run: Run) -> None:
     name = f"sparse{round(100 * cfg.prune)}"
     with run.attempts.attempt(f"unstructured L1 pruning to {cfg.prune:.0%} sparsity -> {name} (ONNX)", name):
         sparse, sparsity = prune_unstructured(run.fused, cfg.prune)
-        exported = export_onnx(sparse, run.example, run.stage / f"model.{name}.onnx",
-                               output_names=output_names(run.loaded), check_inputs=run.checks,
-                               **parity(run.loaded, 1e-3))
+        exported = export_checked(run, sparse, run.stage / f"model.{name}.onnx")
         run.variants.append(Variant(name, f"model.{name}.onnx", "onnxruntime", "fp32",
                                     {"sparsity": cfg.prune, "measured_sparsity": sparsity["overall"],
                                      "layer_sparsity": sparsity["layers"], "method": "global L1 unstructured",
@@ -144,8 +140,7 @@ def _build_pruned(run: Run, ratio: float, deadline: float | None, name: str,
         run.attempts.cannot(f"{run.loaded.name}: {e}", name)
         return None, None
     onnx = run.stage / f"model.{name}.onnx"
-    settings["exporter"] = export_onnx(pruned_fused, run.example, onnx, output_names=output_names(run.loaded),
-                                       check_inputs=run.checks, **parity(run.loaded, 1e-3)).exporter
+    settings["exporter"] = export_checked(run, pruned_fused, onnx).exporter
     run.variants.append(Variant(name, onnx.name, "onnxruntime", "fp32", settings))
     run.notes.append(_pruning_note(name, settings))
     if cache is not None:
