@@ -50,6 +50,13 @@ def own_rows(feeds) -> list[tuple]:
     return [tuple(row[m.astype(bool)].tolist()) for row, m in zip(ids, mask)]
 
 
+def refused(tmp_path, *args) -> str:
+    """`optimize ARGS` (no OpenVINO, quiet) run here: it must fail in one line, which is returned."""
+    r = run_cli_here("optimize", *args, "--no-openvino", "--out", str(tmp_path / "out"), "--no-progress")
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    return r.stderr
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """(the model folder, the polarity file): a seeded, untrained BERT whose position table holds 64 tokens."""
@@ -205,20 +212,16 @@ def test_a_server_times_texts_of_the_lengths_optimize_timed(model):
 def test_bad_timing_texts_are_one_line(model, tmp_path, given, says):
     folder, data = model
     (tmp_path / "empty.txt").write_text("\n")
-    r = run_cli_here("optimize", str(folder), "--dataset", f"text:{data}", "--no-openvino", "--timing-texts",
-                     f"text:{tmp_path / given}" if given else str(tmp_path), "--out", str(tmp_path / "out"),
-                     "--no-progress")
-    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert says.format(tmp=tmp_path) in r.stderr, r.stderr
+    said = refused(tmp_path, str(folder), "--dataset", f"text:{data}", "--timing-texts",
+                   f"text:{tmp_path / given}" if given else str(tmp_path))
+    assert says.format(tmp=tmp_path) in said, said
 
 
 def test_timing_texts_for_an_image_model_is_one_line(tmp_path):
     texts = tmp_path / "texts.txt"
     texts.write_text("a sentence\n")
-    r = run_cli_here("optimize", "small_cnn", "--weights", "random", "--dataset", "synthetic", "--no-openvino",
-                     "--timing-texts", str(texts), "--out", str(tmp_path / "out"), "--no-progress")
-    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "--timing-texts times a text model on a sample of its service's texts; small_cnn takes images" in r.stderr
+    said = refused(tmp_path, "small_cnn", "--weights", "random", "--dataset", "synthetic", "--timing-texts", str(texts))
+    assert "--timing-texts times a text model on a sample of its service's texts; small_cnn takes images" in said
 
 
 def test_the_recommendation_says_at_which_lengths_it_holds(timed):
@@ -260,13 +263,9 @@ def test_a_variant_faster_beyond_noise_at_some_lengths_is_named_with_them():
 ])
 def test_bad_seq_lengths_are_one_line(model, tmp_path, given, says):
     folder, data = model
-    r = run_cli_here("optimize", str(folder), "--dataset", f"text:{data}", "--no-openvino", "--seq-lengths", given,
-                     "--out", str(tmp_path / "out"), "--no-progress")
-    assert r.returncode != 0 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert says in refused(tmp_path, str(folder), "--dataset", f"text:{data}", "--seq-lengths", given)
 
 
 def test_seq_lengths_for_an_image_model_is_one_line(tmp_path):
-    r = run_cli_here("optimize", "small_cnn", "--weights", "random", "--dataset", "synthetic", "--no-openvino",
-                     "--seq-lengths", "16", "--out", str(tmp_path / "out"), "--no-progress")
-    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "--seq-lengths times a text model at set numbers of tokens; small_cnn takes images" in r.stderr
+    said = refused(tmp_path, "small_cnn", "--weights", "random", "--dataset", "synthetic", "--seq-lengths", "16")
+    assert "--seq-lengths times a text model at set numbers of tokens; small_cnn takes images" in said

@@ -101,10 +101,13 @@ def timing_sentence(manifest: dict) -> str:
     drawn = manifest.get("timing_texts")
     if not drawn:
         return ""
-    at = ", ".join(f"batch {b} at {t} tokens" for b, t in drawn["headline_tokens"].items())
     return (f" The latency columns time {_timed_texts(manifest)} (--timing-texts, {drawn['texts']} texts; mean "
-            f"{drawn['tokens_mean']:g} tokens, longest {drawn['tokens_max']}): {at}, a batch padded to its longest "
-            f"text; they judge nothing.")
+            f"{drawn['tokens_mean']:g} tokens, longest {drawn['tokens_max']}): {_at_tokens(drawn['headline_tokens'])}, "
+            f"a batch padded to its longest text; they judge nothing.")
+
+
+def _at_tokens(headline_tokens: dict) -> str:
+    return ", ".join(f"batch {b} at {t} tokens" for b, t in headline_tokens.items())
 
 
 def length_lines(manifest: dict) -> list[str]:
@@ -119,8 +122,7 @@ def length_lines(manifest: dict) -> list[str]:
              f"Every row is exactly the length's tokens of real text ({timed['rows']}); the median of the "
              f"interleaved rounds, and how many times as fast as {base} by the ratio of medians with its paired 95% "
              f"interval. The table above times {_timed_texts(manifest)} at their own lengths: "
-             + ", ".join(f"batch {b} at {t} tokens" for b, t in timed["headline_tokens"].items())
-             + " (a batch padded to its longest text)."
+             + _at_tokens(timed["headline_tokens"]) + " (a batch padded to its longest text)."
              + "".join(f" Not timed at {s['tokens']} tokens: {s['reason']}." for s in timed["skipped"]), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for v in manifest["variants"]:
