@@ -20,6 +20,9 @@ background passages (split at sentence ends, in order); `--texts mixed` text_bat
     git worktree add /tmp/runs-base c61bcbe            # each text batch one run, however mixed its lengths
     python benchmarks/serve_request_path.py artifacts/minilm-search08 --variant openvino-layers3of6-int8 \
         --texts mixed --baseline /tmp/runs-base
+    git worktree add /tmp/pin-base 6c805ad             # OpenVINO's threads bound to cores in the server
+    python benchmarks/serve_request_path.py artifacts/minilm-search08-sentences \
+        --variant openvino-layers3of6-int8-packed --texts lee --baseline /tmp/pin-base --serve-args '--instances 2'
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -51,7 +55,7 @@ MIXED_TEXTS = 2000
 
 def window(checkout: Path, folder: str, variant: str, sender, args) -> dict:
     """Serve `folder` from `checkout` (its own package comes first from its own folder), load it, stop it."""
-    with served(folder, "--variants", variant, "--max-queue", "1024", ready_within_s=300,
+    with served(folder, "--variants", variant, "--max-queue", "1024", *args.serve_args, ready_within_s=300,
                 env={**os.environ, "PYTHONPATH": str(checkout)}, cwd=checkout) as (base, proc):
         pid = proc.pid
 
@@ -79,7 +83,10 @@ def main() -> int:
     p.add_argument("--texts", metavar="lee|mixed|text:FILE",
                    help="a text model's load: one text a request, of the Lee passages' sentences, of text_batching.py's "
                         "mixed stream, or one line of FILE each")
+    p.add_argument("--serve-args", default="", metavar="'FLAGS'",
+                   help="more `optiserve serve` flags for both servers, e.g. '--instances 2'")
     args = p.parse_args()
+    args.serve_args = shlex.split(args.serve_args)
     args.artifact_dir = str(Path(args.artifact_dir).resolve())  # each server runs in its own checkout
     manifest_path = Path(args.artifact_dir) / "manifest.json"
     if not manifest_path.is_file():
@@ -115,7 +122,8 @@ def main() -> int:
             print(f"round {r + 1} {name}: {w['rps']:.1f} {unit}/s, p99 {w['p99']:.1f} ms, server "
                   f"{w['server']:.3f} core-ms/request (event loop {w['loop']:.3f})", file=sys.stderr, flush=True)
     print(f"\nmachine: {cpu_line()}")
-    print(f"\n{args.artifact_dir} {args.variant}, {what} to /predict, {args.concurrency} closed-loop "
+    flags = f" (`optiserve serve {shlex.join(args.serve_args)}`)" if args.serve_args else ""
+    print(f"\n{args.artifact_dir} {args.variant}{flags}, {what} to /predict, {args.concurrency} closed-loop "
           f"clients, {args.duration:g} s windows, {args.rounds} alternating rounds, medians\n")
     print(f"| server | {'images' if unit == 'img' else unit}/s | p99 ms | server core-ms / request | event loop | outside inference threads | failed |")
     print("|---|---:|---:|---:|---:|---:|---:|")

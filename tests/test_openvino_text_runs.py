@@ -158,3 +158,23 @@ def test_the_server_warms_the_shapes_it_meets_most_while_idle_up_to_the_longest_
     np.testing.assert_allclose(during.json()["embedding"], after.json()["embedding"], rtol=1e-5, atol=1e-6)
     assert sorted(shape for _, shape in warmed) == sorted(engines["openvino-int8"].warm_up_shapes())
     assert len(warmed) == 2 * 32  # one and two texts at each multiple of 8 up to 256, each once
+
+
+def test_a_server_s_instances_bind_no_thread_to_a_core(tmp_path):
+    """OpenVINO binds each compiled model's threads to cores from the first one on: a variant's
+    instances, each with a share of the threads, would all run on the first cores. Their sessions
+    leave the threads free ("pin" False); one session alone keeps OpenVINO's own choice, which
+    serves one instance faster here (docs/performance.md)."""
+    from optiserve.runtime import RuntimeOptions
+    from optiserve.runtime.openvino_backend import OpenVinoSession
+    from optiserve.serve.model import instance_options
+
+    served = RuntimeOptions(extra={"spin": False})
+    assert instance_options(served, 2).extra == {"spin": False, "pin": False} and instance_options(served, 2).threads
+    assert instance_options(served, 1) is served
+    manifest = {"input": TextInput("tokenizer.json", 64, ("input_ids", "attention_mask")).to_dict()}
+    path = _ir(tmp_path, False)
+    shared = OpenVinoSession(path, {"name": "openvino-fp32"}, manifest, instance_options(served, 2))
+    alone = OpenVinoSession(path, {"name": "openvino-fp32"}, manifest, served)
+    assert shared.compiled.get_property("ENABLE_CPU_PINNING") is False
+    assert alone.compiled.get_property("ENABLE_CPU_PINNING") == ov.Core().get_property("CPU", "ENABLE_CPU_PINNING")

@@ -76,6 +76,10 @@ class OpenVinoSession:
                   "NUM_STREAMS": 1}
         if options.threads:
             config["INFERENCE_NUM_THREADS"] = options.threads
+        if not options.extra.get("pin", True):
+            # OpenVINO binds each compiled model's threads to cores from the first one on: sessions
+            # running side by side (a server's instances) would share those cores, the others idle
+            config["ENABLE_CPU_PINNING"] = False
         model = core().read_model(str(path))
         self.compiled = core().compile_model(model, "CPU", config)
         self.request = self.compiled.create_infer_request()

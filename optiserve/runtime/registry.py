@@ -23,7 +23,9 @@ from optiserve.text_input import text_input_of
 class RuntimeOptions:
     """How to run: `device` auto|cpu|cuda; `threads` intra-op threads (None: the library default);
     `length_groups`: a text batch runs in sub-batches of like length where that costs less
-    (runtime.length_groups)."""
+    (runtime.length_groups). `extra`: engine settings for sessions that share the cores with
+    other work: "spin" False (ONNX Runtime's idle threads sleep), "pin" False (OpenVINO binds no
+    thread to a core, for sessions that run side by side)."""
 
     device: str = "auto"
     threads: int | None = None

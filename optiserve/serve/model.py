@@ -71,10 +71,12 @@ class BatchingConfig:
 
 def instance_options(options: RuntimeOptions, instances: int) -> RuntimeOptions:
     """The runtime options of one of `instances` workers: the threads (--threads, else the cores
-    this process may run on) divided between them, at least one each."""
+    this process may run on) divided between them, at least one each, none bound to a core. OpenVINO
+    binds each session's threads from the first core on: bound, the instances would share one core."""
     if instances == 1:
         return options
-    return replace(options, threads=max(1, (options.threads or usable_cores()) // instances))
+    return replace(options, threads=max(1, (options.threads or usable_cores()) // instances),
+                   extra={**options.extra, "pin": False})
 
 
 class ServedModel:
