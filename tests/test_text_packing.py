@@ -15,10 +15,10 @@ from conftest import BERT_MAX_LENGTH, reference_tokenizer, until
 from optiserve.errors import UserError
 from optiserve.artifacts import read_manifest
 from optiserve.runtime import RuntimeOptions
-from optiserve.runtime.packing import Packing, pack, pooled
+from optiserve.runtime.packing import Packing, pack, packed_size, pooled
 from optiserve.runtime.variants import load_verified, select_variants
 from optiserve.serve.text_requests import TextRequests
-from optiserve.text_input import text_input_of
+from optiserve.text_input import text_input_of, text_lengths
 
 pytest.importorskip("openvino", reason="the packed variants are OpenVINO's ([openvino])")
 torch = pytest.importorskip("torch")
@@ -147,6 +147,9 @@ def test_a_packed_variant_is_served_as_the_runtime_runs_it(packed):
         np.testing.assert_allclose(np.asarray(r.json()["embedding"]), offline.run(batch), atol=1e-5)
         (stats,) = (m["variants"]["openvino-int8-packed"] for m in client.get("/stats").json()["models"].values())
         assert stats["padded_tokens"] == pack(batch, 64).tokens_fed  # the tokens the packed run fed
+        (model,) = client.app.state.server.models.values()
+        lengths = [int(n) for n in text_lengths(batch)]  # what --max-batch-tokens counts: the same tokens
+        assert model.variants["openvino-int8-packed"].batcher.padded_size(lengths) == pack(batch, 64).tokens_fed
 
 
 def token_batch(lengths: list[int], width: int) -> np.ndarray:
@@ -171,6 +174,12 @@ def test_pack_lays_every_text_once_with_its_own_positions_and_a_long_text_sets_t
         assert len(set(segments[r, start:start + n])) == 1 and segments[r, start] >= 0
     assert (segments >= 0).sum() == sum(lengths) == (ids > 0).sum()  # every token once, the rest padding
     assert len(ids) < len(lengths)
+
+
+@pytest.mark.parametrize("lengths", [[3, 100, 17, 40, 1, 25, 9], [64, 64, 1], [5] * 30, [1]])
+def test_a_budget_counts_the_tokens_pack_feeds(lengths):
+    """What a server's token budget counts for a packed variant is what `pack` feeds."""
+    assert packed_size(lengths, 64) == pack(token_batch(lengths, max(lengths)), 64).tokens_fed
 
 
 @pytest.mark.parametrize("modes,normalize", [(("mean",), True), (("cls",), False), (("max",), False),

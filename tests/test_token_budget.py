@@ -117,6 +117,39 @@ def test_a_row_over_the_budget_on_its_own_still_runs_alone(encoder):
         np.testing.assert_allclose(got, _alone(session, request), atol=1e-4)
 
 
+def test_a_packed_variant_s_budget_counts_the_tokens_its_rows_feed(encoder):
+    """A packed variant lays several texts end to end in a row (runtime.packing), so its budget counts
+    the tokens its rows feed, not rows × the longest text: the same budget takes more short texts."""
+    from functools import partial
+
+    from optiserve.runtime.packing import packed_size
+    from optiserve.text_input import text_lengths
+
+    session, texts, corpus = encoder
+    requests = [texts.tokens([" ".join(t.split()[:k])]).batch for k, t in zip((2, 5, 9) * 8, corpus)]
+    budget, lengths = 2 * BERT_MAX_LENGTH, []
+
+    def run(batch):
+        lengths.append(text_lengths(batch).tolist())
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher(run, stack=texts.stack, row_length=texts.row_length, max_batch_size=32, max_delay_ms=20,
+                           group_by_length=False, max_padded_size=budget,
+                           padded_size=partial(packed_size, row_tokens=BERT_MAX_LENGTH))
+        b.start()
+        results = await asyncio.gather(*(b.submit(r) for r in requests))
+        await b.close()
+        return [r.logits for r in results]
+
+    outputs = asyncio.run(main())
+    assert all(packed_size(batch, BERT_MAX_LENGTH) <= budget for batch in lengths), lengths
+    assert any(len(batch) * max(batch) > budget for batch in lengths), lengths  # more than padding lets in
+    assert sorted(n for batch in lengths for n in batch) == sorted(texts.row_length(r[0]) for r in requests)
+    for request, got in zip(requests, outputs):
+        np.testing.assert_allclose(got, _alone(session, request), atol=1e-4)
+
+
 def test_queued_texts_are_grouped_by_length_so_batches_pad_less_than_in_arrival_order(encoder):
     session, texts, corpus = encoder
     long_texts = [t for t in corpus if texts.row_length(texts.tokens([t]).batch[0]) == BERT_MAX_LENGTH][:8]

@@ -60,10 +60,9 @@ class PackedRows:
         return int(self.feeds["input_ids"].size)
 
 
-def pack(batch: np.ndarray, row_tokens: int) -> PackedRows:
-    """Lay the texts of a token batch [N, 3, L] end to end in rows (see the module's docstring); each
-    text's tokens are the first of its row, padding after them, as `TextInput` makes every batch."""
-    lengths = np.asarray(text_lengths(batch), dtype=int)
+def first_fit(lengths: np.ndarray, row_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """The rows texts of these lengths are laid in (each row its texts' indices) and each row's tokens:
+    first fit, longest text first, up to `row_tokens` or the longest text."""
     limit = max(row_tokens, int(lengths.max(initial=1)))
     rows: list[list[int]] = []
     filled: list[int] = []
@@ -75,8 +74,26 @@ def pack(batch: np.ndarray, row_tokens: int) -> PackedRows:
             fit = len(rows) - 1
         rows[fit].append(int(i))
         filled[fit] += int(lengths[i])
-    length = -(-max(filled, default=1) // ROW_MULTIPLE) * ROW_MULTIPLE
-    shape = (len(rows), length)
+    return rows, filled
+
+
+def _row_length(filled: list[int]) -> int:
+    return -(-max(filled, default=1) // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def packed_size(lengths: list[int], row_tokens: int) -> int:
+    """The tokens a packed run of texts of these lengths feeds (its rows × their length): what a
+    server's token budget counts for a packed variant."""
+    rows, filled = first_fit(np.asarray(lengths, dtype=int), row_tokens)
+    return len(rows) * _row_length(filled)
+
+
+def pack(batch: np.ndarray, row_tokens: int) -> PackedRows:
+    """Lay the texts of a token batch [N, 3, L] end to end in rows (see the module's docstring); each
+    text's tokens are the first of its row, padding after them, as `TextInput` makes every batch."""
+    lengths = np.asarray(text_lengths(batch), dtype=int)
+    rows, filled = first_fit(lengths, row_tokens)
+    shape = (len(rows), _row_length(filled))
     ids, types, positions = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int64)
     segments = np.full(shape, -1, np.int64)
     where: list = [None] * len(batch)

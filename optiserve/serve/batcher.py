@@ -172,8 +172,9 @@ class DynamicBatcher:
     (a model with several outputs, the one the task reads first).
 
     `row_length(row)` (a text model's tokens in a row) groups the rows a batch takes by length (unless
-    `group_by_length` is False: arrival order), and with `max_padded_size` caps a batch's rows × its
-    longest row besides its `max_batch_size` rows.
+    `group_by_length` is False: arrival order), and with `max_padded_size` caps a batch's padded size
+    besides its `max_batch_size` rows: its rows × its longest row, or `padded_size(lengths)` where the
+    engine lays rows otherwise (a packed variant's rows of several texts).
 
     `max_queue` is the images each priority level may queue: one number for every level, or one
     per level (their count is the number of levels; 1 is the highest priority)."""
@@ -186,7 +187,8 @@ class DynamicBatcher:
                  priority_levels: int = 1, stack: Callable[[list[np.ndarray]], np.ndarray] = stack_rows,
                  count_tokens: Callable[[np.ndarray, int], tuple[int, int]] | None = None,
                  row_length: Callable[[np.ndarray], int] | None = None, group_by_length: bool = True,
-                 max_padded_size: int | None = None, warm_ups: Sequence[IdleWarmUp | None] = ()):
+                 max_padded_size: int | None = None, padded_size: Callable[[list[int]], int] | None = None,
+                 warm_ups: Sequence[IdleWarmUp | None] = ()):
         limits = [max_queue] * priority_levels if isinstance(max_queue, int) else list(max_queue)
         runners = [run_batch] if callable(run_batch) else list(run_batch)
         if max_batch_size < 1 or not limits or min(limits) < 1 or max_delay_ms < 0 or not runners:
@@ -199,7 +201,9 @@ class DynamicBatcher:
         self.count_tokens = count_tokens  # a text model's batch and its instance: (its real tokens, the padded ones it ran)
         self.row_length = row_length  # a row's length, where rows differ in it (measured once, at submit)
         self.group_by_length = row_length is not None and group_by_length
-        self.max_padded_size = max_padded_size  # the most a batch's rows × its longest row may be (None: no cap)
+        self.max_padded_size = max_padded_size  # the most a batch's padded size may be (None: no cap)
+        # a batch's padded size from its rows' lengths: rows × the longest, unless the engine lays them otherwise
+        self.padded_size = padded_size or (lambda lengths: len(lengths) * max(lengths))
         self.max_batch_size, self.max_delay = max_batch_size, max_delay_ms / 1000
         self.max_queue = limits  # images each priority level may queue
         self._reserved = [0] * len(limits)  # images admitted at the door (being read and decoded), not yet queued
@@ -452,8 +456,7 @@ class DynamicBatcher:
         from the lengths measured at submit."""
         if self.max_padded_size is None or row.future.done():
             return True
-        live = [r.length for r in batch if not r.future.done()]
-        return (len(live) + 1) * max([*live, row.length]) <= self.max_padded_size
+        return self.padded_size([*(r.length for r in batch if not r.future.done()), row.length]) <= self.max_padded_size
 
     async def _loop(self, instance: int) -> None:
         """One instance's loop: after a quiet spell, a due idle warm-up shape; else wait its turn to

@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size, metavar="N",
                    help=f"largest batch the batcher forms (default {DEFAULTS.max_batch_size}; 1 turns batching off)")
     p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
-                   help="text models: a batch holds at most N padded tokens (rows x its longest row), at least a "
+                   help="text models: a batch holds at most N padded tokens (rows x its longest row; a packed "
+                        "variant's rows of several texts x their length), at least a "
                         "model's max length; a text that would take a batch past it starts the next one "
                         "(default: no cap, only --max-batch-size)")
     p.add_argument("--max-delay-ms", type=float, default=None, metavar="T",

@@ -5,6 +5,7 @@ version is retired only once the requests it admitted are answered."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,7 @@ from optiserve.machine import usable_cores
 from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.fastest import choose_fastest
 from optiserve.runtime.idle_warm_up import idle_warm_up
+from optiserve.runtime.packing import packed_size
 from optiserve.runtime.recorded import recorded_choice
 from optiserve.runtime.variants import LoadedVariant, load_verified, select_variants, warm_up
 from optiserve.serve.batcher import BatchRecord, DynamicBatcher
@@ -172,15 +174,19 @@ class ServedModel:
         """How the batcher joins this model's rows: images of one shape, decoded into staging rows
         (serve/staging.py); token rows of different lengths, grouped by length and padded to the
         longest (no staging), each batch's real tokens counted and the padded ones its instance's
-        session ran (runtime.length_groups), and with `max_batch_tokens` its padded tokens capped."""
+        session ran (runtime.length_groups), and with `max_batch_tokens` its padded tokens capped (a
+        packed variant's: the tokens its rows feed)."""
         if self.texts is not None:
             sessions = [i.session for i in instances]
 
             def count_tokens(batch: np.ndarray, instance: int) -> tuple[int, int]:
                 return self.texts.real_tokens(batch), sessions[instance].padded_tokens(batch)
 
+            packing = getattr(sessions[0].session, "packing", None)  # a packed variant's budget counts its rows
             return {"stack": self.texts.stack, "count_tokens": count_tokens,
-                    "row_length": self.texts.row_length, "max_padded_size": max_batch_tokens}
+                    "row_length": self.texts.row_length, "max_padded_size": max_batch_tokens,
+                    "padded_size": None if packing is None else
+                    functools.partial(packed_size, row_tokens=packing.row_tokens)}
         return {"row_shape": tuple(self.spec.shape)}
 
     def sample_batch(self, n: int) -> np.ndarray:
