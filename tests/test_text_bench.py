@@ -16,6 +16,7 @@ import pytest
 
 from conftest import BERT_ENCODER_NAME, BERT_MAX_LENGTH as MAX_LENGTH, free_port, run_cli_here, serving, until
 from optiserve.bench.http import texts_for
+from optiserve.artifacts import read_manifest
 from optiserve.bench.results import load_results
 from optiserve.errors import UserError
 
@@ -86,8 +87,16 @@ def test_texts_to_an_image_model_are_one_line(bert_encoder):
     assert texts_for(image_model, None, 1, None, "predict", None) is None
 
 
-def test_bench_engine_times_token_batches_of_the_texts(bert_encoder, tmp_path):
+def test_bench_engine_times_the_texts_optimize_would_time_drawn_from_the_file(bert_encoder, tmp_path):
+    """Batch 1 and the largest batch are the texts `optimize --timing-texts FILE --latency-batch 4`
+    times: drawn seeded, without replacement, the one of median length first; not the file's head."""
+    from optiserve.data.timing_texts import timing_sample
+    from optiserve.text_input import text_input_of, text_lengths
+
     folder, data, lengths = bert_encoder
+    drawn, _ = timing_sample(data, text_input_of(read_manifest(folder)), folder, 4)
+    want = [int(n) for n in text_lengths(drawn)]
+    assert want[0] == sorted(want)[1] and want != lengths[:4]  # the median first, and not the file's first texts
     out = tmp_path / "engine.json"
     proc = run_cli_here("bench", "engine", str(folder), "--texts", f"text:{data}", "--batch-sizes", "1,4",
                         "--duration", "0.15", "--out", str(out), "--quiet")
@@ -98,8 +107,8 @@ def test_bench_engine_times_token_batches_of_the_texts(bert_encoder, tmp_path):
     for run in results["runs"]:
         b = int(run.level)
         assert run.images_per_request == b and len(run.records["latency_ms"]) >= 3
-        assert set(run.records["tokens"]) == {sum(lengths[:b])}  # the first b texts, their padding not counted
-    assert results["settings"]["seq_lengths"] == {"1": lengths[0], "4": max(lengths[:4])}
+        assert set(run.records["tokens"]) == {sum(want[:b])}  # the drawn texts, their padding not counted
+    assert results["settings"]["seq_lengths"] == {"1": want[0], "4": max(want)}
     assert "texts/s" in proc.stdout and "tokens/s" in proc.stdout
 
 

@@ -167,7 +167,7 @@ def test_the_batch_columns_time_texts_drawn_from_timing_texts(timed, model):
 def test_timing_texts_are_drawn_without_replacement_cycled_where_few_the_median_length_first(model, tmp_path):
     from tokenizers import Tokenizer
 
-    from optiserve.data.text_tokens import timing_sample
+    from optiserve.data.timing_texts import timing_sample
     from optiserve.text_input import TextInput
 
     folder, _ = model

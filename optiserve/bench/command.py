@@ -50,8 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="intra-op threads per session (default: the runtime's, all cores)")
     e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto")
     e.add_argument("--texts", default=None, metavar="text:FILE",
-                   help="a text model's batches: the texts of FILE in its order, cycling, tokenized by the model's "
-                        "own tokenizer (default: a sample sentence)")
+                   help="a text model's batches: texts drawn from FILE as optimize --timing-texts draws them "
+                        "(seeded, the one of median length first), tokenized by the model's own tokenizer "
+                        "(default: a sample sentence)")
     _common(e, "bench-engine.json")
 
     h = sub.add_parser("http", help="load generator against a running `optiserve serve` (over HTTP or gRPC)")

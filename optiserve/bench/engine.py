@@ -20,13 +20,14 @@ import numpy as np
 
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run, make_results, variant_facts
-from optiserve.bench.texts import read_texts
+from optiserve.bench.texts import text_path
+from optiserve.data.timing_texts import timing_sample
 from optiserve.errors import UserError
 from optiserve.artifacts import read_manifest
 from optiserve.runtime import RuntimeOptions
 from optiserve.runtime.timing import interleaved_times
 from optiserve.runtime.variants import load_verified, select_variants, warm_up, warm_up_on
-from optiserve.text_input import MASK, SAMPLE_TEXT, TextTokenizer, text_input_of
+from optiserve.text_input import MASK, SAMPLE_TEXT, TextTokenizer, text_input_of, trim_padding
 
 ROUNDS = 5  # each variant's time per batch size is spread over this many interleaved turns
 
@@ -34,8 +35,8 @@ ROUNDS = 5  # each variant's time per batch size is spread over this many interl
 def bench_engine(folder: str | Path, variants: list[str] | None, batch_sizes: list[int], duration_s: float,
                  options: RuntimeOptions = RuntimeOptions(), progress: bool = True, texts: str | None = None) -> dict:
     """Time every chosen variant at every batch size; returns a results dict (see `results`). A text
-    model's batches hold the texts of `texts` (text:FILE) in the file's order, cycling, or the sample
-    sentence where none are given."""
+    model's batches hold texts drawn from `texts` (text:FILE) as optimize --timing-texts draws them,
+    or the sample sentence where none are given."""
     folder = Path(folder)
     if not batch_sizes or min(batch_sizes) < 1:
         raise UserError("--batch-sizes takes positive integers, e.g. 1,8,32")
@@ -85,8 +86,12 @@ def bench_engine(folder: str | Path, variants: list[str] | None, batch_sizes: li
 
 
 def token_batches(folder: Path, text_input, texts: str | None, batch_sizes: list[int]) -> dict[int, np.ndarray]:
-    """Per batch size b, a token batch [b, 3, L] of the first b texts of `texts` (cycling), or of the
-    sample sentence, tokenized by the model's own tokenizer and padded to the batch's longest text."""
-    sentences = read_texts(texts) if texts is not None else [SAMPLE_TEXT]
-    tokenizer = TextTokenizer(folder / text_input.tokenizer, text_input.max_length)
-    return {b: tokenizer.encode([sentences[i % len(sentences)] for i in range(b)]).batch for b in batch_sizes}
+    """Per batch size b, a token batch [b, 3, L] padded to its longest text: the first b of the
+    largest size's texts drawn from `texts` as `optimize --timing-texts` draws them (seeded, without
+    replacement, the one of median length first: batch 1 and optimize's batch time the same texts),
+    or the sample sentence b times."""
+    if texts is None:
+        tokenizer = TextTokenizer(folder / text_input.tokenizer, text_input.max_length)
+        return {b: tokenizer.encode([SAMPLE_TEXT] * b).batch for b in batch_sizes}
+    drawn, _ = timing_sample(text_path(texts), text_input, folder, max(batch_sizes))
+    return {b: trim_padding(drawn[:b]) for b in batch_sizes}

@@ -38,16 +38,21 @@ class TextLoad:
         return {"texts": self.source, "texts_per_request": self.per_request, "tokens_counted": self.tokens is not None}
 
 
-def read_texts(spec: str) -> list[str]:
-    """The texts of `text:FILE` in the file's order: a .txt file's lines (a fastText label dropped), a
-    .tsv/.csv's `text` column, or a pairs file's `text1` and `text2` of each row in turn."""
+def text_path(spec: str) -> Path:
+    """The file `text:FILE` names; a spec without the prefix, or a folder, is one line naming the fix."""
     if not spec.startswith(PREFIX) or not spec[len(PREFIX):]:
         raise UserError(f"--texts {spec}: give text:FILE, a .txt file (one text a line) or a .tsv/.csv with a "
                         f"`text` column, as optimize --dataset text: reads it")
     path = Path(spec[len(PREFIX):]).expanduser()
     if path.is_dir():
         raise UserError(f"--texts {spec}: a folder; give one file, text:FILE.txt|.tsv|.csv")
-    file = read_text_file(path)
+    return path
+
+
+def read_texts(spec: str) -> list[str]:
+    """The texts of `text:FILE` in the file's order: a .txt file's lines (a fastText label dropped), a
+    .tsv/.csv's `text` column, or a pairs file's `text1` and `text2` of each row in turn."""
+    file = read_text_file(text_path(spec))
     texts = file.texts if file.second is None else [t for pair in zip(file.texts, file.second) for t in pair]
     return texts[:MAX_TEXTS]
 

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from optiserve.data.splits import DatasetSplits
-from optiserve.data.text import TextExamples, load_text_splits, read_text_file
+from optiserve.data.text import TextExamples, load_text_splits
 from optiserve.errors import UserError
 from optiserve.text_input import TextInput, TextTokenizer
 
@@ -68,30 +68,6 @@ def rows_of_length(texts: list[str], model_input: TextInput, folder: Path, lengt
     if short or batch.shape[2] != length:
         raise RuntimeError(f"{short} of {rows} timing rows came out shorter than {length} tokens")
     return batch
-
-
-def timing_sample(path: str | Path, model_input: TextInput, folder: Path, rows: int,
-                  seed: int = 0) -> tuple[np.ndarray, dict]:
-    """A token batch [rows, 3, L] of texts drawn from `path` (any text dataset file: its texts, both
-    of a pair's; labels and scores unread), to time a text model on the lengths its service will
-    see rather than the validation texts': `rows` texts drawn without replacement (seeded; every
-    text, cycled, where the file holds fewer), tokenized by the model's own tokenizer, padded to the
-    longest, the drawn text of median length first (what batch 1 times: one text drawn at random
-    could be the file's one long outlier). Timing decides nothing about accuracy, so the texts may
-    come from anywhere, traffic included. Also what was drawn: the file, its texts, and the drawn
-    texts' tokens."""
-    file = read_text_file(path)
-    texts = list(file.texts) + list(file.second or [])
-    picked = np.random.default_rng(seed).permutation(len(texts))[:rows]
-    drawn = [texts[i] for i in np.resize(picked, rows)]
-    tokens = TextTokenizer(folder / model_input.tokenizer, model_input.max_length).encode(drawn)
-    by_length = np.argsort(tokens.lengths, kind="stable")
-    median = by_length[(len(by_length) - 1) // 2]
-    order = [median, *(i for i in range(rows) if i != median)]
-    facts = {"file": str(path), "texts": len(texts), "drawn": rows, "distinct": len(picked),
-             "tokens_mean": round(float(tokens.lengths.mean()), 1), "tokens_max": int(tokens.lengths.max()),
-             "truncated": tokens.truncated}
-    return tokens.batch[order], facts
 
 
 def _tokenized(examples: TextExamples, tokenizer: TextTokenizer, kind: str,

@@ -205,7 +205,7 @@ def _timing_sample(loaded: LoadedModel, folder: Path | None, cfg: OptimizeConfig
     if not isinstance(loaded.input, TextInput):
         raise UserError(f"--timing-texts times a text model on a sample of its service's texts; {cfg.model} takes "
                         f"images")
-    from optiserve.data.text_tokens import timing_sample
+    from optiserve.data.timing_texts import timing_sample
 
     try:
         return timing_sample(cfg.timing_file, loaded.input, folder, cfg.latency_batch)
