@@ -113,6 +113,19 @@ def test_every_variant_is_timed_at_each_length_up_to_the_max(timed):
     assert all(set(v["latency_ms"]) == {"1", str(BATCH)} for v in manifest["variants"])
 
 
+def test_the_report_gives_the_headline_batches_lengths_once(timed):
+    """Timed on --timing-texts, the report's opening says at what lengths the batches ran; the
+    per-length section does not say it again. Timed on the validation texts, that section says it."""
+    from optiserve.optimize.report import render_report
+
+    manifest, *_ = timed
+    at = ", ".join(f"batch {b} at {t} tokens" for b, t in manifest["timing_texts"]["headline_tokens"].items())
+    assert render_report(manifest).count(at) == 1
+    validation = {**manifest, "timing_texts": None}
+    section = render_report(validation).split("## Latency by sequence length")[1]
+    assert ", ".join(f"batch {b} at {t} tokens" for b, t in manifest["seq_lengths"]["headline_tokens"].items()) in section
+
+
 def test_the_engine_is_fed_rows_of_exactly_the_length_of_validation_text(timed, model):
     from tokenizers import Tokenizer
 

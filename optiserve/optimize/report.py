@@ -121,8 +121,9 @@ def length_lines(manifest: dict) -> list[str]:
     lines = ["", f"## Latency by sequence length (batch {n})", "",
              f"Every row is exactly the length's tokens of real text ({timed['rows']}); the median of the "
              f"interleaved rounds, and how many times as fast as {base} by the ratio of medians with its paired 95% "
-             f"interval. The table above times {_timed_texts(manifest)} at their own lengths: "
-             + _at_tokens(timed["headline_tokens"]) + " (a batch padded to its longest text)."
+             f"interval. The table above times {_timed_texts(manifest)} at their own lengths"
+             + ("" if manifest.get("timing_texts") else  # else the report's opening gave them
+                ": " + _at_tokens(timed["headline_tokens"]) + " (a batch padded to its longest text)") + "."
              + "".join(f" Not timed at {s['tokens']} tokens: {s['reason']}." for s in timed["skipped"]), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for v in manifest["variants"]:
