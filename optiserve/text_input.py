@@ -87,15 +87,12 @@ class TextTokenizer:
         self.tokenizer.enable_truncation(max_length)
         self.max_length = max_length
         self.pad_id = _pad_id(self.tokenizer)
-        # the same ids, types, mask and overflow without each token's character offsets (tokenizers
-        # 0.21 and newer), which nothing here reads: cheaper on a server's event loop
-        self._encode_batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
 
     def encode(self, texts: list[str]) -> Tokens:
         """Tokenize `texts` in one batched call; the batch padded to its longest text."""
         if not texts:
             raise ValueError("no texts to tokenize")
-        encodings = self._encode_batch(list(texts))
+        encodings = self.tokenizer.encode_batch(list(texts))
         truncated = sum(1 for e in encodings if e.overflowing)
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
         return Tokens(token_batch(encodings, self.pad_id), lengths, truncated)
