@@ -27,7 +27,7 @@ import numpy as np
 from optiserve.errors import UserError
 from optiserve.text_input import MASK, run_length, text_input_of, text_lengths, to_length
 from optiserve.machine import bf16_missing
-from optiserve.runtime.packing import ROW_MULTIPLE, Packing, pack, pooled
+from optiserve.runtime.packing import ROW_MULTIPLE, Packing, pack, packed_size, pooled
 from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
                                         register_backend)
 
@@ -166,7 +166,7 @@ class OpenVinoSession:
 
     def packed_tokens(self, batch: np.ndarray) -> int:
         """The tokens a packed variant's run of `batch` feeds (its rows × their length)."""
-        return pack(batch, self.packing.row_tokens).tokens_fed if len(batch) else 0
+        return packed_size(text_lengths(batch), self.packing.row_tokens) if len(batch) else 0
 
     def _run(self, batch: np.ndarray) -> list[np.ndarray]:
         if self.packing is not None:
