@@ -160,13 +160,14 @@ def test_the_server_warms_the_shapes_it_meets_most_while_idle_up_to_the_longest_
     assert len(warmed) == 2 * 32  # one and two texts at each multiple of 8 up to 256, each once
 
 
-def test_a_server_s_instances_bind_no_thread_to_a_core(tmp_path):
+def test_sessions_that_share_the_cores_bind_no_thread_to_a_core(tmp_path):
     """OpenVINO binds each compiled model's threads to cores from the first one on: a variant's
-    instances, each with a share of the threads, would all run on the first cores. Their sessions
-    leave the threads free ("pin" False); one session alone keeps OpenVINO's own choice, which
-    serves one instance faster here (docs/performance.md)."""
+    instances, or variants each given fewer threads than the cores, would all run on the first
+    cores. Their sessions leave the threads free; a session given every core keeps OpenVINO's own
+    choice, which serves one instance faster here (docs/performance.md)."""
     from optiserve.runtime import RuntimeOptions
     from optiserve.runtime.openvino_backend import OpenVinoSession
+    from optiserve.machine import usable_cores
     from optiserve.serve.model import instance_options
 
     served = RuntimeOptions(extra={"spin": False})
@@ -178,3 +179,9 @@ def test_a_server_s_instances_bind_no_thread_to_a_core(tmp_path):
     alone = OpenVinoSession(path, {"name": "openvino-fp32"}, manifest, served)
     assert shared.compiled.get_property("ENABLE_CPU_PINNING") is False
     assert alone.compiled.get_property("ENABLE_CPU_PINNING") == ov.Core().get_property("CPU", "ENABLE_CPU_PINNING")
+    cores = usable_cores()
+    fewer = OpenVinoSession(path, {"name": "openvino-fp32"}, manifest, RuntimeOptions(threads=max(1, cores - 1)))
+    every = OpenVinoSession(path, {"name": "openvino-fp32"}, manifest, RuntimeOptions(threads=cores))
+    assert every.compiled.get_property("ENABLE_CPU_PINNING") == ov.Core().get_property("CPU", "ENABLE_CPU_PINNING")
+    if cores > 1:  # one core: a thread on it is every core
+        assert fewer.compiled.get_property("ENABLE_CPU_PINNING") is False

@@ -88,7 +88,8 @@ def bench_engine(folder: str | Path, variants: list[str] | None, batch_sizes: li
 def token_batches(folder: Path, text_input, texts: str | None, batch_sizes: list[int]) -> dict[int, np.ndarray]:
     """Per batch size b, a token batch [b, 3, L] padded to its longest text: the first b of the
     largest size's texts drawn from `texts` as `optimize --timing-texts` draws them (seeded, without
-    replacement, the one of median length first: batch 1 and optimize's batch time the same texts),
+    replacement, the one of median length first: batch 1 and the largest time optimize's texts when the
+    largest is optimize's --latency-batch),
     or the sample sentence b times."""
     if texts is None:
         tokenizer = TextTokenizer(folder / text_input.tokenizer, text_input.max_length)

@@ -26,7 +26,7 @@ import numpy as np
 
 from optiserve.errors import UserError
 from optiserve.text_input import MASK, run_length, text_input_of, text_lengths, to_length
-from optiserve.machine import bf16_missing
+from optiserve.machine import bf16_missing, usable_cores
 from optiserve.runtime.packing import ROW_MULTIPLE, Packing, pack, packed_size, pooled
 from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
                                         register_backend)
@@ -57,6 +57,16 @@ def companion_bin(xml: Path) -> Path:
     return xml.with_suffix(".bin")
 
 
+def binds_threads(options: RuntimeOptions) -> bool:
+    """Whether a session keeps OpenVINO's default of binding its threads to cores. OpenVINO binds
+    each compiled model's threads from the first core on, so sessions that run side by side (a
+    server's instances: "pin" False; variants or models each given fewer threads than the cores)
+    would all share the first cores while the others idle. A session given every core keeps it."""
+    if not options.extra.get("pin", True):
+        return False
+    return options.threads is None or options.threads >= usable_cores()
+
+
 class OpenVinoSession:
     backend = "openvino"
     device = "cpu"
@@ -76,9 +86,7 @@ class OpenVinoSession:
                   "NUM_STREAMS": 1}
         if options.threads:
             config["INFERENCE_NUM_THREADS"] = options.threads
-        if not options.extra.get("pin", True):
-            # OpenVINO binds each compiled model's threads to cores from the first one on: sessions
-            # running side by side (a server's instances) would share those cores, the others idle
+        if not binds_threads(options):
             config["ENABLE_CPU_PINNING"] = False
         model = core().read_model(str(path))
         self.compiled = core().compile_model(model, "CPU", config)

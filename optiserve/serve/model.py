@@ -182,7 +182,7 @@ class ServedModel:
             def count_tokens(batch: np.ndarray, instance: int) -> tuple[int, int]:
                 return self.texts.real_tokens(batch), sessions[instance].padded_tokens(batch)
 
-            packing = getattr(sessions[0].session, "packing", None)  # a packed variant's budget counts its rows
+            packing = getattr(sessions[0], "packing", None)  # a packed variant's budget counts its rows
             return {"stack": self.texts.stack, "count_tokens": count_tokens,
                     "row_length": self.texts.row_length, "max_padded_size": max_batch_tokens,
                     "padded_size": None if packing is None else
