@@ -475,3 +475,43 @@ def test_a_warm_up_shape_runs_only_once_it_is_due(session):
     before = asyncio.run(main())
     assert [kind for kind, _ in before] == ["batch"]
     assert [kind for kind, _ in log] == ["batch", "batch", "warm", "warm", "warm"]
+
+
+
+def test_cutting_ahead_one_instance_cuts_a_full_batch_while_one_runs_and_waits_to_grow_one_that_is_not(session):
+    """(A text model's batcher.) The answer of a batch reaches the event loop behind the loop's other work; an instance that
+    waited for it to cut the next batch would idle on every batch. A full batch queued cannot grow
+    by waiting, so it is cut at once and the thread runs it straight after; rows short of a batch
+    wait for the instance to be free, as more may join them."""
+    gate = threading.Event()
+    images = _images(4)
+    ran = []
+
+    def held(batch):
+        ran.append(len(batch))
+        gate.wait(5)
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher(held, max_batch_size=2, max_delay_ms=0, cut_ahead=True)
+        b.start()
+        running = asyncio.ensure_future(b.submit(images[:1]))
+        await _until(lambda: ran == [1])
+        short = asyncio.ensure_future(b.submit(images[1:2]))
+        await asyncio.sleep(0.1)
+        depth_short = b.depth  # one row: it waits, in case another joins it
+        full = asyncio.ensure_future(b.submit(images[2:3]))
+        await _until(lambda: b.depth == 0, seconds=1.0)
+        depth_full, still_running = b.depth, not running.done()
+        gate.set()
+        results = await asyncio.gather(running, short, full, b.submit(images[3:4]))
+        await b.close()
+        return depth_short, depth_full, still_running, results
+
+    depth_short, depth_full, still_running, results = asyncio.run(main())
+    assert depth_short == 1
+    assert depth_full == 0 and still_running  # cut and handed to the thread behind the running batch
+    assert ran == [1, 2, 1]
+    expected = session.run(images)
+    for i, result in enumerate(results):
+        np.testing.assert_allclose(result.logits[0], expected[i], rtol=1e-4, atol=1e-4)

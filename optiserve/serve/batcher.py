@@ -6,7 +6,9 @@ rows and joined again for the caller, so a multi-image request batches like seve
 Rows are taken highest priority first (1 is the highest, as in Triton), and each priority level
 has a queue limit of its own, so a flood at a low priority cannot take the room of a higher one.
 The event loop only queues and answers; inference runs on one dedicated thread per instance (a
-session of its own): batches are cut one at a time and run on whichever instance is free.
+session of its own): batches are cut one at a time and run on whichever instance is free; with
+`cut_ahead` (a text model's), one instance alone also cuts a full batch while another runs, so
+its thread goes straight on to it (see `_loop`).
 Rows of different lengths (a text model's, measured once each by `row_length`) are grouped by
 length: a batch is led by the oldest row, as always, and filled with the queued rows closest to it
 in length, so it pads little; the others keep their places, and each leads a batch of its own once
@@ -138,6 +140,17 @@ class _Row:
 
 
 @dataclass
+class _Ran:
+    """A batch as its thread ran it: when it started and ended there, and its outputs or error."""
+
+    started: float
+    ended: float
+    outputs: list[np.ndarray] = field(default_factory=list)
+    tokens: tuple[int, int] | None = None
+    error: Exception | None = None
+
+
+@dataclass
 class BatchRecord:
     """What one executed batch looked like, for metrics."""
 
@@ -188,7 +201,7 @@ class DynamicBatcher:
                  count_tokens: Callable[[np.ndarray, int], tuple[int, int]] | None = None,
                  row_length: Callable[[np.ndarray], int] | None = None, group_by_length: bool = True,
                  max_padded_size: int | None = None, padded_size: Callable[[list[int]], int] | None = None,
-                 warm_ups: Sequence[IdleWarmUp | None] = ()):
+                 warm_ups: Sequence[IdleWarmUp | None] = (), cut_ahead: bool = False):
         limits = [max_queue] * priority_levels if isinstance(max_queue, int) else list(max_queue)
         runners = [run_batch] if callable(run_batch) else list(run_batch)
         if max_batch_size < 1 or not limits or min(limits) < 1 or max_delay_ms < 0 or not runners:
@@ -197,6 +210,7 @@ class DynamicBatcher:
         if max_padded_size is not None and (row_length is None or max_padded_size < 1):
             raise ValueError("max_padded_size needs row_length, and must be >= 1")
         self.runners, self.name = runners, name
+        self.cut_ahead = cut_ahead  # one instance cuts a full batch while another runs (see _loop)
         self.stack = stack  # rows into one batch: stack_rows (equal shapes), or a text model's padding
         self.count_tokens = count_tokens  # a text model's batch and its instance: (its real tokens, the padded ones it ran)
         self.row_length = row_length  # a row's length, where rows differ in it (measured once, at submit)
@@ -220,7 +234,8 @@ class DynamicBatcher:
         self._wake: asyncio.Future | None = None
         self._arrived = asyncio.Event()  # set by every submit: a quiet spell ends
         self._cutting = asyncio.Lock()  # one instance cuts a batch at a time; the others are running theirs
-        self._running: dict[int, list[_Row]] = {}
+        self._running: dict[int, list[_Row]] = {}  # the live rows of each batch handed to a thread, by batch
+        self._full: asyncio.Future | None = None  # set once a full batch is queued (one instance cuts it ahead)
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         # rows to decode images into, so that a batch of them runs as a view (staging.py)
@@ -312,6 +327,8 @@ class DynamicBatcher:
             self._queue.put_nowait((priority, next(self._arrivals), row))
         self._queued[priority - 1] += k
         self._arrived.set()
+        if self._full is not None and not self._full.done() and self.depth >= self.max_batch_size:
+            self._full.set_result(None)
         futures = [r.future for r in rows]
         try:  # cancelled, when the caller goes away (e.g. past a gRPC client's deadline): its rows are dropped
             _, pending = await asyncio.wait(futures, timeout=timeout)
@@ -460,26 +477,85 @@ class DynamicBatcher:
 
     async def _loop(self, instance: int) -> None:
         """One instance's loop: after a quiet spell, a due idle warm-up shape; else wait its turn to
-        cut a batch, then run it on its own thread."""
+        cut a batch and hand it to its own thread, once it is free. With `cut_ahead`, one instance
+        alone also cuts its next batch while one runs as soon as a full batch is queued (it cannot
+        grow by waiting), so its thread goes straight on to it instead of idling until the event
+        loop, busy with other requests, takes the running batch's answer. Those rows leave the queue
+        then: a row of a higher priority arriving later, or a deadline passing, no longer changes
+        that batch."""
+        ahead = self.cut_ahead and len(self.runners) == 1
+        answering: set[asyncio.Task] = set()
+        try:
+            await self._cut_and_hand_over(instance, ahead, answering)
+        finally:  # stopped (close): nothing is left waiting for a thread that may never answer
+            for task in answering:
+                task.cancel()
+
+    async def _cut_and_hand_over(self, instance: int, ahead: bool, answering: set[asyncio.Task]) -> None:
+        running: asyncio.Task | None = None  # the batch on this instance's thread, not yet answered
         while True:
+            if running is not None and running.done():
+                running = None
             warm = self._warm_ups[instance]
-            if warm is not None and not self._closing and warm.due() is not None and await self._quiet():
+            if running is None and warm is not None and not self._closing and warm.due() is not None \
+                    and await self._quiet():
                 await self._warm_up(instance)
                 continue
             async with self._cutting:
                 batch = await self._next_batch()
             if not batch:
                 continue
-            try:
-                await self._run(batch, instance)
-            except Exception as e:  # never let one batch stop the batcher; its callers get the error
-                for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(BatchFailed(f"{type(e).__name__}: {e}"))
-            finally:
-                self._running.pop(instance, None)
-                for _ in batch:
-                    self._queue.task_done()
+            handed = self._hand_over(batch, instance)
+            answered = asyncio.ensure_future(self._answer(batch, instance, handed))
+            answering.add(answered)
+            answered.add_done_callback(answering.discard)
+            if running is not None:
+                await running  # the batch ahead of it on the thread is answered first
+            running = answered
+            if not ahead:
+                await asyncio.wait({running})
+            elif not running.done() and self.depth < self.max_batch_size:
+                self._full = asyncio.get_running_loop().create_future()  # set by submit
+                try:
+                    await asyncio.wait({running, self._full}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    self._full.cancel()
+
+    def _hand_over(self, batch: list[_Row], instance: int) -> tuple[list[_Row], asyncio.Future, float] | None:
+        """Drop rows whose caller gave up or whose deadline passed and hand the rest to the
+        instance's thread at once (it runs them after any batch still running there): the live rows,
+        the future of their outputs and when they were handed over; None when no row is left."""
+        now = time.perf_counter()
+        live = []
+        for r in batch:
+            if r.future.done():
+                continue
+            if r.deadline is not None and r.deadline <= now:
+                r.future.set_exception(TimeoutError("expired in the queue"))
+            else:
+                live.append(r)
+        if not live:
+            return None
+        self._running[id(batch)] = live
+        # joined into one array on the inference thread: megabytes of copying kept off the event loop
+        return live, asyncio.wrap_future(self._executors[instance].submit(
+            self._stack_and_run, instance, [r.image for r in live])), now
+
+    async def _answer(self, batch: list[_Row], instance: int,
+                      handed: tuple[list[_Row], asyncio.Future, float] | None) -> None:
+        """Hand out the rows of a batch handed to its thread once it has run; every row taken is
+        answered, whatever happens."""
+        try:
+            if handed is not None:
+                await self._run(*handed, instance)
+        except Exception as e:  # never let one batch stop the batcher; its callers get the error
+            for r in batch:
+                if not r.future.done():
+                    r.future.set_exception(BatchFailed(f"{type(e).__name__}: {e}"))
+        finally:
+            self._running.pop(id(batch), None)
+            for _ in batch:
+                self._queue.task_done()
 
     async def _quiet(self) -> bool:
         """Whether QUIET_S passes with nothing queued and no row arriving."""
@@ -511,47 +587,39 @@ class DynamicBatcher:
             tracing.record_batch(links, cut, started, time.perf_counter(),
                                  {"optiserve.variant": self.name, "optiserve.batch_size": len(live)}, error)
 
-    def _stack_and_run(self, instance: int, images: list[np.ndarray]) -> tuple[list[np.ndarray],
-                                                                               tuple[int, int] | None]:
-        """The batch's outputs, and for a text model its tokens (counted here, off the event loop)."""
-        batch = self.stack(images)
-        out = self.runners[instance](batch)
-        tokens = self.count_tokens(batch, instance) if self.count_tokens is not None else None
-        return ([out] if isinstance(out, np.ndarray) else list(out)), tokens
-
-    async def _run(self, batch: list[_Row], instance: int = 0) -> None:
-        """Drop rows whose caller gave up or whose deadline passed, run the rest, hand out the rows."""
-        now = time.perf_counter()
-        live = []
-        for r in batch:
-            if r.future.done():
-                continue
-            if r.deadline is not None and r.deadline <= now:
-                r.future.set_exception(TimeoutError("expired in the queue"))
-            else:
-                live.append(r)
-        if not live:
-            return
-        waits = [now - r.enqueued for r in live]
-        t0 = time.perf_counter()
-        self._running[instance] = live
+    def _stack_and_run(self, instance: int, images: list[np.ndarray]) -> _Ran:
+        """The batch's outputs, and for a text model its tokens (counted here, off the event loop),
+        timed on the thread: a batch handed over early waits there for the one ahead of it."""
+        started = time.perf_counter()
         try:
-            # joined into one array on the inference thread: megabytes of copying kept off the event loop
-            outputs, tokens = await asyncio.get_running_loop().run_in_executor(
-                self._executors[instance], self._stack_and_run, instance, [r.image for r in live])
+            batch = self.stack(images)
+            out = self.runners[instance](batch)
+            tokens = self.count_tokens(batch, instance) if self.count_tokens is not None else None
+        except Exception as e:  # noqa: BLE001  handed back with its timing, raised on the event loop
+            return _Ran(started, time.perf_counter(), error=e)
+        return _Ran(started, time.perf_counter(), [out] if isinstance(out, np.ndarray) else list(out), tokens)
+
+    async def _run(self, live: list[_Row], ran: asyncio.Future, cut: float, instance: int = 0) -> None:
+        """Wait for the rows handed to the instance's thread at `cut` to run, then hand them out."""
+        result: _Ran = await ran
+        waits = [result.started - r.enqueued for r in live]  # queued until their batch started on its thread
+        compute = result.ended - result.started
+        try:
+            if result.error is not None:
+                raise result.error
+            outputs, tokens = result.outputs, result.tokens
             rows = {len(o) for o in outputs}
             if rows != {len(live)}:
                 raise RuntimeError(f"the model returned {', '.join(map(str, sorted(rows)))} rows for {len(live)} images")
         except Exception as e:  # a failing batch fails only its own requests
-            self.on_batch(BatchRecord(len(live), waits, time.perf_counter() - t0, False))
-            self._trace(live, now, t0, f"{type(e).__name__}: {e}")
+            self.on_batch(BatchRecord(len(live), waits, compute, False))
+            self._trace(live, cut, result.started, f"{type(e).__name__}: {e}")
             for r in live:
                 if not r.future.done():
                     r.future.set_exception(BatchFailed(f"{type(e).__name__}: {e}"))
             return
-        compute = time.perf_counter() - t0
         self.on_batch(BatchRecord(len(live), waits, compute, True, tokens))
-        self._trace(live, now, t0)
+        self._trace(live, cut, result.started)
         for i, (r, wait) in enumerate(zip(live, waits)):
             if not r.future.done():
                 r.future.set_result((tuple(o[i] for o in outputs), wait, compute, len(live)))

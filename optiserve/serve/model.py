@@ -160,6 +160,7 @@ class ServedModel:
                                          thread_initializer=batching.thread_initializer,
                                          warm_ups=[idle_warm_up(i.session, f"{self.name}/{entry['name']}")
                                                    for i in instances],
+                                         cut_ahead=self.texts is not None,
                                          **self._rows(batching.max_batch_tokens, instances))
                 batcher.start()
                 self.variants[entry["name"]] = ServedVariant(instances[0], batcher, stats)
