@@ -18,6 +18,7 @@ import pytest
 from conftest import wordpiece_tokenizer
 from optiserve.models.text_folder import build_text_module, read_text_folder
 from optiserve.optimize.drop_layers import CannotDrop, drop_layers, encoder_layers, evenly_spaced, layers_kept
+from optiserve.optimize.frontier import KEPT_RECOMMENDED
 from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 from optiserve.optimize.prune_heads import CannotNarrow, narrow_layers
 
@@ -171,8 +172,10 @@ def test_each_narrowed_candidate_keeps_its_share_of_heads_and_channels_and_is_re
 def test_the_candidates_share_one_frontier_with_the_full_model_and_those_off_it_leave(searched):
     out, manifest = searched
     search = manifest["search"]
-    assert search["frontier"] and all(v["frontier"]["on"] or "search" not in v["settings"]
-                                      for v in manifest["variants"])
+    recommended = {manifest["recommended"]["latency"], manifest["recommended"]["throughput"]}
+    off = [v for v in manifest["variants"] if "search" in v["settings"] and not v["frontier"]["on"]]
+    assert search["frontier"] and all(v["name"] in recommended and KEPT_RECOMMENDED in v["frontier"]["why"]
+                                      for v in off)  # the choice at batch 1 stays, off the frontier or not
     assert all(row["dropped"] for row in search["dropped"])
     published = {f for v in manifest["variants"] for f in (v["file"], *(v.get("companions") or {}))}
     assert {p.name for p in out.glob("model*")} == {f for f in published if f.startswith("model")}
