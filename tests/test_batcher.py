@@ -515,3 +515,38 @@ def test_cutting_ahead_one_instance_cuts_a_full_batch_while_one_runs_and_waits_t
     expected = session.run(images)
     for i, result in enumerate(results):
         np.testing.assert_allclose(result.logits[0], expected[i], rtol=1e-4, atol=1e-4)
+
+
+def test_cutting_ahead_a_batch_full_by_its_padded_size_is_cut_too(session):
+    """Rows whose lengths already reach the padded-size budget fill a batch however few they are."""
+    gate = threading.Event()
+    images = _images(3)
+    ran = []
+
+    def held(batch):
+        ran.append(len(batch))
+        gate.wait(5)
+        return session.run(batch)
+
+    async def main():
+        b = DynamicBatcher(held, max_batch_size=8, max_delay_ms=0, cut_ahead=True,
+                           row_length=lambda image: 4, max_padded_size=8)
+        b.start()
+        running = asyncio.ensure_future(b.submit(images[:1]))
+        await _until(lambda: ran == [1])
+        short = asyncio.ensure_future(b.submit(images[1:2]))
+        await asyncio.sleep(0.1)
+        depth_short = b.depth  # 4 of 8 tokens: it waits
+        full = asyncio.ensure_future(b.submit(images[2:3]))
+        await _until(lambda: b.depth == 0, seconds=1.0)
+        depth_full, still_running = b.depth, not running.done()
+        gate.set()
+        results = await asyncio.gather(running, short, full)
+        await b.close()
+        return depth_short, depth_full, still_running, results
+
+    depth_short, depth_full, still_running, results = asyncio.run(main())
+    assert depth_short == 1 and depth_full == 0 and still_running and ran == [1, 2]
+    expected = session.run(images)
+    for i, result in enumerate(results):
+        np.testing.assert_allclose(result.logits[0], expected[i], rtol=1e-4, atol=1e-4)

@@ -64,7 +64,7 @@ def binds_threads(options: RuntimeOptions) -> bool:
     would all share the first cores while the others idle. A session given every core keeps it."""
     if not options.extra.get("pin", True):
         return False
-    return options.threads is None or options.threads >= usable_cores()
+    return not options.threads or options.threads >= usable_cores()  # none (0 too): the library's default
 
 
 class OpenVinoSession:

@@ -235,6 +235,7 @@ class DynamicBatcher:
         self._arrived = asyncio.Event()  # set by every submit: a quiet spell ends
         self._cutting = asyncio.Lock()  # one instance cuts a batch at a time; the others are running theirs
         self._running: dict[int, list[_Row]] = {}  # the live rows of each batch handed to a thread, by batch
+        self._queued_length = 0  # the lengths of the rows counted in _queued, summed
         self._full: asyncio.Future | None = None  # set once a full batch is queued (one instance cuts it ahead)
         self._tasks: list[asyncio.Task] = []
         self._closing = False
@@ -307,7 +308,8 @@ class DynamicBatcher:
 
         A `reservation` from `reserve` is used up here: its room counts towards these rows.
         Raises QueueFull at once when there is no room, TimeoutError when the rows have not run
-        within `timeout` seconds (rows not yet started are dropped), BatchFailed when their batch raised.
+        within `timeout` seconds (rows not yet started are dropped, unless cut ahead: see `_loop`),
+        BatchFailed when their batch raised.
         """
         if reservation is not None:
             priority = reservation.priority
@@ -326,8 +328,9 @@ class DynamicBatcher:
         for row in rows:
             self._queue.put_nowait((priority, next(self._arrivals), row))
         self._queued[priority - 1] += k
+        self._queued_length += sum(r.length for r in rows)
         self._arrived.set()
-        if self._full is not None and not self._full.done() and self.depth >= self.max_batch_size:
+        if self._full is not None and not self._full.done() and self._a_full_batch_is_queued():
             self._full.set_result(None)
         futures = [r.future for r in rows]
         try:  # cancelled, when the caller goes away (e.g. past a gRPC client's deadline): its rows are dropped
@@ -339,6 +342,7 @@ class DynamicBatcher:
                     if not r.taken and not r.abandoned:
                         r.abandoned = True
                         self._queued[r.priority - 1] -= 1
+                        self._queued_length -= r.length
         if pending:
             raise TimeoutError(f"{self.name}: not served within {timeout * 1000:.0f} ms")
         done = [f.exception() or f.result() for f in futures]
@@ -385,6 +389,7 @@ class DynamicBatcher:
         row.taken = True
         if not row.abandoned:
             self._queued[row.priority - 1] -= 1
+            self._queued_length -= row.length
         return row
 
     async def _next_batch(self) -> list[_Row]:
@@ -514,12 +519,18 @@ class DynamicBatcher:
             running = answered
             if not ahead:
                 await asyncio.wait({running})
-            elif not running.done() and self.depth < self.max_batch_size:
+            elif not running.done() and not self._a_full_batch_is_queued():
                 self._full = asyncio.get_running_loop().create_future()  # set by submit
                 try:
                     await asyncio.wait({running, self._full}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     self._full.cancel()
+
+    def _a_full_batch_is_queued(self) -> bool:
+        """Whether the rows queued fill a batch: by its rows, or by its padded size (which is never
+        less than their lengths summed)."""
+        return self.depth >= self.max_batch_size or \
+            (self.max_padded_size is not None and self._queued_length >= self.max_padded_size)
 
     def _hand_over(self, batch: list[_Row], instance: int) -> tuple[list[_Row], asyncio.Future, float] | None:
         """Drop rows whose caller gave up or whose deadline passed and hand the rest to the
@@ -548,10 +559,12 @@ class DynamicBatcher:
         try:
             if handed is not None:
                 await self._run(*handed, instance)
-        except Exception as e:  # never let one batch stop the batcher; its callers get the error
+        except BaseException as e:  # never let one batch stop the batcher; its callers get the error
             for r in batch:
                 if not r.future.done():
                     r.future.set_exception(BatchFailed(f"{type(e).__name__}: {e}"))
+            if not isinstance(e, Exception):  # cancelled (close), or the process is stopping
+                raise
         finally:
             self._running.pop(id(batch), None)
             for _ in batch:
@@ -580,12 +593,13 @@ class DynamicBatcher:
         if not warm.pending:
             self._warm_ups[instance] = None
 
-    def _trace(self, live: list[_Row], cut: float, started: float, error: str | None = None) -> None:
-        """The batch's span (cut at `cut`, run from `started` until now), linked to its requests'."""
+    def _trace(self, live: list[_Row], cut: float, ran: _Ran, error: str | None = None) -> None:
+        """The batch's span (cut at `cut` until now, run on its thread as `ran` says), linked to its requests'."""
         links = [r.trace for r in live if r.trace is not None]
         if links:
-            tracing.record_batch(links, cut, started, time.perf_counter(),
-                                 {"optiserve.variant": self.name, "optiserve.batch_size": len(live)}, error)
+            tracing.record_batch(links, cut, ran.started, time.perf_counter(),
+                                 {"optiserve.variant": self.name, "optiserve.batch_size": len(live)}, error,
+                                 inference_end=ran.ended)
 
     def _stack_and_run(self, instance: int, images: list[np.ndarray]) -> _Ran:
         """The batch's outputs, and for a text model its tokens (counted here, off the event loop),
@@ -613,13 +627,13 @@ class DynamicBatcher:
                 raise RuntimeError(f"the model returned {', '.join(map(str, sorted(rows)))} rows for {len(live)} images")
         except Exception as e:  # a failing batch fails only its own requests
             self.on_batch(BatchRecord(len(live), waits, compute, False))
-            self._trace(live, cut, result.started, f"{type(e).__name__}: {e}")
+            self._trace(live, cut, result, f"{type(e).__name__}: {e}")
             for r in live:
                 if not r.future.done():
                     r.future.set_exception(BatchFailed(f"{type(e).__name__}: {e}"))
             return
         self.on_batch(BatchRecord(len(live), waits, compute, True, tokens))
-        self._trace(live, cut, result.started)
+        self._trace(live, cut, result)
         for i, (r, wait) in enumerate(zip(live, waits)):
             if not r.future.done():
                 r.future.set_result((tuple(o[i] for o in outputs), wait, compute, len(live)))

@@ -102,9 +102,9 @@ def record_span(name: str, start: float, end: float, attributes: dict | None = N
 
 
 def record_batch(links: list, start: float, inference_start: float, end: float, attributes: dict,
-                 error: str | None = None) -> None:
+                 error: str | None = None, inference_end: float | None = None) -> None:
     """A batch, already run (`time.perf_counter()` values): a span of its own linked to the spans of
-    the requests it served, with its inference as a child."""
+    the requests it served, with its inference (until `inference_end`, else `end`) as a child."""
     if _tracer is None:
         return
     from opentelemetry import trace
@@ -120,7 +120,7 @@ def record_batch(links: list, start: float, inference_start: float, end: float, 
     if error is not None:
         for s in (inference, batch):
             s.set_status(Status(StatusCode.ERROR, error))
-    inference.end(end_time=epoch_ns(end))
+    inference.end(end_time=epoch_ns(end if inference_end is None else inference_end))
     batch.end(end_time=epoch_ns(end))
 
 
