@@ -477,15 +477,11 @@ def test_a_warm_up_shape_runs_only_once_it_is_due(session):
     assert [kind for kind, _ in log] == ["batch", "batch", "warm", "warm", "warm"]
 
 
-
-def test_cutting_ahead_one_instance_cuts_a_full_batch_while_one_runs_and_waits_to_grow_one_that_is_not(session):
-    """(A text model's batcher.) The answer of a batch reaches the event loop behind the loop's other work; an instance that
-    waited for it to cut the next batch would idle on every batch. A full batch queued cannot grow
-    by waiting, so it is cut at once and the thread runs it straight after; rows short of a batch
-    wait for the instance to be free, as more may join them."""
-    gate = threading.Event()
-    images = _images(4)
-    ran = []
+def _cut_ahead_while_one_runs(session, images, **batcher):
+    """One batch held running; a row queued behind it, then another. Returns the queue's depth
+    after each of the two, whether the held batch still ran when the depth was read after the
+    second, every request's result and the sizes of the batches run."""
+    gate, ran = threading.Event(), []
 
     def held(batch):
         ran.append(len(batch))
@@ -493,23 +489,32 @@ def test_cutting_ahead_one_instance_cuts_a_full_batch_while_one_runs_and_waits_t
         return session.run(batch)
 
     async def main():
-        b = DynamicBatcher(held, max_batch_size=2, max_delay_ms=0, cut_ahead=True)
+        b = DynamicBatcher(held, max_delay_ms=0, cut_ahead=True, **batcher)
         b.start()
         running = asyncio.ensure_future(b.submit(images[:1]))
         await _until(lambda: ran == [1])
         short = asyncio.ensure_future(b.submit(images[1:2]))
         await asyncio.sleep(0.1)
-        depth_short = b.depth  # one row: it waits, in case another joins it
+        depth_short = b.depth
         full = asyncio.ensure_future(b.submit(images[2:3]))
         await _until(lambda: b.depth == 0, seconds=1.0)
         depth_full, still_running = b.depth, not running.done()
         gate.set()
-        results = await asyncio.gather(running, short, full, b.submit(images[3:4]))
+        results = await asyncio.gather(running, short, full, *[b.submit(images[i:i + 1]) for i in range(3, len(images))])
         await b.close()
         return depth_short, depth_full, still_running, results
 
-    depth_short, depth_full, still_running, results = asyncio.run(main())
-    assert depth_short == 1
+    return (*asyncio.run(main()), ran)
+
+
+def test_cutting_ahead_one_instance_cuts_a_full_batch_while_one_runs_and_waits_to_grow_one_that_is_not(session):
+    """(A text model's batcher.) The answer of a batch reaches the event loop behind the loop's
+    other work; an instance that waited for it to cut the next batch would idle on every batch. A
+    full batch queued cannot grow by waiting, so it is cut at once and the thread runs it straight
+    after; rows short of a batch wait for the instance to be free, as more may join them."""
+    images = _images(4)
+    depth_short, depth_full, still_running, results, ran = _cut_ahead_while_one_runs(session, images, max_batch_size=2)
+    assert depth_short == 1  # one row: it waits, in case another joins it
     assert depth_full == 0 and still_running  # cut and handed to the thread behind the running batch
     assert ran == [1, 2, 1]
     expected = session.run(images)
@@ -519,34 +524,10 @@ def test_cutting_ahead_one_instance_cuts_a_full_batch_while_one_runs_and_waits_t
 
 def test_cutting_ahead_a_batch_full_by_its_padded_size_is_cut_too(session):
     """Rows whose lengths already reach the padded-size budget fill a batch however few they are."""
-    gate = threading.Event()
     images = _images(3)
-    ran = []
-
-    def held(batch):
-        ran.append(len(batch))
-        gate.wait(5)
-        return session.run(batch)
-
-    async def main():
-        b = DynamicBatcher(held, max_batch_size=8, max_delay_ms=0, cut_ahead=True,
-                           row_length=lambda image: 4, max_padded_size=8)
-        b.start()
-        running = asyncio.ensure_future(b.submit(images[:1]))
-        await _until(lambda: ran == [1])
-        short = asyncio.ensure_future(b.submit(images[1:2]))
-        await asyncio.sleep(0.1)
-        depth_short = b.depth  # 4 of 8 tokens: it waits
-        full = asyncio.ensure_future(b.submit(images[2:3]))
-        await _until(lambda: b.depth == 0, seconds=1.0)
-        depth_full, still_running = b.depth, not running.done()
-        gate.set()
-        results = await asyncio.gather(running, short, full)
-        await b.close()
-        return depth_short, depth_full, still_running, results
-
-    depth_short, depth_full, still_running, results = asyncio.run(main())
-    assert depth_short == 1 and depth_full == 0 and still_running and ran == [1, 2]
+    depth_short, depth_full, still_running, results, ran = _cut_ahead_while_one_runs(
+        session, images, max_batch_size=8, row_length=lambda image: 4, max_padded_size=8)
+    assert depth_short == 1 and depth_full == 0 and still_running and ran == [1, 2]  # 4 of 8 tokens waits; 8 is full
     expected = session.run(images)
     for i, result in enumerate(results):
         np.testing.assert_allclose(result.logits[0], expected[i], rtol=1e-4, atol=1e-4)
