@@ -497,6 +497,8 @@ class DynamicBatcher:
                 task.cancel()
 
     async def _cut_and_hand_over(self, instance: int, ahead: bool, answering: set[asyncio.Task]) -> None:
+        """`_loop`'s body: each batch cut is handed to the thread and answered by a task of its own,
+        kept in `answering` until it is done."""
         running: asyncio.Task | None = None  # the batch on this instance's thread, not yet answered
         while True:
             if running is not None and running.done():
