@@ -272,3 +272,72 @@ def test_each_search_candidate_is_packed_and_one_a_resumed_search_took_is_packed
         # a candidate's float packed IR is a step to its INT8, not published
         assert not (packed.out / f"model.{name}.packed.openvino.xml").exists()
     assert not {row["name"] for row in manifest["skipped"]} & set(rows)
+
+
+def roberta_folder(folder: Path, texts: list[str]) -> Path:
+    """A seeded two-layer RoBERTa encoder (the WordPiece tokenizer trained on `texts`, its [PAD] the
+    model's padding index), saved bare, keeping BERT_MAX_LENGTH tokens a text."""
+    import transformers
+
+    from conftest import wordpiece_tokenizer
+
+    folder.mkdir()
+    vocab_size = wordpiece_tokenizer(folder, texts)
+    pad = reference_tokenizer(folder).pad_token_id
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, intermediate_size=64, type_vocab_size=1,
+                                        pad_token_id=pad, max_position_embeddings=BERT_MAX_LENGTH + pad + 1,
+                                        architectures=["RobertaModel"])
+    transformers.RobertaModel(config).eval().save_pretrained(str(folder), safe_serialization=True)
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": BERT_MAX_LENGTH}))
+    return folder
+
+
+def test_the_first_position_of_a_text_is_read_from_the_model():
+    """BERT numbers a text's tokens from 0; RoBERTa's family from one past its padding index; a model
+    that numbers them otherwise gets None (it cannot be packed)."""
+    import transformers
+
+    from optiserve.optimize.passes.text_packing import first_position
+
+    ids = torch.tensor([[2, 17, 40, 9, 3]])
+    small = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(**small)).eval()
+    assert first_position(bert, ids) == 0
+    for pad in (1, 0):
+        roberta = transformers.RobertaModel(transformers.RobertaConfig(**small, pad_token_id=pad)).eval()
+        assert first_position(roberta, ids) == pad + 1
+    bert.embeddings.position_ids += 3  # its own numbering now starts at 3
+    assert first_position(bert, ids) is None
+
+
+def test_a_roberta_encoder_on_packed_rows_gives_each_text_what_the_model_gives_it_alone(bert_encoder, tmp_path):
+    """Read from the model, RoBERTa's positions start after its padding index: each text gets from the
+    packed rows what transformers' own RobertaModel gives it alone."""
+    import transformers
+
+    from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
+
+    data = bert_encoder[1]
+    corpus = data.read_text().splitlines()
+    model = roberta_folder(tmp_path / "roberta", corpus)
+    out = tmp_path / "artifact"
+    manifest = run_optimize(OptimizeConfig(str(model), dataset=f"text:{data}", int8=False, packed=True,
+                                           ort_transformer=False, latency_batch=1, timing_rounds=3,
+                                           seq_lengths=(16,), min_cosine=0.0, progress=False, out=str(out)))
+    fp32 = {v["name"]: v for v in manifest["variants"]}["openvino-fp32-packed"]
+    assert fp32["status"] == "accepted"
+
+    texts = mixed_texts(corpus)
+    batch = TextRequests(out, text_input_of(manifest), 32).tokens(texts).batch
+    assert len(pack(batch, 64).feeds["input_ids"]) < len(texts)  # several texts share a row
+    (entry,) = select_variants(manifest, ["openvino-fp32-packed"])
+    session = load_verified(out, entry, manifest, RuntimeOptions()).session
+    roberta = transformers.RobertaModel.from_pretrained(str(model)).eval()
+    tokenizer = reference_tokenizer(model)
+    with torch.no_grad():
+        expected = np.stack([roberta(**tokenizer(t, truncation=True, max_length=BERT_MAX_LENGTH, return_tensors="pt"))
+                             .last_hidden_state[0].mean(0).numpy() for t in texts])
+    np.testing.assert_allclose(session.run(batch), expected, atol=1e-4)

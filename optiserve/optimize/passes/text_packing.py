@@ -22,7 +22,7 @@ from optiserve.optimize.export_openvino import quantize_openvino_nncf
 from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
 from optiserve.optimize.passes.text import EXPORT_ATOL, calibration_batches, largest_difference
 from optiserve.runtime.packing import PACKED_INPUTS, Packing, pack, pooled
-from optiserve.text_input import POOLING_MODES
+from optiserve.text_input import IDS, MASK, POOLING_MODES
 
 ROW_TOKENS = 64  # a packed row's tokens: short enough that attention across a row stays cheap
 FP32_FILE, INT8_FILE = "model.packed.openvino.xml", "model.packed.int8.openvino.xml"
@@ -31,18 +31,46 @@ INT8_TITLE = "OpenVINO INT8 of the packed rows (NNCF, transformer scheme, traini
 
 class PackedEncoder(nn.Module):
     """A Hugging Face encoder on packed rows: per-token vectors [rows, length, D], each token
-    attending only to the tokens of its own segment."""
+    attending only to the tokens of its own segment. The rows number each text's tokens from 0; the
+    graph adds `first_position`, the position the model itself gives a text's first token."""
 
-    def __init__(self, encoder: nn.Module):
+    def __init__(self, encoder: nn.Module, first_position: int = 0):
         super().__init__()
-        self.encoder = encoder
+        self.encoder, self.first_position = encoder, first_position
 
     def forward(self, input_ids, position_ids, segment_ids, token_type_ids=None):
         same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
         mask = torch.zeros(same.shape, dtype=torch.float32).masked_fill(~same, torch.finfo(torch.float32).min)
         types = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        if self.first_position:
+            position_ids = position_ids + self.first_position
         return self.encoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                             **types).last_hidden_state
+
+
+def first_position(encoder: nn.Module, ids: torch.Tensor) -> int | None:
+    """The position `encoder` (a Hugging Face encoder) gives the first token of a text, read from the
+    model: its output on the unpadded text `ids` [1, n] as it numbers the tokens itself, against its
+    output given the positions counted from each start it may use (0, as BERT counts; one past the
+    embeddings' padding index, as RoBERTa's family counts). None where it counts from neither."""
+    starts = [0]
+    padding = getattr(getattr(encoder, "embeddings", None), "padding_idx", None)
+    if isinstance(padding, int):
+        starts.append(padding + 1)
+    with torch.no_grad():
+        own = encoder(input_ids=ids).last_hidden_state
+        for start in starts:
+            positions = torch.arange(ids.shape[1], dtype=torch.long)[None] + start
+            if torch.equal(encoder(input_ids=ids, position_ids=positions).last_hidden_state, own):
+                return start
+    return None
+
+
+def _first_position_of(run: Run, module: nn.Module) -> int | None:
+    """`first_position` of the folder's encoder (or a smaller one made of it) on the first validation text."""
+    text = np.asarray(run.checks[0])[0]
+    ids = text[IDS, :int(text[MASK].sum())]
+    return first_position(module.model, torch.from_numpy(np.ascontiguousarray(ids))[None])
 
 
 def why_not_packed(run: Run) -> str | None:
@@ -59,6 +87,9 @@ def why_not_packed(run: Run) -> str | None:
         return "packing pools a text encoder's token vectors; a classifier's head reads the whole row"
     if not module.pooling:  # every mode the folder's loader builds (text_input.POOLING_MODES) is pooled here
         return f"packing pools {', '.join(POOLING_MODES)}; the folder declares none"
+    if _first_position_of(run, module) is None:
+        return ("packing numbers each text's tokens from 0, or from one past the padding index as RoBERTa's "
+                "family does; this model numbers them otherwise")
     return None
 
 
@@ -85,7 +116,8 @@ def convert_packed(run: Run, module: nn.Module, path: Path) -> tuple[tuple[str, 
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
-        model = ov.convert_model(PackedEncoder(module.model).eval(), example_input=example,
+        model = ov.convert_model(PackedEncoder(module.model, _first_position_of(run, module)).eval(),
+                                 example_input=example,
                                  input=[([-1, -1], ov.Type.i64)] * len(inputs))
     if len(model.inputs) != len(inputs):
         raise RuntimeError(f"the converted graph takes {len(model.inputs)} inputs, not {', '.join(inputs)}")
