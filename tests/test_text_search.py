@@ -277,3 +277,49 @@ def test_the_validation_pairs_choose_and_the_test_pairs_only_report(encoder, tmp
     assert chosen[0] == chosen[1] and "layers2of4" in chosen[0]
     reported = [{v["name"]: v["accuracy"]["spearman"] for v in m["variants"]} for m in runs]  # on the test pairs
     assert reported[0]["onnx-fp32"] != reported[1]["onnx-fp32"]
+
+
+def test_a_search_stopped_while_exporting_a_candidate_resumes_from_its_recovered_weights(encoder, lee_pairs, tmp_path,
+                                                                                          monkeypatch):
+    """A candidate's recovered weights are kept before its export: stopped there, --resume exports
+    those weights again without recovering it anew."""
+    from safetensors.torch import load_file
+
+    from optiserve.optimize import recovery
+    from optiserve.optimize.passes import text_search
+    from optiserve.optimize.search_cache import cache_folder
+
+    recovered, exported = [], {}
+    real_recover, real_export = recovery.recover, text_search.export_text_onnx
+
+    def counted(*args, **kwargs):
+        recovered.append(kwargs.get("deadline"))
+        return real_recover(*args, **kwargs)
+
+    def stopped_the_first_time(module, *args):
+        if not exported:
+            exported["stopped"] = {k: v.clone() for k, v in module.state_dict().items()}
+            raise KeyboardInterrupt  # Ctrl-C while the first candidate exports
+        exported.setdefault("resumed", {k: v.clone() for k, v in module.state_dict().items()})
+        return real_export(module, *args)
+
+    monkeypatch.setattr(recovery, "recover", counted)
+    monkeypatch.setattr(text_search, "export_text_onnx", stopped_the_first_time)
+    out = tmp_path / "artifact"
+    options = dict(dataset=f"text:{lee_pairs}", int8=False, openvino=False, ort_transformer=False, search="on",
+                   search_ratios=(0.5,), finetune_epochs=1, latency_batch=2, timing_rounds=3, seq_lengths=(32,),
+                   min_cosine=0.0, progress=False, out=str(out))
+    with pytest.raises(KeyboardInterrupt):
+        run_optimize(OptimizeConfig(str(encoder), **options))
+    assert len(recovered) == 1 and not out.exists()
+    (weights,) = cache_folder(out).glob("*.safetensors")
+    kept = load_file(str(weights))
+    assert all(torch.equal(kept[k], v) for k, v in exported["stopped"].items())
+
+    recovered.clear()
+    manifest = run_optimize(OptimizeConfig(str(encoder), resume=True, **options))
+    assert len(recovered) == 1  # the narrowed candidate only; the layer-dropped one was not recovered again
+    assert all(torch.equal(exported["resumed"][k], v) for k, v in kept.items())
+    layers = _candidates(manifest)["layers2of4"]
+    assert layers["settings"]["recovery"]["epochs"] == 1
+    assert not cache_folder(out).exists()  # published: nothing is kept any more

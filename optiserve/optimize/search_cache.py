@@ -2,7 +2,9 @@
 is kept beside the artifact folder — its ONNX file and its settings, and a text candidate's recovered
 weights (safetensors, never a pickle), so `--packed` can convert it again — under a key of
 everything that made it; `optimize --resume` takes a kept one instead of pruning and recovering it
-again. The folder is removed once the artifact folder is published."""
+again. A text candidate's weights and settings are kept as soon as it has recovered, before its
+export: a search stopped (or failed) while exporting it resumes from them and only exports again.
+The folder is removed once the artifact folder is published."""
 
 from __future__ import annotations
 
@@ -40,6 +42,9 @@ class SearchCache:
     def _weights_path(self, ratio: float) -> Path:
         return self._paths(ratio)[0].with_suffix(".safetensors")
 
+    def _recovered_path(self, ratio: float) -> Path:
+        return self._paths(ratio)[0].with_suffix(".recovered")
+
     def take(self, ratio: float, onnx_to: Path) -> dict | None:
         """With --resume, the kept candidate at `ratio`, its ONNX file copied to `onnx_to`, and its
         settings; None where there is none (or no --resume), or where its settings are not what
@@ -50,12 +55,22 @@ class SearchCache:
         return settings
 
     def holds(self, ratio: float) -> bool:
-        """Whether `take` finds a kept candidate at `ratio` (one that needs no recovery of its own)."""
-        return self._kept_settings(ratio) is not None
+        """Whether `take` or `recovered` finds a kept candidate at `ratio` (one that needs no recovery of its own)."""
+        return self._kept_settings(ratio) is not None or self.recovered(ratio) is not None
+
+    def recovered(self, ratio: float) -> dict | None:
+        """With --resume, the settings of the candidate at `ratio` whose recovered weights were kept
+        (`keep_recovered`) though its export was not; None where there are none (see `take`)."""
+        if not self._weights_path(ratio).is_file():
+            return None
+        return self._settings_at(self._recovered_path(ratio))
 
     def _kept_settings(self, ratio: float) -> dict | None:
         onnx, path = self._paths(ratio)
-        if not self.resume or not (onnx.is_file() and path.is_file()):
+        return self._settings_at(path) if onnx.is_file() else None
+
+    def _settings_at(self, path: Path) -> dict | None:
+        if not self.resume or not path.is_file():
             return None
         try:
             settings = read_json(path)
@@ -65,6 +80,18 @@ class SearchCache:
         except (UserError, KeyError, TypeError):
             return None
         return settings
+
+    def keep_recovered(self, ratio: float, settings: dict, module) -> None:
+        """Keep `module`, the candidate at `ratio` just recovered, as its weights and settings, before
+        it is exported (each file written atomically; the settings last, as `recovered` reads them first)."""
+        from safetensors.torch import save
+
+        self._paths(ratio)[1].unlink(missing_ok=True)  # an older kept candidate's settings never meet these weights
+        self._recovered_path(ratio).unlink(missing_ok=True)
+        weights = {name: tensor.detach().clone().contiguous() for name, tensor in module.state_dict().items()}
+        with atomic_write(self._weights_path(ratio)) as f:
+            f.write(save(weights))
+        self._write_settings(self._recovered_path(ratio), settings)
 
     def keep(self, ratio: float, onnx_from: Path, settings: dict, module=None) -> None:
         """Keep the recovered candidate at `ratio`, and `module`'s weights where given (written
@@ -79,6 +106,11 @@ class SearchCache:
                 f.write(save(weights))
         with atomic_write(onnx) as f, open(onnx_from, "rb") as source:
             shutil.copyfileobj(source, f)
+        self._write_settings(path, settings)
+        self._recovered_path(ratio).unlink(missing_ok=True)  # whole now: taken, not exported again
+
+    @staticmethod
+    def _write_settings(path: Path, settings: dict) -> None:
         with atomic_write(path, "w") as f:
             json.dump(settings, f, default=lambda o: o.item() if hasattr(o, "item") else str(o))
 
@@ -94,7 +126,10 @@ class SearchCache:
         return True
 
     def kept(self) -> int:
-        return len(list(self.folder.glob("*.json"))) if self.folder.is_dir() else 0
+        """How many candidates are kept: exported, or only recovered."""
+        if not self.folder.is_dir():
+            return 0
+        return len({p.stem for p in [*self.folder.glob("*.json"), *self.folder.glob("*.recovered")]})
 
 
 def clear_cache(out: Path) -> None:

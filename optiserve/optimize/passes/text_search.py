@@ -139,13 +139,20 @@ def _candidate(run: Run, candidate: Candidate, deadline: float | None, cache: Se
             run.log.note(f"{name}: taken from the interrupted search, kept in {cache.folder}")
         else:
             student, settings = _smaller(run, candidate)
-            settings.update(parameters_before=_parameters(run.loaded.model), parameters_after=_parameters(student))
-            settings.update(recover_and_judge(run, student, deadline, "full", "texts", lr=RECOVERY_LR,
-                                              batch_size=RECOVERY_BATCH))
+            recovered = cache.recovered(ratio)
+            if recovered is not None and cache.load_weights(ratio, student):
+                settings = recovered
+                run.log.note(f"{name}: its recovered weights taken from the interrupted search, kept in "
+                             f"{cache.folder}; exported again")
+            else:
+                settings.update(parameters_before=_parameters(run.loaded.model), parameters_after=_parameters(student))
+                settings.update(recover_and_judge(run, student, deadline, "full", "texts", lr=RECOVERY_LR,
+                                                  batch_size=RECOVERY_BATCH))
+                cache.keep_recovered(ratio, settings, student)  # before the export, which may fail or be stopped
             output = run.loaded.outputs[0]["name"]
             export_text_onnx(student, run.loaded.input, output, np.asarray(run.example), stage / onnx,
                              [np.asarray(b) for b in run.checks])
-            cache.keep(ratio, stage / onnx, settings, student)
+            cache.keep(ratio, stage / onnx, settings)
         run.variants.append(Variant(name, onnx, "onnxruntime", "fp32", {**settings, "graph_optimization": "all"}))
         run.notes.append(_note(name, settings))
         gate = settings[GATE]["status"], settings[GATE]["reason"]
