@@ -341,3 +341,28 @@ def test_a_roberta_encoder_on_packed_rows_gives_each_text_what_the_model_gives_i
         expected = np.stack([roberta(**tokenizer(t, truncation=True, max_length=BERT_MAX_LENGTH, return_tensors="pt"))
                              .last_hidden_state[0].mean(0).numpy() for t in texts])
     np.testing.assert_allclose(session.run(batch), expected, atol=1e-4)
+
+
+def test_a_model_whose_positions_would_run_past_its_table_gets_a_not_built_row_naming_the_fix(tmp_path):
+    """Numbered from one past its padding index, a text of the folder's longest length would need more
+    positions than the model has: no packed variant, and the reason names the setting to change."""
+    import types
+
+    import transformers
+
+    from optiserve.optimize.passes.text_packing import why_not_packed
+    from optiserve.text_input import TextInput
+
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(vocab_size=1024, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                        intermediate_size=32, pad_token_id=1, max_position_embeddings=34)
+    encoder = types.SimpleNamespace(model=transformers.RobertaModel(config).eval(), classifier=False, pooling=("mean",))
+    checks = [token_batch([5, 9], 9)]
+
+    def reason(max_length):
+        loaded = types.SimpleNamespace(model=encoder, from_file=False, input=TextInput("tokenizer.json", max_length))
+        return why_not_packed(types.SimpleNamespace(loaded=loaded, checks=checks))
+
+    assert reason(32) is None  # positions 2 to 33: the table's 34 hold them
+    assert reason(34) == ("a text of 34 tokens, numbered from 2, runs past the model's 34 positions: set "
+                          "max_seq_length to at most 32 in the folder's sentence_bert_config.json")

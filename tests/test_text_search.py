@@ -279,10 +279,11 @@ def test_the_validation_pairs_choose_and_the_test_pairs_only_report(encoder, tmp
     assert reported[0]["onnx-fp32"] != reported[1]["onnx-fp32"]
 
 
+@pytest.mark.parametrize("damaged", [False, True])
 def test_a_search_stopped_while_exporting_a_candidate_resumes_from_its_recovered_weights(encoder, lee_pairs, tmp_path,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, damaged):
     """A candidate's recovered weights are kept before its export: stopped there, --resume exports
-    those weights again without recovering it anew."""
+    those weights again without recovering it anew; weights that no longer load are recovered again."""
     from safetensors.torch import load_file
 
     from optiserve.optimize import recovery
@@ -293,7 +294,7 @@ def test_a_search_stopped_while_exporting_a_candidate_resumes_from_its_recovered
     real_recover, real_export = recovery.recover, text_search.export_text_onnx
 
     def counted(*args, **kwargs):
-        recovered.append(kwargs.get("deadline"))
+        recovered.append(True)
         return real_recover(*args, **kwargs)
 
     def stopped_the_first_time(module, *args):
@@ -316,8 +317,13 @@ def test_a_search_stopped_while_exporting_a_candidate_resumes_from_its_recovered
     kept = load_file(str(weights))
     assert all(torch.equal(kept[k], v) for k, v in exported["stopped"].items())
 
+    if damaged:
+        weights.write_bytes(weights.read_bytes()[:100])  # cut short, as by a full disk
     recovered.clear()
     manifest = run_optimize(OptimizeConfig(str(encoder), resume=True, **options))
+    if damaged:
+        assert len(recovered) == 2 and not cache_folder(out).exists()
+        return
     assert len(recovered) == 1  # the narrowed candidate only; the layer-dropped one was not recovered again
     assert all(torch.equal(exported["resumed"][k], v) for k, v in kept.items())
     layers = _candidates(manifest)["layers2of4"]

@@ -93,17 +93,12 @@ class SearchCache:
             f.write(save(weights))
         self._write_settings(self._recovered_path(ratio), settings)
 
-    def keep(self, ratio: float, onnx_from: Path, settings: dict, module=None) -> None:
-        """Keep the recovered candidate at `ratio`, and `module`'s weights where given (written
-        atomically: an interruption leaves it whole or absent; the settings last, as `take` reads them first)."""
+    def keep(self, ratio: float, onnx_from: Path, settings: dict) -> None:
+        """Keep the recovered candidate at `ratio`, exported to `onnx_from` (written atomically: an
+        interruption leaves it whole or absent; the settings last, as `take` reads them first). A text
+        candidate's weights were kept by `keep_recovered` before."""
         onnx, path = self._paths(ratio)
-        path.unlink(missing_ok=True)  # absent until whole: new weights never sit beside an older kept candidate
-        if module is not None:
-            from safetensors.torch import save
-
-            weights = {name: tensor.detach().clone().contiguous() for name, tensor in module.state_dict().items()}
-            with atomic_write(self._weights_path(ratio)) as f:
-                f.write(save(weights))
+        path.unlink(missing_ok=True)  # absent until whole
         with atomic_write(onnx) as f, open(onnx_from, "rb") as source:
             shutil.copyfileobj(source, f)
         self._write_settings(path, settings)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from optiserve.errors import first_line
 from optiserve.optimize.export_openvino import quantize_openvino_nncf
 from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
 from optiserve.optimize.passes.text import EXPORT_ATOL, calibration_batches, largest_difference
@@ -87,9 +88,19 @@ def why_not_packed(run: Run) -> str | None:
         return "packing pools a text encoder's token vectors; a classifier's head reads the whole row"
     if not module.pooling:  # every mode the folder's loader builds (text_input.POOLING_MODES) is pooled here
         return f"packing pools {', '.join(POOLING_MODES)}; the folder declares none"
-    if _first_position_of(run, module) is None:
+    try:
+        start = _first_position_of(run, module)
+    except Exception as e:  # noqa: BLE001  a forward that takes no position ids, or refuses this text
+        return (f"where this model's positions start cannot be read (running it on a validation text failed: "
+                f"{first_line(e)})")
+    if start is None:
         return ("packing numbers each text's tokens from 0, or from one past the padding index as RoBERTa's "
                 "family does; this model numbers them otherwise")
+    table = getattr(getattr(module.model, "embeddings", None), "position_embeddings", None)
+    if isinstance(table, nn.Embedding) and start + run.loaded.input.max_length > table.num_embeddings:
+        return (f"a text of {run.loaded.input.max_length} tokens, numbered from {start}, runs past the model's "
+                f"{table.num_embeddings} positions: set max_seq_length to at most {table.num_embeddings - start} "
+                f"in the folder's sentence_bert_config.json")
     return None
 
 
@@ -111,13 +122,15 @@ def convert_packed(run: Run, module: nn.Module, path: Path) -> tuple[tuple[str, 
 
     packing = Packing(ROW_TOKENS, tuple(module.pooling), bool(module.normalize))
     inputs = packed_inputs(module)
+    start = _first_position_of(run, module)
+    if start is None:
+        raise RuntimeError("this network numbers its positions neither from 0 nor from one past its padding index")
     example = tuple(torch.from_numpy(a) for a in _packed_feeds(np.asarray(run.checks[0]), inputs).values())
     # the conversion traces: torch's and transformers' notices of it are not the user's to read
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
-        model = ov.convert_model(PackedEncoder(module.model, _first_position_of(run, module)).eval(),
-                                 example_input=example,
+        model = ov.convert_model(PackedEncoder(module.model, start).eval(), example_input=example,
                                  input=[([-1, -1], ov.Type.i64)] * len(inputs))
     if len(model.inputs) != len(inputs):
         raise RuntimeError(f"the converted graph takes {len(model.inputs)} inputs, not {', '.join(inputs)}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from optiserve.errors import first_line
 from optiserve.optimize.drop_layers import CannotDrop, drop_layers, encoder_layers, evenly_spaced, layers_kept
 from optiserve.optimize.prune_heads import CannotNarrow, bert_layers, narrow_layers
 from optiserve.optimize.export_openvino import quantize_openvino_nncf
@@ -140,11 +141,13 @@ def _candidate(run: Run, candidate: Candidate, deadline: float | None, cache: Se
         else:
             student, settings = _smaller(run, candidate)
             recovered = cache.recovered(ratio)
-            if recovered is not None and cache.load_weights(ratio, student):
+            if recovered is not None and _kept_weights(run, cache, ratio, student):
                 settings = recovered
                 run.log.note(f"{name}: its recovered weights taken from the interrupted search, kept in "
                              f"{cache.folder}; exported again")
             else:
+                if recovered is not None:  # they did not load: made again, so no weight is half loaded
+                    student, settings = _smaller(run, candidate)
                 settings.update(parameters_before=_parameters(run.loaded.model), parameters_after=_parameters(student))
                 settings.update(recover_and_judge(run, student, deadline, "full", "texts", lr=RECOVERY_LR,
                                                   batch_size=RECOVERY_BATCH))
@@ -183,13 +186,24 @@ def _candidate(run: Run, candidate: Candidate, deadline: float | None, cache: Se
     return gate
 
 
+def _kept_weights(run: Run, cache: SearchCache, ratio: float, student) -> bool:
+    """Load the interrupted search's recovered weights at `ratio` into `student`; False (and a note)
+    where they do not load (a damaged file, or a network made otherwise since): it is recovered again."""
+    try:
+        return cache.load_weights(ratio, student)
+    except Exception as e:  # noqa: BLE001  safetensors' and torch's own errors
+        run.log.note(f"the interrupted search's recovered weights at ratio {ratio:g} do not load "
+                     f"({first_line(e, limit=200)}): recovering it again")
+        return False
+
+
 def _packed(run: Run, candidate: Candidate, student, cache: SearchCache) -> None:
     """The recovered candidate on packed rows, in INT8 (NNCF's transformer scheme): its own
     conversion, held to the recovered network on the validation texts (one taken from an interrupted
     search is made again and given its kept weights)."""
     name, attempts = candidate.name, run.attempts
     variant, title = f"openvino-{name}-int8-packed", f"OpenVINO INT8 of {name} on packed rows (NNCF, training texts)"
-    if why := why_not_packed(run) or attempts.missing("openvino-fp32-packed") or attempts.missing(name):
+    if why := attempts.missing("openvino-fp32-packed") or attempts.missing(name) or why_not_packed(run):
         attempts.skip(title, why, variant)
         return
     with attempts.attempt(title, variant):
