@@ -1,3 +1,3 @@
-"""optiserve: train, optimize, serve and measure vision models."""
+"""optiserve: train, optimize, serve and measure vision and text models."""
 
 __version__ = "0.1.0"

@@ -62,7 +62,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     arguments added (`optiserve serve` must not import the trainer's torch and torchvision: seconds
     of start-up, and a serving image may not have them; `optiserve --help` imports none), without
     it every command's."""
-    parser = OneLineErrorParser(prog="optiserve", description="Train, optimize, serve and measure vision models.")
+    parser = OneLineErrorParser(prog="optiserve", description="Train, optimize, serve and measure vision and text models.")
     parser.add_argument("--version", action="version", version=f"optiserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv or [] if not a.startswith("-")), None)
