@@ -81,12 +81,12 @@ class TextTokenizer:
         except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception on a file it cannot parse
             raise UserError(f"{path} is not a tokenizer file `tokenizers` can read "
                             f"({first_line(e, limit=200)}): save the model's fast tokenizer there") from None
+        self.pad_id = _pad_id(self.tokenizer)  # read before padding is turned off, which forgets its pad id
         self.tokenizer.no_padding()
         # truncated before the special tokens are added, as the model's own tokenizer does; what a
         # text lost is in its encoding's `overflowing`, so that truncated texts are counted
         self.tokenizer.enable_truncation(max_length)
         self.max_length = max_length
-        self.pad_id = _pad_id(self.tokenizer)
 
     def encode(self, texts: list[str]) -> Tokens:
         """Tokenize `texts` in one batched call; the batch padded to its longest text."""

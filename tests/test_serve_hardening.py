@@ -60,6 +60,7 @@ HOSTILE = [
     ("/predict", b'{"inputs": [[[[' + b"9" * 5000 + b']]]]}', "5,000 characters long"),
     ("/predict", b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
     ("/predict", {"inputs": ZEROS, "top_k": True}, "top_k must be a positive integer"),
+    ("/predict", json.dumps({"inputs": ZEROS}).encode("utf-16"), "the JSON body must be UTF-8"),
     ("/predict", {"inputs": {"a": 1}}, '"inputs" must be a non-empty list'),
     ("/predict", {"inputs": [[[[{"a": 1}] * 16] * 16]]}, "numbers in nested lists"),
     ("/predict", b'{"inputs": ' + b"[" * 65 + b"1" + b"]" * 65 + b"}", "numbers in nested lists"),  # past numpy's dims
@@ -90,6 +91,15 @@ def test_hostile_json_bodies_get_a_400_that_says_why_and_the_server_keeps_servin
     assert message in r.json()["error"]
     assert r.headers[VARIANT_HEADER] == "fp32"  # the variant the request was routed to, also on errors
     assert client.post("/predict", json={"inputs": ZEROS}).status_code == 200
+
+
+@pytest.mark.parametrize("value", [0, -3, "0"])
+def test_a_top_k_below_one_is_refused_alike_in_the_query_and_in_the_body(client, value):
+    in_query = client.post("/predict", params={"top_k": str(value)}, json={"inputs": ZEROS})
+    in_body = client.post("/predict", json={"inputs": ZEROS, "top_k": value})
+    for r in (in_query, in_body):
+        assert r.status_code == 400 and "top_k must be a positive integer" in r.json()["error"], r.text
+    assert client.post("/predict", json={"inputs": ZEROS, "top_k": 1}).status_code == 200
 
 
 def test_an_image_over_the_pixel_limit_is_refused_from_its_header(client):

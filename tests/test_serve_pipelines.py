@@ -663,7 +663,7 @@ def test_a_pipeline_s_binary_bytes_tensor_holds_one_image_or_is_one_bad_input():
 
     png = _png(Image.fromarray(np.zeros((2, 2, 3), dtype=np.uint8)))
     element = len(png).to_bytes(4, "little") + png
-    for tail, says in ((element * 2, "the BYTES data holds 2 elements; a pipeline takes one image"),
+    for tail, says in ((element * 2, "the BYTES data holds more than one element; a pipeline takes one image"),
                        (element[:-1], "BYTES element 0 says"), (b"\x01\x00", "ends inside an element's 4-byte length")):
         body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
                             "parameters": {"binary_data_size": len(tail)}}]}

@@ -69,6 +69,22 @@ def test_tokens_are_the_model_s_own_tokenizer_s_padded_to_the_longest_text():
         assert tokens.truncated == (1 if max_length == 12 else 0)
 
 
+def test_a_batch_is_padded_with_the_pad_id_the_tokenizer_file_declares(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    made = Tokenizer(WordLevel({"<unk>": 0, "a": 1, "b": 2, "<blank>": 3}, unk_token="<unk>"))
+    made.pre_tokenizer = Whitespace()
+    made.enable_padding(pad_id=3, pad_token="<blank>")  # neither [PAD] nor <pad>: only the setting names it
+    made.save(str(tmp_path / "tokenizer.json"))
+    texts = ["a", "a b a", "b b"]
+    reference = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode_batch(texts)  # its own padding
+    tokens = TextTokenizer(tmp_path / "tokenizer.json", 8).encode(texts)
+    np.testing.assert_array_equal(tokens.batch[:, 0], [e.ids for e in reference])
+    np.testing.assert_array_equal(tokens.batch[:, 1], [e.attention_mask for e in reference])
+
+
 def test_the_module_built_from_the_folder_encodes_as_sentence_transformers_does(sentence_transformer):
     import torch
 

@@ -191,10 +191,11 @@ def test_protocol_bytes_tensors_that_are_not_texts_are_one_line(repo, tensor, st
     assert r.status_code == status and says in r.json()["error"], r.text
 
 
-def test_binary_bytes_elements_that_are_not_utf8_or_cut_short_are_one_line(repo):
+def test_binary_bytes_elements_that_are_not_utf8_cut_short_or_too_many_are_one_line(repo):
     client, _ = repo
     for tail, says in ((b"\x02\x00\x00\x00\xff\xfe", "BYTES element 0 is not valid UTF-8"),
-                       (b"\x09\x00\x00\x00abc", "says 9 bytes but 3 are left")):
+                       (b"\x09\x00\x00\x00abc", "says 9 bytes but 3 are left"),
+                       (b"\x01\x00\x00\x00a" * 3, "holds more than the 1 element its shape declares")):
         head = json.dumps({"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES",
                                        "parameters": {"binary_data_size": len(tail)}}]}).encode()
         r = client.post("/v2/models/minilm/infer", content=head + tail,
@@ -210,8 +211,10 @@ def test_the_one_bytes_reader_reads_what_tritonclient_writes():
 
     elements = [b"a cat", b"", "é ünïcödé".encode(), bytes(range(256)), b"\x00" * 5]
     written = utils.serialize_byte_tensor(np.array(elements, dtype=np.object_)).item()
-    assert bytes_elements(written) == elements
+    assert bytes_elements(written) == elements == bytes_elements(written, len(elements))
     assert bytes_elements(b"") == []
+    with pytest.raises(BinaryFormatError, match=f"more than the {len(elements) - 1} elements"):
+        bytes_elements(written, len(elements) - 1)
     for cut in (written[:2], written[:-1]):
         with pytest.raises(BinaryFormatError):
             bytes_elements(cut)
@@ -277,17 +280,50 @@ def test_embeddings_answers_in_openai_s_own_shape(server):
     ({"model": "minilm", "input": []}, 400, "non-empty list of texts"),
     ({"model": "minilm", "input": ["a"], "dimensions": 128}, 400, "is not model 'minilm''s width 384"),
     ({"model": "minilm", "input": ["a"], "encoding_format": "int8"}, 400, '"encoding_format" is "float" or'),
+    ({"model": "minilm", "input": ["a"], "encoding_format": False}, 400, '"encoding_format" is "float" or'),
+    ({"model": "minilm", "input": ["a"], "encoding_format": ""}, 400, '"encoding_format" is "float" or'),
     ({"model": "nope", "input": ["a"]}, 404, "unknown model 'nope'"),
     ({"model": "digits", "input": ["a"]}, 400, "takes images; /v1/embeddings serves text-embedding models"),
     ({"input": ["a"]}, 400, '"model" must be a non-empty string'),
     ({"model": "minilm", "input": ["a", True]}, 400, "text 1 is a bool, not a string"),
     ({"model": "minilm", "input": None}, 400, "non-empty list of texts"),
     (["not", "an", "object"], 400, "must be an object"),
+    (json.dumps({"model": "minilm", "input": ["a"]}).encode("utf-32"), 400, "the JSON body must be UTF-8"),
 ])
 def test_embeddings_refusals_are_one_line(repo, body, status, says):
     client, _ = repo
-    r = client.post("/v1/embeddings", json=body)
+    r = client.post("/v1/embeddings", **({"content": body} if isinstance(body, bytes) else {"json": body}))
     assert r.status_code == status and says in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("texts", [["ab"] * 50_000, ["\U0001F600"] * 20_000, ["a b c " * 20_000],
+                                   ["A gripping, beautifully shot film."] * 1_000], ids=["short", "emoji", "long", "sentences"])
+def test_what_a_text_body_s_parse_builds_is_held_before_it_runs(texts):
+    """The byte budget is told at least what parsing the body allocates, measured by the interpreter."""
+    import tracemalloc
+
+    from optiserve.serve.envelope import parse_json
+    from optiserve.serve.text_requests import parsed_size
+
+    body = json.dumps({"texts": texts}, ensure_ascii=False).encode()
+    tracemalloc.start()
+    try:
+        parse_json(body)
+        built = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert built <= parsed_size(body) <= 2 * len(body) + 100 * len(texts) + 5_000
+
+
+def test_a_body_of_many_short_texts_is_refused_by_the_byte_budget_before_it_is_parsed(repo, monkeypatch):
+    client, _ = repo
+    monkeypatch.setattr(client.app.state.server.memory, "limit", 8 << 20)
+    many = ["ab"] * 200_000  # 1.2 MB of JSON that parses into about 13 MB of strings
+    for path, body in (("/predict?model=minilm", {"texts": many}), ("/v1/embeddings", {"model": "minilm", "input": many})):
+        r = client.post(path, json=body)
+        error = r.json()["error"]
+        assert r.status_code == 413 and "parsing its JSON needs" in error and "--max-queue-bytes" in error, r.text
+    assert client.post("/predict?model=minilm", json={"texts": ["ab"]}).status_code == 200
 
 
 def test_embeddings_nested_too_deeply_is_a_400_not_a_500(repo):
@@ -327,11 +363,17 @@ def test_grpc_typed_bytes_contents_are_texts_too(repo, reference):
     request = pb.ModelInferRequest(model_name="minilm")
     tensor = request.inputs.add(name="text", datatype="BYTES", shape=[len(TEXTS)])
     tensor.contents.bytes_contents.extend(t.encode() for t in TEXTS)
+    too_many = pb.ModelInferRequest(model_name="minilm")
+    too_many.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.extend([b"a", b"b"])
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         response = stub(channel).ModelInfer(request, timeout=30)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub(channel).ModelInfer(too_many, timeout=30)
     (out,) = response.outputs
     vectors = np.array(out.contents.fp32_contents).reshape(list(out.shape))
     assert out.name == "embedding" and _cosine(vectors, reference(TEXTS)).min() >= 0.999
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input data has 2 texts but shape [1] needs 1" in refused.value.details()
 
 
 def test_a_pipeline_step_naming_a_text_model_is_refused_with_the_reason(repo):

@@ -21,6 +21,10 @@ class BinaryFormatError(ValueError):
     pass
 
 
+class TooManyElements(BinaryFormatError):
+    """BYTES data holding more elements than the reader was told to expect."""
+
+
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """(the JSON header's bytes, the binary tail) of a request; the tail is empty for plain JSON."""
     if header_length is None:
@@ -34,11 +38,16 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     return body[:n], body[n:]
 
 
-def bytes_elements(data: bytes) -> list[bytes]:
+def bytes_elements(data: bytes, limit: int | None = None) -> list[bytes]:
     """A BYTES tensor's binary data split into its elements, each a 4-byte little-endian length, then
-    its bytes (how tritonclient writes strings and images); the one reader of that form."""
+    its bytes (how tritonclient writes strings and images); the one reader of that form. With `limit`
+    (the elements its shape declares), data holding more is refused at the first one past it, before
+    the rest becomes objects."""
     elements, at = [], 0
     while at < len(data):
+        if limit is not None and len(elements) == limit:
+            raise TooManyElements(f"BYTES tensor data holds more than the {limit:,} element{'s' * (limit != 1)} "
+                                    f"its shape declares")
         if at + 4 > len(data):
             raise BinaryFormatError("BYTES tensor data ends inside an element's 4-byte length")
         (n,) = struct.unpack_from("<I", data, at)

@@ -66,7 +66,10 @@ def parse_json(data: bytes, tensor_at: tuple = ()) -> dict:
     With `tensor_at` (keys and indices), the nested list of numbers there comes back as a float64
     array, read without a Python float per value (serve/json_tensors.py); everything else, errors
     included, is what the standard parser gives, which reads every body the fast path cannot read
-    exactly as it would."""
+    exactly as it would. JSON between systems is UTF-8 (RFC 8259): the standard parser would also take
+    UTF-16 and UTF-32, which the fast one and every other reader here do not."""
+    if json.detect_encoding(data[:4]) not in ("utf-8", "utf-8-sig"):
+        raise BadInput("the JSON body must be UTF-8")
     if tensor_at and (value := read_with_tensor(data, tensor_at, MAX_NUMBER_CHARS)) is not None:
         return value
     try:
@@ -95,14 +98,14 @@ def _show(value) -> str:
 
 
 def top_k(value, classes: int) -> int | None:
-    """`top_k` from JSON (an integer) or a query string (digits), clipped to 1..classes; None if absent."""
+    """`top_k` from JSON (an integer from 1) or a query string (digits), clipped to the classes; None if absent."""
     if value is None:
         return None
     if isinstance(value, str) and value.isascii() and value.strip().isdigit() and len(value) <= MAX_NUMBER_CHARS:
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # as the query's parser says (tasks)
         raise BadInput(f"top_k must be a positive integer, got {_show(value)}")
-    return max(1, min(value, classes))
+    return min(value, classes)
 
 
 def object_field(value, field: str) -> dict:

@@ -101,9 +101,12 @@ def parse_text_infer(message: InferMessage, texts: TextRequests, output_names: t
     if raw:
         if len(raw) != 1 or tensor.HasField("contents"):
             raise BadInput("give the texts once: one raw_input_contents entry, or contents.bytes_contents")
-        values = bytes_elements(bytes(raw[0]))
+        values = bytes_elements(bytes(raw[0]), count)
     else:
-        values = [utf8(b, f"contents.bytes_contents[{i}]") for i, b in enumerate(tensor.contents.bytes_contents)]
+        contents = tensor.contents.bytes_contents
+        if len(contents) != count:  # counted before any is decoded
+            raise BadInput(f"input data has {len(contents)} texts but shape {shape} needs {count}")
+        values = [utf8(b, f"contents.bytes_contents[{i}]") for i, b in enumerate(contents)]
     if len(values) != count:
         raise BadInput(f"input data has {len(values)} texts but shape {shape} needs {count}")
     return InferRequest(texts.tokens(values).batch, _requested(request, output_names, bool(raw)),

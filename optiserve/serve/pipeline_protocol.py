@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from optiserve.serve import oip
-from optiserve.serve.binary import BinaryFormatError, bytes_elements, split_body
+from optiserve.serve.binary import BinaryFormatError, TooManyElements, bytes_elements, split_body
 from optiserve.serve.envelope import (OTHER_FIELDS_COMMAS, PYTHON_NUMBER_BYTES, TooManyValues,
                                       id_field, name_field, object_field, parse_json, requested_outputs)
 from optiserve.serve.model import ServedModel
@@ -192,7 +192,9 @@ def binary_image(tail, datatype: str, shape: list[int], count: int) -> bytes | n
 def _length_prefixed(data: bytes) -> bytes:
     """A BYTES tensor's one element in the protocol's binary form (serve/binary.py reads it): the image."""
     try:
-        elements = bytes_elements(data)
+        elements = bytes_elements(data, 1)
+    except TooManyElements:
+        raise BadInput("the BYTES data holds more than one element; a pipeline takes one image") from None
     except BinaryFormatError as e:
         raise BadInput(str(e)) from None
     if len(elements) != 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from fastapi import Request
@@ -20,6 +21,7 @@ from optiserve.serve.preprocess import BadInput
 from optiserve.serve.responses import FastJSONResponse
 from optiserve.serve.routes_predict import error_responses
 from optiserve.serve.server import Admission, ApiError, Server
+from optiserve.serve.text_requests import parsed_size
 
 ENCODINGS = ("float", "base64")
 
@@ -32,7 +34,8 @@ def add_openai_routes(app: ServingApp, server: Server) -> None:
         try:
             body = await server.read_named_body(request, held)
             size = len(body)
-            parsed = await server.decode_texts(size, embeddings_request, body)
+            parsed = await server.decode_texts(size, embeddings_request, body,
+                                               lambda n: held.grow(n, "parsing its JSON"))
             del body
             return await handle(server, Call(parsed.model, None, request), EmbeddingsCodec(parsed, size))
         finally:
@@ -49,10 +52,13 @@ class EmbeddingsRequest:
     dimensions: int | None
 
 
-def embeddings_request(data: bytes) -> EmbeddingsRequest:
+def embeddings_request(data: bytes, hold: Callable[[int], None] | None = None) -> EmbeddingsRequest:
     """OpenAI's embeddings body: {"model", "input": a string or a list of strings, "encoding_format"?:
     "float" | "base64", "dimensions"?, "user"? (unread)}. Token ids (lists of integers) are refused:
-    the server tokenizes with the model's own tokenizer."""
+    the server tokenizes with the model's own tokenizer. `hold` is told what the parse may build
+    before it starts."""
+    if hold is not None:
+        hold(parsed_size(data))
     body = parse_json(data)
     model = name_field(body.get("model"), "model", optional=False)
     if "input" not in body:
@@ -63,8 +69,10 @@ def embeddings_request(data: bytes) -> EmbeddingsRequest:
         raise BadInput('"input" holds token ids: send strings, which the server tokenizes with the model\'s tokenizer')
     if isinstance(texts, list) and any(isinstance(t, list) for t in texts):
         raise BadInput('"input" holds lists (token ids?): send a string or a list of strings')
-    encoding = body.get("encoding_format") or "float"  # absent or null: OpenAI's default
-    if encoding not in ENCODINGS:
+    encoding = body.get("encoding_format")
+    if encoding is None:  # absent or null: OpenAI's default
+        encoding = "float"
+    if not isinstance(encoding, str) or encoding not in ENCODINGS:
         raise BadInput(f'"encoding_format" is "float" or "base64", got {str(encoding)[:40]!r}')
     dimensions = body.get("dimensions")
     if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)):

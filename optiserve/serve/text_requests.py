@@ -23,6 +23,10 @@ from optiserve.serve.preprocess import BadInput
 from optiserve.text_input import IDS, MASK, SAMPLE_TEXT, TextInput, TextTokenizer, Tokens, token_batch
 
 MAX_TEXT_BYTES = 64 << 10  # one text's UTF-8 bytes: far more than any model keeps (it truncates at max_length)
+# what parsing one JSON string costs beside its characters: its str object's header and its slot in
+# the list (a body of many short strings builds several times its own size)
+PARSED_STRING_BYTES = 96
+PARSED_OBJECT_BYTES = 4096  # and the body's object, its list and its keys
 MAX_TOP_K = 1 << 20  # top_k is parsed before the model's classes are at hand; the answer clips it to them
 WARM_LENGTH = 16  # the short length every batch size is warmed up at
 
@@ -77,7 +81,7 @@ class TextRequests:
         """/predict's JSON for a text model: {"texts": [...], "variant"?, "top_k"?} (`top_k`: a classifier's
         classes per text, clipped to its classes where answered; an encoder's answer does not read it)."""
         if hold is not None:
-            hold(2 * len(data))  # the strings and the list the parse builds: about the body again, and some
+            hold(parsed_size(data))
         body = parse_json(data)
         if "texts" not in body:
             hint = ' ("inputs" is for image models)' if "inputs" in body else ""
@@ -99,7 +103,7 @@ class TextRequests:
         except BinaryFormatError as e:
             raise BadInput(str(e)) from None
         if hold is not None:
-            hold(2 * len(head))
+            hold(parsed_size(head))
         body = parse_json(head)
         params = object_field(body.get("parameters"), "parameters")
         inputs = body.get("inputs")
@@ -120,7 +124,7 @@ class TextRequests:
         else:
             if isinstance(size, bool) or not isinstance(size, int) or size != len(tail):
                 raise BadInput(f"binary_data_size is {str(size)[:20]} but {len(tail):,} bytes follow the JSON")
-            texts = bytes_elements(tail)
+            texts = bytes_elements(tail, count)
         if not isinstance(texts, list) or len(texts) != count:
             got = f"{len(texts)} texts" if isinstance(texts, list) else "no list of texts"
             raise BadInput(f"input data has {got} but shape {shape} needs {count}")
@@ -195,6 +199,14 @@ class TextRequests:
                              for b in backend.warm_sizes(list(batch_sizes), variant.session.device)])
 
 
+def parsed_size(data: bytes) -> int:
+    """The most bytes parsing a JSON body of texts builds, told to the byte budget before the parse:
+    the strings' characters and the list, about the body again, and each string's own cost (a JSON
+    string opens and closes with a quote, so the quotes bound how many there are), and the object
+    holding them."""
+    return 2 * len(data) + PARSED_STRING_BYTES * (data.count(b'"') // 2) + PARSED_OBJECT_BYTES
+
+
 def _token_ids(value) -> bool:
     """Whether `value` looks like token ids (an integer, or a list of them) rather than a text."""
     def integer(v):
@@ -210,10 +222,11 @@ def utf8(data: bytes, what: str) -> str:
         raise BadInput(f"{what} is not valid UTF-8 (byte {e.start}): send texts in UTF-8") from None
 
 
-def bytes_elements(data: bytes) -> list[str]:
-    """A BYTES tensor's binary data as texts (serve/binary.py reads the elements), each UTF-8."""
+def bytes_elements(data: bytes, count: int) -> list[str]:
+    """A BYTES tensor's binary data as texts (serve/binary.py reads the elements), each UTF-8; data
+    holding more than the `count` its shape declares is refused before the rest is read."""
     try:
-        elements = binary.bytes_elements(data)
+        elements = binary.bytes_elements(data, count)
     except BinaryFormatError as e:
         raise BadInput(str(e)) from None
     return [utf8(element, f"BYTES element {i}") for i, element in enumerate(elements)]
