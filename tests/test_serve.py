@@ -17,7 +17,7 @@ import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from conftest import offline_logits, serving
+from conftest import offline_logits, served_here, serving
 from optiserve.data import load_dataset
 from optiserve.errors import UserError
 from optiserve.models import InputSpec
@@ -55,6 +55,13 @@ def _png(array_0_255: np.ndarray) -> bytes:
     Image.fromarray(array_0_255.astype(np.uint8)).save(buf, format="PNG")
     return buf.getvalue()
 
+
+
+def test_serve_s_top_k_sets_how_many_classes_a_request_that_names_none_is_answered(small_artifact):
+    image = {"inputs": np.zeros((1, 1, 16, 16)).tolist()}
+    with served_here(small_artifact, "--variants", "fp32", "--top-k", "2") as base:
+        assert len(httpx.post(f"{base}/predict", json=image).json()["predictions"][0]) == 2
+        assert len(httpx.post(f"{base}/predict?top_k=4", json=image).json()["predictions"][0]) == 4
 
 
 def test_predict_serves_the_same_answer_as_the_offline_runtime(client, digits, small_artifact):

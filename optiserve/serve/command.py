@@ -94,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULTS.shutdown_timeout_s:g})")
     p.add_argument("--max-image-pixels", type=int, default=DEFAULTS.max_image_pixels, metavar="N",
                    help=f"larger uploads are refused from their header (default {DEFAULTS.max_image_pixels:,})")
+    p.add_argument("--top-k", type=int, default=DEFAULTS.top_k, metavar="K",
+                   help=f"a classifier's classes answered per input where the request names no top_k "
+                        f"(default {DEFAULTS.top_k})")
     p.add_argument("--decode-threads", type=int, default=None, metavar="N",
                    help="threads that parse JSON bodies, tokenize texts beyond a few sentences and decode images with "
                         "Pillow, off the event loop (default: min(4, cores))")
@@ -162,7 +165,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                       threads=args.threads, instances=args.instances, priority_levels=args.priority_levels,
                       default_priority=args.default_priority,
                       inference_nice=args.inference_nice, device=args.device, body_timeout_s=args.body_timeout_s,
-                      drain_seconds=args.drain_seconds, shutdown_timeout_s=args.shutdown_timeout_s, max_image_pixels=args.max_image_pixels,
+                      drain_seconds=args.drain_seconds, shutdown_timeout_s=args.shutdown_timeout_s, max_image_pixels=args.max_image_pixels, top_k=args.top_k,
                       decode_threads=args.decode_threads, manifest_sha256=args.manifest_sha256,
                       model_control=args.model_control, load_models=args.load_models,
                       poll_seconds=args.poll_seconds, strict_readiness=args.strict_readiness,

@@ -108,6 +108,7 @@ class ServeConfig:
         for name, value in (("--max-batch-size", self.max_batch_size), ("--max-queue", self.max_queue),
                             ("--max-batch-tokens", self.max_batch_tokens),
                             ("--max-image-pixels", self.max_image_pixels), ("--decode-threads", self.decode_threads),
+                            ("--top-k", self.top_k),
                             ("--workers", self.workers)):
             if value is not None and value < 1:
                 raise UserError(f"{name} must be at least 1, got {value}")
