@@ -1,5 +1,6 @@
 """A served text model's tokens in /stats and /metrics: the real tokens its answered requests carried
-(held to transformers' own tokenizer, truncated at the model's max length) on every transport, the
+(held to transformers' own tokenizer, truncated at the model's max length) and the texts it cut there
+on every transport, the
 padded tokens its batches ran (rows times the longest row), a shadow run counted in its variant's
 batches but never as a caller's tokens, and an image model's /stats and /metrics without any of it.
 Served: conftest's small BERT encoder (`bert_encoder`) beside the small image classifier."""
@@ -13,12 +14,12 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import BERT_MAX_LENGTH, free_port, pipeline_repository, until
+from conftest import BERT_MAX_LENGTH, free_port, pipeline_repository, reference_tokenizer, until
 from optiserve.serve.app import ServeConfig, create_app
 
 pytest.importorskip("onnxruntime")
 
-TOKEN_FIELDS = {"tokens", "throughput_tokens_per_s", "padded_tokens", "padding_share"}
+TOKEN_FIELDS = {"tokens", "throughput_tokens_per_s", "truncated_texts", "padded_tokens", "padding_share"}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,9 @@ def served(bert_encoder, small_artifact, tmp_path_factory):
         r = client.put("/v2/models/bert/traffic", json={"shadow": {"variant": "onnx-int8", "fraction": 1.0}},
                        headers={"authorization": "Bearer tokens-test-admin-secret"})
         assert r.status_code == 200, r.text
-        yield client, port, texts, lengths, json.loads((small_artifact / "manifest.json").read_text())["input"]["shape"]
+        full = [len(ids) for ids in reference_tokenizer(folder)(texts)["input_ids"]]  # not truncated
+        yield (client, port, texts, lengths, json.loads((small_artifact / "manifest.json").read_text())["input"]["shape"],
+               [n > BERT_MAX_LENGTH for n in full])
 
 
 def _variant(client: TestClient, model: str, variant: str) -> dict:
@@ -69,7 +72,7 @@ def _grpc_infer(port: int, texts: list[str]) -> None:
 
 
 def test_tokens_on_every_transport_are_the_reference_tokenizer_s_and_padding_is_rows_times_longest(served):
-    client, port, texts, lengths, _ = served
+    client, port, texts, lengths, _, cut = served
     by_length = sorted(range(len(texts)), key=lengths.__getitem__)
     longest, shortest = by_length[-1], by_length[0]
     assert lengths[longest] == BERT_MAX_LENGTH and lengths[shortest] < BERT_MAX_LENGTH // 2  # truncated and short
@@ -97,10 +100,11 @@ def test_tokens_on_every_transport_are_the_reference_tokenizer_s_and_padding_is_
     sent = [(predict_json, [shortest, longest, middle]), (predict_plain, [by_length[3]]),
             (protocol, [by_length[10], by_length[-5]]), (embeddings, [by_length[40], shortest]),
             (lambda chosen: _grpc_infer(port, chosen), [middle, by_length[-20], by_length[7]])]
-    real = padded = rows = 0
+    real = padded = rows = truncated = 0
     for send, chosen in sent:
         send([texts[i] for i in chosen])
         real += sum(lengths[i] for i in chosen)
+        truncated += sum(cut[i] for i in chosen)
         padded += len(chosen) * max(lengths[i] for i in chosen)
         rows += len(chosen)
         until(lambda: client.get("/stats?model=bert").json()["shadow"].get("onnx-int8", {}).get("images") == rows)
@@ -112,6 +116,8 @@ def test_tokens_on_every_transport_are_the_reference_tokenizer_s_and_padding_is_
     assert answered["throughput_tokens_per_s"] == pytest.approx(real / answered["elapsed_s"], rel=0.05)
     assert _counter(client, "optiserve_tokens", "bert", "onnx-fp32") == real
     assert _counter(client, "optiserve_padded_tokens", "bert", "onnx-fp32") == padded
+    assert answered["truncated_texts"] == truncated == _counter(client, "optiserve_truncated_texts", "bert", "onnx-fp32")
+    assert truncated >= 2  # texts past the max length were sent, on more than one transport
 
     # the shadow ran the same batches: its padding counts, its tokens are no caller's
     shadow = _variant(client, "bert", "onnx-int8")
@@ -119,6 +125,7 @@ def test_tokens_on_every_transport_are_the_reference_tokenizer_s_and_padding_is_
     assert shadow["tokens"] == 0 and shadow["outcomes"] == {} and shadow["padded_tokens"] == padded
     assert shadow["padding_share"] == pytest.approx(1 - real / padded)
     assert _counter(client, "optiserve_tokens", "bert", "onnx-int8") is None
+    assert shadow["truncated_texts"] == 0 and _counter(client, "optiserve_truncated_texts", "bert", "onnx-int8") is None
     assert _counter(client, "optiserve_padded_tokens", "bert", "onnx-int8") == padded
 
 
@@ -128,11 +135,12 @@ def test_a_refused_request_counts_no_tokens(served):
     r = client.post("/predict?model=bert", json={"texts": ["fine", 7]})
     assert r.status_code == 400
     after = _variant(client, "bert", "onnx-fp32")
-    assert (after["tokens"], after["padded_tokens"]) == (before["tokens"], before["padded_tokens"])
+    assert (after["tokens"], after["padded_tokens"], after["truncated_texts"]) == \
+        (before["tokens"], before["padded_tokens"], before["truncated_texts"])
 
 
 def test_an_image_model_has_no_token_fields_or_series(served):
-    client, *_, shape = served
+    client, *_, shape, _ = served
     r = client.post("/predict?model=digits", json={"inputs": np.zeros((2, *shape)).tolist()})
     assert r.status_code == 200, r.text
     variant = _variant(client, "digits", "onnx-fp32")

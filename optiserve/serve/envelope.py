@@ -179,6 +179,7 @@ class InferRequest:
     outputs: list[tuple[str, bool]]   # (output name, answer it as binary)
     id: str | None
     priority: object = None           # the request's `parameters.priority` as sent (the server checks it)
+    truncated: int = 0                # a text model's texts cut at its max length
 
 
 def check_tensor(shape, datatype, taken: ProtocolInput, max_images: int) -> tuple[int, np.dtype]:

@@ -109,8 +109,9 @@ def parse_text_infer(message: InferMessage, texts: TextRequests, output_names: t
         values = [utf8(b, f"contents.bytes_contents[{i}]") for i, b in enumerate(contents)]
     if len(values) != count:
         raise BadInput(f"input data has {len(values)} texts but shape {shape} needs {count}")
-    return InferRequest(texts.tokens(values).batch, _requested(request, output_names, bool(raw)),
-                        request.id or None)
+    tokens = texts.tokens(values)
+    return InferRequest(tokens.batch, _requested(request, output_names, bool(raw)), request.id or None,
+                        truncated=tokens.truncated)
 
 
 def parse_pipeline_infer(message: InferMessage, names: tuple[str, ...], limits: ImageLimits) -> PipelineInput:
@@ -200,6 +201,7 @@ class InferCodec(ProtocolChecks):
         if model.texts is not None:  # a BYTES tensor of texts
             self.parsed = await server.decode_texts(message.size, parse_text_infer, message, model.texts,
                                                     model.protocol_outputs)
+            admission.truncated = self.parsed.truncated
             return self.parsed.images
         args = (message, admission.model.protocol_input, admission.model.settings.max_images,
                 admission.model.protocol_outputs)

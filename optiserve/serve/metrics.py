@@ -24,6 +24,9 @@ class ServerMetrics:
         # a text model's only: an image model has no series of these, rather than zeros
         self.tokens = Counter("optiserve_tokens", "Real (non-padding) tokens of the texts a text model answered, "
                               "after truncation at its max length, by variant", ["model", "variant"], registry=r)
+        self.truncated_texts = Counter("optiserve_truncated_texts", "Texts a text model answered that were cut "
+                                       "at its max length (their tokens past it unread), by variant",
+                                       ["model", "variant"], registry=r)
         self.padded_tokens = Counter("optiserve_padded_tokens", "Tokens a text model's batches ran: each run's "
                                      "rows times its longest row, padding included (a batch runs as one run or "
                                      "several of like length)", ["model", "variant"], registry=r)
@@ -78,7 +81,7 @@ class ServerMetrics:
         return children
 
     def record_request(self, model: str, variant: str, outcome: str, seconds: float | None = None,
-                       images: int = 0, tokens: int = 0) -> None:
+                       images: int = 0, tokens: int = 0, truncated: int = 0) -> None:
         children = self._children(model, variant)
         (children["ok"] if outcome == "ok" else self.requests.labels(model, variant, outcome)).inc()
         if seconds is not None:
@@ -87,6 +90,8 @@ class ServerMetrics:
             children["images"].inc(images)
         if tokens:
             self._text_child(children, "tokens", model, variant).inc(tokens)
+            # made with the tokens series, so a text model shows 0 until a text is cut
+            self._text_child(children, "truncated_texts", model, variant).inc(truncated)
 
     def record_batch(self, model: str, variant: str, size: int, queue_seconds: list[float],
                      compute_seconds: float, padded_tokens: int = 0) -> None:

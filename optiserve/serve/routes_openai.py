@@ -106,6 +106,7 @@ class EmbeddingsCodec:
 
     async def read(self, server: Server, admission: Admission) -> np.ndarray:
         self.tokens = await server.decode_texts(self.size, admission.model.texts.tokens, self.parsed.texts)
+        admission.truncated = self.tokens.truncated
         return self.tokens.batch
 
     def answer(self, admission: Admission, outputs: tuple[np.ndarray, ...], timing: dict) -> FastJSONResponse:

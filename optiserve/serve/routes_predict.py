@@ -103,6 +103,7 @@ class PredictCodec:
             server.reroute(admission, parsed.variant, self.request)
         if self.params.get("top_k") is None:
             self.params["top_k"] = parsed.top_k
+        admission.truncated = parsed.tokens.truncated
         return parsed.tokens.batch
 
     def answer(self, admission: Admission, outputs: tuple[np.ndarray, ...], timing: dict) -> FastJSONResponse:

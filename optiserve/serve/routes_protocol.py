@@ -114,6 +114,7 @@ class InferCodec(ProtocolChecks):
             self.parsed = parsed = await server.decode_texts(len(body), model.texts.infer_request, body,
                                                              self.binary_header, admission.hold_json,
                                                              model.protocol_outputs)
+            admission.truncated = parsed.truncated
         else:
             body = await server.read_body(self.request, admission, json_values=self.binary_header is None)
             self.parsed = parsed = await server.decode(

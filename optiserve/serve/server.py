@@ -48,6 +48,7 @@ class Admission:
     variant: ServedVariant
     reservation: Reservation
     held: HeldBytes  # its share of --max-queue-bytes: the body it buffers, what decoding it builds
+    truncated: int = 0  # a text model's texts cut at its max length, told by the codec that tokenized them
 
     def hold_json(self, n: int) -> None:
         """Hold what parsing its JSON builds (told by envelope before the parse starts)."""
@@ -386,16 +387,16 @@ class Server:
                                 {"optiserve.variant": variant.name, "optiserve.batch_size": result.batch_size})
         # a text model's real tokens, once per answered request on every transport (a shadow run is not a caller's)
         tokens = model.texts.real_tokens(images) if model.texts is not None else 0
-        self._record(model, variant, "ok", seconds, len(images), tokens)
+        self._record(model, variant, "ok", seconds, len(images), tokens, admission.truncated)
         return result.outputs, {"server_ms": 1000 * seconds, "queue_ms": 1000 * result.queue_s,
                                "compute_ms": 1000 * result.compute_s, "batch_size": result.batch_size,
                                "batch_sizes": result.batch_sizes}
 
     def _record(self, model: ServedModel, variant: ServedVariant, outcome: str, seconds: float | None = None,
-                images: int = 0, tokens: int = 0) -> None:
+                images: int = 0, tokens: int = 0, truncated: int = 0) -> None:
         """One request's outcome, into both /stats and /metrics."""
-        variant.stats.record_request(outcome, None if seconds is None else 1000 * seconds, images, tokens)
-        self.metrics.record_request(model.name, variant.name, outcome, seconds, images, tokens)
+        variant.stats.record_request(outcome, None if seconds is None else 1000 * seconds, images, tokens, truncated)
+        self.metrics.record_request(model.name, variant.name, outcome, seconds, images, tokens, truncated)
 
 
 def http_priority(request: Request) -> tuple[str | None, str]:

@@ -25,16 +25,19 @@ class VariantStats:
         self.images = 0
         self.batch_sizes: collections.Counter[int] = collections.Counter()
         self.tokens = 0  # real tokens of the texts answered (padding not counted)
+        self.truncated = 0  # texts answered that were cut at the model's max length
         self.batched_tokens = 0  # real tokens of the rows the batches ran (shadow rows included)
         self.padded_tokens = 0  # tokens the batches ran: rows × the longest row of each run they ran as
 
-    def record_request(self, outcome: str, latency_ms: float | None = None, images: int = 0, tokens: int = 0) -> None:
+    def record_request(self, outcome: str, latency_ms: float | None = None, images: int = 0, tokens: int = 0,
+                       truncated: int = 0) -> None:
         with self._lock:
             self.outcomes[outcome] += 1
             if latency_ms is not None:
                 self.latencies_ms.append(latency_ms)
             self.images += images
             self.tokens += tokens
+            self.truncated += truncated
 
     def record_batch(self, size: int, tokens: tuple[int, int] | None = None) -> None:
         """An executed batch: its rows, and a text model's (real, padded) tokens where it answered."""
@@ -58,6 +61,7 @@ class VariantStats:
                    "elapsed_s": elapsed}
             if self.texts:
                 out.update({"tokens": self.tokens, "throughput_tokens_per_s": self.tokens / elapsed,
+                            "truncated_texts": self.truncated,
                             "padded_tokens": self.padded_tokens,
                             "padding_share": (1 - self.batched_tokens / self.padded_tokens
                                               if self.padded_tokens else None)})

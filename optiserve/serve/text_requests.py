@@ -128,8 +128,9 @@ class TextRequests:
         if not isinstance(texts, list) or len(texts) != count:
             got = f"{len(texts)} texts" if isinstance(texts, list) else "no list of texts"
             raise BadInput(f"input data has {got} but shape {shape} needs {count}")
-        return InferRequest(self.tokens(texts).batch, requested_outputs(body.get("outputs"), params, output_names),
-                            id_field(body.get("id")), params.get("priority"))
+        tokens = self.tokens(texts)
+        return InferRequest(tokens.batch, requested_outputs(body.get("outputs"), params, output_names),
+                            id_field(body.get("id")), params.get("priority"), tokens.truncated)
 
     def check_tensor(self, shape, datatype) -> int:
         """The number of texts a protocol tensor declares (BYTES, shape [N] or [N, 1], N at most
