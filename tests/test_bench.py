@@ -182,6 +182,19 @@ def test_failures_are_counted_with_their_reason_never_dropped():
     assert groups["slow"]["requests"] == len(groups["slow"]["latency_ms"]) == ok.count(True)
 
 
+def test_a_window_in_which_every_request_failed_is_a_step_that_meets_nothing_not_an_error():
+    from optiserve.bench.tune import _summary, missed
+
+    app, served = _service(0.001, fail_every=1)
+    run = asyncio.run(_with_service(app, Load("closed", 2, duration_s=0.3, warmup_s=0)))
+    assert run.records["ok"] and not any(run.records["ok"])
+    window = run.window_summary()
+    assert window["rps"] == 0 and window["failed"] == window["requests"] == len(run.records["ok"])
+    assert window["p99"] == float("inf")
+    step = _summary(run, None, 0.3)
+    assert missed(step, 1e9) == [f"none of {step['requests']} requests answered"]
+
+
 def test_an_unreachable_server_and_bad_files_are_one_line_errors(tmp_path):
     proc = run_cli("bench", "http", f"http://127.0.0.1:{free_port()}", "--duration", "1")
     assert proc.returncode == 2 and "cannot reach" in proc.stderr and "Traceback" not in proc.stderr

@@ -120,9 +120,11 @@ def test_tune_drives_a_text_model_with_its_texts_and_its_token_budget_and_the_cl
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from tune_replay import check_claim
 
-    folder, data, lengths = bert_encoder
+    folder, shared, lengths = bert_encoder
     tuned = tmp_path / NAME
     shutil.copytree(folder, tuned)
+    data = tmp_path / shared.name  # changed below
+    shutil.copy(shared, data)
     budget = 2 * MAX_LENGTH  # two full-length texts a batch, though four short ones fit
     args = ("tune", str(tuned), "--slo-p99-ms", "1000", "--texts", f"text:{data}", "--variants", "onnx-int8",
             "--batch-sizes", "4", "--batch-tokens", str(budget), "--delays-ms", "2", "--instances", "1",
@@ -153,7 +155,13 @@ def test_tune_drives_a_text_model_with_its_texts_and_its_token_budget_and_the_cl
     assert proc.returncode == 0, proc.stderr
     again = json.loads((tuned / "tune.json").read_text())
     assert again["points"] == doc["points"] and again["winner"]["confirmation"] == doc["winner"]["confirmation"]
-    assert doc["load"] == {"texts": f"text:{data}", "texts_per_request": 1, "tokens_counted": True}
+    assert doc["load"] == {"texts": f"text:{data}", "texts_per_request": 1, "tokens_counted": True,
+                           "sha256": doc["objective"]["load"]["sha256"]} == doc["objective"]["load"]
+    # the same file, changed since: its points were measured on other texts, so it starts over or stops
+    data.write_text(data.read_text().replace("\n", " too\n", 1))
+    proc = run_cli_here(*args, "--resume")
+    assert proc.returncode != 0 and "load: sha256" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
     steps = [s for p in doc["points"] for s in p["steps"]] + doc["winner"]["confirmation"]["tries"]
     for step in steps:  # one text a request, each of the file's texts' tokens
         assert step["texts"] == step["requests"] - step["failed"] > 0

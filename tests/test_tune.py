@@ -57,7 +57,9 @@ def test_tune_writes_the_winner_every_point_and_a_report(tuned):
         if p["meets"]:
             step = next(s for s in p["steps"] if s["rps"] == p["rate"])
             assert step["meets"] and "offered" in step and step["p99_ms"] <= SLO_MS and step["failed"] == 0
-    assert tune["objective"] == {"slo_p99_ms": SLO_MS, "mode": "open", "duration_s": 1.0, "max_accuracy_drop": None}
+    assert tune["objective"] == {"slo_p99_ms": SLO_MS, "mode": "open", "duration_s": 1.0, "max_accuracy_drop": None,
+                                 "load": tune["load"]}
+    assert tune["load"]["images"] > 0 and len(tune["load"]["sha256"]) == 64  # the images it sent, by digest
     assert tune["environment"]["cpu"] and tune["environment"]["onnxruntime"]
     settings = json.loads((tuned / "serving.json").read_text())
     assert settings == {**winner["settings"], "timeout_ms": 20000}  # the folder's other settings are kept

@@ -54,6 +54,9 @@ class Run:
         load window's line."""
         ok = self.records["ok"]
         lat = [x for x, good in zip(self.records["latency_ms"], ok) if good]
+        if not lat:  # nothing answered: no latency is known, none is fast enough
+            return {"requests": len(ok), "failed": ok.count(False), "rps": 0.0, "min": float("inf"),
+                    "p50": float("inf"), "p99": float("inf")}
         return {"requests": len(ok), "failed": ok.count(False), "rps": len(lat) / self.duration_s,
                 "min": float(min(lat)), "p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99))}
 

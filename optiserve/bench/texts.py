@@ -4,6 +4,7 @@ request's texts keep under the served model's own tokenizer where that tokenizer
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,21 @@ class TextLoad:
         return len(self.requests)
 
     def settings(self) -> dict:
-        """What a results file or tune.json keeps of the load."""
-        return {"texts": self.source, "texts_per_request": self.per_request, "tokens_counted": self.tokens is not None}
+        """What a results file or tune.json keeps of the load: its file, and a digest of the texts it
+        sends, so that a resumed tune can tell the same file from one changed since."""
+        return {"texts": self.source, "texts_per_request": self.per_request, "tokens_counted": self.tokens is not None,
+                "sha256": texts_digest(self.requests)}
+
+
+def texts_digest(requests: list[list[str]]) -> str:
+    """The SHA-256 of a load's requests, text by text in order."""
+    digest = hashlib.sha256()
+    for request in requests:
+        for text in request:
+            digest.update(text.encode("utf-8", "surrogatepass"))
+            digest.update(b"\0")
+        digest.update(b"\1")
+    return digest.hexdigest()
 
 
 def text_path(spec: str) -> Path:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -85,9 +86,19 @@ class TuneConfig:
     ready_within_s: float = 300.0
 
     def objective(self) -> dict:
-        """What a resumed run must share with the tune.json it continues."""
+        """What a resumed run must share with the tune.json it continues: the objective, and the load
+        its points were measured under (the texts, or the images, by their digest)."""
         return {"slo_p99_ms": self.slo_p99_ms, "mode": self.mode, "duration_s": self.duration_s,
-                "max_accuracy_drop": self.max_accuracy_drop}
+                "max_accuracy_drop": self.max_accuracy_drop, "load": self.load()}
+
+    def load(self) -> dict:
+        """What the load sends, as tune.json records it."""
+        if self.texts is not None:
+            return self.texts.settings()
+        digest = hashlib.sha256()
+        for image in self.images:
+            digest.update(len(image).to_bytes(8, "little") + image)
+        return {"images": len(self.images), "sha256": digest.hexdigest()}
 
 
 @dataclass(frozen=True)
@@ -241,8 +252,7 @@ def _summary(run, offered: float | None, window_s: float) -> dict:
     """One load step as tune.json keeps it: `requests` counts every request sent in the measured
     window (answered or failed), `window_s` is that window and `drain_s` how long after it the last
     answer came (`rps` is answered over both); `offered` is an open loop's nominal rate."""
-    s = run.window_summary() if run.records["ok"] else {"requests": 0, "failed": 0, "rps": 0.0, "min": float("inf"),
-                                                         "p50": float("inf"), "p99": float("inf")}
+    s = run.window_summary()
     return {"level": run.level, "rps": round(s["rps"], 2), "min_ms": round(s["min"], 2), "p50_ms": round(s["p50"], 2),
             "p99_ms": round(s["p99"], 2),
             "requests": s["requests"], "failed": s["failed"], "window_s": window_s,
@@ -352,6 +362,20 @@ def is_result(point) -> bool:
     return isinstance(point, dict) and {"rate", "meets", "steps", "level", "p99_ms"} <= set(point) and \
         isinstance(point["meets"], bool) and isinstance(point["rate"], (int, float)) and \
         isinstance(point["steps"], list)
+
+
+def _differences(was: dict, now: dict) -> str:
+    """What differs between a tune.json's objective and this run's, field by field (a load by its parts)."""
+    out = []
+    for key in [*was, *(k for k in now if k not in was)]:
+        before, after = was.get(key), now.get(key)
+        if before == after:
+            continue
+        if isinstance(before, dict) and isinstance(after, dict):
+            out.append(f"{key}: {_differences(before, after)}")
+        else:
+            out.append(f"{key} {str(before)[:80]} (this run: {str(after)[:80]})")
+    return ", ".join(out)
 
 
 def _is_measured(point, variants: set[str]) -> bool:
@@ -652,7 +676,7 @@ class Tuner:
                   confirmation: dict | None = None) -> dict:
         doc = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": self.model,
                "objective": self.cfg.objective(), "environment": environment(),
-               **({"load": self.cfg.texts.settings()} if self.cfg.texts is not None else {}),
+               "load": self.cfg.load(),
                "points": list(self.points.values())}
         if left_out is not None:
             doc["left_out"], doc["pruned"] = left_out, pruned or {}
@@ -681,8 +705,8 @@ class Tuner:
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"--resume: {path} is not a tune.json ({e}); run without --resume to start over") from None
         if objective != self.cfg.objective():
-            raise UserError(f"--resume: {path} was measured for {objective}, not {self.cfg.objective()}; give the "
-                            f"same objective, or run without --resume to start over")
+            raise UserError(f"--resume: {path} was measured for {_differences(objective, self.cfg.objective())}; give "
+                            f"the same objective and load, or run without --resume to start over")
         self.points = measured
         self.confirmed_before = doc.get("winner") if isinstance(doc.get("winner"), dict) else None
 
