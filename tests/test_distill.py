@@ -115,6 +115,14 @@ def test_an_output_kind_distillation_does_not_know_is_refused_by_name():
         distillation_loss("class-scores", "odds")
 
 
+def test_a_training_split_smaller_than_a_batch_still_trains_as_one_batch(digits):
+    teacher, data, test = digits
+    student = _pruned(teacher, test)
+    report = distill(student, teacher, _few(data, 28), "class-scores", epochs=2, batch_size=64, progress=False)
+    assert report["steps"] == 2  # one batch of the 28 an epoch
+    assert report["val_distillation_loss_after"] < report["val_distillation_loss_before"]
+
+
 def test_an_embedding_is_matched_by_its_direction(digits):
     teacher, data, test = digits
     embedder = nn.Sequential(teacher.features, nn.Flatten(), nn.Linear(teacher.classifier.in_features, 16)).eval()

@@ -224,6 +224,12 @@ def test_unlabelled_training_texts_fit_beside_scored_pairs_that_choose_and_repor
     (folder / "train.tsv").write_text("text\tlabel\na\tpos\n", encoding="utf-8")  # labelled texts do not fit pairs
     with pytest.raises(UserError, match="only scored pairs may be held out beside unlabelled training texts"):
         load_text_splits(str(folder))
+    # the other way round: plain texts cannot be scored as pairs
+    _write_table(folder / "train.tsv", ["text1", "text2", "score"], pairs[:30], "\t")
+    for role, rows in (("val", pairs[30:45]), ("test", pairs[45:])):
+        (folder / f"{role}.tsv").write_text("text\n" + "".join(f"{a}\n" for a, _, _ in rows), encoding="utf-8")
+    with pytest.raises(UserError, match="(val|test).tsv holds texts but train.tsv holds pairs"):
+        load_text_splits(str(folder))
 
 
 # --- what is refused, in one line that names the fix ----------------------------------------------

@@ -230,6 +230,20 @@ def test_bad_timing_texts_are_one_line(model, tmp_path, given, says):
     assert says.format(tmp=tmp_path) in said, said
 
 
+def test_timing_texts_that_hold_the_test_texts_are_one_line(model, tmp_path):
+    """Timing chooses the recommendation, so it may not run on texts whose role is only to report."""
+    folder, data = model
+    said = refused(tmp_path, str(folder), "--dataset", f"text:{data}", "--timing-texts", str(data))
+    assert "is the --dataset file, which is split into train, validation and test" in said, said
+    split = tmp_path / "split"
+    split.mkdir()
+    texts = data.read_text(encoding="utf-8").splitlines()
+    for role, part in (("train", texts[:40]), ("val", texts[40:60]), ("test", texts[60:80])):
+        (split / f"{role}{data.suffix}").write_text("\n".join(part) + "\n", encoding="utf-8")
+    said = refused(tmp_path, str(folder), "--dataset", f"text:{split}", "--timing-texts", f"text:{split / 'test'}{data.suffix}")
+    assert "is the dataset's test file" in said, said
+
+
 def test_timing_texts_for_an_image_model_is_one_line(tmp_path):
     texts = tmp_path / "texts.txt"
     texts.write_text("a sentence\n")

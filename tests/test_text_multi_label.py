@@ -182,6 +182,17 @@ def test_label_sets_do_not_score_a_single_label_classifier(classifier, tmp_path)
     assert "labels texts with sets of classes (a|b)" in said and "reads one softmax" in said
 
 
+def test_label_sets_given_to_a_sentence_encoder_are_left_unread_and_it_is_judged_by_its_vectors(classifier, tmp_path):
+    encoder = copy_with_config(classifier[0], tmp_path, architectures=["BertModel"])  # the same layers, no head
+    out = tmp_path / "encoder"
+    r = run_cli_here("optimize", str(encoder), "--dataset", f"text:{classifier[1]}", "--no-openvino", "--no-search",
+                     "--latency-batch", "1", "--timing-rounds", "3", "--seq-lengths", "16", "--out", str(out),
+                     "--no-progress")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    manifest = _manifest(out)
+    assert manifest["task"] == "text-embedding" and "cosine_mean" in manifest["variants"][0]["validation"]["accuracy"]
+
+
 def test_label_sets_are_read_as_documented(tmp_path):
     from optiserve.data.text import load_text_splits, read_text_file
 

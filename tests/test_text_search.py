@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +199,27 @@ def test_the_search_stops_at_the_first_candidate_the_validation_texts_reject(enc
         assert skipped[name].startswith("not tried: layers3of4, with more layers kept, failed the gate")
 
 
+def test_a_text_model_whose_onnx_export_fails_ends_the_run_in_one_line_before_any_search(encoder, lee_pairs, tmp_path,
+                                                                                           monkeypatch):
+    """The export is the baseline every other variant of a text model is judged against: without it
+    nothing can be judged, so the run stops at once, saying why, before a search spends its minutes."""
+    from optiserve.errors import UserError
+    from optiserve.optimize import recovery
+    from optiserve.optimize.passes import text as text_pass
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("the exporter met an operator it has no rule for")
+
+    recovered = []
+    monkeypatch.setattr(text_pass, "export_text_onnx", crash)
+    monkeypatch.setattr(recovery, "recover", lambda *a, **k: recovered.append(True))
+    out = tmp_path / "artifact"
+    with pytest.raises(UserError, match="the ONNX export of .* failed .*RuntimeError: the exporter met an operator"):
+        run_optimize(OptimizeConfig(str(encoder), dataset=f"text:{lee_pairs}", int8=True, openvino=False,
+                                    ort_transformer=False, search="on", progress=False, out=str(out)))
+    assert not recovered and not out.exists()
+
+
 def test_ratios_that_keep_the_same_layers_build_one_candidate(encoder, lee_pairs, tmp_path):
     manifest = run_optimize(OptimizeConfig(str(encoder), dataset=f"text:{lee_pairs}", int8=False, openvino=False,
                                            ort_transformer=False, search="on", search_ratios=(0.1, 0.5, 0.6),
@@ -279,11 +301,12 @@ def test_the_validation_pairs_choose_and_the_test_pairs_only_report(encoder, tmp
     assert reported[0]["onnx-fp32"] != reported[1]["onnx-fp32"]
 
 
-@pytest.mark.parametrize("damaged", [False, True])
+@pytest.mark.parametrize("since", ["nothing", "weights damaged", "texts changed"])
 def test_a_search_stopped_while_exporting_a_candidate_resumes_from_its_recovered_weights(encoder, lee_pairs, tmp_path,
-                                                                                          monkeypatch, damaged):
+                                                                                          monkeypatch, since):
     """A candidate's recovered weights are kept before its export: stopped there, --resume exports
-    those weights again without recovering it anew; weights that no longer load are recovered again."""
+    those weights again without recovering it anew; weights that no longer load, or were recovered
+    on texts changed since (the same file, edited), are recovered again."""
     from safetensors.torch import load_file
 
     from optiserve.optimize import recovery
@@ -307,7 +330,9 @@ def test_a_search_stopped_while_exporting_a_candidate_resumes_from_its_recovered
     monkeypatch.setattr(recovery, "recover", counted)
     monkeypatch.setattr(text_search, "export_text_onnx", stopped_the_first_time)
     out = tmp_path / "artifact"
-    options = dict(dataset=f"text:{lee_pairs}", int8=False, openvino=False, ort_transformer=False, search="on",
+    pairs = tmp_path / lee_pairs.name
+    shutil.copy(lee_pairs, pairs)
+    options = dict(dataset=f"text:{pairs}", int8=False, openvino=False, ort_transformer=False, search="on",
                    search_ratios=(0.5,), finetune_epochs=1, latency_batch=2, timing_rounds=3, seq_lengths=(32,),
                    min_cosine=0.0, progress=False, out=str(out))
     with pytest.raises(KeyboardInterrupt):
@@ -317,11 +342,15 @@ def test_a_search_stopped_while_exporting_a_candidate_resumes_from_its_recovered
     kept = load_file(str(weights))
     assert all(torch.equal(kept[k], v) for k, v in exported["stopped"].items())
 
-    if damaged:
+    if since == "weights damaged":
         weights.write_bytes(weights.read_bytes()[:100])  # cut short, as by a full disk
+    if since == "texts changed":
+        header, *rows = pairs.read_text(encoding="utf-8").splitlines()  # each pair's first text a word longer
+        pairs.write_text("\n".join([header, *(row.replace("\t", " indeed\t", 1) for row in rows)]) + "\n",
+                         encoding="utf-8")
     recovered.clear()
     manifest = run_optimize(OptimizeConfig(str(encoder), resume=True, **options))
-    if damaged:
+    if since != "nothing":
         assert len(recovered) == 2 and not cache_folder(out).exists()
         return
     assert len(recovered) == 1  # the narrowed candidate only; the layer-dropped one was not recovered again

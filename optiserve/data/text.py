@@ -282,7 +282,7 @@ def _given_splits(root: Path, seed: int) -> TextSplits:
     # unlabelled texts may fit (calibration, distillation) where scored pairs choose and report
     kind = "pairs" if train.kind == "texts" and all(files[r].kind == "pairs" for r in held_out) else train.kind
     for role, file in files.items():
-        if file.kind != train.kind and not (role != "train" and kind == "pairs"):
+        if file.kind != train.kind and not (role != "train" and kind == "pairs" and train.kind == "texts"):
             raise UserError(f"{paths[role]} holds {file.kind} but {paths['train'].name} holds {train.kind}; "
                             f"write every file with the same columns (only scored pairs may be held out beside "
                             f"unlabelled training texts)")

@@ -154,6 +154,8 @@ def _held_out(split, data: DatasetSplits, loaded: LoadedModel, cfg: OptimizeConf
         _check_box_classes(held.labels, loaded.classes, cfg)
     elif data.truth == "pairs":
         pass  # the pairs' scores, which the text-embedding task reads as they are
+    elif data.truth == "class-sets" and mapping is None:  # a model its labels do not score (an encoder)
+        held.labels = None
     elif data.truth == "class-sets":  # the data's classes put in the model's columns
         sets = np.zeros((len(held.labels), len(loaded.classes)), dtype=np.int64)
         sets[:, mapping] = held.labels

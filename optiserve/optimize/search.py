@@ -7,9 +7,13 @@ marked as the search's, so those off its frontier leave the folder (optimize/fro
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+import numpy as np
+from torch.utils.data import TensorDataset
 
 from optiserve.optimize.passes.registry import Run
 from optiserve.optimize.search_cache import SearchCache
@@ -34,12 +38,37 @@ Gate = tuple[str, "str | None"]  # a recovered model's gate on the validation da
 
 
 def made_of(run: Run, transform: str) -> dict:
-    """What decides a recovered candidate besides its ratio: a kept one is taken only where all match."""
+    """What decides a recovered candidate besides its ratio: a kept one is taken only where all match,
+    the data included by its contents (a file changed since keeps its name, and a kept candidate's
+    verdict is the validation data's of then)."""
     cfg = run.cfg
     return {"transform": transform, "model": run.loaded.name, "source": run.loaded.source,
             "input": run.loaded.input.to_dict(), "task": run.loaded.task, "dataset": run.data.name,
             "labels": run.label_mapping is not None, "epochs": cfg.finetune_epochs, "gate": vars(cfg.gate_limits),
-            "device": cfg.device, "evaluated_on": len(run.valset.images)}
+            "device": cfg.device, "evaluated_on": _digest(run.valset.images, run.valset.labels),
+            "trained_on": _split_digest(run.data.train)}
+
+
+def _digest(*arrays) -> str:
+    """The SHA-256 of arrays' contents (an array of arrays, as boxes are kept, element by element)."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        if array is None:
+            digest.update(b"none")
+            continue
+        array = np.asarray(array) if not isinstance(array, np.ndarray) else array
+        for part in (array if array.dtype == object else [array]):
+            part = np.ascontiguousarray(part)
+            digest.update(f"{part.dtype}{part.shape}".encode() + part.tobytes())
+    return digest.hexdigest()
+
+
+def _split_digest(split) -> str | int:
+    """A training split's contents by digest where they are in memory (a text model's token rows),
+    else its size: reading every image again to hash it would cost as much as an epoch."""
+    if isinstance(split, TensorDataset):
+        return _digest(*(t.numpy() for t in split.tensors))
+    return len(split) if hasattr(split, "__len__") else 0
 
 
 def run_search(run: Run, what: str, candidates: list[Candidate],

@@ -188,6 +188,9 @@ def distill(student: nn.Module, teacher: nn.Module, data: DatasetSplits, match: 
     Returns the validation distillation loss before and after, and `epoch_s`: the seconds an epoch
     of training takes at the pace of the steps after the first (None where there were none)."""
     torch.manual_seed(seed)
+    # a training split smaller than a batch is one batch of all of it (whole batches only, below)
+    if hasattr(data.train, "__len__"):
+        batch_size = max(1, min(batch_size, len(data.train)))
     dev = resolve_device(device, 0)
     student.to(dev)
     teacher = teacher.to(dev).eval()

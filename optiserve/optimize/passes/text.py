@@ -24,6 +24,7 @@ import onnx
 import torch
 from torch import nn
 
+from optiserve.errors import UserError
 from optiserve.files import atomic_write
 from optiserve.models.text_folder import TOKENIZER
 from optiserve.optimize.export_onnx import OPSET, ExportMismatch
@@ -123,6 +124,9 @@ def _build_fp32(run: Run) -> None:
         run.variants.append(Variant("onnx-fp32", "model.onnx", "onnxruntime", "fp32",
                                     {"opset": OPSET, "inputs": list(names), "graph_optimization": "all"}))
         run.notes.append(f"ONNX export parity with eager: max |Δ| {difference:.1e} on every validation batch")
+    if (why := run.attempts.reason("onnx-fp32")) is not None:  # before any later pass spends its minutes
+        raise UserError(f"the ONNX export of {run.cfg.model} failed ({why}): every other variant of a text model is "
+                        f"judged against it, so nothing can be built without it")
 
 
 def _file_baseline(run: Run) -> None:
