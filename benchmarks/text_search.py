@@ -101,7 +101,7 @@ def rows(manifest: dict, batch: int) -> list[list[str]]:
         out.append([e["name"], _shape(s), f"{source.get('parameters_after', 1) / source.get('parameters_before', 1):.0%}",
                     recovery_length(recovery) if recovery else "—",
                     "—" if before is None else f"{before:.4f}",
-                    _f(val.get("cosine_mean")), _f(val.get("spearman")), _f(test.get("spearman")),
+                    _f(val.get("cosine_mean")), _spearman(val), _spearman(test),
                     e["status"] + (" (left the folder)" if e.get("dropped") else ""),
                     _f(latency.get("1"), ".2f"), _f(latency.get(n), ".2f"),
                     _ratio(base, e, n), _ratio(fastest_int8, e, n) if fastest_int8 else "—"])
@@ -116,6 +116,20 @@ def _shape(settings: dict) -> str:
     if search.get("transform") == "width":
         return f"{search['ratio']:.0%} of heads and ffn removed"
     return "the full model"
+
+
+def _spearman(measured: dict) -> str:
+    """A Spearman correlation with its difference from fp32's in points and the paired 95% interval
+    (as the manifest records it), e.g. `0.6676, +6.87 [+0.86, +13.06]`."""
+    value = measured.get("spearman")
+    if value is None:
+        return "—"
+    versus = measured.get("spearman_vs_fp32") or {}
+    if versus.get("points") is None:
+        return f"{value:.4f}"
+    low, high = versus.get("ci95") or (None, None)
+    interval = f" [{low:+.2f}, {high:+.2f}]" if low is not None and high is not None else ""
+    return f"{value:.4f}, {versus['points']:+.2f}{interval}"
 
 
 def _f(value, spec: str = ".4f") -> str:
@@ -158,6 +172,7 @@ def main() -> int:
     if args.table_of:
         from optiserve.artifacts import read_manifest
 
+        print(cpu_line())  # of the machine printing it; the folder's own run names where it was measured
         print_table(read_manifest(Path(args.table_of)), args.batch)
         return 0
 
@@ -196,7 +211,8 @@ def _timing_file(given: str, work: Path) -> str | None:
 
 
 def print_table(manifest: dict, batch: int) -> None:
-    header = ["variant", "kept", "params", "recovery", "val cosine before recovery", "val cosine", "val Spearman", "test Spearman",
+    header = ["variant", "kept", "params", "recovery", "val cosine before recovery", "val cosine",
+              "val Spearman, Δ fp32 [95% CI]", "test Spearman, Δ fp32 [95% CI]",
               "status", "p50 ms b1", f"p50 ms b{batch}", f"vs onnx-fp32 b{batch}", f"vs fastest full INT8 b{batch}"]
     table = [header, *rows(manifest, batch)]
     widths = [max(len(r[c]) for r in table) for c in range(len(header))]

@@ -184,11 +184,22 @@ def test_protocol_metadata_declares_a_bytes_input_and_the_vectors(repo):
     ({"name": "text", "shape": [2], "datatype": "BYTES", "data": ["a"]}, 400, "has 1 texts but shape [2] needs 2"),
     ({"name": "text", "shape": [1], "datatype": "BYTES", "data": [[1, 2]]}, 400, "text 0 is a token id"),
     ({"name": "text", "shape": [300], "datatype": "BYTES", "data": ["a"]}, 413, "300 texts in one request"),
+    ({"name": "text", "shape": [2], "datatype": "BYTES", "data": [["a"], ["b"]]}, 400, "text 0 is a list"),
+    ({"name": "text", "shape": [1], "datatype": "BYTES", "parameters": {"binary_data_size": 5}}, 400,
+     "binary_data_size needs the Inference-Header-Content-Length header"),
 ])
 def test_protocol_bytes_tensors_that_are_not_texts_are_one_line(repo, tensor, status, says):
     client, _ = repo
     r = client.post("/v2/models/minilm/infer", json={"inputs": [tensor]})
     assert r.status_code == status and says in r.json()["error"], r.text
+
+
+def test_a_bytes_tensor_of_shape_n_by_1_may_be_sent_nested_or_flat(repo):
+    client, _ = repo
+    answers = [client.post("/v2/models/minilm/infer", json={"inputs": [
+        {"name": "text", "shape": [2, 1], "datatype": "BYTES", "data": data}]}) for data in (["a", "b"], [["a"], ["b"]])]
+    assert [r.status_code for r in answers] == [200, 200], answers[1].text
+    assert answers[0].json()["outputs"] == answers[1].json()["outputs"]
 
 
 def test_binary_bytes_elements_that_are_not_utf8_cut_short_or_too_many_are_one_line(repo):

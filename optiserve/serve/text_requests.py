@@ -118,10 +118,12 @@ class TextRequests:
             if tail:
                 raise BadInput(f"{len(tail)} bytes of binary data follow the JSON, but no input has binary_data_size")
             texts = tensor.get("data")
-            if isinstance(texts, list) and len(texts) == count and all(isinstance(t, list) and len(t) == 1
-                                                                        for t in texts):
+            if len(shape) == 2 and isinstance(texts, list) and len(texts) == count and \
+                    all(isinstance(t, list) and len(t) == 1 for t in texts):
                 texts = [t[0] for t in texts]  # shape [N, 1] sent nested
         else:
+            if header_length is None:
+                raise BadInput(f"binary_data_size needs the {binary.HEADER} header")
             if isinstance(size, bool) or not isinstance(size, int) or size != len(tail):
                 raise BadInput(f"binary_data_size is {str(size)[:20]} but {len(tail):,} bytes follow the JSON")
             texts = bytes_elements(tail, count)
