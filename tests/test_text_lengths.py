@@ -242,6 +242,9 @@ def test_timing_texts_that_hold_the_test_texts_are_one_line(model, tmp_path):
         (split / f"{role}{data.suffix}").write_text("\n".join(part) + "\n", encoding="utf-8")
     said = refused(tmp_path, str(folder), "--dataset", f"text:{split}", "--timing-texts", f"text:{split / 'test'}{data.suffix}")
     assert "is the dataset's test file" in said, said
+    (split / f"test{data.suffix}").unlink()  # the val file is then halved: its second half reports
+    said = refused(tmp_path, str(folder), "--dataset", f"text:{split}", "--timing-texts", str(split / f"val{data.suffix}"))
+    assert "is the dataset's only held-out file, half of which is the test split" in said, said
 
 
 def test_timing_texts_for_an_image_model_is_one_line(tmp_path):

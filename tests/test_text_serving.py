@@ -226,6 +226,8 @@ def test_the_one_bytes_reader_reads_what_tritonclient_writes():
     assert bytes_elements(b"") == []
     with pytest.raises(BinaryFormatError, match=f"more than the {len(elements) - 1} elements"):
         bytes_elements(written, len(elements) - 1)
+    with pytest.raises(BinaryFormatError, match="ends inside an element's 4-byte length"):  # stray bytes, not an element
+        bytes_elements(written + b"\x01", len(elements))
     for cut in (written[:2], written[:-1]):
         with pytest.raises(BinaryFormatError):
             bytes_elements(cut)
@@ -307,29 +309,32 @@ def test_embeddings_refusals_are_one_line(repo, body, status, says):
     assert r.status_code == status and says in r.json()["error"], r.text
 
 
+@pytest.mark.parametrize("escaped", [False, True], ids=["utf8", "escaped"])
 @pytest.mark.parametrize("texts", [["ab"] * 50_000, ["\U0001F600"] * 20_000, ["a b c " * 20_000],
-                                   ["A gripping, beautifully shot film."] * 1_000], ids=["short", "emoji", "long", "sentences"])
-def test_what_a_text_body_s_parse_builds_is_held_before_it_runs(texts):
+                                   ["A gripping, beautifully shot film."] * 1_000, ["a" * 100_000 + "\U0001F600"],
+                                   ["a" * 100_000, "\u20ac"], ["caf\u00e9 " * 20_000]],
+                         ids=["short", "emoji", "long", "sentences", "one-emoji", "one-euro", "latin-1"])
+def test_what_a_text_body_s_parse_builds_is_held_before_it_runs(texts, escaped):
     """The byte budget is told at least what parsing the body allocates, measured by the interpreter."""
     import tracemalloc
 
     from optiserve.serve.envelope import parse_json
     from optiserve.serve.text_requests import parsed_size
 
-    body = json.dumps({"texts": texts}, ensure_ascii=False).encode()
+    body = json.dumps({"texts": texts}, ensure_ascii=escaped).encode()  # escaped: "\\u20ac", as Python's json sends it
     tracemalloc.start()
     try:
         parse_json(body)
         built = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert built <= parsed_size(body) <= 2 * len(body) + 100 * len(texts) + 5_000
+    assert built <= parsed_size(body) <= 8 * len(body) + 100 * len(texts) + 5_000
 
 
 def test_a_body_of_many_short_texts_is_refused_by_the_byte_budget_before_it_is_parsed(repo, monkeypatch):
     client, _ = repo
     monkeypatch.setattr(client.app.state.server.memory, "limit", 8 << 20)
-    many = ["ab"] * 200_000  # 1.2 MB of JSON that parses into about 13 MB of strings
+    many = ["ab"] * 200_000  # a body that parses into many times its own size
     for path, body in (("/predict?model=minilm", {"texts": many}), ("/v1/embeddings", {"model": "minilm", "input": many})):
         r = client.post(path, json=body)
         error = r.json()["error"]
@@ -375,7 +380,8 @@ def test_grpc_typed_bytes_contents_are_texts_too(repo, reference):
     tensor = request.inputs.add(name="text", datatype="BYTES", shape=[len(TEXTS)])
     tensor.contents.bytes_contents.extend(t.encode() for t in TEXTS)
     too_many = pb.ModelInferRequest(model_name="minilm")
-    too_many.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.extend([b"a", b"b"])
+    # counted before any is decoded: the second, not UTF-8, is never read
+    too_many.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.extend([b"a", b"\xff"])
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         response = stub(channel).ModelInfer(request, timeout=30)
         with pytest.raises(grpc.RpcError) as refused:

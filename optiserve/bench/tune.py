@@ -84,21 +84,26 @@ class TuneConfig:
     resume: bool = False
     progress: bool = True
     ready_within_s: float = 300.0
+    _load: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def objective(self) -> dict:
         """What a resumed run must share with the tune.json it continues: the objective, and the load
         its points were measured under (the texts, or the images, by their digest)."""
+        load = {k: v for k, v in self.load().items() if k != "texts"}  # the contents, wherever the file is now
         return {"slo_p99_ms": self.slo_p99_ms, "mode": self.mode, "duration_s": self.duration_s,
-                "max_accuracy_drop": self.max_accuracy_drop, "load": self.load()}
+                "max_accuracy_drop": self.max_accuracy_drop, "load": load}
 
     def load(self) -> dict:
-        """What the load sends, as tune.json records it."""
-        if self.texts is not None:
-            return self.texts.settings()
-        digest = hashlib.sha256()
-        for image in self.images:
-            digest.update(len(image).to_bytes(8, "little") + image)
-        return {"images": len(self.images), "sha256": digest.hexdigest()}
+        """What the load sends, as tune.json records it (worked out once: the load does not change)."""
+        if self._load is None:
+            if self.texts is not None:
+                self._load = self.texts.settings()
+            else:
+                digest = hashlib.sha256()
+                for image in self.images:
+                    digest.update(len(image).to_bytes(8, "little") + image)
+                self._load = {"images": len(self.images), "sha256": digest.hexdigest()}
+        return self._load
 
 
 @dataclass(frozen=True)
@@ -704,6 +709,9 @@ class Tuner:
                 raise ValueError("a point is not one tune measured of this folder's variants")
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"--resume: {path} is not a tune.json ({e}); run without --resume to start over") from None
+        if not isinstance(objective, dict) or "load" not in objective:
+            raise UserError(f"--resume: {path} does not record the load its points were measured under (written by an "
+                            f"earlier optiserve); run without --resume to start over")
         if objective != self.cfg.objective():
             raise UserError(f"--resume: {path} was measured for {_differences(objective, self.cfg.objective())}; give "
                             f"the same objective and load, or run without --resume to start over")

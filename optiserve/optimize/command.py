@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the mask value of pixels not to score (default {DEFAULTS.ignore_index})")
     p.add_argument("--dataset", default=DEFAULTS.dataset, metavar="NAME",
                    help=f"calibration and evaluation data: {DATASET_CHOICES} (default {DEFAULTS.dataset})")
-    p.add_argument("--int8", action="store_true", help="add INT8 variants (ONNX Runtime: static QDQ for an image model, dynamic for a text model; OpenVINO: NNCF)")
+    p.add_argument("--int8", action="store_true", help="add INT8 variants (ONNX Runtime: static QDQ for an image model, dynamic and static for a text model; OpenVINO: NNCF)")
     p.add_argument("--prune", type=float, default=None, metavar="SPARSITY",
                    help="add an unstructured-pruned variant (global L1) with this fraction of weights zeroed")
     p.add_argument("--search", action=argparse.BooleanOptionalAction, default=None,

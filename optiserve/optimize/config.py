@@ -160,23 +160,27 @@ class OptimizeConfig:
                             f".tsv or .csv)")
         if self.timing_texts is not None and (held := self._holds_test_texts(self.timing_file)):
             raise UserError(f"--timing-texts {self.timing_texts} {held}, whose texts only report: timing chooses the "
-                            f"recommendation, so give texts the test split does not hold (the service's own, or the "
+                            f"recommendation, so give texts the test split does not hold (the service's own, or a "
                             f"validation file)")
         if self.timing_rounds < 3:
             raise UserError(f"--timing-rounds must be at least 3 (a median and its interval need a few), "
                             f"got {self.timing_rounds}")
 
     def _holds_test_texts(self, path: Path) -> str | None:
-        """How `path` holds the dataset's test texts (it is the file `--dataset text:FILE` splits, or
-        the dataset folder's test file), or None."""
+        """How `path` holds the dataset's test texts (it is the file `--dataset text:FILE` splits, the
+        dataset folder's test file, or its only held-out file, which is halved into validation and
+        test), or None."""
         if not self.dataset.startswith("text:"):
             return None
         data = Path(self.dataset[len("text:"):]).expanduser()
         try:
             if data.is_file() and data.resolve() == path.resolve():
                 return "is the --dataset file, which is split into train, validation and test"
-            if data.is_dir() and path.resolve().parent == data.resolve() and path.stem == "test":
-                return "is the dataset's test file"
+            if data.is_dir() and path.resolve().parent == data.resolve():
+                if path.stem == "test":
+                    return "is the dataset's test file"
+                if path.stem == "val" and not any(data.glob("test.*")):
+                    return "is the dataset's only held-out file, half of which is the test split"
         except OSError:
             return None
         return None

@@ -45,7 +45,7 @@ def bytes_elements(data: bytes, limit: int | None = None) -> list[bytes]:
     the rest becomes objects."""
     elements, at = [], 0
     while at < len(data):
-        if limit is not None and len(elements) == limit:
+        if limit is not None and len(elements) == limit and at + 4 <= len(data):  # (fewer: a cut length, below)
             raise TooManyElements(f"BYTES tensor data holds more than the {limit:,} element{'s' * (limit != 1)} "
                                     f"its shape declares")
         if at + 4 > len(data):

@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from optiserve.serve import oip
-from optiserve.serve.binary import BinaryFormatError, TooManyElements, bytes_elements, split_body
+from optiserve.serve.binary import HEADER, BinaryFormatError, TooManyElements, bytes_elements, split_body
 from optiserve.serve.envelope import (OTHER_FIELDS_COMMAS, PYTHON_NUMBER_BYTES, TooManyValues,
                                       id_field, name_field, object_field, parse_json, requested_outputs)
 from optiserve.serve.model import ServedModel
@@ -146,6 +146,8 @@ def http_request(data: bytes, header_length: str | None, names: tuple[str, ...],
             raise BadInput(f"{len(tail)} bytes of binary data follow the JSON, but no input has binary_data_size")
         image = _json_image(tensor.get("data"), datatype, shape, count)
     else:
+        if header_length is None:
+            raise BadInput(f"binary_data_size needs the {HEADER} header")
         if isinstance(size, bool) or not isinstance(size, int) or size != len(tail):
             raise BadInput(f"binary_data_size is {str(size)[:20]} but {len(tail):,} bytes follow the JSON")
         image = binary_image(tail, datatype, shape, count)

@@ -7,6 +7,7 @@ Server.decode_texts' choice."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -204,10 +205,32 @@ class TextRequests:
 
 def parsed_size(data: bytes) -> int:
     """The most bytes parsing a JSON body of texts builds, told to the byte budget before the parse:
-    the strings' characters and the list, about the body again, and each string's own cost (a JSON
-    string opens and closes with a quote, so the quotes bound how many there are), and the object
-    holding them."""
-    return 2 * len(data) + PARSED_STRING_BYTES * (data.count(b'"') // 2) + PARSED_OBJECT_BYTES
+    the body decoded and the strings' characters, each at most a character a byte at the widest
+    character's size (Python stores a string at its widest), each string's own cost (a JSON string
+    opens and closes with a quote, so the quotes bound how many there are), and the object holding
+    them."""
+    return 2 * len(data) * _character_bytes(data) + PARSED_STRING_BYTES * (data.count(b'"') // 2) + \
+        PARSED_OBJECT_BYTES
+
+
+_ESCAPE = re.compile(rb"\\u([0-9a-fA-F]{4})")
+
+
+def _character_bytes(data: bytes) -> int:
+    """The bytes a character of `data`'s widest takes in a Python string: 1 (Latin-1), 2 (the rest
+    of the Basic Multilingual Plane) or 4, from its UTF-8 lead bytes and its `\\u` escapes."""
+    width = 1
+    if not data.isascii():
+        lead = max(data)
+        width = 4 if lead >= 0xF0 else 2 if lead >= 0xC4 else 1
+    if width < 4 and b"\\u" in data:
+        for match in _ESCAPE.finditer(data):
+            point = int(match.group(1), 16)
+            if 0xD800 <= point <= 0xDFFF:
+                return 4
+            if point > 0xFF:
+                width = 2
+    return width
 
 
 def _token_ids(value) -> bool:
