@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from optiserve.errors import UserError
@@ -46,6 +47,16 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
+    return h.hexdigest()
+
+
+def sha256_of(parts: Iterable[bytes]) -> str:
+    """The SHA-256 of a sequence of byte strings, each after its length (so no two sequences that
+    differ share one)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
     return h.hexdigest()
 
 

@@ -4,13 +4,13 @@ request's texts keep under the served model's own tokenizer where that tokenizer
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from optiserve.data.text import read_text_file
 from optiserve.errors import UserError
+from optiserve.files import sha256_of
 
 PREFIX = "text:"
 MAX_TEXTS = 10_000  # the file's first texts sent; enough that a run's requests do not repeat a few
@@ -38,18 +38,7 @@ class TextLoad:
         """What a results file or tune.json keeps of the load: its file, and a digest of the texts it
         sends, so that a resumed tune can tell the same file from one changed since."""
         return {"texts": self.source, "texts_per_request": self.per_request, "tokens_counted": self.tokens is not None,
-                "sha256": texts_digest(self.requests)}
-
-
-def texts_digest(requests: list[list[str]]) -> str:
-    """The SHA-256 of a load's requests, text by text in order."""
-    digest = hashlib.sha256()
-    for request in requests:
-        for text in request:
-            digest.update(text.encode("utf-8", "surrogatepass"))
-            digest.update(b"\0")
-        digest.update(b"\1")
-    return digest.hexdigest()
+                "sha256": sha256_of(text.encode("utf-8", "surrogatepass") for r in self.requests for text in r)}
 
 
 def text_path(spec: str) -> Path:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -46,7 +45,7 @@ from optiserve.bench.results import environment
 from optiserve.bench.senders import RawImageSender, TextPlainSender
 from optiserve.bench.texts import TextLoad
 from optiserve.errors import UserError
-from optiserve.files import atomic_write
+from optiserve.files import atomic_write, sha256_of
 from optiserve.tasks import task_of
 
 TUNE_FILE = "tune.json"
@@ -99,10 +98,7 @@ class TuneConfig:
             if self.texts is not None:
                 self._load = self.texts.settings()
             else:
-                digest = hashlib.sha256()
-                for image in self.images:
-                    digest.update(len(image).to_bytes(8, "little") + image)
-                self._load = {"images": len(self.images), "sha256": digest.hexdigest()}
+                self._load = {"images": len(self.images), "sha256": sha256_of(self.images)}
         return self._load
 
 

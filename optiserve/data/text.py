@@ -315,6 +315,22 @@ def _given_splits(root: Path, seed: int) -> TextSplits:
     return TextSplits(f"text:{root}", _examples(train, classes), val, test, classes, kind, how)
 
 
+def test_files(path: str) -> dict[Path, str]:
+    """The files of `text:PATH` that hold its test texts (resolved), each with how, as
+    `load_text_splits` reads them: a file that is split, a folder's test file, or its only held-out
+    file, which is halved. {} where PATH is neither a file nor a folder."""
+    root = Path(path).expanduser()
+    if root.is_file():
+        return {root.resolve(): "is the --dataset file, which is split into train, validation and test"}
+    if not root.is_dir():
+        return {}
+    roles = _role_files(root)
+    held_out = [role for role in ("val", "test") if role in roles]
+    if len(held_out) == 1:
+        return {roles[held_out[0]].resolve(): "is the dataset's only held-out file, half of which is the test split"}
+    return {roles["test"].resolve(): "is the dataset's test file"}
+
+
 def load_text_splits(path: str, seed: int = 0) -> TextSplits:
     """`text:PATH`'s three roles: a file split seeded (stratified by label where labelled), or a
     folder's train/val/test files as given (one held-out file halved)."""

@@ -167,23 +167,12 @@ class OptimizeConfig:
                             f"got {self.timing_rounds}")
 
     def _holds_test_texts(self, path: Path) -> str | None:
-        """How `path` holds the dataset's test texts (it is the file `--dataset text:FILE` splits, the
-        dataset folder's test file, or its only held-out file, which is halved into validation and
-        test), or None."""
+        """How `path` holds the dataset's test texts (data/text.py's `test_files`), or None."""
         if not self.dataset.startswith("text:"):
             return None
-        data = Path(self.dataset[len("text:"):]).expanduser()
-        try:
-            if data.is_file() and data.resolve() == path.resolve():
-                return "is the --dataset file, which is split into train, validation and test"
-            if data.is_dir() and path.resolve().parent == data.resolve():
-                if path.stem == "test":
-                    return "is the dataset's test file"
-                if path.stem == "val" and not any(data.glob("test.*")):
-                    return "is the dataset's only held-out file, half of which is the test split"
-        except OSError:
-            return None
-        return None
+        from optiserve.data.text import test_files
+
+        return test_files(self.dataset[len("text:"):]).get(path.resolve())
 
     @property
     def timing_file(self) -> Path:

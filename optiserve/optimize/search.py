@@ -7,7 +7,6 @@ marked as the search's, so those off its frontier leave the folder (optimize/fro
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -15,6 +14,7 @@ from typing import Callable
 import numpy as np
 from torch.utils.data import TensorDataset
 
+from optiserve.files import sha256_of
 from optiserve.optimize.passes.registry import Run
 from optiserve.optimize.search_cache import SearchCache
 
@@ -51,16 +51,19 @@ def made_of(run: Run, transform: str) -> dict:
 
 def _digest(*arrays) -> str:
     """The SHA-256 of arrays' contents (an array of arrays, as boxes are kept, element by element)."""
-    digest = hashlib.sha256()
+    return sha256_of(_array_parts(arrays))
+
+
+def _array_parts(arrays):
     for array in arrays:
         if array is None:
-            digest.update(b"none")
+            yield b"none"
             continue
-        array = np.asarray(array) if not isinstance(array, np.ndarray) else array
+        array = np.asarray(array)
         for part in (array if array.dtype == object else [array]):
             part = np.ascontiguousarray(part)
-            digest.update(f"{part.dtype}{part.shape}".encode() + part.tobytes())
-    return digest.hexdigest()
+            yield f"{part.dtype}{part.shape}".encode()
+            yield part.tobytes()
 
 
 def _split_digest(split) -> str | int:

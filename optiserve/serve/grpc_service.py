@@ -103,12 +103,11 @@ def parse_text_infer(message: InferMessage, texts: TextRequests, output_names: t
             raise BadInput("give the texts once: one raw_input_contents entry, or contents.bytes_contents")
         values = bytes_elements(bytes(raw[0]), count)
     else:
-        contents = tensor.contents.bytes_contents
-        if len(contents) != count:  # counted before any is decoded
-            raise BadInput(f"input data has {len(contents)} texts but shape {shape} needs {count}")
-        values = [utf8(b, f"contents.bytes_contents[{i}]") for i, b in enumerate(contents)]
-    if len(values) != count:
+        values = tensor.contents.bytes_contents
+    if len(values) != count:  # counted before any is decoded
         raise BadInput(f"input data has {len(values)} texts but shape {shape} needs {count}")
+    if not raw:
+        values = [utf8(b, f"contents.bytes_contents[{i}]") for i, b in enumerate(values)]
     tokens = texts.tokens(values)
     return InferRequest(tokens.batch, _requested(request, output_names, bool(raw)), request.id or None,
                         truncated=tokens.truncated)
