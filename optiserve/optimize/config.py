@@ -115,13 +115,12 @@ class OptimizeConfig:
                             f"one, which {unmatched} cannot be; use --prune (unstructured) instead")
         if (self.prune is not None or self.prune_channels is not None) and not self.onnx:
             raise UserError("pruned variants are built as ONNX Runtime models; drop --no-onnx")
-        if self.packed and not self.openvino:
-            raise UserError("--packed builds OpenVINO variants; drop --no-openvino")
-        if self.packed and (why := openvino_unavailable()):
-            raise UserError(f"--packed builds OpenVINO variants, which cannot be built here: {why}")
-        if self.packed and self.int8 and importlib.util.find_spec("nncf") is None:
+        if self.packed and self.openvino and (why := openvino_unavailable()):
+            raise UserError(f"--packed builds OpenVINO variants too, which cannot be built here: {why}; "
+                            f"or add --no-openvino for the ONNX Runtime ones only")
+        if self.packed and self.openvino and self.int8 and importlib.util.find_spec("nncf") is None:
             raise UserError("openvino-int8-packed is quantized by NNCF, and the nncf package is not installed: "
-                            "pip install nncf, or drop --packed")
+                            "pip install nncf, or add --no-openvino for the ONNX Runtime packed variants only")
         if self.openvino and self.onnx and (why := openvino_unavailable()):
             raise UserError(f"the OpenVINO variants cannot be built here: {why}; or add --no-openvino")
         if self.openvino and self.onnx and self.int8 and importlib.util.find_spec("nncf") is None:

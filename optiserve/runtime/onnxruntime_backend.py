@@ -1,4 +1,7 @@
-"""ONNX Runtime backend: one InferenceSession per variant at full graph optimization."""
+"""ONNX Runtime backend: one InferenceSession per variant at full graph optimization.
+
+A packed variant (settings `packing`: runtime.packing) takes each batch's texts laid end to end in
+rows and pools each text's vector from its per-token output, as OpenVINO's packed variants do."""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from optiserve.errors import UserError
-from optiserve.text_input import text_input_of, trim_padding
+from optiserve.runtime.packing import packed_size, packing_of, run_packed
+from optiserve.text_input import text_input_of, text_lengths, trim_padding
 from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
                                         register_backend)
 
@@ -42,7 +46,7 @@ class OrtSession:
 
     backend = "onnxruntime"
 
-    def __init__(self, path: Path, manifest: dict, options: RuntimeOptions):
+    def __init__(self, path: Path, variant: dict, manifest: dict, options: RuntimeOptions):
         import onnxruntime as ort
 
         spin = options.extra.get("spin", True)
@@ -52,8 +56,16 @@ class OrtSession:
         self.input_name = self.session.get_inputs()[0].name
         self.text = text_input_of(manifest)  # a text model takes token batches, fed as its named inputs
         graph_outputs = [o.name for o in self.session.get_outputs()]
+        self.packing = packing_of(variant) if self.text is not None else None
+        # a packed graph's inputs by name (token types only where the model takes them); its one
+        # output is per token, pooled here into what the manifest names
+        self.packed_names = [i.name for i in self.session.get_inputs()] if self.packing else []
+        self.tokens_fed = 0  # the tokens the last packed run fed
         wanted = output_names(manifest)
-        if wanted and not set(wanted) <= set(graph_outputs):
+        if self.packing is not None and len(graph_outputs) != 1:
+            raise UserError(f"{path.name} is a packed variant's graph, which has one output (per token); "
+                            f"it has {', '.join(graph_outputs)}")
+        if self.packing is None and wanted and not set(wanted) <= set(graph_outputs):
             raise UserError(f"{path.name} has outputs {', '.join(graph_outputs)}; the manifest lists "
                             f"{', '.join(wanted)}")
         self.output_names = wanted or graph_outputs
@@ -88,7 +100,16 @@ class OrtSession:
         outputs = self._run(batch)
         return outputs if self.dtypes is None else [o.astype(d, copy=False) for o, d in zip(outputs, self.dtypes)]
 
+    def packed_tokens(self, batch: np.ndarray) -> int:
+        """The tokens a packed variant's run of `batch` feeds (its rows × their length)."""
+        return packed_size(text_lengths(batch), self.packing.row_tokens) if len(batch) else 0
+
     def _run(self, batch: np.ndarray) -> list[np.ndarray]:
+        if self.packing is not None:
+            vectors, rows = run_packed(batch, self.packing, self.packed_names,
+                                       lambda feeds: self.session.run(None, feeds)[0])
+            self.tokens_fed = rows.tokens_fed
+            return [vectors]
         if self.text is not None:
             return self.session.run(self.output_names, self.text.feeds(trim_padding(batch)))
         x = np.ascontiguousarray(batch, dtype=np.float32)
@@ -158,5 +179,5 @@ def warm_sizes(sizes: list[int], device: str) -> list[int]:
     return [min(sizes)] if device == "cpu" else sorted({min(sizes), max(sizes)})
 
 
-register_backend(Backend("onnxruntime", lambda p, v, m, o: OrtSession(p, m, o), _unavailable, "ONNX Runtime",
+register_backend(Backend("onnxruntime", lambda p, v, m, o: OrtSession(p, v, m, o), _unavailable, "ONNX Runtime",
                          packages=("onnxruntime",), warm_sizes=warm_sizes))

@@ -27,7 +27,7 @@ import numpy as np
 from optiserve.errors import UserError
 from optiserve.text_input import MASK, run_length, text_input_of, text_lengths, to_length
 from optiserve.machine import bf16_missing, usable_cores
-from optiserve.runtime.packing import ROW_MULTIPLE, Packing, pack, packed_size, pooled
+from optiserve.runtime.packing import ROW_MULTIPLE, packed_size, packing_of, run_packed
 from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
                                         register_backend)
 
@@ -97,7 +97,7 @@ class OpenVinoSession:
         self.outputs = self._outputs_in_manifest_order(path, manifest)
         self.text = text_input_of(manifest)  # a text model takes token batches, fed as its named inputs
         self.dtypes = [np.dtype(d) for d in output_dtypes(manifest)] or [np.float32] * len(self.outputs)
-        self.packing = _packing(variant) if self.text is not None else None
+        self.packing = packing_of(variant) if self.text is not None else None
         # a packed graph's inputs by name (token types only where the model takes them)
         self.packed_names = [port.get_any_name() for port in self.compiled.inputs] if self.packing else []
         self.tokens_fed = 0  # the tokens the last packed run fed
@@ -178,12 +178,11 @@ class OpenVinoSession:
 
     def _run(self, batch: np.ndarray) -> list[np.ndarray]:
         if self.packing is not None:
-            rows = pack(batch, self.packing.row_tokens)
+            vectors, rows = run_packed(batch, self.packing, self.packed_names,
+                                       lambda feeds: self.request.infer(feeds, share_inputs=True)[self.outputs[0]])
             self.longest_fed = max(self.longest_fed, rows.feeds["input_ids"].shape[1])
             self.tokens_fed = rows.tokens_fed
-            feeds = {name: rows.feeds[name] for name in self.packed_names}
-            hidden = self.request.infer(feeds, share_inputs=True)[self.outputs[0]]
-            return [pooled(hidden, rows.where, self.packing)]
+            return [vectors]
         if self.text is not None:
             length = self.run_length(int(text_lengths(batch).max()) if len(batch) else 1)
             self.longest_fed = max(self.longest_fed, length)
@@ -192,17 +191,6 @@ class OpenVinoSession:
             result = self.request.infer({0: np.ascontiguousarray(batch, dtype=np.float32)}, share_inputs=True)
         # copies: the request reuses its output buffers
         return [np.array(result[i], dtype=d, copy=True) for i, d in zip(self.outputs, self.dtypes)]
-
-
-def _packing(variant: dict) -> Packing | None:
-    """A packed variant's packing settings, or None for a variant fed padded batches."""
-    entry = (variant.get("settings") or {}).get("packing")
-    if entry is None:
-        return None
-    try:
-        return Packing.from_dict(entry)
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"variant {variant['name']!r}: its packing settings cannot be read ({e})") from None
 
 
 FLOAT_NAMES = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}  # OpenVINO's element types, in the manifest's words

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from optiserve.errors import UserError
 from optiserve.text_input import IDS, POOLING_MODES, TYPES, text_lengths
 
 # a packed graph's inputs, in order; a model without token types takes the first three
@@ -44,6 +45,17 @@ class Packing:
         if not pooling or any(mode not in POOLING_MODES for mode in pooling):
             raise ValueError(f"packed pooling {', '.join(pooling) or 'none'}; packing pools {', '.join(POOLING_MODES)}")
         return cls(int(entry["row_tokens"]), pooling, bool(entry["normalize"]))
+
+
+def packing_of(variant: dict) -> Packing | None:
+    """A variant's packing settings (`settings.packing`), or None for a variant fed padded batches."""
+    entry = (variant.get("settings") or {}).get("packing")
+    if entry is None:
+        return None
+    try:
+        return Packing.from_dict(entry)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"variant {variant['name']!r}: its packing settings cannot be read ({e})") from None
 
 
 @dataclass
@@ -106,6 +118,14 @@ def pack(batch: np.ndarray, row_tokens: int) -> PackedRows:
             where[i] = (r, at, n)
             at += n
     return PackedRows(dict(zip(PACKED_INPUTS, (ids, positions, segments, types))), where)
+
+
+def run_packed(batch: np.ndarray, packing: Packing, names: list[str], infer) -> tuple[np.ndarray, PackedRows]:
+    """Each text's vector [N, width] for a token batch, from one run of a packed graph: `infer` takes
+    the rows' inputs `names` (the graph's, by name) and returns its per-token output; also the rows fed."""
+    rows = pack(batch, packing.row_tokens)
+    hidden = infer({name: rows.feeds[name] for name in names})
+    return pooled(hidden, rows.where, packing), rows
 
 
 def pooled(hidden: np.ndarray, where: list[tuple[int, int, int]], packing: Packing) -> np.ndarray:

@@ -5,7 +5,7 @@ student), and every layer narrowed (pruned<R>: R of its attention heads and of i
 channels removed, those of least weight). Each candidate is recovered by distillation from the full
 model on the training texts (the vectors' cosine for an encoder, the class distribution for a
 classifier), judged on the validation texts and exported to ONNX, with --int8 its ONNX Runtime
-dynamic INT8 and, with OpenVINO, NNCF's INT8 by the transformer scheme (with --packed, also on
+dynamic INT8 and, with OpenVINO, NNCF's INT8 by the transformer scheme (with --packed, both also on
 packed rows): the same recipes as the full model's, so the search and the engines are one
 frontier. A path stops at the first candidate its gate rejects."""
 
@@ -20,7 +20,7 @@ from optiserve.optimize.export_openvino import quantize_openvino_nncf
 from optiserve.optimize.passes.pruning import pruning_ratios
 from optiserve.optimize.passes.registry import TEXT, Pass, Run, Variant, register_pass
 from optiserve.optimize.passes.text import calibration_feeds, export_text_onnx, quantize_text_dynamic
-from optiserve.optimize.passes.text_packing import convert_packed, quantize_packed, why_not_packed
+from optiserve.optimize.passes.text_packing import ENGINES, why_not_packed
 from optiserve.optimize.recovery import recover_and_judge, validation_change
 from optiserve.optimize.search import Candidate, Gate, run_search
 from optiserve.optimize.search_cache import GATE, SearchCache
@@ -37,6 +37,8 @@ def _steps(name: str, cfg: OptimizeConfig) -> list[list[str]]:
     steps = [[name]]
     if cfg.int8:
         steps.append([f"{name}-int8"])
+        if cfg.packed:
+            steps.append([f"{name}-int8-packed"])
         if cfg.openvino:
             steps.append([f"openvino-{name}-int8"])
             if cfg.packed:
@@ -169,6 +171,8 @@ def _candidate(run: Run, candidate: Candidate, deadline: float | None, cache: Se
             q = quantize_text_dynamic(stage / onnx, stage / f"model.{name}.int8.onnx")
             run.variants.append(Variant(f"{name}-int8", f"model.{name}.int8.onnx", "onnxruntime", "int8",
                                         {**q, "from": name}))
+    if run.cfg.packed:
+        student = _packed(run, candidate, student, cache, "onnxruntime")
     if not run.cfg.openvino:
         return gate
     openvino, title = f"openvino-{name}-int8", f"OpenVINO INT8 of {name} with NNCF (transformer scheme, training texts)"
@@ -182,7 +186,7 @@ def _candidate(run: Run, candidate: Candidate, deadline: float | None, cache: Se
                                                                            "inference_precision": "f32",
                                                                            "from": name}))
     if run.cfg.packed:
-        _packed(run, candidate, student, cache)
+        _packed(run, candidate, student, cache, "openvino")
     return gate
 
 
@@ -197,26 +201,30 @@ def _kept_weights(run: Run, cache: SearchCache, ratio: float, student) -> bool:
         return False
 
 
-def _packed(run: Run, candidate: Candidate, student, cache: SearchCache) -> None:
-    """The recovered candidate on packed rows, in INT8 (NNCF's transformer scheme): its own
-    conversion, held to the recovered network on the validation texts (one taken from an interrupted
-    search is made again and given its kept weights)."""
-    name, attempts = candidate.name, run.attempts
-    variant, title = f"openvino-{name}-int8-packed", f"OpenVINO INT8 of {name} on packed rows (NNCF, training texts)"
-    if why := attempts.missing("openvino-fp32-packed") or attempts.missing(name) or why_not_packed(run):
+def _packed(run: Run, candidate: Candidate, student, cache: SearchCache, backend: str):
+    """The recovered candidate on packed rows, in INT8 on `backend`: ONNX Runtime's dynamic INT8, or
+    NNCF's transformer scheme on OpenVINO. Its own export, held to the recovered network on the
+    validation texts (one taken from an interrupted search is made again and given its kept
+    weights); returns that network, for the other engine's."""
+    name, attempts, engine = candidate.name, run.attempts, ENGINES[backend]
+    variant = f"{engine.candidate_prefix}{name}-int8-packed"
+    title = engine.int8_title.format(what=f"{name} on packed rows")
+    if why := attempts.missing(f"{engine.prefix}-fp32-packed") or attempts.missing(name) or why_not_packed(run):
         attempts.skip(title, why, variant)
-        return
+        return student
     with attempts.attempt(title, variant):
         if student is None:
-            student = _smaller(run, candidate)[0]
-            if not cache.load_weights(candidate.search["ratio"], student):
+            made = _smaller(run, candidate)[0]
+            if not cache.load_weights(candidate.search["ratio"], made):
                 raise RuntimeError(f"the interrupted search kept no recovered weights of {name} to pack "
                                    f"(run without --resume to recover it again)")
-        fp32, int8 = run.stage / f"model.{name}.packed.openvino.xml", f"model.{name}.int8.packed.openvino.xml"
-        inputs, packing, worst = convert_packed(run, student.cpu().eval(), fp32)
-        settings = quantize_packed(run, fp32, run.stage / int8, inputs, packing)
-        run.variants.append(Variant(variant, int8, "openvino", "int8",
+            student = made
+        fp32_file, int8_file = (f"model.{name}.{file.removeprefix('model.')}" for file in engine.files)
+        inputs, packing, worst = engine.export(run, student.cpu().eval(), run.stage / fp32_file)
+        settings = engine.quantize(run, run.stage / fp32_file, run.stage / int8_file, inputs, packing)
+        run.variants.append(Variant(variant, int8_file, backend, "int8",
                                     {**settings, "from": name, "packed_parity_max_abs": worst}))
+    return student
 
 
 def _parameters(module) -> int:
