@@ -68,6 +68,21 @@ def test_the_search_stops_at_the_first_ratio_whose_model_fails_the_gate(unrecove
                                           "recovered (top-1 fell")
 
 
+def test_search_minutes_count_recovery_only_so_a_candidate_s_int8_copies_leave_the_next_share_as_it_was(searched):
+    """Each candidate gets an even share of what is left of --search-minutes; what is left shrinks by
+    the time a candidate spent recovering and being judged, not by its export and its INT8 copies
+    (which --int8, --packed and the engines add), so the variants asked for do not change the later
+    candidates' recovery."""
+    candidates = _all_candidates(searched[1])
+    built = [candidates[name]["settings"]["search"] for name in ("pruned50", "pruned98", "pruned99")
+             if name in candidates]
+    assert len(built) >= 2 and all(f"{name}-int8" in candidates for name in ("pruned50", "pruned98"))
+    left = [s["share_s"] * (3 - i) for i, s in enumerate(built)]  # 3 candidates share what is left evenly
+    for i in range(len(built) - 1):
+        assert 0 < built[i]["recovering_s"] < built[i]["share_s"]
+        assert left[i + 1] == pytest.approx(left[i] - built[i]["recovering_s"], abs=0.5)
+
+
 def test_only_the_frontier_of_the_search_is_published_and_every_candidate_says_why(searched):
     out, manifest = searched
     n = str(manifest["latency_batch"])

@@ -112,8 +112,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "where the data can judge a torch model's or a text model folder's accuracy and "
                         "--prune-channels is not given)")
     p.add_argument("--search-minutes", type=float, default=DEFAULTS.search_minutes, metavar="M",
-                   help=f"the search's time for recovery, shared among its candidates (default "
-                        f"{DEFAULTS.search_minutes:g})")
+                   help=f"the search's time for recovery and its judging, shared among its candidates; their "
+                        f"exports and INT8 and packed copies are not counted (default {DEFAULTS.search_minutes:g})")
     p.add_argument("--resume", action="store_true",
                    help="take the candidates an interrupted search already pruned and recovered (kept beside the "
                         "artifact folder until it is published) instead of recovering them again")

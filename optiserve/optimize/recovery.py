@@ -6,6 +6,7 @@ they report, after every choice."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -25,7 +26,17 @@ def recover_and_judge(run: Run, student: torch.nn.Module, deadline: float | None
                       **distill_options) -> dict:
     """Recover `student` (in place) from the run's model, until `deadline`; the settings that say how:
     the validation headline before and after, the recovery's report (None where there was none) and
-    the gate after it. `original` names the model it came from ("unpruned"), `unit` the data's examples."""
+    the gate after it. `original` names the model it came from ("unpruned"), `unit` the data's examples.
+    Its time is added to the run's `recovering_s`, the time --search-minutes counts."""
+    started = time.monotonic()
+    try:
+        return _recover_and_judge(run, student, deadline, original, unit, **distill_options)
+    finally:
+        run.recovering_s += time.monotonic() - started
+
+
+def _recover_and_judge(run: Run, student: torch.nn.Module, deadline: float | None, original: str, unit: str,
+                       **distill_options) -> dict:
     loaded, cfg = run.loaded, run.cfg
     task = get_task(loaded.task)
     measured = judge_against_original(run, run.valset)

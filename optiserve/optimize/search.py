@@ -1,7 +1,8 @@
 """The search's loop, shared by every network transform it tries (channels pruned, layers dropped):
 candidates from light to heavy, each given an even share of what is left of --search-minutes to
 recover in (one whose share is shorter than a recovery epoch took on the candidate before it is not
-tried, nor any heavier one), kept for --resume once recovered; the search stops at the first candidate whose
+tried, nor any heavier one; --search-minutes counts recovery and its judging only, so a candidate's
+export and its INT8 and packed copies leave the later candidates' shares as they were), kept for --resume once recovered; the search stops at the first candidate whose
 recovered model fails the task's gate on the validation data, and each candidate's variants are
 marked as the search's, so those off its frontier leave the folder (optimize/frontier.py)."""
 
@@ -102,7 +103,7 @@ def run_search(run: Run, what: str, candidates: list[Candidate],
             run.log.note(f"--resume: no candidate of an interrupted search is kept in {cache.folder}; searching afresh")
     if run.search_ends is None:
         run.search_ends = time.monotonic() + 60 * cfg.search_minutes
-    end = time.monotonic() + (run.search_ends - time.monotonic()) * fraction
+    reserved = (run.search_ends - time.monotonic()) * (1 - fraction)  # the searches after this one's
     built = [c for c in candidates if c.same_as is None]
     out_of_time = ""
     run.recovery_epoch_s = None  # measured on this search's own candidates (another search's differ in size)
@@ -117,6 +118,7 @@ def run_search(run: Run, what: str, candidates: list[Candidate],
                 run.attempts.skip(f"{names[0]} ({what} search)", why_not, *names)
             continue
         i = built.index(candidate)
+        end = run.search_ends - reserved
         deadline = time.monotonic() + (end - time.monotonic()) / (len(built) - i) if searching else None
         if deadline is not None and not out_of_time:
             epoch_s = run.recovery_epoch_s
@@ -127,12 +129,18 @@ def run_search(run: Run, what: str, candidates: list[Candidate],
             for names in candidate.steps:
                 run.attempts.skip(f"{names[0]} ({what} search)", out_of_time, *names)
             continue
+        started, recovering = time.monotonic(), run.recovering_s
         gate = build(candidate, deadline, cache)
         if not searching:
             continue
+        # what the build spent other than recovering (its export, INT8 and packed copies) moves the end
+        spent = run.recovering_s - recovering
+        run.search_ends += (time.monotonic() - started) - spent
+        # its share of --search-minutes and what of it recovering and judging took
+        clock = {"share_s": round(deadline - started, 2), "recovering_s": round(spent, 2)}
         for variant in run.variants:
             if variant.name in candidate.names:
-                variant.settings["search"] = dict(candidate.search)
+                variant.settings["search"] = {**candidate.search, **clock}
         if gate is not None and gate[0] == "rejected":
             why_not = f"not tried: {candidate.name}, {lighter}, failed the gate once recovered ({gate[1]})"
         elif i + 1 < len(built):

@@ -59,6 +59,7 @@ class Run:
     searched: bool = False             # whether a search ran (its candidates off the frontier are dropped)
     search_ends: float | None = None   # when --search-minutes runs out (time.monotonic()), once a search starts
     recovery_epoch_s: float | None = None  # seconds one recovery epoch took on the last candidate recovered
+    recovering_s: float = 0.0          # seconds candidates spent recovering and being judged: what --search-minutes counts
     search_transforms: list = field(default_factory=list)  # how the searches made networks smaller: channels, layers, width
     unpruned_outputs: object = None    # the unpruned model's outputs on the validation images, once for every ratio
     read_as: str | None = None         # what its scores hold as the graph or --output-kind say before anything runs
