@@ -113,7 +113,7 @@ def main() -> int:
                 for batch in batches:
                     session.run(batch)
                 times[name].append(time.perf_counter() - t0)
-        for padded, name in [(padded, name) for padded, packed in pairs for name in (padded, packed)]:
+        for padded, name in dict.fromkeys((padded, name) for padded, packed in pairs for name in (padded, packed)):
             session = sessions[name]
             vectors = np.concatenate([session.run(b) for b in batches])
             fed = sum(session.padded_tokens(b) for b in batches)

@@ -160,7 +160,8 @@ def main() -> int:
                         "MiniLM they are slower than openvino-int8, and the static one's accuracy-aware fallback "
                         "calibrates again for every layer on these long texts)")
     p.add_argument("--packed", action="store_true",
-                   help="optimize --packed as well: the full model and every candidate also on packed rows (OpenVINO)")
+                   help="optimize --packed as well: the full model and every candidate also on packed rows "
+                        "(ONNX Runtime and OpenVINO)")
     p.add_argument("--timing-texts", default="validation", metavar="validation|sentences|passages|FILE",
                    help="what the batch columns time (optimize --timing-texts): the validation documents (default), "
                         "the sentences or the passages text_serving.py sends (gensim's polarity sentences, Lee's "

@@ -40,8 +40,9 @@ class OptimizeConfig:
     onnx: bool = True
     openvino: bool = True             # OpenVINO IR variants (built from the ONNX files)
     ort_transformer: bool = True      # a text model: onnx-fused, and with int8 onnx-fused-int8 and onnx-int8-static
-    packed: bool = False              # a text encoder: openvino-fp32-packed, with int8 openvino-int8-packed
-                                      # (and each search candidate's openvino-<name>-int8-packed)
+    packed: bool = False              # a text encoder: onnx-fp32-packed and openvino-fp32-packed, with int8
+                                      # onnx-int8-packed and openvino-int8-packed (and each search candidate's
+                                      # <name>-int8-packed and openvino-<name>-int8-packed)
     calib_size: int = 256
     calib_method: str = "minmax"
     int8_recipe: str = "auto"         # auto: transformer where the graph has attention, else convolutional
