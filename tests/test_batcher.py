@@ -497,6 +497,7 @@ def _cut_ahead_while_one_runs(session, images, **batcher):
         await asyncio.sleep(0.1)
         depth_short = b.depth
         full = asyncio.ensure_future(b.submit(images[2:3]))
+        await asyncio.sleep(0)  # its rows queued
         await _until(lambda: b.depth == 0, seconds=1.0)
         depth_full, still_running = b.depth, not running.done()
         gate.set()

@@ -142,8 +142,10 @@ def test_each_candidate_is_recovered_towards_the_full_model_and_its_graph_has_it
         name = f"layers{kept}of{LAYERS}"
         settings = candidates[name]["settings"]
         assert settings["layers_after"] == kept
+        clock = {"share_s": settings["search"]["share_s"], "recovering_s": settings["search"]["recovering_s"]}
         assert settings["search"] == {"transform": "layers", "ratio": {3: 0.25, 2: 0.5, 1: 0.75}[kept], "layers": kept,
-                                      "of": LAYERS}
+                                      "of": LAYERS, **clock}
+        assert 0 < clock["recovering_s"] < clock["share_s"]  # its share of --search-minutes, and what it took
         recovery = settings["recovery"]
         assert recovery["matched"] == "vectors"
         assert recovery["val_distillation_loss_after"] < recovery["val_distillation_loss_before"]
@@ -160,7 +162,8 @@ def test_each_narrowed_candidate_keeps_its_share_of_heads_and_channels_and_is_re
     candidates = _candidates(manifest)
     for ratio, heads, channels in ((0.25, 2, 48), (0.5, 1, 32), (0.75, 1, 16)):  # of 2 heads and 64 channels
         settings = candidates[f"pruned{round(100 * ratio)}"]["settings"]
-        assert settings["search"] == {"transform": "width", "ratio": ratio}
+        assert {k: v for k, v in settings["search"].items() if not k.endswith("_s")} == {"transform": "width",
+                                                                                          "ratio": ratio}
         assert [len(h) for h in settings["kept_heads"]] == [heads] * LAYERS
         assert settings["ffn_channels_after"] == [channels] * LAYERS
         assert settings["parameters_after"] < settings["parameters_before"]
