@@ -157,6 +157,19 @@ def test_each_candidate_is_recovered_towards_the_full_model_and_its_graph_has_it
             assert sum(node.op_type == "Softmax" for node in graph.node) == kept
 
 
+def test_the_second_search_starts_with_its_half_of_the_time_and_what_the_first_left(searched):
+    """Layers dropped, then width pruned: the first search has half of --search-minutes and the second
+    the other half and what the first left unused; a candidate's exports and INT8 copies take none."""
+    clocks = {name: row["settings"]["search"] for name, row in _candidates(searched[1]).items()
+              if "share_s" in row["settings"].get("search", {}) and not name.endswith(("-int8", "-packed"))}
+    layers = [clocks[f"layers{kept}of{LAYERS}"] for kept in (3, 2, 1)]
+    width = [clocks[f"pruned{percent}"] for percent in (25, 50, 75)]
+    half = 3 * layers[0]["share_s"]  # three candidates share the first half evenly
+    assert 2 * layers[1]["share_s"] == pytest.approx(half - layers[0]["recovering_s"], abs=0.5)  # two left
+    left_by_the_first = layers[2]["share_s"] - layers[2]["recovering_s"]
+    assert 3 * width[0]["share_s"] == pytest.approx(half + left_by_the_first, abs=0.5)
+
+
 def test_each_narrowed_candidate_keeps_its_share_of_heads_and_channels_and_is_recovered(searched):
     _, manifest = searched
     candidates = _candidates(manifest)
