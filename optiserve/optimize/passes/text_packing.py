@@ -282,5 +282,5 @@ def _build_packed(engine: PackedEngine, run: Run) -> None:
 
 register_pass(Pass("text-packed-onnx", TEXT, functools.partial(_build_packed, ENGINES["onnxruntime"]),
                    asked=lambda cfg: cfg.packed, steps=lambda cfg: 1 + cfg.int8))
-register_pass(Pass("text-packed", TEXT, functools.partial(_build_packed, ENGINES["openvino"]),
+register_pass(Pass("text-packed-openvino", TEXT, functools.partial(_build_packed, ENGINES["openvino"]),
                    asked=lambda cfg: cfg.packed and cfg.openvino, steps=lambda cfg: 1 + cfg.int8))
