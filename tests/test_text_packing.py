@@ -250,6 +250,19 @@ def test_packed_settings_that_cannot_be_read_are_one_line(packed, engine):
         load_verified(out, entry, manifest, RuntimeOptions())
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_packing_settings_on_a_graph_that_takes_padded_batches_are_one_line_when_it_loads(packed, engine):
+    """The padded graph takes an attention mask, which packed rows do not hold: refused at load,
+    not a failed batch on every request."""
+    manifest = json.loads((packed.out / "manifest.json").read_text())
+    entries = {v["name"]: v for v in manifest["variants"]}
+    prefix = engine[0]
+    entry = {**entries[f"{prefix}-fp32"], "settings": {**entries[f"{prefix}-fp32"]["settings"],
+                                                        "packing": entries[f"{prefix}-fp32-packed"]["settings"]["packing"]}}
+    with pytest.raises(UserError, match="takes attention_mask, which packed rows do not hold"):
+        load_verified(packed.out, entry, manifest, RuntimeOptions())
+
+
 def test_packed_is_refused_for_an_image_model_in_one_line(small_cnn_checkpoint, tmp_path):
     from optiserve.optimize.pipeline import OptimizeConfig, run_optimize
 

@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from optiserve.runtime.packing import packed_size
 from optiserve.text_input import MASK, TextInput, run_length, text_lengths
 
 CALIBRATION_SHAPES = ((1, 16), (2, 64))  # (texts, tokens): one run near the fixed cost, one of 8 times the tokens
@@ -201,7 +202,7 @@ class LengthGroupedSession:
         if last is not None and last[0] is batch:
             return last[1]
         if self.packed:
-            return self.session.packed_tokens(batch)
+            return packed_size(text_lengths(batch), self.session.packing.row_tokens) if len(batch) else 0
         return sum(len(rows) * longest for rows, longest in self._runs(batch)) if len(batch) else 0
 
     def run(self, batch: np.ndarray) -> np.ndarray:

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from optiserve.errors import UserError
-from optiserve.runtime.packing import packed_size, packing_of, run_packed
-from optiserve.text_input import text_input_of, text_lengths, trim_padding
+from optiserve.runtime.packing import packed_graph_inputs, packing_of, run_packed
+from optiserve.text_input import text_input_of, trim_padding
 from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
                                         register_backend)
 
@@ -59,7 +59,8 @@ class OrtSession:
         self.packing = packing_of(variant) if self.text is not None else None
         # a packed graph's inputs by name (token types only where the model takes them); its one
         # output is per token, pooled here into what the manifest names
-        self.packed_names = [i.name for i in self.session.get_inputs()] if self.packing else []
+        self.packed_names = packed_graph_inputs([i.name for i in self.session.get_inputs()], variant, path.name) \
+            if self.packing else []
         self.tokens_fed = 0  # the tokens the last packed run fed
         wanted = output_names(manifest)
         if self.packing is not None and len(graph_outputs) != 1:
@@ -99,10 +100,6 @@ class OrtSession:
     def run_outputs(self, batch: np.ndarray) -> list[np.ndarray]:
         outputs = self._run(batch)
         return outputs if self.dtypes is None else [o.astype(d, copy=False) for o, d in zip(outputs, self.dtypes)]
-
-    def packed_tokens(self, batch: np.ndarray) -> int:
-        """The tokens a packed variant's run of `batch` feeds (its rows × their length)."""
-        return packed_size(text_lengths(batch), self.packing.row_tokens) if len(batch) else 0
 
     def _run(self, batch: np.ndarray) -> list[np.ndarray]:
         if self.packing is not None:

@@ -27,7 +27,7 @@ import numpy as np
 from optiserve.errors import UserError
 from optiserve.text_input import MASK, run_length, text_input_of, text_lengths, to_length
 from optiserve.machine import bf16_missing, usable_cores
-from optiserve.runtime.packing import ROW_MULTIPLE, packed_size, packing_of, run_packed
+from optiserve.runtime.packing import ROW_MULTIPLE, packed_graph_inputs, packing_of, run_packed
 from optiserve.runtime.registry import (Backend, RuntimeOptions, computes_in, output_dtypes, output_names,
                                         register_backend)
 
@@ -99,7 +99,8 @@ class OpenVinoSession:
         self.dtypes = [np.dtype(d) for d in output_dtypes(manifest)] or [np.float32] * len(self.outputs)
         self.packing = packing_of(variant) if self.text is not None else None
         # a packed graph's inputs by name (token types only where the model takes them)
-        self.packed_names = [port.get_any_name() for port in self.compiled.inputs] if self.packing else []
+        self.packed_names = packed_graph_inputs([port.get_any_name() for port in self.compiled.inputs], variant,
+                                                path.name) if self.packing else []
         self.tokens_fed = 0  # the tokens the last packed run fed
         self.length_multiple = LENGTH_MULTIPLE if self.text is not None and not self._per_token_outputs() else 1
         self.longest_fed = 0  # the longest length a text run has been fed at
@@ -171,10 +172,6 @@ class OpenVinoSession:
 
     def run_outputs(self, batch: np.ndarray) -> list[np.ndarray]:
         return self._run(batch)
-
-    def packed_tokens(self, batch: np.ndarray) -> int:
-        """The tokens a packed variant's run of `batch` feeds (its rows × their length)."""
-        return packed_size(text_lengths(batch), self.packing.row_tokens) if len(batch) else 0
 
     def _run(self, batch: np.ndarray) -> list[np.ndarray]:
         if self.packing is not None:

@@ -58,6 +58,15 @@ def packing_of(variant: dict) -> Packing | None:
         raise UserError(f"variant {variant['name']!r}: its packing settings cannot be read ({e})") from None
 
 
+def packed_graph_inputs(names: list[str], variant: dict, graph: str) -> list[str]:
+    """A packed graph's inputs `names`, as `pack` feeds them; a graph that takes another is a
+    packed variant that cannot run, said in one line when it loads rather than on every batch."""
+    if unknown := [name for name in names if name not in PACKED_INPUTS]:
+        raise UserError(f"variant {variant['name']!r}: {graph} takes {', '.join(unknown)}, which packed rows do "
+                        f"not hold (they feed {', '.join(PACKED_INPUTS)})")
+    return names
+
+
 @dataclass
 class PackedRows:
     """A token batch as packed rows: the graph's inputs (PACKED_INPUTS, each int64 [rows, length]; a
