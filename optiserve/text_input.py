@@ -100,6 +100,9 @@ class TextTokenizer:
 
 def token_batch(encodings: list, pad_id: int) -> np.ndarray:
     """`tokenizers` encodings as one token batch [N, 3, L], padded with `pad_id` (mask 0) to the longest."""
+    width = len(encodings[0].ids)
+    if all(len(e.ids) == width for e in encodings):  # nothing to pad (one text a request, most often)
+        return np.array([(e.ids, e.attention_mask, e.type_ids) for e in encodings], dtype=np.int64)
     batch = np.zeros((len(encodings), 3, max(len(e.ids) for e in encodings)), dtype=np.int64)
     batch[:, IDS] = pad_id
     for row, encoding in zip(batch, encodings):

@@ -67,6 +67,12 @@ def test_tokens_are_the_model_s_own_tokenizer_s_padded_to_the_longest_text():
         np.testing.assert_array_equal(tokens.batch[:, 2], want["token_type_ids"])
         assert tokens.batch.shape[2] == int(want["attention_mask"].sum(1).max())
         assert tokens.truncated == (1 if max_length == 12 else 0)
+        for text in TEXTS:  # one text a request: a batch with nothing to pad
+            alone = TextTokenizer(MINILM / "tokenizer.json", max_length).encode([text]).batch
+            want = reference([text], truncation=True, max_length=max_length, return_tensors="np")
+            assert alone.dtype == np.int64
+            np.testing.assert_array_equal(alone, np.stack([want["input_ids"], want["attention_mask"],
+                                                           want["token_type_ids"]], axis=1))
 
 
 def test_a_batch_is_padded_with_the_pad_id_the_tokenizer_file_declares(tmp_path):

@@ -171,6 +171,7 @@ def test_a_packed_variant_is_served_as_the_runtime_runs_it(packed, engine):
         (model,) = client.app.state.server.models.values()
         lengths = [int(n) for n in text_lengths(batch)]  # what --max-batch-tokens counts: the same tokens
         assert model.variants[name].batcher.padded_size(lengths) == pack(batch, 64).tokens_fed
+        assert not model.variants[name].batcher.group_by_length  # texts of any lengths share rows: as they came
 
 
 def token_batch(lengths: list[int], width: int) -> np.ndarray:
@@ -201,6 +202,15 @@ def test_pack_lays_every_text_once_with_its_own_positions_and_a_long_text_sets_t
 def test_a_budget_counts_the_tokens_pack_feeds(lengths):
     """What a server's token budget counts for a packed variant is what `pack` feeds."""
     assert packed_size(lengths, 64) == pack(token_batch(lengths, max(lengths)), 64).tokens_fed
+
+
+def test_the_budget_s_count_agrees_with_pack_on_random_batches():
+    """`packed_size` fills its rows on plain ints, apart from `pack`'s numpy: the two agree on every
+    batch, texts longer than a row included."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        lengths = rng.integers(1, 90, rng.integers(1, 40)).tolist()
+        assert packed_size(lengths, 64) == pack(token_batch(lengths, max(lengths)), 64).tokens_fed, lengths
 
 
 @pytest.mark.parametrize("modes,normalize", [(("mean",), True), (("cls",), False), (("max",), False),

@@ -104,9 +104,19 @@ def _row_length(filled: list[int]) -> int:
 
 def packed_size(lengths: list[int], row_tokens: int) -> int:
     """The tokens a packed run of texts of these lengths feeds (its rows × their length): what a
-    server's token budget counts for a packed variant."""
-    rows, filled = first_fit(np.asarray(lengths, dtype=int), row_tokens)
-    return len(rows) * _row_length(filled)
+    server's token budget counts for a packed variant. `first_fit`'s rows, filled on plain ints:
+    the batcher asks this for every row it adds, on the event loop, where numpy's per-call cost on a
+    few numbers would be most of it."""
+    limit = max(row_tokens, max(lengths, default=1))
+    filled: list[int] = []
+    for n in sorted(lengths, reverse=True):
+        for r, used in enumerate(filled):
+            if used + n <= limit:
+                filled[r] = used + n
+                break
+        else:
+            filled.append(n)
+    return len(filled) * _row_length(filled)
 
 
 def pack(batch: np.ndarray, row_tokens: int) -> PackedRows:

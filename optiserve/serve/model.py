@@ -175,8 +175,9 @@ class ServedModel:
         """How the batcher joins this model's rows: images of one shape, decoded into staging rows
         (serve/staging.py); token rows of different lengths, grouped by length and padded to the
         longest (no staging), each batch's real tokens counted and the padded ones its instance's
-        session ran (runtime.length_groups), and with `max_batch_tokens` its padded tokens capped (a
-        packed variant's: the tokens its rows feed)."""
+        session ran (runtime.length_groups), and with `max_batch_tokens` its padded tokens capped. A
+        packed variant's batch takes its rows as they came: texts of any lengths share its rows, so
+        grouping by length would only reorder requests, and its budget counts the tokens its rows feed."""
         if self.texts is not None:
             sessions = [i.session for i in instances]
 
@@ -185,7 +186,8 @@ class ServedModel:
 
             packing = getattr(sessions[0], "packing", None)  # a packed variant's budget counts its rows
             return {"stack": self.texts.stack, "count_tokens": count_tokens,
-                    "row_length": self.texts.row_length, "max_padded_size": max_batch_tokens,
+                    "row_length": self.texts.row_length, "group_by_length": packing is None,
+                    "max_padded_size": max_batch_tokens,
                     "padded_size": None if packing is None else
                     functools.partial(packed_size, row_tokens=packing.row_tokens)}
         return {"row_shape": tuple(self.spec.shape)}
