@@ -99,6 +99,28 @@ def inference_cpu_s(pid: int) -> float:
     return total
 
 
+def idle_cpu_s() -> float:
+    """Seconds every core of the machine has spent idle so far (/proc/stat's idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return (int(fields[4]) + int(fields[5])) / TICK
+
+
+def inference_waiting_s(pid: int) -> float:
+    """Seconds `pid`'s inference threads have spent runnable but not running (each thread's
+    /proc schedstat): the time other threads and processes held the cores they were ready for."""
+    total = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        stat = stat_cpu(f"/proc/{pid}/task/{tid}/stat")
+        if stat is not None and stat[0].startswith(INFERENCE_THREAD):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[1]) / 1e9
+            except OSError:  # the thread ended meanwhile
+                pass
+    return total
+
+
 def measured_load(load: Load, sender, probe: Callable[[], tuple]) -> tuple[Run, tuple, tuple]:
     """Run `load` through `sender`, reading `probe()` when its measured part starts (after the
     warm-up) and when it ends: the CPU counters of a window."""

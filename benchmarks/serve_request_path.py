@@ -2,7 +2,10 @@
 turn (`optiserve serve`, one server up at a time), the same closed loop of PNG uploads to /predict
 (`optiserve.bench.loadgen`), alternating rounds. Per window: images/s, p99, and the server's CPU per
 request from /proc — all of it, its event-loop thread's, and its threads outside inference (named
-`os-infer` by this checkout's server; the column stays empty for a checkout that does not name them).
+`os-infer` by this checkout's server; the column stays empty for a checkout that does not name them);
+and where the cores went: the machine's idle cores, the inference threads' time ready to run while
+the cores were held by others (/proc schedstat), and the share of the window those threads spent
+running batches (the server's /stats `inference_busy_s`; empty for a checkout that does not report it).
 
 A small model (digits small_cnn, 16x16) makes the request path most of the cost; ResNet-18 at
 224x224 shows what is left of it beside real inference. With `--texts` the artifact is a text model
@@ -35,6 +38,7 @@ import shlex
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +51,8 @@ from optiserve.bench.texts import TextLoad, text_load  # noqa: E402
 from optiserve.errors import UserError  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
 from optiserve.serve.launch import served  # noqa: E402
-from serve_peers import inference_cpu_s, measured_load, stat_cpu, tree_cpu_s  # noqa: E402
+from serve_peers import (idle_cpu_s, inference_cpu_s, inference_waiting_s, measured_load,  # noqa: E402
+                         stat_cpu, tree_cpu_s)
 from text_batching import stream as mixed_stream  # noqa: E402
 
 MIXED_TEXTS = 2000
@@ -59,16 +64,33 @@ def window(checkout: Path, folder: str, variant: str, sender, args) -> dict:
                 env={**os.environ, "PYTHONPATH": str(checkout)}, cwd=checkout) as (base, proc):
         pid = proc.pid
 
-        def probe() -> tuple[float, float, float]:
-            return tree_cpu_s(pid), stat_cpu(f"/proc/{pid}/task/{pid}/stat")[2], inference_cpu_s(pid)
+        def probe() -> tuple[float, ...]:
+            busy, instances = inference_busy(base, variant)
+            return (tree_cpu_s(pid), stat_cpu(f"/proc/{pid}/task/{pid}/stat")[2], inference_cpu_s(pid),
+                    idle_cpu_s(), inference_waiting_s(pid), busy, instances, time.perf_counter())
 
         load = Load("closed", args.concurrency, args.duration, args.warmup)
         run, start, end = measured_load(load, sender(base), probe)
     n = max(1, sum(run.records["ok"]))
-    total, loop, inference = (1000 * (e - s) / n for s, e in zip(start, end))
+    total, loop, inference = (1000 * (e - s) / n for s, e in zip(start[:3], end[:3]))
+    seconds = end[-1] - start[-1]
     summary = run.window_summary()
     return {"rps": summary["rps"], "p99": summary["p99"], "server": total, "loop": loop,
-            "outside_inference": total - inference if inference > 0 else float("nan"), "failed": summary["failed"]}
+            "outside_inference": total - inference if inference > 0 else float("nan"), "failed": summary["failed"],
+            "idle": (end[3] - start[3]) / seconds, "waiting": (end[4] - start[4]) / seconds,
+            "busy": (end[5] - start[5]) / (seconds * end[6])}
+
+
+def inference_busy(base: str, variant: str) -> tuple[float, int]:
+    """The variant's `inference_busy_s` and instances from the server's /stats (NaN seconds where
+    the checkout does not report them)."""
+    with urllib.request.urlopen(f"{base}/stats", timeout=10) as r:
+        stats = json.loads(r.read())
+    for model in stats["models"].values():
+        if variant in model["variants"]:
+            v = model["variants"][variant]
+            return float(v.get("inference_busy_s", float("nan"))), int(v.get("instances", 1))
+    raise RuntimeError(f"the server's /stats has no variant {variant!r}")
 
 
 def main() -> int:
@@ -120,22 +142,30 @@ def main() -> int:
             rows[name].append(window(checkout, args.artifact_dir, args.variant, sender, args))
             w = rows[name][-1]
             print(f"round {r + 1} {name}: {w['rps']:.1f} {unit}/s, p99 {w['p99']:.1f} ms, server "
-                  f"{w['server']:.3f} core-ms/request (event loop {w['loop']:.3f})", file=sys.stderr, flush=True)
+                  f"{w['server']:.3f} core-ms/request (event loop {w['loop']:.3f}); cores idle {w['idle']:.2f}, "
+                  f"inference threads waiting for a core {w['waiting']:.2f}, busy {_share(w['busy'])}",
+                  file=sys.stderr, flush=True)
     print(f"\nmachine: {cpu_line()}")
     flags = f" (`optiserve serve {shlex.join(args.serve_args)}`)" if args.serve_args else ""
     print(f"\n{args.artifact_dir} {args.variant}{flags}, {what} to /predict, {args.concurrency} closed-loop "
           f"clients, {args.duration:g} s windows, {args.rounds} alternating rounds, medians\n")
-    print(f"| server | {'images' if unit == 'img' else unit}/s | p99 ms | server core-ms / request | event loop | outside inference threads | failed |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| server | {'images' if unit == 'img' else unit}/s | p99 ms | server core-ms / request | event loop | "
+          f"outside inference threads | cores idle | inference threads waiting for a core | inference threads busy "
+          f"| failed |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     medians = {}
     for name, windows in rows.items():
-        m = {k: statistics.median(w[k] for w in windows) for k in ("rps", "p99", "server", "loop")}
-        outside = [w["outside_inference"] for w in windows if w["outside_inference"] == w["outside_inference"]]
-        m["outside"] = statistics.median(outside) if outside else float("nan")
+        m = {k: statistics.median(w[k] for w in windows) for k in ("rps", "p99", "server", "loop", "idle", "waiting")}
+        for key, column in (("outside", "outside_inference"), ("busy", "busy")):
+            known = [w[column] for w in windows if w[column] == w[column]]  # NaN: not reported by that checkout
+            m[key] = statistics.median(known) if known else float("nan")
         medians[name] = m
         print(f"| {name} ({checkouts[name]}) | {m['rps']:.1f} | {m['p99']:.1f} | {m['server']:.3f} | "
-              f"{m['loop']:.3f} | {_ms(m['outside'])} | "
+              f"{m['loop']:.3f} | {_ms(m['outside'])} | {m['idle']:.2f} | {m['waiting']:.2f} | {_share(m['busy'])} | "
               f"{sum(w['failed'] for w in windows)} |")
+    print("\ncores idle: the machine's, in cores over the window; waiting for a core: the inference threads' time "
+          "runnable but not running (/proc schedstat), in cores; busy: the share of the window the server's "
+          "inference threads spent running batches (its /stats `inference_busy_s` over the window and its instances)")
     a, b = medians["baseline"], medians["this checkout"]
     print(f"\nthis checkout / baseline: {b['rps'] / a['rps']:.2f}x {unit}/s, server CPU per request "
           f"{b['server'] / a['server']:.2f}x, event loop {b['loop'] / a['loop']:.2f}x")
@@ -191,6 +221,10 @@ def lee_sentences() -> list[str]:
     from gensim.test.utils import datapath
     text = Path(datapath("lee_background.cor")).read_bytes().decode("latin-1")  # as the other benchmarks read it
     return [s for passage in text.splitlines() for s in re.split(r"(?<=[.!?])\s+", passage.strip()) if s]
+
+
+def _share(value: float) -> str:
+    return "" if value != value else f"{100 * value:.1f}%"
 
 
 def _ms(value: float) -> str:

@@ -166,6 +166,26 @@ def test_the_ab_split_sends_traffic_to_both_variants_and_stats_count_it(client):
         assert v["mean_batch_size"] >= 1 and v["queue_depth"] == 0
 
 
+def test_stats_say_how_much_of_the_time_the_inference_threads_ran_batches(small_artifact):
+    import time
+
+    cfg = ServeConfig(str(small_artifact), variants=["onnx-int8"], max_batch_size=1, max_delay_ms=0, instances=2)
+    with TestClient(create_app(cfg)) as c:
+        _wait_ready(c)
+        batcher = c.app.state.server.models["small_cnn"].variants["onnx-int8"].batcher
+        for i, real in enumerate(list(batcher.runners)):  # each batch holds its thread 50 ms
+            batcher.runners[i] = lambda batch, real=real: (time.sleep(0.05), real(batch))[1]
+        for _ in range(6):  # one at a time: never both threads at once
+            assert c.post("/predict", json={"inputs": np.zeros((1, 1, 16, 16)).tolist()}).status_code == 200
+        v = c.get("/stats").json()["models"]["small_cnn"]["variants"]["onnx-int8"]
+        metrics = c.get("/metrics").text
+    assert v["instances"] == 2 and 6 * 0.05 <= v["inference_busy_s"] < v["elapsed_s"]
+    assert 0 < v["inference_busy_share"] <= 0.5  # one of the two threads busy at a time, at most
+    compute = next(line for line in metrics.splitlines()
+                   if line.startswith('optiserve_compute_latency_seconds_sum{model="small_cnn",variant="onnx-int8"}'))
+    assert float(compute.split()[-1]) == pytest.approx(v["inference_busy_s"])  # the same seconds /metrics sums
+
+
 @pytest.mark.parametrize("kwargs, status, message", [
     ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "malformed JSON"),
     ({"json": {"images": []}}, 400, '"inputs"'),

@@ -147,10 +147,10 @@ class ServedModel:
                         await loop.run_in_executor(loader, warm_up, loaded, self.manifest["input"]["shape"],
                                                    batching.sizes)
                     instances.append(loaded)
-                stats = VariantStats(texts=self.texts is not None)
+                stats = VariantStats(texts=self.texts is not None, instances=count)
 
                 def on_batch(rec: BatchRecord, stats=stats, model=self.name, variant=entry["name"]):
-                    stats.record_batch(rec.size, rec.tokens)
+                    stats.record_batch(rec.size, rec.tokens, rec.compute_s)
                     metrics.record_batch(model, variant, rec.size, rec.queue_s, rec.compute_s,
                                          rec.tokens[1] if rec.tokens else 0)
 
