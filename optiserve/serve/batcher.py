@@ -475,7 +475,9 @@ class DynamicBatcher:
 
     def _fits(self, batch: list[_Row], row: _Row) -> bool:
         """Whether `row` joins `batch` within its padded size (rows whose caller gave up take no room),
-        from the lengths measured at submit."""
+        from the lengths measured at submit. Checked as each row joins: where a row is dropped later
+        (its caller gone, or its deadline passed, before the hand-over), a packed variant's rows can
+        come out one row over, since first fit may need a row more for fewer texts."""
         if self.max_padded_size is None or row.future.done():
             return True
         return self.padded_size([*(r.length for r in batch if not r.future.done()), row.length]) <= self.max_padded_size
