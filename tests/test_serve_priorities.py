@@ -85,6 +85,23 @@ def test_under_overload_two_priority_1_callers_wait_under_half_as_long_as_24_at_
         (statistics.median(first), statistics.median(second))
 
 
+def test_a_request_larger_than_its_level_s_queue_is_413_not_a_429_to_retry(prioritized):
+    """A level's queue that can never hold the request's images refuses it for good: retrying would
+    be refused the same way, every time."""
+    settings = json.loads((prioritized / "serving.json").read_text())
+    (prioritized / "serving.json").write_text(json.dumps({**settings, "max_batch_size": 8, "max_queue": [16, 2]}))
+    three = np.zeros((3, 1, 16, 16)).tolist()
+    with TestClient(create_app(ServeConfig(str(prioritized), model_name="digits"))) as client:
+        until(lambda: client.get("/v2/health/ready").status_code == 200, 120)
+        r = client.post("/predict", json={"inputs": three})  # the default: the lowest priority, 2
+        assert r.status_code == 413 and "Retry-After" not in r.headers, r.text
+        assert "3 images" in r.json()["error"] and "the 2 the queue holds at priority 2" in r.json()["error"]
+        assert client.post("/predict", json={"inputs": three}, headers={"X-Priority": "1"}).status_code == 200
+        body = {"inputs": [{"name": "input", "shape": [3, 1, 16, 16], "datatype": "FP32",
+                            "data": np.zeros(3 * 256).tolist()}]}
+        assert client.post("/v2/models/digits/infer", json=body).status_code == 413  # the protocol alike
+
+
 def test_a_priority_the_model_does_not_have_is_400_naming_its_levels(prioritized):
     with TestClient(create_app(ServeConfig(str(prioritized), model_name="digits"))) as c:
         until(lambda: c.get("/v2/health/ready").status_code == 200)

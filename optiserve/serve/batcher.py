@@ -53,6 +53,16 @@ class QueueFull(Exception):
     wait without bound."""
 
 
+class OverQueueLimit(Exception):
+    """More rows in one submission than its priority level may ever queue: it can never be
+    admitted, so the request is refused (413), not asked to retry (429)."""
+
+    def __init__(self, rows: int, limit: int, priority: int | None):
+        super().__init__(f"{rows} rows, more than the {limit} its queue holds"
+                         + (f" at priority {priority}" if priority is not None else ""))
+        self.rows, self.limit, self.priority = rows, limit, priority
+
+
 class ShuttingDown(Exception):
     """The batcher no longer accepts work."""
 
@@ -274,9 +284,12 @@ class DynamicBatcher:
         return self._queued[level] + self._reserved[level] + images <= self.max_queue[level]
 
     def check_room(self, images: int = 1, priority: int | None = None) -> None:
-        """Raise QueueFull unless `images` more fit at `priority` (room held by reservations counts as taken)."""
+        """Raise QueueFull unless `images` more fit at `priority` (room held by reservations counts as
+        taken), or OverQueueLimit where they never could."""
+        level = self._level(self._or_lowest(priority))
+        if images > self.max_queue[level]:
+            raise OverQueueLimit(images, self.max_queue[level], level + 1 if len(self.max_queue) > 1 else None)
         if not self.has_room(images, priority):
-            level = self._level(self._or_lowest(priority))
             at = f" at priority {level + 1}" if len(self.max_queue) > 1 else ""
             raise QueueFull(f"{self.name}: {self._queued[level]} images queued{at} and {self._reserved[level]} "
                             f"arriving (limit {self.max_queue[level]})")

@@ -20,7 +20,8 @@ from starlette.requests import ClientDisconnect, Request
 from optiserve.runtime import RuntimeOptions
 from optiserve.serve import VARIANT_HEADER, tracing
 from optiserve.serve.api_error import ApiError, ClientGone
-from optiserve.serve.batcher import BatchFailed, DaemonExecutor, QueueFull, Reservation, ShuttingDown
+from optiserve.serve.batcher import (BatchFailed, DaemonExecutor, OverQueueLimit, QueueFull, Reservation,
+                                     ShuttingDown)
 from optiserve.serve.config import ServeConfig
 from optiserve.serve.envelope import max_commas, too_many_values
 from optiserve.serve.memory_budget import ByteBudget, HeldBytes
@@ -370,6 +371,11 @@ class Server:
             queued = time.perf_counter()
             submitted = variant.batcher.submit(images, timeout, admission.reservation)
             result = await (submitted if request is None else self.unless_client_leaves(submitted, request, admission))
+        except OverQueueLimit as e:  # refused as a body over its limits is (not counted as an outcome)
+            what = "texts" if model.texts is not None else "images"
+            at = f" at priority {e.priority}" if e.priority is not None else ""
+            raise ApiError(413, f"{e.rows} {what} in one request, more than the {e.limit} the queue holds{at} "
+                                f"(max_queue): split it into smaller requests", served) from None
         except QueueFull as e:
             raise self._overloaded(model, variant, e) from None
         except TimeoutError as e:
