@@ -141,6 +141,35 @@ def test_an_image_model_refuses_texts_in_one_line(repo):
     assert r.status_code == 415 and "takes images, not text" in r.json()["error"]
 
 
+def test_a_text_the_tokenizer_keeps_nothing_of_is_a_400_and_its_batch_neighbours_are_answered(optimized, tmp_path):
+    """A tokenizer that adds no special tokens makes no token of an empty or blank text: the model would
+    have nothing to read. That text is refused on every transport, and a text batched beside it is
+    answered as if it had come alone."""
+    import json as json_module
+    import shutil
+
+    manifest = json_module.loads((optimized / "manifest.json").read_text())
+    entry = next(v for v in manifest["variants"] if v["name"] == "onnx-fp32")
+    folder = tmp_path / "bare"
+    folder.mkdir()
+    for name in ("manifest.json", entry["file"]):
+        shutil.copy(optimized / name, folder / name)
+    tokenizer = json_module.loads((optimized / "tokenizer.json").read_text())
+    (folder / "tokenizer.json").write_text(json_module.dumps({**tokenizer, "post_processor": None}))
+    cfg = ServeConfig(str(folder), variants=["onnx-fp32"], max_batch_size=2, max_delay_ms=2000)
+    with TestClient(create_app(cfg)) as client:
+        _ready(client)
+        with ThreadPoolExecutor(2) as pool:  # sent together: one batch, were the blank text let in
+            blank, cat = pool.map(lambda texts: client.post("/predict", json={"texts": texts}), [["  "], ["a cat"]])
+        assert blank.status_code == 400 and "text 0 ('  ') has no tokens" in blank.json()["error"], blank.text
+        assert cat.status_code == 200 and cat.json()["latency_ms"]["batch_size"] == 1, cat.text
+        r = client.post("/predict", json={"texts": ["a cat", ""]})
+        assert r.status_code == 400 and "text 1 ('') has no tokens" in r.json()["error"]
+        assert client.post("/v1/embeddings", json={"model": "model", "input": ""}).status_code == 400
+        body = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [""]}]}
+        assert client.post("/v2/models/model/infer", json=body).status_code == 400
+
+
 def test_padding_to_a_batch_s_longest_text_leaves_each_vector_as_it_is_alone(optimized):
     short, longer = ["ok"], ["The plot collapses in the final act, and no amount of star power can save it."]
     cfg = ServeConfig(str(optimized), variants=["onnx-fp32"], max_batch_size=2, max_delay_ms=3000)

@@ -76,7 +76,12 @@ class TextRequests:
             if size > MAX_TEXT_BYTES:
                 raise BadInput(f"text {i} is {size:,} bytes, over the {MAX_TEXT_BYTES:,} a text may be (the model "
                                f"keeps at most {self.input.max_length} tokens of it)")
-        return self.tokenizer.encode(texts)
+        tokens = self.tokenizer.encode(texts)
+        if not tokens.lengths.all():  # a tokenizer that adds no special tokens, given nothing it keeps
+            i = int(np.argmin(tokens.lengths))
+            raise BadInput(f"text {i} ({texts[i][:40]!r}) has no tokens: the model's tokenizer keeps nothing of it, "
+                           f"so the model has nothing to read; send text with at least one word")
+        return tokens
 
     def predict_json(self, data: bytes, hold: Callable[[int], None] | None) -> TextRequest:
         """/predict's JSON for a text model: {"texts": [...], "variant"?, "top_k"?} (`top_k`: a classifier's
