@@ -598,7 +598,7 @@ def median_of(runs: list[dict]) -> dict:
 
 
 def print_tables(results: dict, qualities: dict, notes: dict, cells: list[Cell], args,
-                 offline: dict[tuple[str, str], float]) -> None:
+                 offline: dict[tuple[str, str], list[float]]) -> None:
     print(f"\nmachine: {cpu_line()}")
     print(f"{args.rounds} rounds; windows of {args.duration:g} s or twice the latency, up to {args.max_window:g} s "
           f"(after >= {args.warmup:g} s and an answer to every client); medians over rounds; failed: summed\n")
@@ -665,13 +665,20 @@ def print_tables(results: dict, qualities: dict, notes: dict, cells: list[Cell],
             print(f"- {cell.stream}, {cell.rate:g} texts/s: {line}")
     if ours and offline:
         print(f"\noptiserve served at c=32 / the same variant's own texts/s offline (batches of {args.offline_batch}, "
-              "sorted by length first or in the stream's order, tokenization included, medians over rounds):\n")
+              "sorted by length first or in the stream's order, tokenization included): the medians over rounds, "
+              "and the median of each round's own ratio (its served and offline rates measured back to back):\n")
         for cell in cells:
-            if cell.concurrency == 32 and (ours, cell.label) in medians and (cell.stream, "sorted") in offline:
+            rounds = results.get(ours, {}).get(cell.label, [])
+            if cell.concurrency == 32 and rounds and (cell.stream, "sorted") in offline:
                 served = medians[ours, cell.label]["texts_s"]
-                print(f"- {cell.stream}, {cell.per_request}/request: " + "; ".join(
-                    f"{served / offline[cell.stream, order]:.0%} of {order} ({served:.1f} of "
-                    f"{offline[cell.stream, order]:.1f} texts/s)" for order in ORDERS))
+                parts = []
+                for order in ORDERS:
+                    rates = offline[cell.stream, order]
+                    own = [run["texts_s"] / rate for run, rate in zip(rounds, rates)]
+                    parts.append(f"{served / statistics.median(rates):.0%} of {order} ({served:.1f} of "
+                                 f"{statistics.median(rates):.1f} texts/s; each round {', '.join(f'{x:.0%}' for x in own)}"
+                                 f", median {statistics.median(own):.0%})")
+                print(f"- {cell.stream}, {cell.per_request}/request: " + "; ".join(parts))
 
 
 # ---------------------------------------------------------------- main
@@ -815,7 +822,7 @@ def main() -> int:
     for server in chosen:
         if server.missing:
             results[server.name] = {}
-    print_tables(results, qualities, notes, cells, args, {k: statistics.median(v) for k, v in offline.items()})
+    print_tables(results, qualities, notes, cells, args, offline)
     print(f"\nthe whole run: {(time.perf_counter() - began) / 60:.1f} min")
     return 0
 
