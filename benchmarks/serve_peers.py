@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -88,15 +88,18 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
-def inference_cpu_s(pid: int) -> float:
-    """CPU seconds used so far by `pid`'s threads named as optiserve names its inference threads (the
-    runtimes' worker threads inherit the name): the rest of the process is the request path."""
-    total = 0.0
+def inference_threads(pid: int) -> Iterator[tuple[str, float]]:
+    """`pid`'s threads named as optiserve names its inference threads (the runtimes' worker threads
+    inherit the name): each one's id and CPU seconds so far."""
     for tid in os.listdir(f"/proc/{pid}/task"):
         stat = stat_cpu(f"/proc/{pid}/task/{tid}/stat")
         if stat is not None and stat[0].startswith(INFERENCE_THREAD):
-            total += stat[2]
-    return total
+            yield tid, stat[2]
+
+
+def inference_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by `pid`'s inference threads: the rest of the process is the request path."""
+    return sum(cpu for _, cpu in inference_threads(pid))
 
 
 def idle_cpu_s() -> float:
@@ -110,14 +113,12 @@ def inference_waiting_s(pid: int) -> float:
     """Seconds `pid`'s inference threads have spent runnable but not running (each thread's
     /proc schedstat): the time other threads and processes held the cores they were ready for."""
     total = 0.0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        stat = stat_cpu(f"/proc/{pid}/task/{tid}/stat")
-        if stat is not None and stat[0].startswith(INFERENCE_THREAD):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[1]) / 1e9
-            except OSError:  # the thread ended meanwhile
-                pass
+    for tid, _ in inference_threads(pid):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1]) / 1e9
+        except OSError:  # the thread ended meanwhile
+            pass
     return total
 
 

@@ -598,7 +598,7 @@ def median_of(runs: list[dict]) -> dict:
 
 
 def print_tables(results: dict, qualities: dict, notes: dict, cells: list[Cell], args,
-                 offline: dict[tuple[str, str], list[float]]) -> None:
+                 offline: dict[tuple[str, str], dict[int, float]]) -> None:
     print(f"\nmachine: {cpu_line()}")
     print(f"{args.rounds} rounds; windows of {args.duration:g} s or twice the latency, up to {args.max_window:g} s "
           f"(after >= {args.warmup:g} s and an answer to every client); medians over rounds; failed: summed\n")
@@ -673,11 +673,12 @@ def print_tables(results: dict, qualities: dict, notes: dict, cells: list[Cell],
                 served = medians[ours, cell.label]["texts_s"]
                 parts = []
                 for order in ORDERS:
-                    rates = offline[cell.stream, order]
-                    own = [run["texts_s"] / rate for run, rate in zip(rounds, rates)]
-                    parts.append(f"{served / statistics.median(rates):.0%} of {order} ({served:.1f} of "
-                                 f"{statistics.median(rates):.1f} texts/s; each round {', '.join(f'{x:.0%}' for x in own)}"
-                                 f", median {statistics.median(own):.0%})")
+                    rates = offline[cell.stream, order]  # by round: a round whose offline pass failed has none
+                    rate = statistics.median(rates.values())
+                    own = [run["texts_s"] / rates[run["round"]] for run in rounds if run["round"] in rates]
+                    each = (f"; each round {', '.join(f'{x:.0%}' for x in own)}, median {statistics.median(own):.0%}"
+                            if own else "")
+                    parts.append(f"{served / rate:.0%} of {order} ({served:.1f} of {rate:.1f} texts/s{each})")
                 print(f"- {cell.stream}, {cell.per_request}/request: " + "; ".join(parts))
 
 
@@ -771,7 +772,7 @@ def main() -> int:
     notes = {s.name: s.missing or s.note for s in chosen if s.missing or s.note}
     qualities: dict[str, dict] = {}
     failed_start: set[str] = set()
-    offline: dict[tuple[str, str], list[float]] = {}  # (stream, order) -> the variant's own texts/s, a round
+    offline: dict[tuple[str, str], dict[int, float]] = {}  # (stream, order) -> round -> the variant's own texts/s
     for r in range(args.rounds):
         for server in chosen:
             if server.missing or server.name in failed_start:
@@ -793,7 +794,7 @@ def main() -> int:
                         got = asyncio.run(measure(base, server, *bodies[key], cell.per_request, args,
                                                   cell.concurrency, cell.rate,
                                                   drain=bool(cell.rate) or n < len(cells) - 1))
-                        results[server.name].setdefault(cell.label, []).append(got)
+                        results[server.name].setdefault(cell.label, []).append({**got, "round": r})
                         if n == len(cells) - 1:
                             print(f"round {r + 1} {server.name}: {time.perf_counter() - server_began:.0f} s, "
                                   f"start to stop", flush=True)
@@ -815,7 +816,7 @@ def main() -> int:
                     continue
                 for stream, by_order in got.items():
                     for order, rate in by_order.items():
-                        offline.setdefault((stream, order), []).append(rate)
+                        offline.setdefault((stream, order), {})[r] = rate
                 print(f"round {r + 1} {variant} offline, batches of {args.offline_batch}: "
                       + ", ".join(f"{k} {o} {v:.1f} texts/s" for k, by in got.items() for o, v in by.items()),
                       flush=True)

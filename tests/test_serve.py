@@ -181,6 +181,7 @@ def test_stats_say_how_much_of_the_time_the_inference_threads_ran_batches(small_
         metrics = c.get("/metrics").text
     assert v["instances"] == 2 and 6 * 0.05 <= v["inference_busy_s"] < v["elapsed_s"]
     assert 0 < v["inference_busy_share"] <= 0.5  # one of the two threads busy at a time, at most
+    assert v["inference_busy_share"] == pytest.approx(v["inference_busy_s"] / (2 * v["elapsed_s"]), rel=0.01)
     compute = next(line for line in metrics.splitlines()
                    if line.startswith('optiserve_compute_latency_seconds_sum{model="small_cnn",variant="onnx-int8"}'))
     assert float(compute.split()[-1]) == pytest.approx(v["inference_busy_s"])  # the same seconds /metrics sums

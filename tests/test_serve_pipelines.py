@@ -519,6 +519,20 @@ def test_crops_count_against_the_byte_budget_413_when_they_never_fit_429_while_o
         assert app.state.server.memory.used == 0  # every request gave back what it held, its crops too
 
 
+def test_more_crops_than_the_second_step_s_queue_ever_holds_is_413_not_a_429_to_retry(finder_artifact, small_artifact,
+                                                                                        tmp_path):
+    root = pipeline_repository(tmp_path / "models", {"finder": finder_artifact, "digits": small_artifact},
+                               {"reader": READER})
+    (root / "digits" / "serving.json").write_text(json.dumps({"max_queue": 2}))
+    three = _png(scene(np.random.default_rng(4), 3, range(TRAIN_DIGITS, 1797)).image)
+    app = create_app(ServeConfig(str(root), choose_seconds=0))
+    with in_process_server(app, lambda: app.state.server.reports_ready) as port, \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+        r = client.post("/predict?model=reader", content=three, headers={"content-type": "image/png"})
+    assert r.status_code == 413 and "retry-after" not in r.headers, r.text
+    assert "3 images in one request, more than the 2 the queue holds" in r.json()["error"]
+
+
 @pytest.mark.parametrize("data, message", [
     ([], 'must hold {"steps": [...]}'),
     ({"steps": [{"model": "a"}]}, "steps must list a detector, then 1 to 4 models"),

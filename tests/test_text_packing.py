@@ -205,12 +205,16 @@ def test_a_budget_counts_the_tokens_pack_feeds(lengths):
 
 
 def test_the_budget_s_count_agrees_with_pack_on_random_batches():
-    """`packed_size` fills its rows on plain ints, apart from `pack`'s numpy: the two agree on every
-    batch, texts longer than a row included."""
+    """What the budget counts is what `pack` lays out, on every batch, texts longer than a row included:
+    no row holds more than its limit and every text is in one row."""
     rng = np.random.default_rng(0)
     for _ in range(300):
         lengths = rng.integers(1, 90, rng.integers(1, 40)).tolist()
-        assert packed_size(lengths, 64) == pack(token_batch(lengths, max(lengths)), 64).tokens_fed, lengths
+        rows = pack(token_batch(lengths, max(lengths)), 64)
+        assert packed_size(lengths, 64) == rows.tokens_fed, lengths
+        segments = rows.feeds["segment_ids"]
+        assert ((segments >= 0).sum(axis=1) <= max(64, max(lengths))).all()
+        assert sorted(n for _, _, n in rows.where) == sorted(lengths)
 
 
 @pytest.mark.parametrize("modes,normalize", [(("mean",), True), (("cls",), False), (("max",), False),

@@ -81,20 +81,25 @@ class PackedRows:
         return int(self.feeds["input_ids"].size)
 
 
-def first_fit(lengths: np.ndarray, row_tokens: int) -> tuple[list[list[int]], list[int]]:
+def first_fit(lengths, row_tokens: int) -> tuple[list[list[int]], list[int]]:
     """The rows texts of these lengths are laid in (each row its texts' indices) and each row's tokens:
-    first fit, longest text first, up to `row_tokens` or the longest text."""
-    limit = max(row_tokens, int(lengths.max(initial=1)))
+    first fit, longest text first (ties in their order), up to `row_tokens` or the longest text. On
+    plain ints: the server's token budget asks this for every row a batch takes, on the event loop,
+    where numpy's per-call cost on a few numbers would be most of it."""
+    lengths = [int(n) for n in lengths]
+    limit = max(row_tokens, max(lengths, default=1))
     rows: list[list[int]] = []
     filled: list[int] = []
-    for i in np.argsort(-lengths, kind="stable"):
-        fit = next((r for r, used in enumerate(filled) if used + lengths[i] <= limit), None)
-        if fit is None:
-            rows.append([])
-            filled.append(0)
-            fit = len(rows) - 1
-        rows[fit].append(int(i))
-        filled[fit] += int(lengths[i])
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True):  # stable: ties keep their order
+        n = lengths[i]
+        for r, used in enumerate(filled):
+            if used + n <= limit:
+                rows[r].append(i)
+                filled[r] = used + n
+                break
+        else:
+            rows.append([i])
+            filled.append(n)
     return rows, filled
 
 
@@ -104,19 +109,9 @@ def _row_length(filled: list[int]) -> int:
 
 def packed_size(lengths: list[int], row_tokens: int) -> int:
     """The tokens a packed run of texts of these lengths feeds (its rows × their length): what a
-    server's token budget counts for a packed variant. `first_fit`'s rows, filled on plain ints:
-    the batcher asks this for every row it adds, on the event loop, where numpy's per-call cost on a
-    few numbers would be most of it."""
-    limit = max(row_tokens, max(lengths, default=1))
-    filled: list[int] = []
-    for n in sorted(lengths, reverse=True):
-        for r, used in enumerate(filled):
-            if used + n <= limit:
-                filled[r] = used + n
-                break
-        else:
-            filled.append(n)
-    return len(filled) * _row_length(filled)
+    server's token budget counts for a packed variant."""
+    rows, filled = first_fit(lengths, row_tokens)
+    return len(rows) * _row_length(filled)
 
 
 def pack(batch: np.ndarray, row_tokens: int) -> PackedRows:

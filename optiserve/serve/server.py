@@ -189,6 +189,8 @@ class Server:
                                      "optiserve.priority": level})
             try:
                 reservation = variant.batcher.reserve(rows, level)
+            except OverQueueLimit as e:  # a pipeline step's crops, more than the level ever queues
+                raise self._never_fits(model, variant, e) from None
             except QueueFull as e:
                 raise self._overloaded(model, variant, e) from None
             admission = Admission(model, variant, reservation, (model.memory or self.memory).hold())
@@ -347,6 +349,15 @@ class Server:
                  f" ({admission.model.name}/{admission.variant.name})" if admission is not None else "")
         return ClientGone()
 
+    @staticmethod
+    def _never_fits(model: ServedModel, variant: ServedVariant, e: OverQueueLimit) -> ApiError:
+        """The 413 for rows its priority level's queue could never hold: refused as a body over its
+        limits is (not counted as an outcome), never a 429 that every retry would meet again."""
+        what = "texts" if model.texts is not None else "images"
+        at = f" at priority {e.priority}" if e.priority is not None else ""
+        return ApiError(413, f"{e.rows} {what} in one request, more than the {e.limit} the queue holds{at} "
+                             f"(max_queue): split it into smaller requests", {VARIANT_HEADER: variant.name})
+
     def _overloaded(self, model: ServedModel, variant: ServedVariant, e: QueueFull) -> ApiError:
         """The 429 for a full queue, counted as rejected: the same whether refused early or at submit."""
         self._record(model, variant, "rejected")
@@ -371,11 +382,8 @@ class Server:
             queued = time.perf_counter()
             submitted = variant.batcher.submit(images, timeout, admission.reservation)
             result = await (submitted if request is None else self.unless_client_leaves(submitted, request, admission))
-        except OverQueueLimit as e:  # refused as a body over its limits is (not counted as an outcome)
-            what = "texts" if model.texts is not None else "images"
-            at = f" at priority {e.priority}" if e.priority is not None else ""
-            raise ApiError(413, f"{e.rows} {what} in one request, more than the {e.limit} the queue holds{at} "
-                                f"(max_queue): split it into smaller requests", served) from None
+        except OverQueueLimit as e:
+            raise self._never_fits(model, variant, e) from None
         except QueueFull as e:
             raise self._overloaded(model, variant, e) from None
         except TimeoutError as e:
