@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -145,17 +146,14 @@ def test_a_text_the_tokenizer_keeps_nothing_of_is_a_400_and_its_batch_neighbours
     """A tokenizer that adds no special tokens makes no token of an empty or blank text: the model would
     have nothing to read. That text is refused on every transport, and a text batched beside it is
     answered as if it had come alone."""
-    import json as json_module
-    import shutil
-
-    manifest = json_module.loads((optimized / "manifest.json").read_text())
+    manifest = json.loads((optimized / "manifest.json").read_text())
     entry = next(v for v in manifest["variants"] if v["name"] == "onnx-fp32")
     folder = tmp_path / "bare"
     folder.mkdir()
     for name in ("manifest.json", entry["file"]):
         shutil.copy(optimized / name, folder / name)
-    tokenizer = json_module.loads((optimized / "tokenizer.json").read_text())
-    (folder / "tokenizer.json").write_text(json_module.dumps({**tokenizer, "post_processor": None}))
+    tokenizer = json.loads((optimized / "tokenizer.json").read_text())
+    (folder / "tokenizer.json").write_text(json.dumps({**tokenizer, "post_processor": None}))
     cfg = ServeConfig(str(folder), variants=["onnx-fp32"], max_batch_size=2, max_delay_ms=2000)
     with TestClient(create_app(cfg)) as client:
         _ready(client)
