@@ -201,9 +201,11 @@ class LengthGroupedSession:
         last = getattr(self._ran, "last", None)
         if last is not None and last[0] is batch:
             return last[1]
+        if len(batch) == 0:
+            return 0
         if self.packed:
-            return packed_size(text_lengths(batch), self.session.packing.row_tokens) if len(batch) else 0
-        return sum(len(rows) * longest for rows, longest in self._runs(batch)) if len(batch) else 0
+            return packed_size(text_lengths(batch), self.session.packing.row_tokens)
+        return sum(len(rows) * longest for rows, longest in self._runs(batch))
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         return self._grouped(batch, lambda b: [self.session.run(b)])[0]
