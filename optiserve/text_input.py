@@ -6,7 +6,8 @@ A batch of texts becomes one int64 array [N, 3, L]: per text its token ids, its 
 its token type ids, padded to the batch's longest text (L), never to the model's maximum. One array
 lets every layer that slices, concatenates and batches rows of images do the same with texts; the
 runtime hands the graph its named inputs from it (`TextInput.feeds`). The tokenizer itself is
-`tokenizers`' Rust one (`encode_batch`: no Python loop over the texts)."""
+`tokenizers`' Rust one (`encode_batch_fast`: no Python loop over the texts, and no character
+offsets, which nothing here reads)."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ class TextTokenizer:
         """Tokenize `texts` in one batched call; the batch padded to its longest text."""
         if not texts:
             raise ValueError("no texts to tokenize")
-        encodings = self.tokenizer.encode_batch(list(texts))
+        encodings = self.tokenizer.encode_batch_fast(list(texts))
         truncated = sum(1 for e in encodings if e.overflowing)
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
         return Tokens(token_batch(encodings, self.pad_id), lengths, truncated)
