@@ -1,7 +1,8 @@
 """What the load client costs on the cores it shares with the server it measures: `optiserve bench
 http`'s client (optiserve.bench.http_client: asyncio protocols, httptools' parser, each request's
-bytes built once) against aiohttp's ClientSession posting the same bodies (what the load generator
-used before), alternating windows against one server (`optiserve serve`, this checkout).
+bytes built once) on uvloop, as `bench http` runs it, and on asyncio's own loop, against aiohttp's
+ClientSession posting the same bodies (what the load generator used before), alternating windows
+against one server (`optiserve serve`, this checkout).
 
 Per window: requests/s, p99, the client's CPU per request (this process's user + system time: the
 load generator runs here and nothing else does) and the server's (its process tree's, from /proc).
@@ -69,7 +70,10 @@ class AiohttpSender:
             return Outcome(False, None, error=f"{type(e).__name__}: {e}")
 
 
-CLIENTS = {"aiohttp ClientSession": AiohttpSender, "optiserve's load client": lambda ours: ours}
+# name: (the sender made from optiserve's own, whether its loop is uvloop)
+CLIENTS = {"aiohttp ClientSession": (AiohttpSender, False),
+           "optiserve's load client, asyncio's loop": (lambda ours: ours, False),
+           "optiserve's load client, uvloop": (lambda ours: ours, True)}
 
 
 def main() -> int:
@@ -110,9 +114,9 @@ def main() -> int:
             return time.process_time(), tree_cpu_s(proc.pid)
 
         for r in range(args.rounds):
-            for name, make in CLIENTS.items():
+            for name, (make, on_uvloop) in CLIENTS.items():
                 load = Load("closed", args.concurrency, args.duration, args.warmup)
-                run, start, end = measured_load(load, make(ours(base)), probe)
+                run, start, end = measured_load(load, make(ours(base)), probe, on_uvloop)
                 summary = run.window_summary()
                 n = max(1, sum(run.records["ok"]))
                 client, server = (1000 * (e - s) / n for s, e in zip(start, end))
@@ -130,9 +134,11 @@ def main() -> int:
         m = medians[name] = {k: statistics.median(w[k] for w in windows) for k in ("rps", "p99", "client", "server")}
         print(f"| {name} | {m['rps']:.1f} | {m['p99']:.1f} | {m['client']:.3f} | {m['server']:.3f} | "
               f"{sum(w['failed'] for w in windows)} |")
-    a, b = medians["aiohttp ClientSession"], medians["optiserve's load client"]
-    print(f"\noptiserve's / aiohttp: {b['client'] / a['client']:.2f}x the client CPU a request, "
-          f"{b['rps'] / a['rps']:.2f}x requests/s")
+    a = medians["aiohttp ClientSession"]
+    for name in list(CLIENTS)[1:]:
+        b = medians[name]
+        print(f"\n{name} / aiohttp: {b['client'] / a['client']:.2f}x the client CPU a request, "
+              f"{b['rps'] / a['rps']:.2f}x requests/s")
     return 0
 
 

@@ -48,7 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from optiserve.artifacts import read_manifest  # noqa: E402
-from optiserve.bench.loadgen import Load, generate_load  # noqa: E402
+from optiserve.bench.loadgen import Load, generate_load, run_load  # noqa: E402
 from optiserve.bench.payloads import dataset_images, image_tensors  # noqa: E402
 from optiserve.bench.senders import BinaryTensorSender, GrpcSender, PredictSender  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
@@ -122,9 +122,10 @@ def inference_waiting_s(pid: int) -> float:
     return total
 
 
-def measured_load(load: Load, sender, probe: Callable[[], tuple]) -> tuple[Run, tuple, tuple]:
-    """Run `load` through `sender`, reading `probe()` when its measured part starts (after the
-    warm-up) and when it ends: the CPU counters of a window."""
+def measured_load(load: Load, sender, probe: Callable[[], tuple], on_uvloop: bool = True) -> tuple[Run, tuple, tuple]:
+    """Run `load` through `sender` (on uvloop where installed, as `optiserve bench http` runs it;
+    see loadgen.run_load), reading `probe()` when its measured part starts (after the warm-up) and
+    when it ends: the CPU counters of a window."""
     marks = {}
 
     async def measure():
@@ -137,7 +138,7 @@ def measured_load(load: Load, sender, probe: Callable[[], tuple]) -> tuple[Run, 
         marks["end"] = probe()
         return run
 
-    run = asyncio.run(measure())
+    run = run_load(measure(), on_uvloop)
     return run, marks["start"], marks["end"]
 
 

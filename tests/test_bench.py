@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import sys
 
 import httpx
 import numpy as np
 import pytest
 
 from conftest import free_port, run_cli, run_cli_here, serving
-from optiserve.bench.loadgen import Load, generate_load
+from optiserve.bench.loadgen import Load, generate_load, run_load
 from optiserve.bench.payloads import dataset_images
 from optiserve.bench.report import build_report, write_report
 from optiserve.bench.results import PERF_ANALYZER_COLUMNS, Run, group_runs, load_results, make_results, save_results
@@ -180,6 +181,25 @@ def test_failures_are_counted_with_their_reason_never_dropped():
     groups = {g["variant"]: g for g in group_runs(make_results("http", [run], {}))}
     assert groups["(unrouted)"]["errors"] == groups["(unrouted)"]["statuses"]["503"] == ok.count(False)
     assert groups["slow"]["requests"] == len(groups["slow"]["latency_ms"]) == ok.count(True)
+
+
+def test_the_load_generator_runs_on_uvloop_where_installed_and_on_asyncios_loop_otherwise(monkeypatch):
+    """uvloop (uvicorn's standard extra installs it) spends less of the shared cores per request;
+    gRPC's asyncio client asks for asyncio's own loop, and a machine without uvloop gets it too."""
+    pytest.importorskip("uvloop")
+
+    async def load_on_its_loop():
+        run = await _with_service(_service(0.001)[0], Load("closed", 2, duration_s=0.3, warmup_s=0))
+        return type(asyncio.get_running_loop()).__module__.split(".")[0], run
+
+    loops = {}
+    for case, on_uvloop in (("installed", True), ("asked for asyncio's", False)):
+        loops[case], run = run_load(load_on_its_loop(), on_uvloop=on_uvloop)
+        assert run.records["ok"] and all(run.records["ok"])
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed: importing it fails
+    loops["not installed"], run = run_load(load_on_its_loop())
+    assert run.records["ok"] and all(run.records["ok"])
+    assert loops == {"installed": "uvloop", "asked for asyncio's": "asyncio", "not installed": "asyncio"}
 
 
 def test_a_window_in_which_every_request_failed_is_a_step_that_meets_nothing_not_an_error():

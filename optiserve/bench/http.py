@@ -4,12 +4,11 @@ and turning its /stats into results for `compare`."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from optiserve.artifacts import reported_facts
-from optiserve.bench.loadgen import Load, generate_load
+from optiserve.bench.loadgen import Load, generate_load, run_load
 from optiserve.bench.payloads import image_tensors
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run, make_results
@@ -128,9 +127,10 @@ def bench_http(base_url: str, images: list[bytes], variants: list[str] | None, c
     line = ProgressLine(progress)
     if protocol == "grpc":
         check_grpc(grpc_target or default_grpc_target(base_url), timeout_s=10)
-    runs = [asyncio.run(generate_load(base_url, images, load, line,
-                                      make_sender(protocol, base_url, images, facts, load.variant, grpc_target,
-                                                  text_payloads)))
+    runs = [run_load(generate_load(base_url, images, load, line,
+                                   make_sender(protocol, base_url, images, facts, load.variant, grpc_target,
+                                               text_payloads)),
+                     on_uvloop=protocol != "grpc")
             for load in loads]
     settings = {"url": base_url, "protocol": protocol, **(text_payloads.settings() if text_payloads else {}),
                 **({"grpc_target": grpc_target or default_grpc_target(base_url)} if protocol == "grpc" else {}),

@@ -21,13 +21,34 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run
 from optiserve.bench.senders import Outcome, PredictSender, Sender
+
+
+T = TypeVar("T")
+
+
+def run_load(main: Coroutine[object, object, T], on_uvloop: bool = True) -> T:
+    """Run a load generator's coroutine to its end, on uvloop where it is installed (uvicorn's
+    standard extra brings it on Linux and macOS): its event loop is C, so the client takes less of
+    the cores it shares with the server it measures (`benchmarks/load_client_cost.py`). Else, and
+    with `on_uvloop` False (gRPC's asyncio client, which is built for asyncio's own loop), on
+    asyncio's loop."""
+    if on_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
 
 
 @dataclass(frozen=True)
