@@ -4,15 +4,20 @@ real sockets against a real uvicorn server."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
+import sys
 import time
 
 import pytest
+from starlette.requests import Request
 
 from conftest import in_process_server
 from optiserve.serve.app import ServeConfig, create_app
+from optiserve.serve.api_error import ClientGone
+from optiserve.serve.server import Server
 
 SECONDS_PER_BATCH = 0.05  # the model runs one image at a time, this slowly: 40 queued = 2 s of work
 
@@ -83,3 +88,67 @@ def test_a_client_gone_mid_upload_is_an_info_line_and_a_count_not_an_error(slow_
     assert "Traceback" not in caplog.text
     assert 'outcome="cancelled"' in app.state.server.metrics.render().decode()
     assert ran == []
+
+
+class _Connection:
+    """The ASGI side of one connection after its body was read: `receive` waits until `hang_up()`."""
+
+    def __init__(self):
+        self.gone = asyncio.Event()
+
+    def hang_up(self):
+        self.gone.set()
+
+    async def receive(self):
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    def request(self) -> Request:
+        return Request({"type": "http", "method": "POST", "path": "/predict", "headers": []}, self.receive)
+
+
+def test_the_client_watch_cancels_only_a_queued_request_and_leaves_its_task_usable(small_artifact):
+    """Server.unless_client_leaves: the answer comes back when it comes first, even when the client
+    hangs up in the same turn of the loop (nothing is cancelled after it); a hang-up while queued
+    cancels the submission (its own clean-up runs) and is ClientGone, and the request's task goes
+    on to answer 499 uncancelled; a cancel from outside stays a cancel."""
+    server = Server(ServeConfig(str(small_artifact), variants=["onnx-int8"]))
+    cleaned = []
+
+    async def submission(answer: asyncio.Future):
+        try:
+            return await answer
+        finally:
+            cleaned.append(answer.cancelled())
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        # answered and hung up in the same turn, either first: the answer, and no cancel arrives later
+        for hang_up_first in (False, True):
+            answer, connection = loop.create_future(), _Connection()
+            events = [lambda: answer.set_result("vectors"), connection.hang_up]
+            loop.call_later(0.01, lambda: [event() for event in (events[::-1] if hang_up_first else events)])
+            assert await server.unless_client_leaves(submission(answer), connection.request(), None) == "vectors"
+            await asyncio.sleep(0.05)  # a stray cancel of this task would be raised here
+
+        # hung up while queued: ClientGone, the submission cancelled, the task still usable
+        answer, connection = loop.create_future(), _Connection()
+        loop.call_later(0.01, connection.hang_up)
+        with pytest.raises(ClientGone):
+            await server.unless_client_leaves(submission(answer), connection.request(), None)
+        assert answer.cancelled()
+        if sys.version_info >= (3, 11):
+            assert asyncio.current_task().cancelling() == 0
+        await asyncio.sleep(0.01)
+
+        # the server stopping cancels the request's task: a cancel, not a client gone
+        answer, connection = loop.create_future(), _Connection()
+        waiting = asyncio.ensure_future(server.unless_client_leaves(submission(answer), connection.request(), None))
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert answer.cancelled()
+        return cleaned
+
+    assert asyncio.run(scenario()) == [False, False, True, True]
