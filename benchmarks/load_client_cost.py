@@ -1,7 +1,8 @@
 """What the load client costs on the cores it shares with the server it measures: `optiserve bench
 http`'s client (optiserve.bench.http_client: asyncio protocols, httptools' parser, each request's
 bytes built once) on uvloop, as `bench http` runs it, and on asyncio's own loop, against aiohttp's
-ClientSession posting the same bodies (what the load generator used before), alternating windows
+ClientSession posting the same bodies (what the load generator used before); and the same client
+reading each answer's status alone (as text_serving.py's does) on either loop. Alternating windows
 against one server (`optiserve serve`, this checkout).
 
 Per window: requests/s, p99, the client's CPU per request (this process's user + system time: the
@@ -27,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from optiserve.bench.http_client import HttpError  # noqa: E402
 from optiserve.bench.loadgen import Load  # noqa: E402
 from optiserve.bench.payloads import dataset_images  # noqa: E402
 from optiserve.bench.senders import Outcome, PredictSender, TextPredictSender  # noqa: E402
@@ -70,10 +72,37 @@ class AiohttpSender:
             return Outcome(False, None, error=f"{type(e).__name__}: {e}")
 
 
+class StatusOnlySender:
+    """The same sender's requests, each answer read for its status alone (text_serving.py's client
+    reads no more): what is left of a request's client CPU is mostly the event loop's."""
+
+    def __init__(self, ours: PredictSender):
+        self.ours = ours
+        self.protocol, self.per_request, self.tokens = ours.protocol, ours.per_request, ours.tokens
+
+    def __len__(self) -> int:
+        return len(self.ours)
+
+    async def start(self, connections: int, timeout_s: float) -> None:
+        await self.ours.start(connections, timeout_s)
+
+    async def stop(self) -> None:
+        await self.ours.stop()
+
+    async def send(self, k: int) -> Outcome:
+        try:
+            answer = await self.ours.client.send(self.ours.requests[k % len(self.ours.requests)])
+        except (HttpError, asyncio.TimeoutError) as e:
+            return Outcome(False, None, error=f"{type(e).__name__}: {e}")
+        return Outcome(answer.status == 200, answer.status)
+
+
 # name: (the sender made from optiserve's own, whether its loop is uvloop)
 CLIENTS = {"aiohttp ClientSession": (AiohttpSender, False),
            "optiserve's load client, asyncio's loop": (lambda ours: ours, False),
-           "optiserve's load client, uvloop": (lambda ours: ours, True)}
+           "optiserve's load client, uvloop": (lambda ours: ours, True),
+           "status only, asyncio's loop": (StatusOnlySender, False),
+           "status only, uvloop": (StatusOnlySender, True)}
 
 
 def main() -> int:
