@@ -472,7 +472,8 @@ async def measure(base: str, server: Server, bodies: list[bytes], tokens: list[i
     try:
         async def one(k: int, due: float | None = None) -> None:
             index = next(counter) % len(requests)
-            sent = time.perf_counter() if due is None else due  # open loop: from its arrival (no coordinated omission)
+            # open loop: from its arrival (no coordinated omission), or its send where a timer fired early
+            sent = time.perf_counter() if due is None else min(due, time.perf_counter())
             ok = False
             with contextlib.suppress(HttpError, asyncio.TimeoutError):
                 ok = (await http.send(requests[index])).status == 200
