@@ -143,7 +143,8 @@ def main() -> int:
             return time.process_time(), tree_cpu_s(proc.pid)
 
         for r in range(args.rounds):
-            for name, (make, on_uvloop) in CLIENTS.items():
+            order = list(CLIENTS.items()) if r % 2 == 0 else list(CLIENTS.items())[::-1]  # no client always first
+            for name, (make, on_uvloop) in order:
                 load = Load("closed", args.concurrency, args.duration, args.warmup)
                 run, start, end = measured_load(load, make(ours(base)), probe, on_uvloop)
                 summary = run.window_summary()

@@ -122,10 +122,13 @@ def inference_waiting_s(pid: int) -> float:
     return total
 
 
-def measured_load(load: Load, sender, probe: Callable[[], tuple], on_uvloop: bool = True) -> tuple[Run, tuple, tuple]:
-    """Run `load` through `sender` (on uvloop where installed, as `optiserve bench http` runs it;
-    see loadgen.run_load), reading `probe()` when its measured part starts (after the warm-up) and
-    when it ends: the CPU counters of a window."""
+def measured_load(load: Load, sender, probe: Callable[[], tuple],
+                  on_uvloop: bool | None = None) -> tuple[Run, tuple, tuple]:
+    """Run `load` through `sender` on the loop `optiserve bench http` would (loadgen.run_load:
+    uvloop where installed, asyncio's own for gRPC; `on_uvloop` says otherwise), reading `probe()`
+    when its measured part starts (after the warm-up) and when it ends: the CPU counters of a window."""
+    if on_uvloop is None:
+        on_uvloop = getattr(sender, "protocol", "") != "grpc"
     marks = {}
 
     async def measure():
