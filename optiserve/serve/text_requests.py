@@ -1,5 +1,5 @@
 """A text model's side of serving: its tokenizer loaded once, the texts a request sends checked and
-tokenized (one `encode_batch` call), token rows of different lengths joined into one batch, and the
+tokenized (one `encode_batch_fast` call), token rows of different lengths joined into one batch, and the
 token batches it is warmed up and timed with. Every transport reads texts through here, so /predict,
 the protocol's BYTES tensors and /v1/embeddings refuse the same things with the same words. Where
 a request's parsers run (the event loop for a small body, the decode threads beyond) is
