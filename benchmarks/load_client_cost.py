@@ -40,8 +40,8 @@ from serve_request_path import lee_sentences  # noqa: E402
 from text_batching import text_artifact  # noqa: E402
 
 
-class AiohttpSender:
-    """The same sender's bodies posted by aiohttp's ClientSession, one connection per client."""
+class OtherClient:
+    """Another way to send optiserve's sender's payloads: the same bodies, counted the same way."""
 
     def __init__(self, ours: PredictSender):
         self.ours = ours
@@ -49,6 +49,10 @@ class AiohttpSender:
 
     def __len__(self) -> int:
         return len(self.ours)
+
+
+class AiohttpSender(OtherClient):
+    """The same sender's bodies posted by aiohttp's ClientSession, one connection per client."""
 
     async def start(self, connections: int, timeout_s: float) -> None:
         import aiohttp
@@ -72,16 +76,9 @@ class AiohttpSender:
             return Outcome(False, None, error=f"{type(e).__name__}: {e}")
 
 
-class StatusOnlySender:
+class StatusOnlySender(OtherClient):
     """The same sender's requests, each answer read for its status alone (text_serving.py's client
     reads no more): what is left of a request's client CPU is mostly the event loop's."""
-
-    def __init__(self, ours: PredictSender):
-        self.ours = ours
-        self.protocol, self.per_request, self.tokens = ours.protocol, ours.per_request, ours.tokens
-
-    def __len__(self) -> int:
-        return len(self.ours)
 
     async def start(self, connections: int, timeout_s: float) -> None:
         await self.ours.start(connections, timeout_s)
