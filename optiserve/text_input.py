@@ -95,19 +95,20 @@ class TextTokenizer:
             raise ValueError("no texts to tokenize")
         encodings = self.tokenizer.encode_batch_fast(list(texts))
         truncated = sum(1 for e in encodings if e.overflowing)
-        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
-        return Tokens(token_batch(encodings, self.pad_id), lengths, truncated)
+        lengths = [len(e.ids) for e in encodings]
+        return Tokens(token_batch(encodings, self.pad_id, lengths), np.array(lengths, dtype=np.int64), truncated)
 
 
-def token_batch(encodings: list, pad_id: int) -> np.ndarray:
-    """`tokenizers` encodings as one token batch [N, 3, L], padded with `pad_id` (mask 0) to the longest."""
-    width = len(encodings[0].ids)
-    if all(len(e.ids) == width for e in encodings):  # nothing to pad (one text a request, most often)
+def token_batch(encodings: list, pad_id: int, lengths: list[int] | None = None) -> np.ndarray:
+    """`tokenizers` encodings as one token batch [N, 3, L], padded with `pad_id` (mask 0) to the longest.
+    `lengths`: each encoding's tokens, where the caller has counted them (each `.ids` is a new list)."""
+    lengths = [len(e.ids) for e in encodings] if lengths is None else lengths
+    width = max(lengths)
+    if min(lengths) == width:  # nothing to pad (one text a request, most often)
         return np.array([(e.ids, e.attention_mask, e.type_ids) for e in encodings], dtype=np.int64)
-    batch = np.zeros((len(encodings), 3, max(len(e.ids) for e in encodings)), dtype=np.int64)
+    batch = np.zeros((len(encodings), 3, width), dtype=np.int64)
     batch[:, IDS] = pad_id
-    for row, encoding in zip(batch, encodings):
-        n = len(encoding.ids)
+    for row, encoding, n in zip(batch, encodings, lengths):
         row[IDS, :n] = encoding.ids
         row[MASK, :n] = encoding.attention_mask
         row[TYPES, :n] = encoding.type_ids
