@@ -48,7 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from optiserve.artifacts import read_manifest  # noqa: E402
-from optiserve.bench.loadgen import Load, generate_load, run_load  # noqa: E402
+from optiserve.bench.loadgen import Load, generate_load, run_load, suits_uvloop  # noqa: E402
 from optiserve.bench.payloads import dataset_images, image_tensors  # noqa: E402
 from optiserve.bench.senders import BinaryTensorSender, GrpcSender, PredictSender  # noqa: E402
 from optiserve.machine import cpu_line  # noqa: E402
@@ -124,11 +124,11 @@ def inference_waiting_s(pid: int) -> float:
 
 def measured_load(load: Load, sender, probe: Callable[[], tuple],
                   on_uvloop: bool | None = None) -> tuple[Run, tuple, tuple]:
-    """Run `load` through `sender` on the loop `optiserve bench http` would (loadgen.run_load:
-    uvloop where installed, asyncio's own for gRPC; `on_uvloop` says otherwise), reading `probe()`
-    when its measured part starts (after the warm-up) and when it ends: the CPU counters of a window."""
+    """Run `load` through `sender` on the loop `optiserve bench http` would (loadgen.suits_uvloop;
+    `on_uvloop` says otherwise), reading `probe()` when its measured part starts (after the warm-up)
+    and when it ends: the CPU counters of a window."""
     if on_uvloop is None:
-        on_uvloop = getattr(sender, "protocol", "") != "grpc"
+        on_uvloop = suits_uvloop(load.mode, getattr(sender, "protocol", ""))
     marks = {}
 
     async def measure():

@@ -51,20 +51,20 @@ The servers, each started alone in turn, one at a time (an idle server is not al
 Load: two streams, "sentences" (gensim's Pang & Lee polarity sentences) and "passages" (Lee's
 background news passages, cut by each server at the model's max length), each shuffled once
 (seeded), the same request bodies' texts for every server; 1 and 8 texts a request; closed loop at
-concurrency 1 and 32 (optiserve's load client, bench.http_client, on uvloop as `bench http` runs
-it). Each cell's window starts once --warmup seconds have passed and every client has had an answer,
-and lasts --duration seconds or twice the median latency seen before it, whichever is longer, up to
---max-window (32 clients of 8 passages each keep 256 passages in flight: seconds a request); the
-requests in flight at its end are awaited and not counted, so the next cell starts on an idle
-server. Per server x stream x texts/request x concurrency: texts/s, real tokens/s (each text's
-tokens by the model's own tokenizer.json, special tokens included, cut at the model's 256), p50/p99
-request latency and failed requests, medians over --rounds (rounds alternate the servers). And an
-open loop per stream, one text a request arriving at a fixed rate (Poisson, the same arrivals for
-every server; --rate, default 100 sentences and 30 passages a second), counted over --open-window
-seconds: texts/s is what was answered in the window, p50/p99 the latency of every request that
-arrived in it, timed from its arrival and awaited however late (no coordinated omission; one that
-failed or was still out after the drain counts as infinite): the latency each server gives a load it
-does not pace, and whether it keeps up.
+concurrency 1 and 32 (optiserve's load client, bench.http_client, on uvloop as `bench http` runs a
+closed loop). Each cell's window starts once --warmup seconds have passed and every client has had
+an answer, and lasts --duration seconds or twice the median latency seen before it, whichever is
+longer, up to --max-window (32 clients of 8 passages each keep 256 passages in flight: seconds a
+request); the requests in flight at its end are awaited and not counted, so the next cell starts on
+an idle server. Per server x stream x texts/request x concurrency: texts/s, real tokens/s (each
+text's tokens by the model's own tokenizer.json, special tokens included, cut at the model's 256),
+p50/p99 request latency and failed requests, medians over --rounds (rounds alternate the servers).
+And an open loop per stream, one text a request arriving at a fixed rate (Poisson, the same arrivals
+for every server; --rate, default 100 sentences and 30 passages a second), counted over
+--open-window seconds: texts/s is what was answered in the window, p50/p99 the latency of every
+request that arrived in it, timed from its arrival and awaited however late (no coordinated
+omission; one that failed or was still out after the drain counts as infinite): the latency each
+server gives a load it does not pace, and whether it keeps up.
 
 Quality of what each server answered, in its first round, before its load: the cosine of its
 vectors to sentence-transformers' own `encode` in fp32 (torch backend, this Python) on the same
@@ -134,7 +134,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from text_batching import DEFAULT_ARTIFACT, corpora, text_artifact  # noqa: E402
 
-from optiserve.bench.loadgen import run_load  # noqa: E402
+from optiserve.bench.loadgen import run_load, suits_uvloop  # noqa: E402
 from optiserve.intervals import mean_interval, paired_bootstrap_difference  # noqa: E402
 from optiserve.machine import cpu_facts, cpu_line  # noqa: E402
 from optiserve.serve.launch import free_port, stop_group, wait_until_ready  # noqa: E402
@@ -796,7 +796,8 @@ def main() -> int:
                             bodies[key] = ([server.body(g) for g in groups], [count(g) for g in groups])
                         got = run_load(measure(base, server, *bodies[key], cell.per_request, args,
                                                cell.concurrency, cell.rate,
-                                               drain=bool(cell.rate) or n < len(cells) - 1))
+                                               drain=bool(cell.rate) or n < len(cells) - 1),
+                                       suits_uvloop("open" if cell.rate else "closed"))
                         results[server.name].setdefault(cell.label, []).append({**got, "round": r})
                         if n == len(cells) - 1:
                             print(f"round {r + 1} {server.name}: {time.perf_counter() - server_began:.0f} s, "

@@ -8,7 +8,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from optiserve.artifacts import reported_facts
-from optiserve.bench.loadgen import Load, generate_load, run_load
+from optiserve.bench.loadgen import Load, generate_load, run_load, suits_uvloop
 from optiserve.bench.payloads import image_tensors
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import Run, make_results
@@ -130,7 +130,7 @@ def bench_http(base_url: str, images: list[bytes], variants: list[str] | None, c
     runs = [run_load(generate_load(base_url, images, load, line,
                                    make_sender(protocol, base_url, images, facts, load.variant, grpc_target,
                                                text_payloads)),
-                     on_uvloop=protocol != "grpc")
+                     suits_uvloop(load.mode, protocol))
             for load in loads]
     settings = {"url": base_url, "protocol": protocol, **(text_payloads.settings() if text_payloads else {}),
                 **({"grpc_target": grpc_target or default_grpc_target(base_url)} if protocol == "grpc" else {}),

@@ -35,12 +35,19 @@ from optiserve.bench.senders import Outcome, PredictSender, Sender
 T = TypeVar("T")
 
 
+def suits_uvloop(mode: str, protocol: str = "") -> bool:
+    """Whether a load runs on uvloop (see `run_load`): a closed loop over HTTP does. An open loop
+    keeps asyncio's loop, whose timers keep its arrivals' sub-millisecond spacing where uvloop's
+    count whole milliseconds (at hundreds of arrivals a second, Poisson gaps would bunch on the
+    ticks); so does gRPC's asyncio client, which is built for asyncio's own loop."""
+    return mode == "closed" and protocol != "grpc"
+
+
 def run_load(main: Coroutine[object, object, T], on_uvloop: bool = True) -> T:
     """Run a load generator's coroutine to its end, on uvloop where it is installed (uvicorn's
-    standard extra brings it on Linux and macOS): its event loop is C, so the client takes less of
-    the cores it shares with the server it measures (`benchmarks/load_client_cost.py`). Else, and
-    with `on_uvloop` False (gRPC's asyncio client, which is built for asyncio's own loop), on
-    asyncio's loop."""
+    standard extra brings it on Linux and macOS) and `on_uvloop` (`suits_uvloop` says when): its
+    event loop is C, so the client takes less of the cores it shares with the server it measures
+    (`benchmarks/load_client_cost.py`). Else on asyncio's loop."""
     if on_uvloop:
         try:
             import uvloop
@@ -141,8 +148,8 @@ async def _generate_load(sender: Sender, load: Load, progress: ProgressLine | No
 
     async def one(t_intended: float, k: int) -> None:
         t_started = time.perf_counter()
-        # uvloop counts a timer in whole milliseconds, so an arrival's sleep can end up to half of one
-        # early: such a request is timed from when it was sent, never from before
+        # a timer can end an arrival's sleep early (uvloop's, if a caller runs an open loop there, by
+        # up to half a millisecond): such a request is timed from when it was sent, never from before
         t_intended = min(t_intended, t_started)
         async with gate:
             rec.in_flight += 1

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from optiserve.artifacts import chosen_accuracy, read_manifest
 from optiserve.batch_window import TEXT_MAX_DELAY_MS
-from optiserve.bench.loadgen import Load, generate_load, run_load
+from optiserve.bench.loadgen import Load, generate_load, run_load, suits_uvloop
 from optiserve.bench.progress import ProgressLine
 from optiserve.bench.results import environment
 from optiserve.bench.senders import RawImageSender, TextPlainSender
@@ -604,7 +604,7 @@ class Tuner:
             sender = TextPlainSender(base, self.cfg.texts, self.model, point.variant)
         else:
             sender = RawImageSender(base, self.cfg.images, self.model, point.variant)
-        run = run_load(generate_load(base, self.cfg.images, load, sender=sender))
+        run = run_load(generate_load(base, self.cfg.images, load, sender=sender), suits_uvloop(load.mode))
         step = _summary(run, level if mode == "open" else None, load.duration_s)
         step["meets"] = _meets(step, self.cfg)
         return step
